@@ -1,0 +1,95 @@
+"""`--gpus` parsing, process launch, and the torchrun environment, shared by both stages."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.multiprocessing as mp
+
+
+class DeviceError(ValueError):
+    """A device request this machine cannot serve."""
+
+
+@dataclass(frozen=True)
+class Worker:
+    """Where one process runs and which share of the work it owns."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    local_rank: int = 0
+
+
+def parse_gpus(spec: str) -> list[int]:
+    """'0-4' -> [0..4]; '0,2,5-7' -> [0, 2, 5, 6, 7]."""
+    ids: list[int] = []
+    try:
+        for part in spec.replace(" ", "").split(","):
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError
+                ids.extend(range(lo, hi + 1))
+            elif part:
+                ids.append(int(part))
+    except ValueError:
+        raise DeviceError(f"--gpus {spec!r}: expected ids and ranges like 0-4 or 0,2,5-7") from None
+    if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
+        raise DeviceError(f"--gpus {spec!r}: expected distinct non-negative ids")
+    available = torch.cuda.device_count()
+    missing = [i for i in ids if i >= available]
+    if missing:
+        raise DeviceError(f"--gpus {spec!r}: GPU {missing[0]} does not exist (this machine has {available})")
+    return ids
+
+
+def torchrun_worker() -> Worker | None:
+    """The worker described by torchrun's environment, or None outside torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    return Worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, local)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(index: int, fn: Callable, devices: list[torch.device], args: tuple) -> None:
+    worker = Worker(index, len(devices), devices[index], index)
+    if worker.device.type == "cuda":
+        torch.cuda.set_device(worker.device)
+    fn(worker, *args)
+
+
+def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = None, procs: int = 1) -> None:
+    """Run `fn(worker, *args)` once per GPU (or per CPU process), or in this process.
+
+    Under torchrun this process is one worker already. A single CPU process runs inline, so the
+    simple case needs no subprocess. MASTER_ADDR/PORT are set for torch.distributed.
+    """
+    worker = torchrun_worker()
+    if worker is not None:
+        if worker.device.type == "cuda":
+            torch.cuda.set_device(worker.device)
+        fn(worker, *args)
+        return
+    devices = [torch.device("cuda", g) for g in gpus] if gpus else [torch.device("cpu")] * max(1, procs)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(_free_port())
+    if len(devices) == 1:
+        _entry(0, fn, devices, args)
+        return
+    mp.start_processes(_entry, args=(fn, devices, args), nprocs=len(devices), join=True, start_method="spawn")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

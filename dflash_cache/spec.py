@@ -1,0 +1,229 @@
+"""What a cache is: the `cache.json` contract, fingerprints, and compatibility checks.
+
+`cache.json` is written once, when a cache is created, and never rewritten. It records everything
+that decides what the cached numbers mean, so that a resumed extraction or a training run can
+refuse a cache that does not match instead of training silently wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT_VERSION = 1
+CACHE_JSON = "cache.json"
+LAYER_MEANING = (
+    "layer id l is the output of decoder layer l (0-based), i.e. hidden_states[l + 1] of "
+    "Hugging Face's output_hidden_states (index 0 is the embeddings)"
+)
+# Fields that describe a run rather than the cached numbers; they may differ on resume.
+_VOLATILE = {"created", "tool_version"}
+
+
+class SpecError(ValueError):
+    """A cache that cannot be used as asked: the message names the field."""
+
+
+def default_layer_ids(num_layers: int, k: int = 5) -> list[int]:
+    """DFlash's default taps: K layers spread from layer 1 to layer L-3."""
+    if k < 1:
+        raise SpecError(f"layers: need at least one tapped layer, got {k}")
+    if k == 1:
+        return [num_layers // 2]
+    span = num_layers - 4
+    return [int(round(1 + i * span / (k - 1))) for i in range(k)]
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """Validate user-given layer ids against the target's depth."""
+    if not layer_ids:
+        raise SpecError("layers: at least one layer id is needed")
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise SpecError(f"layers: {bad} out of range for a target with {num_layers} layers (0..{num_layers - 1})")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise SpecError(f"layers: duplicate ids in {layer_ids}")
+    return sorted(layer_ids)
+
+
+def digest(obj: Any) -> str:
+    """A short stable digest of JSON-able data or bytes."""
+    data = obj if isinstance(obj, bytes) else json.dumps(obj, sort_keys=True, default=str).encode()
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+@dataclass
+class TargetInfo:
+    path: str
+    revision: str | None
+    weights_fingerprint: str
+    config_digest: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    compute_dtype: str
+    tied_embeddings: bool
+
+
+@dataclass
+class LayerInfo:
+    ids: list[int]
+    meaning: str = LAYER_MEANING
+
+
+@dataclass
+class StorageInfo:
+    dtype: str  # "bf16" or "fp8"
+    codec: dict[str, Any]  # e.g. {"name": "zstd", "level": 3, "checksum": true}
+    chunk_tokens: int
+
+    @property
+    def bytes_per_value(self) -> int:
+        return 1 if self.dtype == "fp8" else 2
+
+
+@dataclass
+class TokenizerInfo:
+    digest: str
+    chat_template_digest: str | None
+    mask_token_id: int
+    pad_token_id: int | None
+    eos_token_ids: list[int]
+
+
+@dataclass
+class DataInfo:
+    source: str
+    fingerprint: str
+    max_length: int
+    truncate: bool
+    num_rows: int
+    num_rejected: int
+    filters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PlanInfo:
+    bucket_edges: list[int]
+    token_budget: int
+    unit_tokens: int
+    num_units: int
+    num_samples: int
+    num_tokens: int
+    padded_tokens: int
+
+
+@dataclass
+class CacheSpec:
+    """The parsed `cache.json`."""
+
+    target: TargetInfo
+    layers: LayerInfo
+    storage: StorageInfo
+    tokenizer: TokenizerInfo
+    data: DataInfo
+    plan: PlanInfo
+    format_version: int = FORMAT_VERSION
+    tool_version: str = ""
+    created: str = ""
+
+    @property
+    def row_width(self) -> int:
+        """Values per cached token: K tapped layers times the hidden size."""
+        return len(self.layers.ids) * self.target.hidden_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CacheSpec:
+        version = d.get("format_version")
+        if version != FORMAT_VERSION:
+            raise SpecError(
+                f"format_version: cache has {version!r}, this dflash-cache reads {FORMAT_VERSION}"
+                + (" (upgrade dflash-cache)" if isinstance(version, int) and version > FORMAT_VERSION else "")
+            )
+        try:
+            return cls(
+                target=TargetInfo(**d["target"]),
+                layers=LayerInfo(**d["layers"]),
+                storage=StorageInfo(**d["storage"]),
+                tokenizer=TokenizerInfo(**d["tokenizer"]),
+                data=DataInfo(**d["data"]),
+                plan=PlanInfo(**d["plan"]),
+                format_version=version,
+                tool_version=d.get("tool_version", ""),
+                created=d.get("created", ""),
+            )
+        except (KeyError, TypeError) as e:
+            raise SpecError(f"cache.json is malformed: {e}") from None
+
+    def differences(self, other: CacheSpec) -> list[str]:
+        """Dotted names of the fields whose values differ, ignoring run-only fields."""
+        return _diff(self.to_dict(), other.to_dict(), "")
+
+
+def _diff(a: Any, b: Any, prefix: str) -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b)):
+            if not prefix and key in _VOLATILE:
+                continue
+            out += _diff(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [f"{prefix[:-1]} ({a!r} vs {b!r})"]
+
+
+def read_spec(cache_dir: str | Path) -> CacheSpec:
+    """Load and validate `cache.json`, with an error that says what is wrong."""
+    path = Path(cache_dir) / CACHE_JSON
+    if not path.is_file():
+        raise SpecError(f"{cache_dir} is not a dflash cache (no {CACHE_JSON})")
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SpecError(f"{path} is unreadable or not JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise SpecError(f"{path} is not a JSON object")
+    return CacheSpec.from_dict(d)
+
+
+def write_spec(cache_dir: str | Path, spec: CacheSpec) -> None:
+    """Write `cache.json` atomically (temp file + rename), once."""
+    path = Path(cache_dir) / CACHE_JSON
+    tmp = path.with_name(f".{CACHE_JSON}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(spec.to_dict(), f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def check_drafter_fits(
+    spec: CacheSpec,
+    *,
+    layer_ids: list[int],
+    hidden_size: int | None = None,
+    vocab_size: int | None = None,
+    mask_token_id: int | None = None,
+    tokenizer_digest: str | None = None,
+) -> None:
+    """Refuse a drafter that does not fit the cache, naming the field that does not."""
+    missing = [i for i in layer_ids if i not in spec.layers.ids]
+    if missing:
+        raise SpecError(f"layers: drafter wants {missing}, cache holds only {spec.layers.ids}")
+    if hidden_size is not None and hidden_size != spec.target.hidden_size:
+        raise SpecError(f"hidden_size: drafter {hidden_size} != cache target {spec.target.hidden_size}")
+    if vocab_size is not None and vocab_size != spec.target.vocab_size:
+        raise SpecError(f"vocab_size: drafter {vocab_size} != cache target {spec.target.vocab_size}")
+    if mask_token_id is not None and not 0 <= mask_token_id < spec.target.vocab_size:
+        raise SpecError(f"mask_token_id: {mask_token_id} is outside the vocabulary of {spec.target.vocab_size}")
+    if tokenizer_digest is not None and tokenizer_digest != spec.tokenizer.digest:
+        raise SpecError(f"tokenizer: digest {tokenizer_digest} != cache {spec.tokenizer.digest}")

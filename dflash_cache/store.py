@@ -1,0 +1,335 @@
+"""The cache directory: atomic unit writer, unit reader, listing, verification.
+
+A unit is a Zarr v3 group written under `.partial/` and renamed into `units/` once complete, so a
+reader never sees a torn unit. Each token-wise array is one shard whose inner chunks are a few
+MiB, zstd-compressed with a content checksum, so a reader can fetch one sample without decoding
+the unit and a flipped byte fails loudly. The group's attributes carry a manifest (counts and file
+sizes) that catches truncated or missing files before any decode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+from safetensors.torch import load_file, save_file
+from zarr.codecs import BytesCodec, ZstdCodec
+from zarr.core.buffer.cpu import NDBuffer
+
+from .spec import StorageInfo
+
+UNITS = "units"
+PARTIAL = ".partial"
+FROZEN = "frozen.safetensors"
+REJECTED = "rejected.jsonl"
+_UNIT_RE = re.compile(r"^u(\d{6,})$")
+TOKEN_ARRAYS = ("hidden", "hidden_scale", "input_ids", "loss_mask")
+
+
+class CorruptUnit(RuntimeError):
+    """A committed unit that cannot be trusted; the message names the unit and the problem."""
+
+    def __init__(self, unit: str, problem: str):
+        super().__init__(f"{unit}: {problem}")
+        self.unit = unit
+        self.problem = problem
+
+
+def unit_name(unit_id: int) -> str:
+    return f"u{unit_id:06d}"
+
+
+def chunk_tokens_for(row_bytes: int, target_bytes: int = 4 << 20) -> int:
+    """Tokens per inner chunk so that a chunk of hidden states is about `target_bytes`."""
+    return max(16, target_bytes // max(1, row_bytes))
+
+
+@dataclass
+class UnitArrays:
+    """One unit's packed arrays, ready to write."""
+
+    hidden: np.ndarray  # [n_tokens, K*H] uint16 (bf16 bits) or uint8 (fp8 bits)
+    input_ids: np.ndarray  # [n_tokens] int32
+    loss_mask: np.ndarray  # [n_tokens] uint8
+    offsets: np.ndarray  # [n_samples + 1] int64
+    sample_index: np.ndarray  # [n_samples] int64
+    hidden_scale: np.ndarray | None = None  # [n_tokens, K] float32, fp8 only
+
+
+def _codecs(storage: StorageInfo) -> dict:
+    codec = storage.codec
+    if codec.get("name") != "zstd":
+        raise ValueError(f"storage.codec: unsupported codec {codec.get('name')!r}")
+    return {
+        "serializer": BytesCodec(),
+        "compressors": ZstdCodec(level=int(codec.get("level", 3)), checksum=bool(codec.get("checksum", True))),
+        "filters": (),
+    }
+
+
+def write_unit(cache_dir: Path, unit_id: int, arrays: UnitArrays, storage: StorageInfo) -> int:
+    """Write a unit under `.partial/`, fsync it and rename it into `units/`; returns bytes written.
+
+    If the unit is already committed (another writer got there first), the new copy is
+    discarded and 0 is returned: a unit id always names the same samples.
+    """
+    cache_dir = Path(cache_dir)
+    name = unit_name(unit_id)
+    tmp = cache_dir / PARTIAL / f"{name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    n_tokens = len(arrays.input_ids)
+    chunk = storage.chunk_tokens
+    shard = -(-n_tokens // chunk) * chunk
+    codecs = _codecs(storage)
+    group = zarr.open_group(zarr.storage.LocalStore(tmp), mode="w-", zarr_format=3)
+    for key, data in _named(arrays):
+        assert data.shape[0] == (n_tokens if key in TOKEN_ARRAYS else data.shape[0])
+        if key in TOKEN_ARRAYS:
+            chunks, shards = (chunk, *data.shape[1:]), (shard, *data.shape[1:])
+        else:
+            chunks, shards = data.shape, None
+        arr = group.create_array(key, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards, **codecs)
+        arr[...] = data
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    group.attrs.update(
+        {
+            "dflash_unit": {
+                "id": unit_id,
+                "n_samples": len(arrays.sample_index),
+                "n_tokens": n_tokens,
+                "storage": storage.dtype,
+                "files": files,
+            }
+        }
+    )
+    _fsync_tree(tmp)
+    target = cache_dir / UNITS / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not target.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return 0
+    _fsync_dir(target.parent)
+    return sum(files.values())
+
+
+def _named(arrays: UnitArrays) -> Iterable[tuple[str, np.ndarray]]:
+    yield "hidden", arrays.hidden
+    if arrays.hidden_scale is not None:
+        yield "hidden_scale", arrays.hidden_scale
+    yield "input_ids", arrays.input_ids.astype(np.int32, copy=False)
+    yield "loss_mask", arrays.loss_mask.astype(np.uint8, copy=False)
+    yield "offsets", arrays.offsets.astype(np.int64, copy=False)
+    yield "sample_index", arrays.sample_index.astype(np.int64, copy=False)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for f in filenames:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def committed_units(cache_dir: Path) -> dict[int, Path]:
+    """Committed units by id. Only `units/` is looked at: `.partial/` is never read."""
+    root = Path(cache_dir) / UNITS
+    if not root.is_dir():
+        return {}
+    out = {}
+    for entry in os.scandir(root):
+        m = _UNIT_RE.match(entry.name)
+        if m and entry.is_dir():
+            out[int(m.group(1))] = Path(entry.path)
+    return dict(sorted(out.items()))
+
+
+def sweep_partial(cache_dir: Path) -> int:
+    """Remove partial units left by dead writers on this host; returns how many were removed.
+
+    A partial unit of a live process (another extract on the same cache) is left alone, and so is
+    one from another host, which this host cannot judge.
+    """
+    root = Path(cache_dir) / PARTIAL
+    if not root.is_dir():
+        return 0
+    host, removed = socket.gethostname(), 0
+    for entry in root.iterdir():
+        parts = entry.name.split(".")
+        if len(parts) >= 4 and parts[-3] == host and parts[-2].isdigit() and _alive(int(parts[-2])):
+            continue
+        if len(parts) >= 4 and parts[-3] != host:
+            continue
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class UnitReader:
+    """Random access to one committed unit's samples.
+
+    Opening checks the manifest against the files on disk (a truncated or deleted array is caught
+    here); every decode checks the chunks' zstd checksums and the shard index's crc32c.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.name = self.path.name
+        try:
+            group = zarr.open_group(zarr.storage.LocalStore(self.path, read_only=True), mode="r")
+            manifest = dict(group.attrs)["dflash_unit"]
+        except Exception as e:  # noqa: BLE001 - any failure to open means an unusable unit
+            raise CorruptUnit(self.name, f"cannot open unit metadata ({type(e).__name__}: {e})") from None
+        for rel, size in manifest["files"].items():
+            f = self.path / rel
+            if not f.is_file():
+                raise CorruptUnit(self.name, f"missing file {rel}")
+            if f.stat().st_size != size:
+                raise CorruptUnit(self.name, f"{rel} has {f.stat().st_size} bytes, manifest says {size}")
+        self.n_samples = int(manifest["n_samples"])
+        self.n_tokens = int(manifest["n_tokens"])
+        self.storage = manifest["storage"]
+        try:
+            self.arrays = {k: group[k] for k in group.array_keys()}
+        except Exception as e:  # noqa: BLE001
+            raise CorruptUnit(self.name, f"cannot open arrays ({type(e).__name__}: {e})") from None
+        self.offsets = self._read_all("offsets")
+        self.sample_index = self._read_all("sample_index")
+        if len(self.offsets) != self.n_samples + 1 or self.offsets[0] != 0 or self.offsets[-1] != self.n_tokens:
+            raise CorruptUnit(self.name, "offsets do not match the manifest's sample and token counts")
+        if np.any(np.diff(self.offsets) <= 0):
+            raise CorruptUnit(self.name, "offsets are not strictly increasing")
+        if len(self.sample_index) != self.n_samples:
+            raise CorruptUnit(self.name, "sample_index length does not match n_samples")
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def _read_all(self, key: str) -> np.ndarray:
+        if key not in self.arrays:
+            raise CorruptUnit(self.name, f"array {key} is missing")
+        try:
+            return self.arrays[key][...]
+        except Exception as e:  # noqa: BLE001
+            raise CorruptUnit(self.name, f"{key} does not decode ({type(e).__name__}: {e})") from None
+
+    def read_into(self, key: str, start: int, stop: int, out: np.ndarray) -> None:
+        """Decode token rows `start:stop` of one array straight into `out` (e.g. a pinned buffer)."""
+        if key not in self.arrays:
+            raise CorruptUnit(self.name, f"array {key} is missing")
+        try:
+            self.arrays[key].get_basic_selection(slice(start, stop), out=NDBuffer.from_numpy_array(out))
+        except Exception as e:  # noqa: BLE001
+            raise CorruptUnit(self.name, f"{key}[{start}:{stop}] does not decode ({type(e).__name__}: {e})") from None
+
+    def read(self, key: str, start: int, stop: int) -> np.ndarray:
+        arr = self.arrays.get(key)
+        if arr is None:
+            raise CorruptUnit(self.name, f"array {key} is missing")
+        out = np.empty((stop - start, *arr.shape[1:]), dtype=arr.dtype)
+        self.read_into(key, start, stop, out)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+
+
+def verify_unit(path: Path, row_width: int, num_layers: int, storage: str) -> list[str]:
+    """Problems found in a committed unit after decoding every byte; empty if it is sound."""
+    try:
+        reader = UnitReader(path)
+    except CorruptUnit as e:
+        return [e.problem]
+    problems = []
+    expect = {
+        "hidden": (np.uint8 if storage == "fp8" else np.uint16, (reader.n_tokens, row_width)),
+        "input_ids": (np.int32, (reader.n_tokens,)),
+        "loss_mask": (np.uint8, (reader.n_tokens,)),
+    }
+    if storage == "fp8":
+        expect["hidden_scale"] = (np.float32, (reader.n_tokens, num_layers))
+    if reader.storage != storage:
+        problems.append(f"stored as {reader.storage}, cache says {storage}")
+    for key, (dtype, shape) in expect.items():
+        arr = reader.arrays.get(key)
+        if arr is None:
+            problems.append(f"array {key} is missing")
+            continue
+        if arr.dtype != dtype or tuple(arr.shape) != shape:
+            problems.append(f"{key} is {arr.dtype}{tuple(arr.shape)}, expected {np.dtype(dtype)}{shape}")
+            continue
+        step = max(1, (64 << 20) // max(1, arr.nbytes // max(1, shape[0])))
+        for start in range(0, shape[0], step):
+            try:
+                block = reader.read(key, start, min(shape[0], start + step))
+            except CorruptUnit as e:
+                problems.append(e.problem)
+                break
+            if key == "hidden_scale" and not np.all(np.isfinite(block) & (block > 0)):
+                problems.append("hidden_scale has non-finite or non-positive values")
+                break
+    return problems
+
+
+def write_frozen(cache_dir: Path, embed: torch.Tensor, lm_head: torch.Tensor | None) -> None:
+    """Save the target's token embedding and LM head (omitted when tied) atomically."""
+    path = Path(cache_dir) / FROZEN
+    tensors = {"embed_tokens.weight": embed.detach().contiguous().cpu()}
+    if lm_head is not None:
+        tensors["lm_head.weight"] = lm_head.detach().contiguous().cpu()
+    tmp = path.with_name(f".{FROZEN}.{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"tied": str(lm_head is None).lower()})
+    os.replace(tmp, path)
+
+
+def read_frozen(cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frozen (embedding, LM head) pair; the same tensor twice when the target ties them."""
+    tensors = load_file(str(Path(cache_dir) / FROZEN))
+    embed = tensors["embed_tokens.weight"]
+    return embed, tensors.get("lm_head.weight", embed)
+
+
+def write_rejected(cache_dir: Path, rejected: list[tuple[int, str]]) -> None:
+    """Record the source rows that were not cached, and why (one JSON object per line)."""
+    path = Path(cache_dir) / REJECTED
+    tmp = path.with_name(f".{REJECTED}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        for row, reason in rejected:
+            f.write(json.dumps({"row": row, "reason": reason}) + "\n")
+    os.replace(tmp, path)

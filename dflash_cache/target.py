@@ -1,0 +1,177 @@
+"""Load the target, tap the chosen layers with forward hooks, and run only as deep as needed.
+
+The layers above the last tapped one, the final norm and the LM head never run (they are cut off
+the model before it moves to the device), and `output_hidden_states` is never used, so memory
+holds only the activations of the layer being computed and the tapped outputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from .spec import TargetInfo, digest
+
+
+class TargetError(ValueError):
+    """A target that cannot be loaded or tapped as asked."""
+
+
+def load_config(path: str, revision: str | None = None) -> dict:
+    """The target's config as a dict, without loading weights."""
+    try:
+        return AutoConfig.from_pretrained(path, revision=revision).to_dict()
+    except (OSError, ValueError) as e:
+        raise TargetError(f"--target {path}: not a model directory or cached model id ({_first_line(e)})") from None
+
+
+def load_tokenizer(path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path, revision=revision)
+    except (OSError, ValueError) as e:
+        raise TargetError(f"--target {path}: cannot load its tokenizer ({_first_line(e)})") from None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def text_config(config: dict) -> dict:
+    """The language-model part of a config (multimodal configs nest it)."""
+    return config.get("text_config") or config
+
+
+def weights_fingerprint(root: Path | None) -> str:
+    """A cheap fingerprint of a local checkpoint: file names, sizes, safetensors headers, and
+    sampled bytes. Hashing every byte of a 60 GB checkpoint would take minutes."""
+    if root is None:
+        return "unavailable"
+    h = hashlib.sha256()
+    for f in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            header_len = int.from_bytes(head, "little") if f.suffix == ".safetensors" and len(head) == 8 else 0
+            h.update(fh.read(min(header_len, 64 << 20)))
+            for pos in (0, size // 2, max(0, size - (1 << 20))):
+                fh.seek(pos)
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def target_info(path: str, revision: str | None, config: dict, compute_dtype: torch.dtype) -> TargetInfo:
+    tc = text_config(config)
+    local, revision = local_snapshot(path, revision)
+    volatile = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"}
+    return TargetInfo(
+        path=str(path),
+        revision=revision,
+        weights_fingerprint=weights_fingerprint(local),
+        config_digest=digest({k: v for k, v in config.items() if k not in volatile}),
+        model_type=str(config.get("model_type", "")),
+        num_layers=int(tc["num_hidden_layers"]),
+        hidden_size=int(tc["hidden_size"]),
+        vocab_size=int(tc["vocab_size"]),
+        compute_dtype=str(compute_dtype).removeprefix("torch."),
+        tied_embeddings=bool(config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
+    )
+
+
+def compute_dtype_for(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs; float32 on CPU, where it is the dtype that runs well everywhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, str, nn.ModuleList]:
+    """The module holding the decoder layer list, the attribute name, and the list itself."""
+    for owner in model.modules():
+        for name, child in owner.named_children():
+            if isinstance(child, nn.ModuleList) and len(child) == num_layers:
+                return owner, name, child
+    raise TargetError(f"cannot find the {num_layers} decoder layers in {type(model).__name__}")
+
+
+class TappedTarget:
+    """The target's base model cut after its last tapped layer, with hooks on the tapped layers."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], num_layers: int):
+        self.layer_ids = list(layer_ids)
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model
+        owner, attr, layers = _decoder_layers(base, num_layers)
+        setattr(owner, attr, nn.ModuleList(list(layers)[: max(layer_ids) + 1]))
+        if hasattr(base, "norm"):
+            base.norm = nn.Identity()
+        self.base = base
+        self._taps: list[torch.Tensor | None] = [None] * len(layer_ids)
+        kept = getattr(owner, attr)
+        for k, lid in enumerate(self.layer_ids):
+            kept[lid].register_forward_hook(self._hook(k))
+
+    def _hook(self, k: int):
+        def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor | tuple) -> None:
+            self._taps[k] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Hidden states [b, T, H] of each tapped layer for right-padded `input_ids` [b, T].
+
+        Right padding needs no attention mask: under the causal mask a real token never sees
+        the padding after it, so its hidden states are those of the unpadded sequence.
+        """
+        self._taps = [None] * len(self.layer_ids)
+        self.base(input_ids=input_ids, use_cache=False)
+        taps, self._taps = self._taps, [None] * len(self.layer_ids)
+        return taps  # type: ignore[return-value]
+
+
+def load_target(
+    path: str, layer_ids: list[int], device: torch.device, revision: str | None = None
+) -> tuple[TappedTarget, nn.Module, torch.dtype]:
+    """Load the target on the CPU, cut it, move what runs to `device`.
+
+    Returns the tapped target, the full model (still holding the embedding and LM head on the
+    CPU, for the cache's frozen weights), and the compute dtype.
+    """
+    dtype = compute_dtype_for(device)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise TargetError(f"--target {path}: cannot load the model ({_first_line(e)})") from None
+    model.eval().requires_grad_(False)
+    num_layers = int(text_config(model.config.to_dict())["num_hidden_layers"])
+    tapped = TappedTarget(model, layer_ids, num_layers)
+    tapped.base.to(device)
+    return tapped, model, dtype
+
+
+def frozen_weights(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The (embedding, LM head) weights in bf16; the head is None when tied to the embedding."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    tied = head.data_ptr() == embed.data_ptr()
+    return embed.detach().to("cpu", torch.bfloat16), None if tied else head.detach().to("cpu", torch.bfloat16)
+
+
+def local_snapshot(path: str, revision: str | None = None) -> tuple[Path | None, str | None]:
+    """The local folder holding a target's files, and the hub revision it is a snapshot of.
+
+    A hub id resolves only from the local hub cache: nothing is downloaded to fingerprint it.
+    """
+    if Path(path).is_dir():
+        real = Path(os.path.realpath(path))
+        return real, real.name if real.parent.name == "snapshots" else revision
+    try:
+        from huggingface_hub import snapshot_download
+
+        real = Path(snapshot_download(path, revision=revision, local_files_only=True))
+        return real, real.name
+    except Exception:  # noqa: BLE001 - not in the local cache: no fingerprint, not an error here
+        return None, revision
