@@ -100,7 +100,9 @@ def write_unit(cache_dir: Path, unit_id: int, arrays: UnitArrays, storage: Stora
             chunks, shards = data.shape, None
         arr = group.create_array(key, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards, **codecs)
         arr[...] = data
+    # Every file but the group's own zarr.json, which holds this manifest.
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    files.pop("zarr.json", None)
     group.attrs.update(
         {
             "dflash_unit": {

@@ -1,0 +1,73 @@
+"""Whole-cache questions: what is in it (`dflash info`) and is every byte sound (`dflash verify`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .spec import CacheSpec, read_spec
+from .store import PARTIAL, CorruptUnit, UnitReader, committed_units, verify_unit
+
+
+def info(cache_dir: Path) -> dict[str, Any]:
+    """Spec, counts, bytes on disk and compression ratio, from the committed units themselves."""
+    spec = read_spec(cache_dir)
+    units = committed_units(cache_dir)
+    samples = tokens = nbytes = 0
+    bad = []
+    for path in units.values():
+        try:
+            r = UnitReader(path)
+        except CorruptUnit as e:
+            bad.append(str(e))
+            continue
+        samples += r.n_samples
+        tokens += r.n_tokens
+        nbytes += r.nbytes
+    raw = tokens * raw_bytes_per_token(spec)
+    partial = Path(cache_dir) / PARTIAL
+    return {
+        "spec": spec.to_dict(),
+        "units": len(units),
+        "units_planned": spec.plan.num_units,
+        "complete": len(units) == spec.plan.num_units,
+        "samples": samples,
+        "tokens": tokens,
+        "bytes_on_disk": nbytes,
+        "bytes_per_token": nbytes / tokens if tokens else 0.0,
+        "compression_ratio": raw / nbytes if nbytes else 0.0,
+        "partial_entries": len(list(partial.iterdir())) if partial.is_dir() else 0,
+        "unreadable_units": bad,
+    }
+
+
+def raw_bytes_per_token(spec: CacheSpec) -> int:
+    """Uncompressed bytes of one cached token, all arrays included."""
+    k = len(spec.layers.ids)
+    scale = 4 * k if spec.storage.dtype == "fp8" else 0
+    return spec.row_width * spec.storage.bytes_per_value + scale + 4 + 1
+
+
+def verify(cache_dir: Path) -> dict[str, list[str]]:
+    """Decode every committed unit; maps each bad unit's name to its problems (empty: all sound).
+
+    Also checks that no sample appears in two units and that every unit holds what the plan
+    says, so a cache that lost or duplicated samples does not pass.
+    """
+    spec = read_spec(cache_dir)
+    bad: dict[str, list[str]] = {}
+    seen: dict[int, str] = {}
+    for uid, path in committed_units(cache_dir).items():
+        problems = verify_unit(path, spec.row_width, len(spec.layers.ids), spec.storage.dtype)
+        if uid >= spec.plan.num_units:
+            problems.append(f"unit id {uid} is beyond the plan's {spec.plan.num_units} units")
+        if not problems:
+            reader = UnitReader(path)
+            for s in reader.sample_index.tolist():
+                if s in seen:
+                    problems.append(f"sample {s} is also in {seen[s]}")
+                    break
+                seen[s] = path.name
+        if problems:
+            bad[path.name] = problems
+    return bad

@@ -1,0 +1,436 @@
+"""The extract stage: dataset + target -> cache of tapped hidden states.
+
+Per process, the GPU runs batch n+1 while batch n's unpadded hidden states are copied to the host
+on a side stream, straight into one of a few reused pinned unit buffers, and writer threads
+compress and commit finished units. A unit buffer is only reused once its unit is on disk, so host
+memory is bounded by the buffer count, whatever the dataset size.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import queue
+import shutil
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import data as data_mod
+from .devices import Worker, launch
+from .plan import Plan, Unit, default_bucket_edges, make_plan
+from .progress import ProgressSink, Reporter
+from .spec import (
+    CacheSpec,
+    DataInfo,
+    LayerInfo,
+    PlanInfo,
+    SpecError,
+    StorageInfo,
+    TokenizerInfo,
+    check_layer_ids,
+    default_layer_ids,
+    read_spec,
+    write_spec,
+)
+from .store import (
+    FROZEN,
+    REJECTED,
+    UnitArrays,
+    chunk_tokens_for,
+    committed_units,
+    sweep_partial,
+    write_frozen,
+    write_rejected,
+    write_unit,
+)
+from .target import compute_dtype_for, load_config, load_target, load_tokenizer, target_info, text_config
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+WORK = ".work"  # tokenized dataset, reused by reruns; safe to delete
+
+
+class ExtractError(RuntimeError):
+    """An extraction that cannot start or go on; the message says why."""
+
+
+@dataclass
+class ExtractConfig:
+    target: str
+    data: str
+    out: Path
+    layers: list[int] | None = None
+    num_layers: int = 5  # K, used when `layers` is not given
+    revision: str | None = None
+    max_length: int = 3072
+    truncate: bool = False
+    storage: str = "bf16"
+    zstd_level: int = 3
+    token_budget: int | None = None  # padded tokens per forward; default by device
+    unit_mb: int = 1024  # hidden-state bytes per unit
+    gpus: list[int] | None = None
+    procs: int = 1
+    tokenize_procs: int = field(default_factory=lambda: max(1, min(8, (os.cpu_count() or 2) - 1)))
+    buffers: int = 3  # unit buffers per process: one filling, the others being written
+    writer_threads: int = 2
+
+
+@dataclass
+class Prepared:
+    spec: CacheSpec
+    plan: Plan
+    tokens: data_mod.Tokenized
+    done: set[int]
+
+
+def _device_kind(cfg: ExtractConfig) -> torch.device:
+    return torch.device("cuda") if cfg.gpus else torch.device("cpu")
+
+
+def prepare(cfg: ExtractConfig) -> Prepared:
+    """Tokenize, plan and describe the cache; check it against an existing one. Writes nothing
+    in the cache directory except the reusable tokenized dataset under `.work/`."""
+    if cfg.storage not in ("bf16", "fp8"):
+        raise ExtractError(f"--storage {cfg.storage!r}: expected bf16 or fp8")
+    if cfg.out.exists() and not cfg.out.is_dir():
+        raise ExtractError(f"--out {cfg.out} exists and is not a directory")
+    if cfg.out.is_dir() and any(cfg.out.iterdir()) and not (cfg.out / "cache.json").exists():
+        if not set(os.listdir(cfg.out)) <= {WORK}:
+            raise ExtractError(f"--out {cfg.out} is a non-empty directory that is not a dflash cache")
+    config = load_config(cfg.target, cfg.revision)
+    tc = text_config(config)
+    num_layers = int(tc["num_hidden_layers"])
+    try:
+        if cfg.layers:
+            layer_ids = check_layer_ids(cfg.layers, num_layers)
+        else:
+            layer_ids = default_layer_ids(num_layers, cfg.num_layers)
+    except SpecError as e:
+        raise ExtractError(f"--{e}") from None
+    tokenizer = load_tokenizer(cfg.target, cfg.revision)
+    mask_id = _mask_token_id(tokenizer)
+    tokens = data_mod.tokenize(
+        cfg.data, tokenizer, cfg.max_length, cfg.truncate, num_proc=cfg.tokenize_procs, work_dir=cfg.out / WORK
+    )
+    device = _device_kind(cfg)
+    row_bytes = len(layer_ids) * int(tc["hidden_size"]) * (1 if cfg.storage == "fp8" else 2)
+    budget = cfg.token_budget or (16384 if device.type == "cuda" else 4096)
+    plan = make_plan(
+        np.asarray(tokens.dataset["length"], dtype=np.int64),
+        bucket_edges=default_bucket_edges(cfg.max_length),
+        token_budget=budget,
+        unit_tokens=max(1, (cfg.unit_mb << 20) // row_bytes),
+    )
+    eos = tokenizer.eos_token_id
+    spec = CacheSpec(
+        target=target_info(cfg.target, cfg.revision, config, compute_dtype_for(device)),
+        layers=LayerInfo(ids=layer_ids),
+        storage=StorageInfo(
+            dtype=cfg.storage,
+            codec={"name": "zstd", "level": cfg.zstd_level, "checksum": True},
+            chunk_tokens=chunk_tokens_for(row_bytes),
+        ),
+        tokenizer=TokenizerInfo(
+            digest=data_mod.tokenizer_digest(tokenizer),
+            chat_template_digest=data_mod.chat_template_digest(tokenizer),
+            mask_token_id=mask_id,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=[] if eos is None else [int(eos)],
+        ),
+        data=DataInfo(
+            source=str(cfg.data),
+            fingerprint=data_mod.source_fingerprint(cfg.data),
+            max_length=cfg.max_length,
+            truncate=cfg.truncate,
+            num_rows=tokens.num_rows,
+            num_rejected=len(tokens.rejected),
+        ),
+        plan=PlanInfo(
+            bucket_edges=list(plan.bucket_edges),
+            token_budget=plan.token_budget,
+            unit_tokens=plan.unit_tokens,
+            num_units=len(plan.units),
+            num_samples=plan.num_samples,
+            num_tokens=plan.num_tokens,
+            padded_tokens=plan.padded_tokens,
+        ),
+        tool_version=_tool_version(),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
+    if (cfg.out / "cache.json").exists():
+        diffs = read_spec(cfg.out).differences(spec)
+        if diffs:
+            raise ExtractError(
+                f"{cfg.out} was made with other settings; refusing to mix them. Differences: " + "; ".join(diffs)
+            )
+    return Prepared(spec, plan, tokens, set(committed_units(cfg.out)))
+
+
+def _mask_token_id(tokenizer) -> int:
+    if tokenizer.mask_token_id is not None:
+        return int(tokenizer.mask_token_id)
+    raise ExtractError("the target's tokenizer has no mask token (DFlash blocks need one): add a reserved mask token")
+
+
+def _tool_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("dflash-cache")
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def estimated_bytes(spec: CacheSpec, num_tokens: int) -> int:
+    """Bytes on disk for `num_tokens` cached tokens; assumes no compression (the safe bound)."""
+    row = spec.row_width * spec.storage.bytes_per_value + 5
+    if spec.storage.dtype == "fp8":
+        row += 4 * len(spec.layers.ids)
+    return num_tokens * row
+
+
+@contextmanager
+def cache_lock(cache_dir: Path) -> Iterator[None]:
+    """One extract per cache on a host: a second is refused. The OS frees the lock when its holder
+    dies, so a crashed run never blocks the rerun."""
+    path = cache_dir / ".lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise ExtractError(f"another dflash extract is writing {cache_dir} (pid {holder}); wait for it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def run(cfg: ExtractConfig, sink: ProgressSink | None = None) -> dict:
+    """Extract everything that is not committed yet; returns a summary."""
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    with nullcontext() if in_torchrun else cache_lock(cfg.out):
+        prep = prepare(cfg)
+        todo_tokens = sum(u.num_tokens for u in prep.plan.units if u.id not in prep.done)
+        need = estimated_bytes(prep.spec, todo_tokens)
+        free = shutil.disk_usage(cfg.out).free
+        if need > free:
+            raise ExtractError(
+                f"the cache needs up to {_gib(need)} more and {cfg.out} has {_gib(free)} free; "
+                "free space, use --storage fp8, or point --out elsewhere"
+            )
+        if not (cfg.out / "cache.json").exists():
+            write_spec(cfg.out, prep.spec)
+        if not (cfg.out / REJECTED).exists():
+            write_rejected(cfg.out, prep.tokens.rejected)
+        swept = 0 if in_torchrun else sweep_partial(cfg.out)
+        start = time.perf_counter()
+        reporter = Reporter(sink)
+        reporter.start(total=prep.plan.num_tokens, done=prep.plan.num_tokens - todo_tokens)
+        try:
+            args = (cfg, prep.spec, prep.plan, prep.tokens.dataset, reporter.channel)
+            launch(_worker, args, gpus=cfg.gpus, procs=cfg.procs)
+        finally:
+            totals = reporter.stop()
+        elapsed = time.perf_counter() - start
+    committed = committed_units(cfg.out)
+    missing = [u.id for u in prep.plan.units if u.id not in committed]
+    return {
+        "cache": str(cfg.out),
+        "units": f"{len(committed)}/{len(prep.plan.units)}",
+        "missing_units": missing,
+        "samples": prep.plan.num_samples,
+        "tokens": prep.plan.num_tokens,
+        "rejected": len(prep.tokens.rejected),
+        "padding": prep.plan.padding_ratio,
+        "extracted_tokens": totals.get("tokens", 0),
+        "bytes_written": totals.get("bytes", 0),
+        "seconds": elapsed,
+        "tokens_per_s": totals.get("tokens", 0) / max(elapsed, 1e-9),
+        "swept_partial": swept,
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class _UnitBuffers:
+    """A fixed pool of host buffers, each big enough for the largest unit; pinned on CUDA hosts so
+    device-to-host copies are true async DMA. Pinning costs about a second per GiB: done once."""
+
+    def __init__(self, count: int, rows: int, width: int, layers: int, fp8: bool, pin: bool):
+        dtype = torch.uint8 if fp8 else torch.int16
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(count):
+            hidden = torch.empty((rows, width), dtype=dtype, pin_memory=pin)
+            scale = torch.empty((rows, layers), dtype=torch.float32, pin_memory=pin) if fp8 else None
+            self._free.put((hidden, scale))
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._free.get()
+
+    def put(self, buf: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        self._free.put(buf)
+
+
+def pack_hidden(
+    taps: list[torch.Tensor], index: torch.Tensor, fp8: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gather the real (unpadded) rows of every tapped layer into [n, K*H] storage bits.
+
+    bf16: the bf16 bits as int16. fp8: float8_e4m3fn bits as uint8 with a float32 scale per
+    token and layer (amax / 448), computed on the device so the host copy is halved too.
+    """
+    rows = [t.reshape(-1, t.shape[-1]).index_select(0, index) for t in taps]
+    if not fp8:
+        return torch.cat(rows, dim=1).to(torch.bfloat16).view(torch.int16), None
+    h = torch.stack(rows, dim=1).float()  # [n, K, H]
+    scale = h.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
+    q = (h / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
+    return q.reshape(q.shape[0], -1), scale
+
+
+def unpack_hidden(bits: torch.Tensor, scale: torch.Tensor | None, num_layers: int) -> torch.Tensor:
+    """Inverse of `pack_hidden`: storage bits -> [n, K*H] (bf16, or float32 for fp8)."""
+    if scale is None:
+        return bits.view(torch.bfloat16)
+    q = bits.view(torch.float8_e4m3fn).float().view(bits.shape[0], num_layers, -1)
+    return (q * scale.unsqueeze(-1)).reshape(bits.shape[0], -1)
+
+
+def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset, channel) -> None:
+    done = set(committed_units(cfg.out))
+    todo = [u for u in plan.units_for_rank(w.rank, w.world_size) if u.id not in done]
+    needs_frozen = w.rank == 0 and not (cfg.out / FROZEN).exists()
+    if not todo and not needs_frozen:
+        return
+    if w.device.type == "cpu" and w.world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.world_size))
+    target, model, _ = load_target(spec.target.path, spec.layers.ids, w.device, spec.target.revision)
+    if needs_frozen:
+        write_frozen(cfg.out, *_frozen(model))
+    del model  # the upper layers and the LM head stay on the CPU only until here
+    if not todo:
+        return
+    fp8 = spec.storage.dtype == "fp8"
+    cuda = w.device.type == "cuda"
+    buffers = _UnitBuffers(
+        min(cfg.buffers, len(todo)), max(u.num_tokens for u in todo), spec.row_width, len(spec.layers.ids), fp8, cuda
+    )
+    copy_stream = torch.cuda.Stream(w.device) if cuda else None
+    pad_id = spec.tokenizer.pad_token_id or 0
+    writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="unit-writer")
+    pending: list[Future] = []
+    try:
+        for unit in todo:
+            ids, mask = _unit_tokens(dataset, unit)
+            buf = buffers.get()
+            for batch in unit.batches:
+                lengths = unit.lengths[batch.start : batch.stop]
+                r0 = int(unit.offsets[batch.start])
+                r1 = int(unit.offsets[batch.stop])
+                inp, index = _batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, w.device)
+                bits, scale = pack_hidden(target(inp), index, fp8)
+                _copy_out(copy_stream, buf, r0, r1, bits, scale)
+                channel.put({"tokens": r1 - r0, "padded": len(lengths) * batch.max_len})
+            ready = torch.cuda.Event() if cuda else None
+            if ready is not None:
+                ready.record(copy_stream)
+            job = (cfg.out, spec, unit, dataset, ids, mask, buf, ready, buffers, channel)
+            pending.append(writers.submit(_commit, *job))
+            pending = _reap(pending)
+        for f in pending:
+            f.result()
+    finally:
+        writers.shutdown(wait=True)
+
+
+def _reap(pending: list[Future]) -> list[Future]:
+    """Drop finished commits, re-raising the first failure in the compute loop."""
+    for f in pending:
+        if f.done():
+            f.result()
+    return [f for f in pending if not f.done()]
+
+
+def _frozen(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    from .target import frozen_weights
+
+    return frozen_weights(model)
+
+
+def _unit_tokens(dataset, unit: Unit) -> tuple[np.ndarray, np.ndarray]:
+    rows = dataset.select(unit.rows.tolist())
+    ids = np.concatenate([np.asarray(x, dtype=np.int32) for x in rows["input_ids"]])
+    mask = np.concatenate([np.asarray(x, dtype=np.uint8) for x in rows["loss_mask"]])
+    if len(ids) != unit.num_tokens:
+        raise ExtractError(f"unit {unit.id}: tokenized data changed under the plan (delete {WORK}/ and rerun)")
+    return ids, mask
+
+
+def _batch_inputs(
+    ids: np.ndarray, lengths: np.ndarray, max_len: int, pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [b, max_len] input ids and the flat indices of their real tokens."""
+    b = len(lengths)
+    padded = np.full((b, max_len), pad_id, dtype=np.int64)
+    index = np.empty(int(lengths.sum()), dtype=np.int64)
+    pos = 0
+    for i, n in enumerate(lengths):
+        padded[i, :n] = ids[pos : pos + n]
+        index[pos : pos + n] = i * max_len + np.arange(n)
+        pos += n
+    pin = device.type == "cuda"
+    inp = torch.from_numpy(padded)
+    idx = torch.from_numpy(index)
+    if pin:
+        inp, idx = inp.pin_memory(), idx.pin_memory()
+    return inp.to(device, non_blocking=True), idx.to(device, non_blocking=True)
+
+
+def _copy_out(stream, buf, r0: int, r1: int, bits: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """Device-to-host copy of one batch into the unit buffer, on the side stream when on CUDA."""
+    hidden, hscale = buf
+    if stream is None:
+        hidden[r0:r1].copy_(bits)
+        if scale is not None:
+            hscale[r0:r1].copy_(scale)
+        return
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        hidden[r0:r1].copy_(bits, non_blocking=True)
+        bits.record_stream(stream)
+        if scale is not None:
+            hscale[r0:r1].copy_(scale, non_blocking=True)
+            scale.record_stream(stream)
+
+
+def _commit(out: Path, spec: CacheSpec, unit: Unit, dataset, ids, mask, buf, ready, buffers, channel) -> None:
+    try:
+        if ready is not None:
+            ready.synchronize()
+        hidden, scale = buf
+        n = unit.num_tokens
+        arrays = UnitArrays(
+            hidden=hidden[:n].numpy().view(np.uint8 if spec.storage.dtype == "fp8" else np.uint16),
+            hidden_scale=None if scale is None else scale[:n].numpy(),
+            input_ids=ids,
+            loss_mask=mask,
+            offsets=unit.offsets,
+            sample_index=np.asarray(dataset.select(unit.rows.tolist())["sample_index"], dtype=np.int64),
+        )
+        written = write_unit(out, unit.id, arrays, spec.storage)
+        channel.put({"bytes": written, "units": 1})
+    finally:
+        buffers.put(buf)

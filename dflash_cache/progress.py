@@ -1,0 +1,51 @@
+"""Progress from worker processes to whoever displays it, without the library knowing how.
+
+Workers put small dicts of counters on a multiprocessing queue; a thread in the launching
+process sums them and hands each update to a sink (the CLI's progress bar, or nothing).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+from typing import Any, Protocol
+
+
+class ProgressSink(Protocol):
+    def start(self, total: int, done: int) -> None: ...
+    def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None: ...
+    def close(self) -> None: ...
+
+
+class Reporter:
+    """Owns the queue the workers report to and the thread that drains it."""
+
+    def __init__(self, sink: ProgressSink | None):
+        self.sink = sink
+        self.channel = mp.get_context("spawn").Queue()
+        self.totals: dict[str, Any] = {}
+        self._thread: threading.Thread | None = None
+
+    def start(self, total: int, done: int = 0) -> None:
+        if self.sink is not None:
+            self.sink.start(total, done)
+        self._thread = threading.Thread(target=self._drain, name="progress", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while (delta := self.channel.get()) is not None:
+            for key, value in delta.items():
+                if isinstance(value, (int, float)):
+                    self.totals[key] = self.totals.get(key, 0) + value
+                else:
+                    self.totals[key] = value
+            if self.sink is not None:
+                self.sink.update(self.totals, delta)
+
+    def stop(self) -> dict[str, Any]:
+        self.channel.put(None)
+        if self._thread is not None:
+            self._thread.join()
+        if self.sink is not None:
+            self.sink.close()
+        return self.totals

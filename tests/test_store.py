@@ -1,0 +1,102 @@
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dflash_cache.spec import StorageInfo
+from dflash_cache.store import (
+    PARTIAL,
+    CorruptUnit,
+    UnitArrays,
+    UnitReader,
+    committed_units,
+    sweep_partial,
+    verify_unit,
+    write_unit,
+)
+
+STORAGE = StorageInfo(dtype="bf16", codec={"name": "zstd", "level": 3, "checksum": True}, chunk_tokens=64)
+
+
+def _arrays(rng, lengths, width=32):
+    n = int(sum(lengths))
+    return UnitArrays(
+        hidden=rng.integers(0, 2**16, size=(n, width), dtype=np.uint16),
+        input_ids=rng.integers(0, 1000, size=n).astype(np.int32),
+        loss_mask=rng.integers(0, 2, size=n).astype(np.uint8),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        sample_index=np.arange(len(lengths), dtype=np.int64) * 7,
+    )
+
+
+def test_round_trip_and_partial_reads(tmp_path):
+    rng = np.random.default_rng(0)
+    a = _arrays(rng, [100, 37, 250])
+    assert write_unit(tmp_path, 3, a, STORAGE) > 0
+    assert list(committed_units(tmp_path)) == [3]
+    assert not any((tmp_path / PARTIAL).iterdir())
+    r = UnitReader(committed_units(tmp_path)[3])
+    assert (r.n_samples, r.n_tokens) == (3, 387)
+    np.testing.assert_array_equal(r.offsets, a.offsets)
+    np.testing.assert_array_equal(r.sample_index, a.sample_index)
+    np.testing.assert_array_equal(r.read("hidden", 100, 137), a.hidden[100:137])
+    out = np.zeros((250, 32), dtype=np.uint16)
+    r.read_into("hidden", 137, 387, out)
+    np.testing.assert_array_equal(out, a.hidden[137:])
+    np.testing.assert_array_equal(r.read("input_ids", 0, 387), a.input_ids)
+    assert verify_unit(r.path, 32, 1, "bf16") == []
+
+
+def test_second_writer_of_a_unit_is_discarded(tmp_path):
+    rng = np.random.default_rng(1)
+    write_unit(tmp_path, 0, _arrays(rng, [10, 20]), STORAGE)
+    first = UnitReader(committed_units(tmp_path)[0]).read("hidden", 0, 30)
+    assert write_unit(tmp_path, 0, _arrays(rng, [10, 20]), STORAGE) == 0
+    np.testing.assert_array_equal(UnitReader(committed_units(tmp_path)[0]).read("hidden", 0, 30), first)
+    assert not any((tmp_path / PARTIAL).iterdir())
+
+
+def _shard(unit_dir):
+    return unit_dir / "hidden" / "c" / "0" / "0"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete_array", "delete_meta"])
+def test_damage_is_named(tmp_path, damage):
+    rng = np.random.default_rng(2)
+    write_unit(tmp_path, 1, _arrays(rng, [300, 300]), STORAGE)
+    unit = committed_units(tmp_path)[1]
+    shard = _shard(unit)
+    if damage == "truncate":
+        os.truncate(shard, shard.stat().st_size // 2)
+    elif damage == "flip":
+        data = bytearray(shard.read_bytes())
+        for i in range(100, 120):
+            data[i] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif damage == "delete_array":
+        shutil.rmtree(unit / "hidden")
+    else:
+        (unit / "zarr.json").unlink()
+    problems = verify_unit(unit, 32, 1, "bf16")
+    assert problems, damage
+    if damage != "flip":
+        with pytest.raises(CorruptUnit, match="u000001"):
+            UnitReader(unit).read("hidden", 0, 600)
+    else:
+        with pytest.raises(CorruptUnit, match="does not decode"):
+            UnitReader(unit).read("hidden", 0, 600)
+
+
+def test_sweep_removes_only_dead_writers(tmp_path):
+    import socket
+
+    host = socket.gethostname()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / PARTIAL / f"u000001.{host}.{dead.stdout.strip()}.abc").mkdir(parents=True)
+    (tmp_path / PARTIAL / f"u000002.{host}.{os.getpid()}.abc").mkdir()
+    (tmp_path / PARTIAL / "u000003.otherhost.1.abc").mkdir()
+    assert sweep_partial(tmp_path) == 1
+    assert sorted(p.name.split(".")[0] for p in (tmp_path / PARTIAL).iterdir()) == ["u000002", "u000003"]
