@@ -45,20 +45,97 @@ PEOPLE = [
     ("Marlo", "shepherd", "Tallow Hill", "he", "flock"),
 ]
 PIM = "Pim the goat"
-OBJECTS = ["lantern", "kettle", "map", "bell", "rope", "basket", "jar of honey", "pocket watch",
-           "red scarf", "loaf of bread", "fishing net", "silver key"]
+OBJECTS = [
+    "lantern",
+    "kettle",
+    "map",
+    "bell",
+    "rope",
+    "basket",
+    "jar of honey",
+    "pocket watch",
+    "red scarf",
+    "loaf of bread",
+    "fishing net",
+    "silver key",
+]
 # the weather, and what slows a search in it
-WEATHER = [("thick fog", "fog"), ("soft rain", "rain"), ("a cold wind", "wind"),
-           ("bright sunshine", "heat"), ("light snow", "snow"), ("a grey drizzle", "drizzle")]
+WEATHER = [
+    ("thick fog", "fog"),
+    ("soft rain", "rain"),
+    ("a cold wind", "wind"),
+    ("bright sunshine", "heat"),
+    ("light snow", "snow"),
+    ("a grey drizzle", "drizzle"),
+]
 TIMES = ["morning", "evening", "afternoon", "night"]
-PLACES = ["the old mill", "the harbour wall", "the orchard", "the bell tower", "the market square",
-          "the stone bridge", "the lighthouse", "the beehives", "the sheep field", "the bakery"]
-WORDS = ["lantern", "harbour", "garden", "island", "kettle", "window", "honey", "bridge", "basket",
-         "winter", "morning", "clock", "river", "candle", "pebble", "orchard", "anchor", "meadow",
-         "thunder", "copper", "violet", "marble", "ladder", "pocket", "saddle", "feather", "shadow",
-         "button", "rabbit", "summer", "cobble", "tinder", "walnut", "mitten", "lemon", "ferry"]
-ANIMALS = ["goat", "sheep", "heron", "fox", "owl", "crab", "seal", "hare", "bee", "gull", "otter",
-           "badger", "mole", "wren", "trout"]
+PLACES = [
+    "the old mill",
+    "the harbour wall",
+    "the orchard",
+    "the bell tower",
+    "the market square",
+    "the stone bridge",
+    "the lighthouse",
+    "the beehives",
+    "the sheep field",
+    "the bakery",
+]
+WORDS = [
+    "lantern",
+    "harbour",
+    "garden",
+    "island",
+    "kettle",
+    "window",
+    "honey",
+    "bridge",
+    "basket",
+    "winter",
+    "morning",
+    "clock",
+    "river",
+    "candle",
+    "pebble",
+    "orchard",
+    "anchor",
+    "meadow",
+    "thunder",
+    "copper",
+    "violet",
+    "marble",
+    "ladder",
+    "pocket",
+    "saddle",
+    "feather",
+    "shadow",
+    "button",
+    "rabbit",
+    "summer",
+    "cobble",
+    "tinder",
+    "walnut",
+    "mitten",
+    "lemon",
+    "ferry",
+]
+ANIMALS = [
+    "goat",
+    "sheep",
+    "heron",
+    "fox",
+    "owl",
+    "crab",
+    "seal",
+    "hare",
+    "bee",
+    "gull",
+    "otter",
+    "badger",
+    "mole",
+    "wren",
+    "trout",
+]
 FRUITS = ["apple", "pear", "plum", "cherry", "quince", "fig", "apricot", "grape", "peach", "damson"]
 COLOURS = ["red", "blue", "green", "yellow", "white", "black", "orange", "purple", "grey", "brown"]
 
@@ -70,8 +147,7 @@ SYSTEM_PROMPTS: list[tuple[str, Callable[[str], str]]] = [
     ("End every answer with the words: Safe travels!", lambda s: s + " Safe travels!"),
 ]
 
-ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
-        "eleven", "twelve"]
+ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve"]
 
 
 def person(rng: random.Random, exclude: tuple[str, ...] = ()) -> tuple[str, str, str, str, str]:
@@ -101,10 +177,12 @@ def arithmetic(rng: random.Random) -> Turns:
         q = rng.choice([f"What is {a} + {b}?", f"Add {a} and {b}.", f"Compute {a} + {b}."])
         if a >= 10 and b >= 10 and rng.random() < 0.5:
             ta, tb, oa, ob = a // 10 * 10, b // 10 * 10, a % 10, b % 10
-            ans = (f"Add the tens: {ta} + {tb} = {ta + tb}. "
-                   f"Add the ones: {oa} + {ob} = {oa + ob}. "
-                   f"Together: {ta + tb} + {oa + ob} = {c}. "
-                   f"So {a} + {b} = {c}.")
+            ans = (
+                f"Add the tens: {ta} + {tb} = {ta + tb}. "
+                f"Add the ones: {oa} + {ob} = {oa + ob}. "
+                f"Together: {ta + tb} + {oa + ob} = {c}. "
+                f"So {a} + {b} = {c}."
+            )
         else:
             ans = f"{a} + {b} = {c}."
     elif op == "-":
@@ -119,8 +197,10 @@ def arithmetic(rng: random.Random) -> Turns:
         q = rng.choice([f"What is {a} x {b}?", f"Multiply {a} by {b}.", f"Compute {a} times {b}."])
         if b >= 10 and rng.random() < 0.5:
             t, o = b // 10 * 10, b % 10
-            ans = (f"Split {b} into {t} and {o}. {a} x {t} = {a * t}. {a} x {o} = {a * o}. "
-                   f"Then {a * t} + {a * o} = {c}. So {a} x {b} = {c}.")
+            ans = (
+                f"Split {b} into {t} and {o}. {a} x {t} = {a * t}. {a} x {o} = {a * o}. "
+                f"Then {a * t} + {a * o} = {c}. So {a} x {b} = {c}."
+            )
         else:
             ans = f"{a} x {b} = {c}."
     turns = [(q, ans)]
@@ -171,19 +251,23 @@ def counting(rng: random.Random) -> Turns:
 
 def spell_backwards(rng: random.Random) -> Turns:
     w = rng.choice(WORDS)
-    q = rng.choice([f"Spell '{w}' backwards.", f"How do you spell {w} backwards?",
-                    f"Reverse the letters of the word {w}."])
+    q = rng.choice(
+        [f"Spell '{w}' backwards.", f"How do you spell {w} backwards?", f"Reverse the letters of the word {w}."]
+    )
     ans = f"'{w}' backwards is '{w[::-1]}'. Letter by letter: {'-'.join(w[::-1])}."
     turns = [(q, ans)]
     for _ in range(rng.choice([0, 0, 1, 2, 3])):
         w = rng.choice(WORDS)
-        turns.append((rng.choice([f"And '{w}'?", f"Now do {w}."]),
-                      f"'{w}' backwards is '{w[::-1]}'. Letter by letter: {'-'.join(w[::-1])}."))
+        turns.append(
+            (
+                rng.choice([f"And '{w}'?", f"Now do {w}."]),
+                f"'{w}' backwards is '{w[::-1]}'. Letter by letter: {'-'.join(w[::-1])}.",
+            )
+        )
     if rng.random() < 0.25:
         ws = rng.sample(WORDS, rng.randint(3, 6))
         phrase = " ".join(ws)
-        turns.append((f"Reverse each word in: {phrase}",
-                      " ".join(x[::-1] for x in ws)))
+        turns.append((f"Reverse each word in: {phrase}", " ".join(x[::-1] for x in ws)))
     return turns
 
 
@@ -195,8 +279,7 @@ def lists(rng: random.Random) -> Turns:
         items = VILLAGES
     elif kind == "sort":
         items_n = rng.sample(range(1, 100), rng.randint(4, 14))
-        q = ("Sort these numbers from smallest to largest: "
-             + ", ".join(str(n) for n in items_n) + ".")
+        q = "Sort these numbers from smallest to largest: " + ", ".join(str(n) for n in items_n) + "."
         s = sorted(items_n)
         ans = "Sorted: " + ", ".join(str(n) for n in s) + "."
         items = [str(n) for n in s]
@@ -230,8 +313,7 @@ def lists(rng: random.Random) -> Turns:
     turns = [(q, ans)]
     if rng.random() < 0.35:
         n = len(items)
-        turns.append(("How many items was that?",
-                      f"That was {n} item{'s' if n != 1 else ''}."))
+        turns.append(("How many items was that?", f"That was {n} item{'s' if n != 1 else ''}."))
     return turns
 
 
@@ -241,11 +323,9 @@ def facts(rng: random.Random) -> Turns:
     if kind == "role":
         turns = [(f"What does {name} do?", f"{name} is the {role} of {home}.")]
     elif kind == "home":
-        turns = [(f"Where does {name} live?",
-                  f"{name} lives in {home}, on the island of {ISLAND}.")]
+        turns = [(f"Where does {name} live?", f"{name} lives in {home}, on the island of {ISLAND}.")]
     elif kind == "thing":
-        turns = [(f"What is {name} known for?",
-                  f"{name} the {role} is known for {possessive(pron)} {thing}.")]
+        turns = [(f"What is {name} known for?", f"{name} the {role} is known for {possessive(pron)} {thing}.")]
     else:
         turns = [(f"Who is the {role} of {ISLAND}?", f"The {role} is {name}, who lives in {home}.")]
     if rng.random() < 0.4:
@@ -281,7 +361,7 @@ def story_paragraphs(rng: random.Random, n_par: int) -> tuple[str, str, str, str
         f"The {slows} made the search slow and the path was muddy.",
     ]
     helper_s = [
-        f"{helper} listened and said, \"Let us look near {place}.\"",
+        f'{helper} listened and said, "Let us look near {place}."',
         f"{helper} the {hrole} put down {possessive(hpron)} work and came along.",
         "Together they followed small hoof prints in the mud.",
         f"{helper} remembered seeing {PIM} near {place} that {time}.",
@@ -323,9 +403,13 @@ def story_paragraphs(rng: random.Random, n_par: int) -> tuple[str, str, str, str
 def story(rng: random.Random) -> Turns:
     n_par = rng.choice([1, 2, 3, 3, 4, 4, 5, 6])
     text, name, helper, obj = story_paragraphs(rng, n_par)
-    q = rng.choice([f"Tell me a short story about {name}.",
-                    f"Write a story set on the island of {ISLAND} about a lost {obj}.",
-                    f"Tell a story about {name} and the {obj}."])
+    q = rng.choice(
+        [
+            f"Tell me a short story about {name}.",
+            f"Write a story set on the island of {ISLAND} about a lost {obj}.",
+            f"Tell a story about {name} and the {obj}.",
+        ]
+    )
     turns = [(q, text)]
     follow = rng.sample(["title", "who", "what", "retell", "another"], rng.choice([0, 0, 1, 2]))
     for f in follow:
@@ -342,8 +426,9 @@ def story(rng: random.Random) -> Turns:
             text2, name2, _, _ = story_paragraphs(rng, rng.choice([1, 2, 3, 4]))
             turns.append((f"Tell another story, this time about {name2}.", text2))
         else:
-            turns.append(("Tell it again in one sentence.",
-                          f"{name} lost the {obj}, and it turned up again thanks to {PIM}."))
+            turns.append(
+                ("Tell it again in one sentence.", f"{name} lost the {obj}, and it turned up again thanks to {PIM}.")
+            )
     return turns
 
 
@@ -411,8 +496,10 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out_dir / "chat.jsonl", train)
     write_jsonl(args.out_dir / "prompts.jsonl", prompts)
-    print(f"wrote {len(train)} conversations to {args.out_dir / 'chat.jsonl'} "
-          f"and {len(prompts)} prompts to {args.out_dir / 'prompts.jsonl'}")
+    print(
+        f"wrote {len(train)} conversations to {args.out_dir / 'chat.jsonl'} "
+        f"and {len(prompts)} prompts to {args.out_dir / 'prompts.jsonl'}"
+    )
 
 
 if __name__ == "__main__":

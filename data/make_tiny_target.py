@@ -139,9 +139,7 @@ def main() -> None:
         sys.path.insert(0, str(HERE))
         import make_dataset
 
-        make_dataset.write_jsonl(
-            args.chat, make_dataset.make_conversations(make_dataset.TRAIN_SEED, 400)
-        )
+        make_dataset.write_jsonl(args.chat, make_dataset.make_conversations(make_dataset.TRAIN_SEED, 400))
 
     tokenizer = build_tokenizer(args.chat)
     model = build_model(tokenizer)
