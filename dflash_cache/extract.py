@@ -102,7 +102,7 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     if cfg.out.exists() and not cfg.out.is_dir():
         raise ExtractError(f"--out {cfg.out} exists and is not a directory")
     if cfg.out.is_dir() and any(cfg.out.iterdir()) and not (cfg.out / "cache.json").exists():
-        if not set(os.listdir(cfg.out)) <= {WORK}:
+        if not set(os.listdir(cfg.out)) <= {WORK, ".lock"}:
             raise ExtractError(f"--out {cfg.out} is a non-empty directory that is not a dflash cache")
     config = load_config(cfg.target, cfg.revision)
     tc = text_config(config)

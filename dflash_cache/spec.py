@@ -69,6 +69,7 @@ class TargetInfo:
     vocab_size: int
     compute_dtype: str
     tied_embeddings: bool
+    config: dict[str, Any] = field(default_factory=dict)  # the text model's config: the drafter's geometry
 
 
 @dataclass
@@ -166,7 +167,10 @@ class CacheSpec:
 
     def differences(self, other: CacheSpec) -> list[str]:
         """Dotted names of the fields whose values differ, ignoring run-only fields."""
-        return _diff(self.to_dict(), other.to_dict(), "")
+        def plain(spec: CacheSpec) -> dict[str, Any]:  # as it reads back from cache.json
+            return json.loads(json.dumps(spec.to_dict()))
+
+        return _diff(plain(self), plain(other), "")
 
 
 def _diff(a: Any, b: Any, prefix: str) -> list[str]:

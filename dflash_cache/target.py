@@ -70,7 +70,7 @@ def target_info(path: str, revision: str | None, config: dict, compute_dtype: to
     local, revision = local_snapshot(path, revision)
     volatile = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash"}
     return TargetInfo(
-        path=str(path),
+        path=str(Path(path).resolve()) if Path(path).is_dir() else str(path),
         revision=revision,
         weights_fingerprint=weights_fingerprint(local),
         config_digest=digest({k: v for k, v in config.items() if k not in volatile}),
@@ -80,6 +80,7 @@ def target_info(path: str, revision: str | None, config: dict, compute_dtype: to
         vocab_size=int(tc["vocab_size"]),
         compute_dtype=str(compute_dtype).removeprefix("torch."),
         tied_embeddings=bool(config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
+        config={k: v for k, v in tc.items() if k not in volatile},
     )
 
 

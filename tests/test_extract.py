@@ -1,0 +1,156 @@
+"""The extract stage against independent computations: the model's own output_hidden_states,
+the source rows, an uninterrupted run, a single-process run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import CHAT, TINY_TARGET, extract_config
+from transformers import AutoModelForCausalLM
+
+from dflash_cache.extract import ExtractError, prepare, run, unpack_hidden
+from dflash_cache.spec import read_spec
+from dflash_cache.store import PARTIAL, REJECTED, UnitReader, committed_units
+
+
+def read_cache(cache):
+    """sample_index -> (hidden bits, input_ids, loss_mask, scale) for every committed sample."""
+    out = {}
+    for path in committed_units(cache).values():
+        r = UnitReader(path)
+        has_scale = "hidden_scale" in r.arrays
+        for i, s in enumerate(r.sample_index.tolist()):
+            a, b = int(r.offsets[i]), int(r.offsets[i + 1])
+            assert s not in out, f"sample {s} cached twice"
+            out[s] = (r.read("hidden", a, b), r.read("input_ids", a, b), r.read("loss_mask", a, b),
+                      r.read("hidden_scale", a, b) if has_scale else None)
+    return out
+
+
+def test_hidden_states_match_output_hidden_states(tiny_cache):
+    spec = read_spec(tiny_cache)
+    model = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+    cached = read_cache(tiny_cache)
+    lengths = {s: len(v[1]) for s, v in cached.items()}
+    # samples from several buckets: the shortest, the longest and some in between
+    picks = sorted(lengths, key=lengths.get)[:: max(1, len(lengths) // 12)] + [max(lengths, key=lengths.get)]
+    H = spec.target.hidden_size
+    for s in picks:
+        bits, ids, mask, _ = cached[s]
+        with torch.no_grad():
+            ref = model(torch.from_numpy(ids.astype(np.int64))[None], output_hidden_states=True).hidden_states
+        got = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+        for k, lid in enumerate(spec.layers.ids):
+            want = ref[lid + 1][0]
+            # bf16 keeps 8 significant bits: rounding moves a value by at most 2^-8 of itself,
+            # plus float32 noise from running in a padded batch rather than alone
+            torch.testing.assert_close(got[:, k * H:(k + 1) * H], want, rtol=2**-8, atol=1e-5)
+            assert want.abs().mean() > 1e-3
+
+
+def test_every_row_once_and_rejections_recorded(tmp_path):
+    rows = [json.loads(line) for line in CHAT.read_text().splitlines()[:60]]
+    bad = {3: {"messages": []}, 10: {"messages": [{"role": "wizard", "content": "hi"}]},
+           20: {"prompt": "x" * 5000, "response": "y"}}
+    lines = [json.dumps(bad.get(i, r)) for i, r in enumerate(rows)]
+    lines.insert(30, "{not json")
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "cache"
+    summary = run(extract_config(out, data=str(data), unit_mb=1))
+    rejected = [json.loads(x) for x in (out / REJECTED).read_text().splitlines()]
+    rejected_rows = sorted(r["row"] for r in rejected)
+    assert rejected_rows == [3, 10, 20, 30]
+    assert all(r["reason"] for r in rejected)
+    cached = read_cache(out)
+    assert sorted(cached) == [i for i in range(len(lines)) if i not in rejected_rows]
+    assert summary["rejected"] == 4 and summary["samples"] == len(cached)
+    assert len(committed_units(out)) > 1
+
+
+def test_kill_and_resume_equals_uninterrupted(tmp_path):
+    out = tmp_path / "cache"
+    def cmd_for(out):
+        return [sys.executable, "-m", "cli.main", "extract", "--target", str(TINY_TARGET), "--data", str(CHAT),
+                "--out", str(out), "--max-length", "512", "--unit-mb", "4", "--token-budget", "256"]
+
+    cmd = cmd_for(out)
+    env = {**os.environ, "PYTHONPATH": str(TINY_TARGET.parents[1])}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while len(committed_units(out)) < 2 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial_units = len(committed_units(out))
+    assert 0 < partial_units < 6, "the kill should land mid-run"
+    done = subprocess.run(cmd[:-2] + ["--token-budget", "2048"], env=env, capture_output=True, text=True)
+    # a changed token budget is a different plan: refused, naming the field
+    assert done.returncode == 1 and "plan.token_budget" in done.stderr
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not any((out / PARTIAL).iterdir())
+    ref = tmp_path / "uninterrupted"
+    assert subprocess.run(cmd_for(ref), env=env, capture_output=True).returncode == 0
+    a, b = read_cache(out), read_cache(ref)
+    assert sorted(a) == sorted(b)
+    for s in a:
+        for x, y in zip(a[s][:3], b[s][:3], strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_two_processes_equal_one(tmp_path, tiny_cache):
+    out = tmp_path / "cache"
+    run(extract_config(out, procs=2))
+    a, b = read_cache(out), read_cache(tiny_cache)
+    assert sorted(a) == sorted(b)
+    for s in a:
+        np.testing.assert_array_equal(a[s][0], b[s][0])
+    assert sorted(committed_units(out)) == sorted(committed_units(tiny_cache))
+
+
+def test_fp8_round_trip_error(tmp_path, tiny_cache):
+    """fp8 storage: per-token, per-layer scales keep the relative error of every row under 7%
+    (e4m3 has 3 mantissa bits: half an ulp is 1/16 of the value's binade)."""
+    out = tmp_path / "cache"
+    run(extract_config(out, storage="fp8"))
+    spec = read_spec(out)
+    H, K = spec.target.hidden_size, len(spec.layers.ids)
+    a, b = read_cache(out), read_cache(tiny_cache)
+    for s in list(a)[:50]:
+        bits, _, _, scale = a[s]
+        got = unpack_hidden(torch.from_numpy(bits), torch.from_numpy(scale), K).view(-1, K, H)
+        ref = torch.from_numpy(b[s][0].view(np.int16)).view(torch.bfloat16).float().view(-1, K, H)
+        err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+        assert err.max() < 0.07
+        assert (got - ref).abs().max() <= (ref.abs().amax(-1, keepdim=True) / 16 + 1e-6).max()
+
+
+def test_bad_requests_refused(tmp_path, tiny_cache):
+    with pytest.raises(ExtractError, match="layers"):
+        prepare(extract_config(tmp_path / "c", layers=[1, 99]))
+    with pytest.raises(ExtractError, match="storage"):
+        prepare(extract_config(tmp_path / "c", storage="int4"))
+    with pytest.raises(ExtractError, match="layers.ids"):
+        prepare(extract_config(tiny_cache, layers=[1, 2]))
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "file.txt").write_text("x")
+    with pytest.raises(ExtractError, match="not a dflash cache"):
+        prepare(extract_config(tmp_path / "junk"))
+
+
+def test_dry_run_writes_no_units(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(TINY_TARGET.parents[1])}
+    out = tmp_path / "cache"
+    res = subprocess.run([sys.executable, "-m", "cli.main", "extract", "--target", str(TINY_TARGET), "--data",
+                          str(CHAT), "--out", str(out), "--dry-run"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    assert plan["samples"] == 400 and plan["padding"] < 0.2 and plan["estimated_bytes_max"] > 0
+    assert not (out / "units").exists() and not (out / "cache.json").exists()
