@@ -1,0 +1,521 @@
+"""The train stage's loader: committed units -> token-budget batches on the drafter's device.
+
+The drafter GPU must never wait and host memory must not grow with the dataset, so:
+
+- every committed unit is indexed once into a `SampleTable` (one row per sample; one cached
+  `UnitReader` per unit);
+- each epoch, `epoch_batches` shuffles the samples with a seeded generator, packs token-budget
+  batches inside length buckets and shuffles the batches, then deals them to the DDP ranks so
+  every rank gets the same number;
+- reader threads decode each sample of a batch straight into one of `prefetch + 1` host buffers
+  ("slots", pinned on CUDA hosts) that are allocated once and reused: a slot is only handed to the
+  readers when it is free, so host memory is bounded by the slot count, not by the dataset;
+- the host-to-device copy runs on a side CUDA stream behind an event; the consumer's stream waits
+  on that event (the host does not), and the slot goes back to the pool once the event has
+  completed. Layer selection and fp8 dequantisation run on the device after the copy. The loader
+  holds at most two batches on the device: the one it last yielded and the next one.
+
+On a CPU device the same code runs without streams or events (the "copy" is a plain copy, so a
+batch never aliases a slot that readers will overwrite).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .plan import default_bucket_edges
+from .spec import CacheSpec, SpecError, check_drafter_fits, read_spec
+from .store import CorruptUnit, UnitReader, committed_units
+
+
+@dataclass
+class SampleTable:
+    """One row per cached sample over the committed units.
+
+    Rows are ordered by unit id, then by the sample's place in its unit, so the table (and every
+    epoch's batches) is a pure function of the set of committed units. `from_units` may be called
+    again on a larger dict of readers when a cache is still growing (follow mode).
+    """
+
+    unit: np.ndarray  # int64 unit id per sample
+    start: np.ndarray  # int64 first token row of the sample within its unit
+    length: np.ndarray  # int64 tokens
+    sample_index: np.ndarray  # int64 source row (from the unit's sample_index)
+
+    @classmethod
+    def from_units(cls, readers: dict[int, UnitReader]) -> SampleTable:
+        """Index the samples of every given unit (ids sorted, whatever the dict order)."""
+        ids = sorted(readers)
+        if not ids:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls(empty, empty.copy(), empty.copy(), empty.copy())
+        unit = np.concatenate([np.full(readers[u].n_samples, u, dtype=np.int64) for u in ids])
+        start = np.concatenate([readers[u].offsets[:-1] for u in ids]).astype(np.int64)
+        length = np.concatenate([np.diff(readers[u].offsets) for u in ids]).astype(np.int64)
+        sample_index = np.concatenate([readers[u].sample_index for u in ids]).astype(np.int64)
+        return cls(unit, start, length, sample_index)
+
+    def __len__(self) -> int:
+        return len(self.unit)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.length.sum())
+
+
+def _manifest_samples(path: Path) -> int | None:
+    """The unit manifest's sample count, read without zarr, or None when unreadable."""
+    try:
+        meta = json.loads((path / "zarr.json").read_text())
+        return int(meta["attributes"]["dflash_unit"]["n_samples"])
+    except Exception:  # noqa: BLE001 - any failure just means "unknown"
+        return None
+
+
+def _check_against_spec(reader: UnitReader, spec: CacheSpec) -> None:
+    """Refuse a unit whose arrays do not have the shapes and dtypes that cache.json promises."""
+    fp8 = spec.storage.dtype == "fp8"
+    if reader.storage != spec.storage.dtype:
+        raise CorruptUnit(reader.name, f"stored as {reader.storage}, cache.json says {spec.storage.dtype}")
+    n = reader.n_tokens
+    expect = {
+        "hidden": (np.uint8 if fp8 else np.uint16, (n, spec.row_width)),
+        "input_ids": (np.int32, (n,)),
+        "loss_mask": (np.uint8, (n,)),
+    }
+    if fp8:
+        expect["hidden_scale"] = (np.float32, (n, len(spec.layers.ids)))
+    for key, (dtype, shape) in expect.items():
+        arr = reader.arrays.get(key)
+        if arr is None:
+            raise CorruptUnit(reader.name, f"array {key} is missing")
+        if np.dtype(arr.dtype) != np.dtype(dtype) or tuple(arr.shape) != shape:
+            raise CorruptUnit(
+                reader.name, f"{key} is {np.dtype(arr.dtype)}{tuple(arr.shape)}, expected {np.dtype(dtype)}{shape}"
+            )
+
+
+def open_units(
+    cache_dir: Path, *, skip_bad_units: bool = False, only: Iterable[int] | None = None
+) -> tuple[dict[int, UnitReader], list[str]]:
+    """Open every committed unit (or the ids in `only`) once, checked against cache.json.
+
+    A unit that fails (manifest vs file sizes, offsets, array shapes) raises `CorruptUnit` naming
+    it, unless `skip_bad_units`: then it is left out and described in the returned problems,
+    with the number of samples lost when the manifest still says it, so the caller can report how
+    much data a run trains without. `only` lets a follower open just the newly committed units.
+    """
+    cache_dir = Path(cache_dir)
+    spec = read_spec(cache_dir)
+    wanted = None if only is None else set(only)
+    readers: dict[int, UnitReader] = {}
+    problems: list[str] = []
+    for uid, path in committed_units(cache_dir).items():
+        if wanted is not None and uid not in wanted:
+            continue
+        try:
+            reader = UnitReader(path)
+            _check_against_spec(reader, spec)
+        except CorruptUnit as e:
+            if not skip_bad_units:
+                raise
+            n = _manifest_samples(path)
+            lost = f"{n} samples dropped" if n is not None else "sample count unknown (manifest unreadable)"
+            problems.append(f"{e.unit}: {e.problem} ({lost})")
+            continue
+        readers[uid] = reader
+    return readers, problems
+
+
+def epoch_batches(
+    table: SampleTable,
+    *,
+    epoch: int,
+    seed: int,
+    token_budget: int,
+    bucket_edges: list[int],
+    world_size: int,
+) -> list[list[np.ndarray]]:
+    """Every rank's batches (arrays of table row ids) for one epoch; a pure function of the inputs.
+
+    Samples are shuffled with a generator seeded by (seed, epoch), split into length buckets
+    (`bucket_edges`, upper edges; longer samples form one more bucket) and packed, in shuffled
+    order, into batches of at most `token_budget` tokens. Tokens are packed, not padded, so the
+    budget counts real tokens; a sample longer than the budget gets a batch of its own. The batch
+    list is then shuffled, so lengths mix across batches and not within them.
+
+    Rank r gets batches r, r + W, r + 2W, ... of that list, cut first to a multiple of
+    `world_size` so that every rank runs the same number of steps (DDP would hang otherwise). The
+    fewer than `world_size` leftover batches are dropped for this epoch only; the shuffle makes
+    them different samples each epoch. With world_size 1 nothing is dropped: every sample comes
+    exactly once per epoch.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be positive, got {token_budget}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    rng = np.random.default_rng([seed, epoch])
+    perm = rng.permutation(len(table)).astype(np.int64)
+    lengths = table.length[perm]
+    bucket = np.searchsorted(np.asarray(bucket_edges, dtype=np.int64), lengths, side="left")
+    batches: list[np.ndarray] = []
+    for b in np.unique(bucket):
+        rows = perm[bucket == b]  # still in shuffled order
+        cum = np.concatenate([[0], np.cumsum(table.length[rows])])
+        s = 0
+        while s < len(rows):
+            # Longest prefix from s whose tokens fit the budget; at least one sample.
+            e = int(np.searchsorted(cum, cum[s] + token_budget, side="right")) - 1
+            e = max(e, s + 1)
+            batches.append(rows[s:e])
+            s = e
+    order = rng.permutation(len(batches))
+    keep = len(batches) // world_size * world_size
+    dealt = [batches[i] for i in order[:keep]]
+    return [dealt[r::world_size] for r in range(world_size)]
+
+
+@dataclass
+class Batch:
+    """One packed batch, already on the target device (sample_index stays on the CPU)."""
+
+    context: torch.Tensor  # [N, K'*H] bf16 (bf16 storage) or float32 dequantised (fp8 storage)
+    input_ids: torch.Tensor  # [N] int64
+    loss_mask: torch.Tensor  # [N] bool
+    offsets: torch.Tensor  # [S+1] int64 packed sequence boundaries
+    sample_index: torch.Tensor  # [S] int64 source rows, on the CPU
+    num_tokens: int
+
+
+class _Slot:
+    """One reusable host buffer, big enough for the largest batch; pinned when the device is CUDA."""
+
+    def __init__(self, index: int, rows: int, width: int, layers: int, fp8: bool, pin: bool):
+        self.index = index
+        # bf16 bits live in int16 (torch has no full uint16 support); numpy views them as uint16.
+        self.hidden = torch.empty((rows, width), dtype=torch.uint8 if fp8 else torch.int16, pin_memory=pin)
+        self.scale = torch.empty((rows, layers), dtype=torch.float32, pin_memory=pin) if fp8 else None
+        self.input_ids = torch.empty(rows, dtype=torch.int32, pin_memory=pin)
+        self.loss_mask = torch.empty(rows, dtype=torch.uint8, pin_memory=pin)
+        self.offsets = torch.empty(rows + 1, dtype=torch.int64, pin_memory=pin)
+        # numpy views over the same memory: what UnitReader.read_into decodes into.
+        self.np = {
+            "hidden": self.hidden.numpy() if fp8 else self.hidden.numpy().view(np.uint16),
+            "input_ids": self.input_ids.numpy(),
+            "loss_mask": self.loss_mask.numpy(),
+        }
+        if self.scale is not None:
+            self.np["hidden_scale"] = self.scale.numpy()
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.hidden, self.scale, self.input_ids, self.loss_mask, self.offsets]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class _Pending:
+    """A batch whose samples the readers are decoding into `slot`, one future per sample."""
+
+    rows: np.ndarray
+    slot: _Slot
+    futures: list[Future]
+    num_tokens: int
+
+
+@dataclass
+class _Staged:
+    """A batch whose copy to the device has been issued; `event` marks the copy's end on CUDA."""
+
+    batch: Batch
+    slot: _Slot
+    event: torch.cuda.Event | None
+
+
+class CacheLoader:
+    """Streams a cache's batches to one rank's device with bounded host and device memory.
+
+    Attributes the trainer reads: `wait_seconds` (cumulative time the consumer was blocked waiting
+    for data: the loader wait it reports), `dropped` (problems of bad units skipped with
+    `skip_bad_units`), `host_slots` (the reused host buffers, `prefetch + 1` of them, allocated
+    once) and `peak_slots_in_use` (instrumentation: never above `len(host_slots)`).
+    """
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        *,
+        layer_ids: list[int] | None = None,
+        token_budget: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        device: torch.device,
+        prefetch: int = 2,
+        readers: int = 4,
+        skip_bad_units: bool = False,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if prefetch < 0 or readers < 1 or token_budget < 1:
+            raise ValueError("prefetch must be >= 0, readers >= 1 and token_budget >= 1")
+        self.cache_dir = Path(cache_dir)
+        self.spec = read_spec(self.cache_dir)
+        cached = list(self.spec.layers.ids)
+        self.layer_ids = cached if layer_ids is None else list(layer_ids)
+        check_drafter_fits(self.spec, layer_ids=self.layer_ids)
+        positions = [cached.index(i) for i in self.layer_ids]
+        if len(set(positions)) != len(positions) or positions != sorted(positions):
+            raise SpecError(f"layers: {self.layer_ids} must be distinct and in the cache's order {cached}")
+        self.token_budget = token_budget
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.fp8 = self.spec.storage.dtype == "fp8"
+        self.bucket_edges = list(self.spec.plan.bucket_edges) or default_bucket_edges(self.spec.data.max_length)
+
+        # One reader per unit, opened once; the table indexes their samples.
+        self.readers, self.dropped = open_units(self.cache_dir, skip_bad_units=skip_bad_units)
+        self.table = SampleTable.from_units(self.readers)
+
+        self._cuda = self.device.type == "cuda"
+        self._num_layers = len(cached)
+        self._hidden_size = self.spec.target.hidden_size
+        self._all_layers = positions == list(range(len(cached)))
+        self._layer_index = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        if self._stream is not None:  # the side stream uses _layer_index, made on the current stream
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+
+        # prefetch + 1 host slots, allocated (and pinned) once. The largest batch is the token
+        # budget, or one sample longer than it. (Follow mode would size this from the spec's
+        # max_length instead, as later units may hold longer samples.)
+        longest = int(self.table.length.max()) if len(self.table) else 0
+        self.slot_rows = max(token_budget, longest)
+        self.host_slots = [
+            _Slot(i, self.slot_rows, self.spec.row_width, self._num_layers, self.fp8, self._cuda)
+            for i in range(prefetch + 1)
+        ]
+        self.peak_slots_in_use = 0
+        self.wait_seconds = 0.0
+        self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="dflash-reader")
+        self._batches: tuple[int, list[np.ndarray]] | None = None
+        self._active: Iterator[Batch] | None = None
+
+    # -- planning -----------------------------------------------------------------------------
+
+    def _rank_batches(self, epoch: int) -> list[np.ndarray]:
+        if self._batches is None or self._batches[0] != epoch:
+            per_rank = epoch_batches(
+                self.table,
+                epoch=epoch,
+                seed=self.seed,
+                token_budget=self.token_budget,
+                bucket_edges=self.bucket_edges,
+                world_size=self.world_size,
+            )
+            self._batches = (epoch, per_rank[self.rank])
+        return self._batches[1]
+
+    def num_batches(self, epoch: int) -> int:
+        """Batches this rank gets in `epoch`: the same on every rank."""
+        return len(self._rank_batches(epoch))
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held by the slots: fixed at construction, whatever the dataset size."""
+        return sum(s.nbytes for s in self.host_slots)
+
+    # -- streaming ----------------------------------------------------------------------------
+
+    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
+        """This rank's batches of `epoch`, from `start_batch` on (a resumed run passes the number
+        of batches it already trained, and gets exactly the rest: none repeated or skipped).
+
+        Starting a new epoch closes the previous iterator, as both would share the host slots.
+        """
+        batches = self._rank_batches(epoch)
+        if not 0 <= start_batch <= len(batches):
+            raise ValueError(f"start_batch {start_batch} is outside 0..{len(batches)} for epoch {epoch}")
+        if self._active is not None:
+            self._active.close()
+        self._active = self._stream_batches(batches[start_batch:])
+        return self._active
+
+    def _stream_batches(self, batches: list[np.ndarray]) -> Iterator[Batch]:
+        free: list[_Slot] = list(self.host_slots)
+        pending: deque[_Pending] = deque()  # reads submitted, in batch order
+        copying: deque[tuple[_Slot, torch.cuda.Event | None]] = deque()  # copies whose slot is not free yet
+        todo = deque(batches)
+
+        def reclaim(block: bool) -> None:
+            # A slot is free again once the copy out of it has completed (event query). When
+            # nothing else can make progress, wait for the oldest copy (event synchronize).
+            while copying and (copying[0][1] is None or copying[0][1].query()):
+                free.append(copying.popleft()[0])
+            if block and not free and copying:
+                t0 = time.perf_counter()
+                copying[0][1].synchronize()
+                self.wait_seconds += time.perf_counter() - t0
+                free.append(copying.popleft()[0])
+
+        def submit() -> None:
+            # Hand free slots to the readers, one batch per slot, in batch order.
+            reclaim(block=bool(todo) and not pending)
+            while free and todo:
+                slot = free.pop()
+                self.peak_slots_in_use = max(self.peak_slots_in_use, len(self.host_slots) - len(free))
+                pending.append(self._submit_reads(todo.popleft(), slot))
+
+        def stage(block: bool) -> _Staged | None:
+            # Issue the device copy of the next batch in order, once all its samples are decoded
+            # (futures in batch order: whichever reader finishes first, batch i stays batch i).
+            if not pending:
+                return None
+            job = pending[0]
+            if not block and not all(f.done() and f.exception() is None for f in job.futures):
+                return None  # not ready, or failed: the blocking path raises it in its turn
+            t0 = time.perf_counter()
+            try:
+                for f in job.futures:
+                    f.result()  # a CorruptUnit raised by a reader propagates here, naming the unit
+            finally:
+                self.wait_seconds += time.perf_counter() - t0
+            pending.popleft()
+            staged = self._copy_to_device(job)
+            copying.append((job.slot, staged.event))
+            return staged
+
+        try:
+            submit()
+            nxt = stage(block=True)
+            while nxt is not None:
+                current, nxt = nxt, None
+                submit()
+                # Copy batch i+1 while the trainer works on batch i, if its reads are done;
+                # otherwise yield batch i now and stage i+1 when the trainer asks for it.
+                nxt = stage(block=False)
+                submit()
+                yield self._hand_over(current)
+                current = None  # the loader's reference: at most this batch and the next on the device
+                if nxt is None:
+                    submit()
+                    nxt = stage(block=True)
+        finally:
+            for job in pending:
+                for f in job.futures:
+                    f.cancel()
+            wait_futures([f for job in pending for f in job.futures])  # readers must leave the slots
+            for _, event in copying:
+                if event is not None:
+                    event.synchronize()
+
+    def _submit_reads(self, rows: np.ndarray, slot: _Slot) -> _Pending:
+        """One reader task per sample, each decoding into its own rows of the slot."""
+        lengths = self.table.length[rows]
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        n = int(offsets[-1])
+        if n > self.slot_rows:
+            raise RuntimeError(f"batch of {n} tokens exceeds the host slot of {self.slot_rows} rows")
+        slot.offsets.numpy()[: len(offsets)] = offsets
+        futures = [
+            self._pool.submit(
+                self._read_sample,
+                slot,
+                int(self.table.unit[r]),
+                int(self.table.start[r]),
+                int(self.table.length[r]),
+                int(offsets[i]),
+            )
+            for i, r in enumerate(rows)
+        ]
+        return _Pending(rows, slot, futures, n)
+
+    def _read_sample(self, slot: _Slot, unit: int, start: int, length: int, dst: int) -> None:
+        reader = self.readers[unit]
+        for key in slot.np:  # hidden, input_ids, loss_mask (+ hidden_scale for fp8)
+            reader.read_into(key, start, start + length, out=slot.np[key][dst : dst + length])
+
+    def _copy_to_device(self, job: _Pending) -> _Staged:
+        """Copy a decoded slot to the device (side stream on CUDA), then select layers and
+        dequantise there; the event recorded after it tells both the consumer and the slot pool."""
+        n, s, slot = job.num_tokens, len(job.rows), job.slot
+
+        def up(t: torch.Tensor) -> torch.Tensor:
+            # An explicit copy, also on the CPU, where .to() would alias the reused slot.
+            out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            out.copy_(t, non_blocking=self._cuda)
+            return out
+
+        with torch.cuda.stream(self._stream) if self._cuda else nullcontext():
+            hidden = up(slot.hidden[:n])
+            scale = up(slot.scale[:n]) if slot.scale is not None else None
+            input_ids = up(slot.input_ids[:n]).long()
+            loss_mask = up(slot.loss_mask[:n]).bool()
+            offsets = up(slot.offsets[: s + 1])
+            context = self._context(hidden, scale, n)
+            event = None
+            if self._cuda:
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        batch = Batch(
+            context=context,
+            input_ids=input_ids,
+            loss_mask=loss_mask,
+            offsets=offsets,
+            sample_index=torch.from_numpy(self.table.sample_index[job.rows].copy()),
+            num_tokens=n,
+        )
+        return _Staged(batch, slot, event)
+
+    def _context(self, hidden: torch.Tensor, scale: torch.Tensor | None, n: int) -> torch.Tensor:
+        """Storage bits on the device -> [n, K'*H] of the selected layers."""
+        k, h = self._num_layers, self._hidden_size
+        if scale is None:
+            bf16 = hidden.view(torch.bfloat16)
+            if self._all_layers:
+                return bf16
+            return bf16.view(n, k, h).index_select(1, self._layer_index).reshape(n, -1)
+        q = hidden.view(torch.float8_e4m3fn).view(n, k, h)
+        if not self._all_layers:
+            q, scale = q.index_select(1, self._layer_index), scale.index_select(1, self._layer_index)
+        return (q.float() * scale.unsqueeze(-1)).reshape(n, -1)
+
+    def _hand_over(self, staged: _Staged) -> Batch:
+        """Make the consumer's stream (not the host) wait for the copy, and tell the caching
+        allocator that the consumer's stream uses tensors allocated on the side stream."""
+        batch = staged.batch
+        if staged.event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(staged.event)
+            for t in (batch.context, batch.input_ids, batch.loss_mask, batch.offsets):
+                t.record_stream(stream)
+        return batch
+
+    def close(self) -> None:
+        """Stop the current epoch's reads and the reader threads."""
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> CacheLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
