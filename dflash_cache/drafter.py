@@ -1,0 +1,412 @@
+"""The DFlash draft model and its serving export (DESIGN.md section 2).
+
+The drafter fuses K tapped target layers into a context (fc, then hidden_norm, once) and runs a
+few Qwen3-style decoder layers over blocks of B tokens. In each layer the queries come only from
+the block tokens; the keys and values are the layer's k_proj/v_proj of the context (k_norm, RoPE
+at the context positions) followed by the block tokens' own. The context never passes through
+q_proj, o_proj or the MLP. The token embedding and LM head belong to the target: they are
+frozen, passed in by the caller, and never part of this module, so its state_dict() is the
+serving checkpoint (z-lab / vLLM / SGLang format) as is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from transformers.activations import ACT2FN
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from .objective import BlockLayout, block_attention
+
+INITIALIZER_RANGE = 0.02  # Qwen3's initializer_range: std of the Linear weights at init
+
+
+def default_target_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
+    """round(1 + i*(L-4)/(K-1)), i < K: spread over the target, skipping the first and last few
+    layers (Qwen3-8B, L=36: [1, 9, 17, 25, 33]). One layer: the middle one, as z-lab does."""
+    if k == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (k - 1)) for i in range(k)]
+
+
+def _rope_from(d: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from a config dict in the transformers 4 style (rope_theta,
+    rope_scaling) or the 5 style (rope_parameters). Scaling is None for plain RoPE."""
+    params = dict(d.get("rope_parameters") or {})
+    theta = d.get("rope_theta") or params.pop("rope_theta", None) or 10000.0
+    scaling = dict(d.get("rope_scaling") or params)
+    scaling.pop("rope_theta", None)
+    if "type" in scaling:
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    if scaling.get("rope_type", "default") == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+@dataclass
+class DrafterConfig:
+    """Geometry of a DFlash drafter and the target facts it depends on."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    mask_token_id: int
+    rope_scaling: dict | None = None
+    num_hidden_layers: int = 5  # draft layers
+    block_size: int = 16
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        ids = self.target_layer_ids
+        if not ids or len(set(ids)) != len(ids):
+            raise ValueError(f"target_layer_ids must be non-empty and distinct, got {ids}")
+        if min(ids) < 0 or max(ids) >= self.num_target_layers:
+            raise ValueError(
+                f"target_layer_ids {ids} out of range for {self.num_target_layers} target layers"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.rope_scaling is not None:
+            self.rope_theta, self.rope_scaling = _rope_from(
+                {"rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling}
+            )
+
+    @property
+    def num_context_layers(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_target(
+        cls,
+        target_config: dict,
+        *,
+        target_layer_ids: list[int] | None,
+        mask_token_id: int,
+        num_draft_layers: int = 5,
+        block_size: int = 16,
+    ) -> DrafterConfig:
+        """Drafter geometry from a HF target config.json dict (Qwen3/Llama-like keys; a
+        multimodal config's text_config is used when the top level has no hidden_size).
+        target_layer_ids None means the default 5 spread layers."""
+        t = target_config
+        if "hidden_size" not in t and "text_config" in t:
+            t = t["text_config"]
+        heads = t["num_attention_heads"]
+        theta, scaling = _rope_from(t)
+        n_target = t["num_hidden_layers"]
+        return cls(
+            hidden_size=t["hidden_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=t.get("num_key_value_heads") or heads,
+            head_dim=t.get("head_dim") or t["hidden_size"] // heads,
+            intermediate_size=t["intermediate_size"],
+            vocab_size=t["vocab_size"],
+            rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=t.get("max_position_embeddings", 32768),
+            target_layer_ids=(
+                default_target_layer_ids(n_target)
+                if target_layer_ids is None
+                else list(target_layer_ids)
+            ),
+            num_target_layers=n_target,
+            mask_token_id=mask_token_id,
+            num_hidden_layers=num_draft_layers,
+            block_size=block_size,
+            hidden_act=t.get("hidden_act", "silu"),
+        )
+
+    def _rope_parameters(self) -> dict:
+        return {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+
+    def to_serving_config(self) -> dict:
+        """The config.json that z-lab's DFlashDraftModel, vLLM and SGLang read."""
+        n = self.num_hidden_layers
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "block_size": self.block_size,
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "hidden_size": self.hidden_size,
+            "initializer_range": INITIALIZER_RANGE,
+            "intermediate_size": self.intermediate_size,
+            "layer_types": ["full_attention"] * n,
+            "max_position_embeddings": self.max_position_embeddings,
+            "max_window_layers": n,
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": n,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_target_layers": self.num_target_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            # Both spellings: transformers 4 / vLLM read rope_theta + rope_scaling, 5 reads
+            # rope_parameters; they agree.
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "rope_parameters": self._rope_parameters(),
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "bfloat16",
+            "dtype": "bfloat16",
+            "use_cache": True,
+            "vocab_size": self.vocab_size,
+        }
+
+    @classmethod
+    def from_serving_config(cls, d: dict) -> DrafterConfig:
+        dflash = d.get("dflash_config") or {}
+        theta, scaling = _rope_from(d)
+        return cls(
+            hidden_size=d["hidden_size"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+            intermediate_size=d["intermediate_size"],
+            vocab_size=d["vocab_size"],
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            target_layer_ids=dflash["target_layer_ids"],
+            num_target_layers=d["num_target_layers"],
+            mask_token_id=dflash["mask_token_id"],
+            num_hidden_layers=d["num_hidden_layers"],
+            block_size=d.get("block_size", dflash.get("block_size", 16)),
+            attention_bias=d.get("attention_bias", False),
+            hidden_act=d.get("hidden_act", "silu"),
+        )
+
+
+# ----------------------------------------------------------------------------- model
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm's arithmetic (normalize in float32, cast back, scale), but float64 inputs
+    stay float64 so that exactness tests can be tight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x if x.dtype == torch.float64 else x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE (rotate-half convention) on x [N, heads, D] with cos/sin [N, D]."""
+    cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_k: tuple[Tensor, Tensor],
+        layout: BlockLayout,
+    ) -> Tensor:
+        nq, nc, d = x.shape[0], ctx.shape[0], self.head_dim
+        q = _rotate(self.q_norm(self.q_proj(x).view(nq, self.n_heads, d)), *rope_q)
+        k_blk = _rotate(self.k_norm(self.k_proj(x).view(nq, self.n_kv, d)), *rope_q)
+        k_ctx = _rotate(self.k_norm(self.k_proj(ctx).view(nc, self.n_kv, d)), *rope_k)
+        v_blk = self.v_proj(x).view(nq, self.n_kv, d)
+        v_ctx = self.v_proj(ctx).view(nc, self.n_kv, d)
+        dt = v_blk.dtype  # under autocast the norms give float32 while v is bf16
+        out = block_attention(
+            q.to(dt), k_ctx.to(dt), v_ctx, k_blk.to(dt), v_blk, layout, scale=d**-0.5
+        )
+        return self.o_proj(out.reshape(nq, self.n_heads * d))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_k, layout: BlockLayout) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, layout)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash draft model over a packed batch of blocks (see the module docstring)."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(cfg.num_context_layers * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gradient_checkpointing = False  # recompute each layer in backward to save memory
+        # RoPE frequencies (scaled types too) from transformers' Qwen3 code. A plain attribute,
+        # not a buffer: Module.to(bfloat16) must not round it, and it is no checkpoint entry.
+        with torch.device("cpu"):
+            rotary = Qwen3RotaryEmbedding(
+                Qwen3Config(
+                    hidden_size=h,
+                    num_attention_heads=cfg.num_attention_heads,
+                    head_dim=cfg.head_dim,
+                    max_position_embeddings=cfg.max_position_embeddings,
+                    rope_parameters=cfg._rope_parameters(),
+                )
+            )
+        self._inv_freq = rotary.inv_freq.float()
+        self._rope_scale = float(rotary.attention_scaling)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=INITIALIZER_RANGE)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        cdt = torch.float64 if dtype == torch.float64 else torch.float32
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions.to(cdt)[:, None] * self._inv_freq.to(cdt)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self._rope_scale).to(dtype), (emb.sin() * self._rope_scale).to(dtype)
+
+    def forward(self, block_embeds: Tensor, context: Tensor, layout: BlockLayout) -> Tensor:
+        """block_embeds [nb*B, H]: target embeddings of the block tokens; context [Nc, K*H]: the
+        batch's packed tapped target hidden states. Returns the final-normed hidden [nb*B, H];
+        the caller applies the frozen LM head."""
+        ctx = self.hidden_norm(self.fc(context))
+        rope_q = self._rope(layout.query_positions(), block_embeds.dtype)
+        rope_k = self._rope(layout.ctx_pos, block_embeds.dtype)
+        x = block_embeds
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, ctx, rope_q, rope_k, layout, use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_q, rope_k, layout)
+        return self.norm(x)
+
+
+# ----------------------------------------------------------------------------- serving export
+
+
+def save_serving(model: DFlashDrafter, cfg: DrafterConfig, out_dir: Path) -> None:
+    """Write config.json + model.safetensors (bf16) into out_dir, atomically: everything is
+    written to a temporary sibling directory that is then renamed into place (an existing
+    out_dir is moved aside first and removed after)."""
+    out_dir = Path(out_dir)
+    if model.fc.out_features != cfg.hidden_size or len(model.layers) != cfg.num_hidden_layers:
+        raise ValueError("cfg does not describe this model")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        tmp.chmod(0o755)
+        with open(tmp / "config.json", "w") as f:
+            json.dump(cfg.to_serving_config(), f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        tensors = {
+            k: v.detach().to("cpu", torch.bfloat16).contiguous()
+            for k, v in model.state_dict().items()
+        }
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        with open(tmp / "model.safetensors", "rb") as f:
+            os.fsync(f.fileno())
+        old = None
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_serving(
+    path: Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> tuple[DFlashDrafter, DrafterConfig]:
+    """Load an exported drafter. dtype None keeps the checkpoint's (bf16)."""
+    path = Path(path)
+    cfg = DrafterConfig.from_serving_config(json.loads((path / "config.json").read_text()))
+    state = load_file(str(path / "model.safetensors"), device=str(device))
+    with torch.device("meta"):  # no wasted init: the weights come from the file
+        model = DFlashDrafter(cfg)
+    model.load_state_dict(state, strict=True, assign=True)
+    if dtype is not None:
+        model.to(dtype)
+    return model, cfg
+
+
+__all__ = [
+    "DFlashDrafter",
+    "DrafterConfig",
+    "default_target_layer_ids",
+    "load_serving",
+    "save_serving",
+]

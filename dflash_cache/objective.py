@@ -1,0 +1,418 @@
+"""The DFlash training objective: anchors, block layout, the block attention rule, and a chunked,
+slot-decayed cross-entropy (DESIGN.md section 2).
+
+A batch is packed: S sequences concatenated with `offsets [S+1]`. From it, `make_blocks` samples
+anchors and builds blocks of B tokens: slot 0 holds the anchor token, slots 1..B-1 the mask
+token, and slot k is trained to predict the token at anchor+k (same position, not shifted).
+Block j attends to the context of its own sequence strictly before its anchor and
+bidirectionally to its own B tokens; `block_attention` implements that rule with flex attention
+on GPU and with an exact chunked SDPA elsewhere.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
+
+try:
+    # Compiled once per process, lazily: nothing is compiled until the first GPU call. Compiled
+    # create_block_mask never materializes the [Q, KV] mask, which would not fit in memory.
+    _flex_compiled = torch.compile(flex_attention)
+    _create_block_mask = torch.compile(create_block_mask)
+except Exception:  # pragma: no cover - torch.compile unsupported on this Python/platform
+    _flex_compiled = None
+    _create_block_mask = create_block_mask
+_flex_broken = False  # set once if the compiled kernel fails; then the SDPA path is used
+
+# Budget, in attention-matrix elements per head, for one SDPA call of the exact path.
+SDPA_CHUNK_ELEMS = 1 << 23
+
+# gamma of the slot decay exp(-(k-1)/gamma), from the DFlash paper.
+_PUBLISHED_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclass
+class BlockLayout:
+    """Where every context token and every block of a packed batch sits.
+
+    Blocks must be grouped by sequence in sequence order (make_blocks guarantees it); the
+    exact attention path relies on that to cut the batch into per-sequence pieces.
+    """
+
+    block_size: int
+    ctx_seq: Tensor  # [Nc] sequence id of each context token
+    ctx_pos: Tensor  # [Nc] position of each context token within its sequence
+    block_seq: Tensor  # [nb] sequence of each block
+    block_anchor: Tensor  # [nb] anchor position (within its sequence) of each block
+    offsets: Tensor  # [S+1] int64: sequence s is context rows offsets[s]:offsets[s+1]
+    _flex_mask: object | None = field(default=None, init=False, repr=False, compare=False)
+    _sdpa_plan: list | None = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls, offsets: Tensor, block_seq: Tensor, block_anchor: Tensor, block_size: int
+    ) -> BlockLayout:
+        """Layout from sequence offsets and each block's (sequence, anchor)."""
+        offsets = offsets.to(torch.int64)
+        lengths = offsets.diff()
+        seq_ids = torch.arange(len(lengths), device=offsets.device)
+        ctx_seq = torch.repeat_interleave(seq_ids, lengths)
+        ctx_pos = torch.arange(int(offsets[-1]), device=offsets.device) - offsets[ctx_seq]
+        return cls(
+            block_size=block_size,
+            ctx_seq=ctx_seq,
+            ctx_pos=ctx_pos,
+            block_seq=block_seq.to(device=offsets.device, dtype=torch.int64),
+            block_anchor=block_anchor.to(device=offsets.device, dtype=torch.int64),
+            offsets=offsets,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_seq.shape[0]
+
+    @property
+    def num_context(self) -> int:
+        return self.ctx_seq.shape[0]
+
+    def query_positions(self) -> Tensor:
+        """[nb*B] RoPE position of every block token: anchor + slot."""
+        slots = torch.arange(self.block_size, device=self.block_anchor.device)
+        return (self.block_anchor[:, None] + slots).reshape(-1)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> BlockLayout:
+        def mv(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        return BlockLayout(
+            self.block_size,
+            mv(self.ctx_seq),
+            mv(self.ctx_pos),
+            mv(self.block_seq),
+            mv(self.block_anchor),
+            mv(self.offsets),
+        )
+
+    def flex_block_mask(self):
+        """The flex BlockMask of the attention rule over [context ; block tokens], built once.
+
+        Every lookup table is padded past the next multiple of 128 with ids that match nothing,
+        so the mask_mod stays in bounds wherever flex evaluates it, padded tiles included.
+        """
+        if self._flex_mask is not None:
+            return self._flex_mask
+        B, nc, dev = self.block_size, self.num_context, self.block_seq.device
+        nq = self.num_blocks * B
+
+        def padded(t: Tensor, fill: int) -> Tensor:
+            n = t.shape[0]
+            return F.pad(t, (0, -n % 128 + 128), value=fill)
+
+        blk = torch.arange(nq, device=dev) // B
+        q_seq = padded(self.block_seq.repeat_interleave(B), -2)
+        q_anchor = padded(self.block_anchor.repeat_interleave(B), -2)
+        q_blk = padded(blk, -2)
+        kv_seq = padded(torch.cat([self.ctx_seq, torch.full_like(blk, -1)]), -3)
+        kv_pos = padded(torch.cat([self.ctx_pos, torch.zeros_like(blk)]), -3)
+        kv_blk = padded(torch.cat([torch.full_like(self.ctx_seq, -1), blk]), -3)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            in_context = (kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
+            return in_context | (kv_blk[kv_idx] == q_blk[q_idx])
+
+        self._flex_mask = _create_block_mask(mask_mod, None, None, nq, nc + nq, device=dev)
+        return self._flex_mask
+
+    def sdpa_plan(self) -> list[tuple[int, int, int, int]]:
+        """(q_start, q_end, ctx_start, ctx_len) pieces for the exact path, in query order.
+
+        A piece is a run of consecutive blocks of one sequence; its context is that sequence's
+        prefix up to the largest anchor in the run. Runs are cut so that a piece's score matrix
+        stays near SDPA_CHUNK_ELEMS elements per head.
+        """
+        if self._sdpa_plan is not None:
+            return self._sdpa_plan
+        B = self.block_size
+        seqs = self.block_seq.tolist()
+        anchors = self.block_anchor.tolist()
+        offsets = self.offsets.tolist()
+        plan: list[tuple[int, int, int, int]] = []
+        j = 0
+        while j < len(seqs):
+            s, start = seqs[j], j
+            if start > 0 and s < seqs[start - 1]:
+                raise ValueError("blocks must be grouped by sequence, in sequence order")
+            while j < len(seqs) and seqs[j] == s:
+                nq = (j - start + 1) * B
+                if j > start and nq * (anchors[j] + nq) > SDPA_CHUNK_ELEMS:
+                    break
+                j += 1
+            plan.append((start * B, j * B, offsets[s], max(anchors[start:j])))
+        self._sdpa_plan = plan
+        return plan
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def block_attention(
+    q: Tensor,
+    k_ctx: Tensor,
+    v_ctx: Tensor,
+    k_blk: Tensor,
+    v_blk: Tensor,
+    layout: BlockLayout,
+    scale: float | None = None,
+    impl: str | None = None,
+) -> Tensor:
+    """Attention of block queries over [own-sequence context before the anchor ; own block].
+
+    q [nq, Hq, D] with nq = nb*B; k_ctx, v_ctx [Nc, Hkv, D]; k_blk, v_blk [nq, Hkv, D]; Hq a
+    multiple of Hkv (GQA: query head h reads kv head h // (Hq/Hkv)). Returns [nq, Hq, D].
+    impl: "flex", "sdpa", or None (flex on CUDA when it works, else sdpa).
+    """
+    global _flex_broken
+    if q.shape[0] == 0:
+        return q * 0  # keeps the graph for an empty batch
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if impl is None:
+        use_flex = q.is_cuda and _flex_compiled is not None and not _flex_broken
+        if use_flex:
+            try:
+                return _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # compile/kernel failure: fall back once, loudly
+                _flex_broken = True
+                warnings.warn(
+                    f"flex_attention failed ({type(e).__name__}: {e}); "
+                    "falling back to the exact SDPA path",
+                    stacklevel=2,
+                )
+        impl = "sdpa"
+    if impl == "flex":
+        return _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale)
+    if impl == "sdpa":
+        return _sdpa_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale)
+    raise ValueError(f"unknown attention impl {impl!r}")
+
+
+def _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale) -> Tensor:
+    fn = _flex_compiled if _flex_compiled is not None else flex_attention
+    k = torch.cat([k_ctx, k_blk]).transpose(0, 1).unsqueeze(0)
+    v = torch.cat([v_ctx, v_blk]).transpose(0, 1).unsqueeze(0)
+    out = fn(
+        q.transpose(0, 1).unsqueeze(0),
+        k,
+        v,
+        block_mask=layout.flex_block_mask(),
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+def _sdpa_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale) -> Tensor:
+    B = layout.block_size
+    groups = q.shape[1] // k_ctx.shape[1]
+    anchors = layout.block_anchor
+    outs = []
+    for q0, q1, c0, n_ctx in layout.sdpa_plan():
+        blk = torch.arange(q0, q1, device=q.device) // B
+        ctx_pos = torch.arange(n_ctx, device=q.device)
+        mask = torch.cat(
+            [ctx_pos[None, :] < anchors[blk][:, None], blk[:, None] == blk[None, :]], dim=1
+        )
+        k = torch.cat([k_ctx[c0 : c0 + n_ctx], k_blk[q0:q1]]).transpose(0, 1)
+        v = torch.cat([v_ctx[c0 : c0 + n_ctx], v_blk[q0:q1]]).transpose(0, 1)
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=0)
+            v = v.repeat_interleave(groups, dim=0)
+        o = F.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1), k, v, attn_mask=mask, scale=scale
+        )
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+# ----------------------------------------------------------------------------- anchors, blocks
+
+
+def default_gamma(block_size: int) -> float:
+    """Slot-decay gamma: the paper's 7 / 5 / 4 for B = 16 / 10 / 8.
+
+    Fallback for other B: linear interpolation between those points, extended past them along
+    the nearest segment (slope 1/2 below 10, 1/3 above 10), and never below 1.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if block_size in _PUBLISHED_GAMMA:
+        return _PUBLISHED_GAMMA[block_size]
+    if block_size < 10:
+        return max(1.0, 4.0 + (block_size - 8) / 2)
+    return 5.0 + (block_size - 10) / 3
+
+
+def slot_weights(block_size: int, gamma: float | None = None) -> Tensor:
+    """[B] loss weight per slot: 0 at slot 0 (the given anchor), exp(-(k-1)/gamma) at k >= 1.
+
+    Early slots weigh most because a draft is accepted only up to its first wrong token.
+    """
+    gamma = default_gamma(block_size) if gamma is None else gamma
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def sample_anchors(
+    loss_mask: Tensor, block_size: int, max_anchors: int, generator: torch.Generator
+) -> Tensor:
+    """Sorted anchor positions of one sequence: supervised p with p + B <= len, at most
+    max_anchors of them drawn uniformly without replacement (fresh for each generator state).
+    """
+    n_valid = loss_mask.shape[0] - block_size + 1
+    if n_valid <= 0 or max_anchors <= 0:
+        return torch.zeros(0, dtype=torch.int64)
+    valid = torch.nonzero(loss_mask[:n_valid].cpu() != 0).flatten()
+    if valid.numel() > max_anchors:
+        pick = torch.randperm(valid.numel(), generator=generator, device=generator.device)
+        valid = valid[pick[:max_anchors].cpu()].sort().values
+    return valid
+
+
+@dataclass
+class Blocks:
+    """The training blocks of one packed batch; flatten [nb, B] to [nb*B] for the model."""
+
+    layout: BlockLayout
+    input_ids: Tensor  # [nb, B] anchor token at slot 0, mask token after
+    labels: Tensor  # [nb, B] token at anchor + slot
+    weights: Tensor  # [nb, B] float32 slot decay * loss mask; 0 at slot 0
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Blocks:
+        return Blocks(
+            self.layout.to(device, non_blocking),
+            self.input_ids.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+            self.weights.to(device, non_blocking=non_blocking),
+        )
+
+
+def make_blocks(
+    input_ids: Tensor,
+    loss_mask: Tensor,
+    offsets: Tensor,
+    *,
+    block_size: int,
+    mask_token_id: int,
+    max_anchors: int = 512,
+    generator: torch.Generator,
+    gamma: float | None = None,
+) -> Blocks:
+    """Sample anchors per sequence and build the blocks of a packed batch.
+
+    Index work runs on the CPU (anchor sampling needs host-side counts); call this on host
+    tensors in the loader and move the result with Blocks.to(device).
+    """
+    input_ids, loss_mask, offsets = input_ids.cpu(), loss_mask.cpu(), offsets.cpu().long()
+    B = block_size
+    bounds = offsets.tolist()
+    seq_of, anchor_of = [], []
+    for s in range(len(bounds) - 1):
+        a = sample_anchors(loss_mask[bounds[s] : bounds[s + 1]], B, max_anchors, generator)
+        seq_of.append(torch.full_like(a, s))
+        anchor_of.append(a)
+    block_seq = torch.cat(seq_of) if seq_of else torch.zeros(0, dtype=torch.int64)
+    block_anchor = torch.cat(anchor_of) if anchor_of else torch.zeros(0, dtype=torch.int64)
+
+    rows = (offsets[block_seq] + block_anchor)[:, None] + torch.arange(B)  # [nb, B]
+    labels = input_ids[rows].long()
+    ids = torch.full_like(labels, mask_token_id)
+    ids[:, 0] = labels[:, 0]
+    weights = slot_weights(B, gamma)[None, :] * (loss_mask[rows] != 0).float()
+    layout = BlockLayout.build(offsets, block_seq, block_anchor, B)
+    return Blocks(layout=layout, input_ids=ids, labels=labels, weights=weights)
+
+
+# ----------------------------------------------------------------------------- loss, metrics
+
+
+def _chunk_ce(h: Tensor, w_lm: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    logits = F.linear(h, w_lm).float()
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    return (ce * weights).sum(), logits.argmax(-1) == labels
+
+
+def chunked_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    chunk_size: int = 4096,
+) -> tuple[Tensor, Tensor]:
+    """Weighted cross-entropy sum(w*ce)/sum(w) over the vocabulary, chunk by chunk.
+
+    Full logits (anchors x slots x 150-250K vocab: several GB) never exist at once: each chunk's
+    logits are dropped after its forward and recomputed in backward (activation checkpointing).
+    Softmax runs in float32. Returns (loss, correct [N] bool = argmax == label); loss is 0, with
+    a graph, when sum(w) == 0.
+    """
+    n = hidden.shape[0]
+    if n == 0:
+        return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    weights = weights.float()
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    correct = []
+    for s in range(0, n, chunk_size):
+        rows = slice(s, s + chunk_size)
+        args = (hidden[rows], lm_head_weight, labels[rows], weights[rows])
+        if recompute:
+            part, ok = checkpoint(_chunk_ce, *args, use_reentrant=False, preserve_rng_state=False)
+        else:
+            part, ok = _chunk_ce(*args)
+        total = total + part
+        correct.append(ok)
+    return total / weights.sum().clamp_min(1e-12), torch.cat(correct)
+
+
+def block_metrics(correct: Tensor, weights: Tensor) -> dict[str, Tensor]:
+    """Raw sums for per-slot accuracy and implied acceptance length, all-reducible across ranks.
+
+    correct, weights: [nb, B]. A slot counts where its weight > 0. Per block, the implied
+    acceptance length is 1 + the run of correct slots from slot 1, ended by the first wrong or
+    unweighted slot. Turn the (summed) result into JSON-ready floats with summarize_metrics.
+    """
+    valid = weights > 0
+    hit = correct.bool() & valid
+    accept = 1 + hit[:, 1:].long().cumprod(dim=1).sum(dim=1)
+    return {
+        "slot_correct": hit.sum(0).double(),
+        "slot_count": valid.sum(0).double(),
+        "accept_sum": accept.sum().double(),
+        "blocks": torch.tensor(float(correct.shape[0]), dtype=torch.float64, device=correct.device),
+    }
+
+
+def summarize_metrics(sums: dict[str, Tensor]) -> dict:
+    """Plain floats and lists from block_metrics sums: slot_acc[k-1] is slot k's accuracy
+    (0.0 where a slot had no counted tokens), accept_len is the mean over blocks."""
+    correct = sums["slot_correct"].tolist()[1:]
+    count = sums["slot_count"].tolist()[1:]
+    blocks = float(sums["blocks"])
+    return {
+        "slot_acc": [c / n if n > 0 else 0.0 for c, n in zip(correct, count, strict=True)],
+        "slot_count": [int(n) for n in count],
+        "accept_len": float(sums["accept_sum"]) / blocks if blocks > 0 else 0.0,
+        "blocks": int(blocks),
+    }
