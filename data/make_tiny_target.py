@@ -1,4 +1,4 @@
-"""Build ``data/tiny-target/``: a tiny, random-initialised Qwen3 target model for demos and tests.
+"""Build ``data/tiny-target/``: a tiny Qwen3 target model, trained on the bundled chat data, for demos and tests.
 
 Nothing can be downloaded from a model hub, so everything is made here, deterministically:
 
@@ -10,11 +10,32 @@ Nothing can be downloaded from a model hub, so everything is made here, determin
 - a Qwen3-style ChatML chat template with ``{% generation %}`` markers around each assistant
   reply and its ``<|im_end|>``, so ``return_assistant_tokens_mask=True`` works;
 - a ``Qwen3ForCausalLM`` with 8 layers, hidden size 64, 4 heads / 2 KV heads of size 16,
-  initialised from a fixed seed and saved in bfloat16 as safetensors.
+  initialised from a fixed seed, then trained as a causal LM and saved in bfloat16 as safetensors.
 
-Rerunning the script rewrites byte-identical files (with the same library versions).
+A randomly initialised target is no teacher (near-uniform logits, hidden states that carry no
+next-token information), so the model is trained on CPU, in float32, with AdamW (lr 3e-3, 5%
+linear warmup, cosine decay to 5%, weight decay 0.01, gradients clipped to norm 1) for a fixed
+STEPS = 1500 steps. Batches are whole conversations rendered exactly as ``dflash extract`` renders
+them (``apply_chat_template(messages, tokenize=True)``), sorted by length into batches of about
+2048 tokens, visited in a seeded order; the loss is next-token cross-entropy on every real token.
+The data are ``chat.jsonl`` (400 conversations) plus EXTRA = 6000 more conversations from
+``make_dataset``'s own generators (seed 4242), skipping any that opens with a ``prompts.jsonl``
+user turn so those prompts stay held out. On ``chat.jsonl`` alone (42k tokens) the model only
+memorises (training loss 0.06 nats/token, but 1.19 on fresh conversations, and answers ignore the
+prompt); with the extra conversations (657k tokens, about 4.5 epochs) it generalises.
 
-Usage: ``python data/make_tiny_target.py [--out data/tiny-target]``
+Result (torch 2.13 CPU, transformers 5.24, 1 thread, about 200 s of training): loss over
+``chat.jsonl`` in bfloat16 0.292 nats/token (last-epoch training loss 0.307); on 200 fresh
+conversations from the prompt seed 0.337 (0.298 on assistant tokens). Greedy answers to
+held-out prompts are in the corpus style, with the prompt's numbers and names mostly carried over
+but arithmetic often wrong, e.g. "What is 10 x 24?" -> "Split 24 into 20 and 4. 10 x 20 = 100. ...".
+
+Training runs on one thread by default (``--threads``): the result then depends on no core count,
+and on a CPU shared with other jobs two threads were many times slower (threads waiting on each
+other), while one thread takes about 0.14 s a step. Rerunning the script rewrites byte-identical
+files on the same machine with the same library versions and thread count.
+
+Usage: ``python data/make_tiny_target.py [--out data/tiny-target] [--steps N] [--extra N] [--threads N]``
 """
 
 from __future__ import annotations
@@ -67,6 +88,17 @@ GEOMETRY = dict(
     tie_word_embeddings=False,
 )
 
+# Training: whole conversations, about BATCH_TOKENS padded tokens a batch, STEPS AdamW steps.
+STEPS = 1500
+BATCH_TOKENS = 2048
+LR = 3e-3
+MIN_LR_FRAC = 0.05
+WARMUP_FRAC = 0.05
+WEIGHT_DECAY = 0.01
+EXTRA = 6000
+EXTRA_SEED = 4242
+THREADS = 1  # see the docstring: one thread is both reproducible everywhere and fastest on a shared CPU
+
 
 def corpus(chat_path: Path) -> Iterator[str]:
     """Every message of the bundled chat data, role names included (they appear in prompts)."""
@@ -112,6 +144,7 @@ def build_tokenizer(chat_path: Path):
 
 
 def build_model(tokenizer):
+    """The untrained model, float32, initialised from SEED."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -125,14 +158,146 @@ def build_model(tokenizer):
         **GEOMETRY,
     )
     torch.manual_seed(SEED)
-    model = Qwen3ForCausalLM(config)
-    return model.to(torch.bfloat16).eval()
+    return Qwen3ForCausalLM(config).float()
+
+
+def read_conversations(path: Path) -> list[list[dict]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["messages"] for line in f if line.strip()]
+
+
+def extra_conversations(n: int, prompts_path: Path) -> list[list[dict]]:
+    """``n`` more conversations from ``make_dataset``'s generators (seed EXTRA_SEED), none of them
+    opening with a held-out prompt's user turn, so ``prompts.jsonl`` stays held out."""
+    sys.path.insert(0, str(HERE))
+    import make_dataset
+
+    held_out = {m["content"] for c in read_conversations(prompts_path) for m in c if m["role"] == "user"}
+    rng = make_dataset.random.Random(EXTRA_SEED)
+    out: list[list[dict]] = []
+    while len(out) < n:
+        c = make_dataset.conversation(rng)
+        if next(m["content"] for m in c if m["role"] == "user") not in held_out:
+            out.append(c)
+    return out
+
+
+def encode_conversations(convs: list[list[dict]], tokenizer) -> list[list[int]]:
+    """Each conversation rendered as ``dflash extract`` renders it (the whole chat, no generation prompt)."""
+    # transformers 5: tokenize=True returns a BatchEncoding, not a bare list of ids.
+    return [list(tokenizer.apply_chat_template(c, tokenize=True)["input_ids"]) for c in convs]
+
+
+def make_batches(convs: list[list[int]], pad_id: int):
+    """Whole conversations, sorted by length and cut into batches of about BATCH_TOKENS padded tokens.
+
+    Each batch is (input_ids, attention_mask, labels); labels are -100 on padding, so the loss is
+    next-token cross-entropy on every real token. Returned in a fixed order.
+    """
+    import torch
+
+    order = sorted(range(len(convs)), key=lambda i: (len(convs[i]), i))
+    groups, cur = [], []
+    for i in order:  # lengths ascend, so the longest row of a group is its last
+        if cur and (len(cur) + 1) * len(convs[i]) > BATCH_TOKENS:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    groups.append(cur)
+    batches = []
+    for g in groups:
+        width = max(len(convs[i]) for i in g)
+        ids = torch.full((len(g), width), pad_id, dtype=torch.long)
+        att = torch.zeros((len(g), width), dtype=torch.long)
+        for r, i in enumerate(g):
+            ids[r, : len(convs[i])] = torch.tensor(convs[i])
+            att[r, : len(convs[i])] = 1
+        batches.append((ids, att, ids.masked_fill(att == 0, -100)))
+    return batches
+
+
+def train(model, batches, steps: int, log_every: int = 50) -> float:
+    """AdamW with linear warmup and cosine decay, float32, a seeded fixed batch order; returns the
+    token-weighted mean loss over the last epoch's worth of steps."""
+    import math
+    import time
+
+    import torch
+
+    torch.manual_seed(SEED)
+    gen = torch.Generator().manual_seed(SEED)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
+    warmup = max(1, int(WARMUP_FRAC * steps))
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return LR * (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return LR * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * t)))
+
+    model.train()
+    queue: list[int] = []
+    recent: list[tuple[float, int]] = []  # (summed loss, tokens) of the last len(batches) steps
+    start = time.perf_counter()
+    for step in range(steps):
+        if not queue:  # a fresh seeded permutation of the batches each epoch
+            queue = torch.randperm(len(batches), generator=gen).tolist()
+        ids, att, labels = batches[queue.pop()]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        # Mean over the batch's predicted tokens (the model shifts labels itself).
+        loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        n = int((labels[:, 1:] != -100).sum())
+        recent = [*recent[-(len(batches) - 1) :], (loss.item() * n, n)]
+        if step % log_every == 0 or step == steps - 1:
+            avg = sum(x for x, _ in recent) / sum(n for _, n in recent)
+            print(
+                f"step {step:5d}/{steps}  lr {lr_at(step):.2e}  loss {loss.item():.4f}  "
+                f"epoch-avg {avg:.4f}  {time.perf_counter() - start:6.1f}s",
+                flush=True,
+            )
+    model.eval()
+    return sum(x for x, _ in recent) / sum(n for _, n in recent)
+
+
+def corpus_loss(model, batches) -> float:
+    """Token-weighted next-token loss of ``model`` (as it is, e.g. bf16) over the whole corpus."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids, att, labels in batches:
+            n = int((labels[:, 1:] != -100).sum())
+            total += model(input_ids=ids, attention_mask=att, labels=labels).loss.float().item() * n
+            count += n
+    return total / count
+
+
+def sample(model, tokenizer, prompts_path: Path, max_new_tokens: int = 60) -> str:
+    """Greedy continuation of the first held-out prompt, rendered with the generation prompt."""
+    import torch
+
+    with open(prompts_path, encoding="utf-8") as f:
+        messages = json.loads(f.readline())["messages"]
+    enc = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    prompt = tokenizer.decode(enc["input_ids"][0], skip_special_tokens=False)
+    return prompt + tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=False)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=HERE / "tiny-target")
     ap.add_argument("--chat", type=Path, default=HERE / "chat.jsonl")
+    ap.add_argument("--prompts", type=Path, default=HERE / "prompts.jsonl")
+    ap.add_argument("--steps", type=int, default=STEPS, help="training steps (default %(default)s)")
+    ap.add_argument("--extra", type=int, default=EXTRA, help="generated conversations (default %(default)s)")
+    ap.add_argument("--threads", type=int, default=THREADS, help="torch CPU threads (default %(default)s)")
     args = ap.parse_args()
 
     if not args.chat.exists():
@@ -141,8 +306,24 @@ def main() -> None:
 
         make_dataset.write_jsonl(args.chat, make_dataset.make_conversations(make_dataset.TRAIN_SEED, 400))
 
+    import time
+
+    import torch
+
+    torch.set_num_threads(args.threads)
     tokenizer = build_tokenizer(args.chat)
     model = build_model(tokenizer)
+    chat = encode_conversations(read_conversations(args.chat), tokenizer)
+    extra = encode_conversations(extra_conversations(args.extra, args.prompts), tokenizer)
+    batches = make_batches(chat + extra, tokenizer.pad_token_id)
+    tokens = sum(int(att.sum()) for _, att, _ in batches)
+    print(f"training: {len(batches)} batches, {tokens} tokens, {args.steps} steps, {args.threads} threads", flush=True)
+    start = time.perf_counter()
+    last_epoch = train(model, batches, args.steps)
+    took = time.perf_counter() - start
+    model = model.to(torch.bfloat16)
+    final = corpus_loss(model, make_batches(chat, tokenizer.pad_token_id))
+    print(f"trained in {took:.0f}s: last-epoch training loss {last_epoch:.4f}; chat.jsonl loss in bf16 {final:.4f}")
 
     # Write next to the destination, then swap, so a failed run never leaves half a model.
     tmp = args.out.with_name(args.out.name + ".tmp")
@@ -159,6 +340,7 @@ def main() -> None:
         f"wrote {args.out}: {n_params} parameters, vocab {len(tokenizer)} "
         f"(model {model.config.vocab_size}), {size / 1024:.0f} KiB; special ids {ids}"
     )
+    print("greedy sample:\n" + sample(model, tokenizer, args.prompts))
 
 
 if __name__ == "__main__":
