@@ -13,7 +13,7 @@ import os
 import queue
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -74,12 +74,11 @@ class ExtractConfig:
     storage: str = "bf16"
     zstd_level: int = 3
     token_budget: int | None = None  # padded tokens per forward; default by device
-    unit_mb: int = 1024  # hidden-state bytes per unit
+    unit_mb: int = 512  # hidden-state MiB per unit
     gpus: list[int] | None = None
     procs: int = 1
     tokenize_procs: int = field(default_factory=lambda: max(1, min(8, (os.cpu_count() or 2) - 1)))
-    buffers: int = 3  # unit buffers per process: one filling, the others being written
-    writer_threads: int = 2
+    writer_threads: int = 6  # units compressed and written at once; each holds one unit buffer
 
 
 @dataclass
@@ -321,33 +320,54 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
     if needs_frozen:
         write_frozen(cfg.out, *_frozen(model))
     del model  # the upper layers and the LM head stay on the CPU only until here
-    if not todo:
+    extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put,
+                  writer_threads=cfg.writer_threads)  # fmt: skip
+
+
+def extract_units(
+    target: Callable[[torch.Tensor], list[torch.Tensor]],
+    units: list[Unit],
+    dataset,
+    spec: CacheSpec,
+    out: Path,
+    device: torch.device,
+    report: Callable[[dict], None],
+    *,
+    writer_threads: int = 6,
+) -> None:
+    """The per-process pipeline: forward, unpad, copy out on a side stream, commit in threads.
+
+    `target` maps right-padded input ids [b, T] to the tapped layers' hidden states; the
+    benchmark passes a random model of real shape here, the CLI the loaded target.
+    """
+    if not units:
         return
     fp8 = spec.storage.dtype == "fp8"
-    cuda = w.device.type == "cuda"
-    buffers = _UnitBuffers(
-        min(cfg.buffers, len(todo)), max(u.num_tokens for u in todo), spec.row_width, len(spec.layers.ids), fp8, cuda
-    )
-    copy_stream = torch.cuda.Stream(w.device) if cuda else None
+    cuda = device.type == "cuda"
+    # One buffer fills while each writer thread holds one: the forward only waits when every
+    # writer is busy, i.e. when compression or the disk bounds the run.
+    rows = max(u.num_tokens for u in units)
+    pool = _UnitBuffers(min(writer_threads + 1, len(units)), rows, spec.row_width, len(spec.layers.ids), fp8, cuda)
+    copy_stream = torch.cuda.Stream(device) if cuda else None
     pad_id = spec.tokenizer.pad_token_id or 0
-    writers = ThreadPoolExecutor(max_workers=cfg.writer_threads, thread_name_prefix="unit-writer")
+    writers = ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="unit-writer")
     pending: list[Future] = []
     try:
-        for unit in todo:
+        for unit in units:
             ids, mask = _unit_tokens(dataset, unit)
-            buf = buffers.get()
+            buf = pool.get()
             for batch in unit.batches:
                 lengths = unit.lengths[batch.start : batch.stop]
                 r0 = int(unit.offsets[batch.start])
                 r1 = int(unit.offsets[batch.stop])
-                inp, index = _batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, w.device)
+                inp, index = _batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device)
                 bits, scale = pack_hidden(target(inp), index, fp8)
                 _copy_out(copy_stream, buf, r0, r1, bits, scale)
-                channel.put({"tokens": r1 - r0, "padded": len(lengths) * batch.max_len})
+                report({"tokens": r1 - r0, "padded": len(lengths) * batch.max_len})
             ready = torch.cuda.Event() if cuda else None
             if ready is not None:
                 ready.record(copy_stream)
-            job = (cfg.out, spec, unit, dataset, ids, mask, buf, ready, buffers, channel)
+            job = (out, spec, unit, dataset, ids, mask, buf, ready, pool, report)
             pending.append(writers.submit(_commit, *job))
             pending = _reap(pending)
         for f in pending:
@@ -416,7 +436,7 @@ def _copy_out(stream, buf, r0: int, r1: int, bits: torch.Tensor, scale: torch.Te
             scale.record_stream(stream)
 
 
-def _commit(out: Path, spec: CacheSpec, unit: Unit, dataset, ids, mask, buf, ready, buffers, channel) -> None:
+def _commit(out: Path, spec: CacheSpec, unit: Unit, dataset, ids, mask, buf, ready, buffers, report) -> None:
     try:
         if ready is not None:
             ready.synchronize()
@@ -431,6 +451,6 @@ def _commit(out: Path, spec: CacheSpec, unit: Unit, dataset, ids, mask, buf, rea
             sample_index=np.asarray(dataset.select(unit.rows.tolist())["sample_index"], dtype=np.int64),
         )
         written = write_unit(out, unit.id, arrays, spec.storage)
-        channel.put({"bytes": written, "units": 1})
+        report({"bytes": written, "units": 1})
     finally:
         buffers.put(buf)
