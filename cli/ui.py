@@ -24,7 +24,7 @@ class ExtractBar:
     def __init__(self) -> None:
         self.progress = Progress(
             TextColumn("[bold]extract"),
-            BarColumn(),
+            BarColumn(bar_width=24),
             MofNCompleteColumn(),
             TextColumn("tok  {task.fields[rate]}  pad {task.fields[pad]}  {task.fields[written]}"),
             TimeElapsedColumn(),
@@ -51,6 +51,44 @@ class ExtractBar:
             pad=pad,
             written=human_bytes(totals.get("bytes", 0)),
         )
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+class TrainBar:
+    """Steps, loss, implied acceptance length, tokens/s and loader wait for `dflash train`."""
+
+    def __init__(self) -> None:
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}  accept {task.fields[accept]}  {task.fields[rate]}  "
+                       "wait {task.fields[wait]}"),  # fmt: skip
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=console,
+        )
+        self.task = None
+
+    def start(self, total: int, done: int) -> None:
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=None, loss="-", accept="-", rate="-", wait="-")
+
+    def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
+        if "warning" in delta:
+            self.progress.console.print(f"[yellow]warning:[/yellow] {delta['warning']}")
+        bar = delta.get("bar")
+        if not bar:
+            return
+        fields = {}
+        if "loss" in bar:
+            fields = {"loss": f"{bar['loss']:.3f}", "accept": f"{bar['accept']:.2f}",
+                      "rate": f"{bar['tok_s']:,.0f} tok/s", "wait": f"{bar['wait']:.2f}s"}  # fmt: skip
+        self.progress.update(self.task, total=bar.get("total", self.progress.tasks[0].total),
+                             completed=bar.get("completed"), **fields)  # fmt: skip
 
     def close(self) -> None:
         self.progress.stop()

@@ -196,6 +196,7 @@ class Batch:
     offsets: torch.Tensor  # [S+1] int64 packed sequence boundaries
     sample_index: torch.Tensor  # [S] int64 source rows, on the CPU
     num_tokens: int
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # CPU copies of (input_ids, loss_mask, offsets)
 
 
 class _Slot:
@@ -480,6 +481,9 @@ class CacheLoader:
             offsets=offsets,
             sample_index=torch.from_numpy(self.table.sample_index[job.rows].copy()),
             num_tokens=n,
+            # block building needs these on the host; reading them back from the device would
+            # make the host wait for the GPU every step
+            host=(slot.input_ids[:n].clone(), slot.loss_mask[:n].clone(), slot.offsets[: s + 1].clone()),
         )
         return _Staged(batch, slot, event)
 

@@ -413,4 +413,4 @@ def test_cuda_path_matches_cpu_with_bounded_device_memory(tmp_path, dtype):
         assert len(got) == len(expected) > 10
         for (s_exp, c_exp), (s_got, c_got) in zip(expected, got, strict=True):
             assert s_exp == s_got
-            assert torch.equal(c_exp, c_got)
+            assert torch.equal(c_exp.view(torch.int16), c_got.view(torch.int16))  # random bits hold NaNs

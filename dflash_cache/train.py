@@ -1,0 +1,368 @@
+"""The train stage: cache -> streaming loader -> DFlash drafter, with DDP, checkpoints and metrics.
+
+The whole step is `_step`: blocks from anchors, frozen embedding, drafter, chunked decayed loss.
+Everything needed to continue exactly (weights, optimizer, schedule, RNG, loader position) is in
+each checkpoint, and the anchors of a batch depend only on (seed, epoch, batch, rank), so a
+resumed run sees exactly the batches and anchors an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .checkpoint import Checkpointer
+from .devices import Worker, launch
+from .drafter import DFlashDrafter, DrafterConfig, save_serving
+from .loader import Batch, CacheLoader
+from .metrics import MetricsLog, all_reduce_sums
+from .objective import Blocks, block_metrics, chunked_loss, make_blocks, summarize_metrics
+from .progress import ProgressSink, Reporter
+from .spec import CacheSpec, SpecError, check_drafter_fits, read_spec
+from .store import read_frozen
+
+RUN_JSON = "train.json"
+EXPORT = "export"
+
+
+class TrainError(RuntimeError):
+    """A training run that cannot start or resume; the message says why."""
+
+
+@dataclass
+class TrainConfig:
+    cache: Path
+    out: Path
+    epochs: int = 6
+    max_steps: int | None = None
+    lr: float = 6e-4
+    warmup: float = 0.04
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    token_budget: int | None = None  # packed context tokens per batch per rank; default by device
+    grad_accum: int = 1
+    draft_layers: int = 5
+    block_size: int = 16
+    layers: list[int] | None = None  # subset of the cached layers; default all
+    max_anchors: int = 512
+    gamma: float | None = None
+    seed: int = 0
+    save_every: int = 200
+    log_every: int = 10
+    gpus: list[int] | None = None
+    procs: int = 1
+    prefetch: int = 2
+    readers: int = 4
+    skip_bad_units: bool = False
+    loss_chunk: int = 4096
+    trace: bool = False  # per-rank JSONL of the samples each step consumed, for audits and tests
+
+    def identity(self) -> dict[str, Any]:
+        """What a resume must match: everything that changes the math, not the run's length."""
+        keep = ("lr", "warmup", "weight_decay", "clip", "token_budget", "grad_accum", "draft_layers", "block_size",
+                "layers", "max_anchors", "gamma", "seed")  # fmt: skip
+        return {k: getattr(self, k) for k in keep}
+
+
+def drafter_config(cfg: TrainConfig, spec: CacheSpec) -> DrafterConfig:
+    """The drafter's geometry from the target's config recorded in the cache; refuses misfits."""
+    layers = cfg.layers or list(spec.layers.ids)
+    if not spec.target.config:
+        raise TrainError("cache.json has no target config (target.config): re-extract with this version")
+    dcfg = DrafterConfig.from_target(
+        spec.target.config,
+        target_layer_ids=layers,
+        mask_token_id=spec.tokenizer.mask_token_id,
+        num_draft_layers=cfg.draft_layers,
+        block_size=cfg.block_size,
+    )
+    check_drafter_fits(
+        spec,
+        layer_ids=layers,
+        hidden_size=dcfg.hidden_size,
+        vocab_size=dcfg.vocab_size,
+        mask_token_id=dcfg.mask_token_id,
+    )
+    return dcfg
+
+
+def lr_at(step: int, total: int, warmup: float) -> float:
+    """Linear warmup over `warmup` of the steps, then cosine decay to zero: a multiplier of lr."""
+    warm = max(1, int(round(warmup * total)))
+    if step < warm:
+        return (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, total - warm))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def train_step(model, embed: torch.Tensor, head: torch.Tensor, batch: Batch, dcfg: DrafterConfig, cfg: TrainConfig,
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, Blocks]:
+    """One forward and backward: blocks from anchors, frozen embedding, drafter, chunked decayed
+    loss. Returns the loss, which block tokens were predicted right, and the blocks."""
+    ids, mask, offsets = batch.host
+    blocks = make_blocks(ids, mask, offsets, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
+                         max_anchors=cfg.max_anchors, generator=generator, gamma=cfg.gamma)  # fmt: skip
+    blocks = blocks.to(embed.device, non_blocking=True)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if embed.is_cuda else nullcontext()
+    with autocast:
+        block_embeds = torch.nn.functional.embedding(blocks.input_ids.flatten(), embed)
+        hidden = model(block_embeds, batch.context.to(embed.dtype), blocks.layout)
+        loss, correct = chunked_loss(hidden, head, blocks.labels.flatten(), blocks.weights.flatten(), cfg.loss_chunk)
+    (loss / cfg.grad_accum).backward()
+    return loss.detach(), correct.view_as(blocks.labels), blocks
+
+
+def _anchor_generator(seed: int, epoch: int, batch: int, rank: int) -> torch.Generator:
+    g = torch.Generator()
+    key = 0
+    for part in (seed, epoch, batch, rank):
+        key = (key * 1_000_003 + part) % (1 << 63)
+    g.manual_seed(key)
+    return g
+
+
+def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
+    """Train (or resume) a drafter on a cache; returns a summary of the finished run."""
+    spec = read_spec(cfg.cache)
+    try:
+        drafter_config(cfg, spec)
+    except SpecError as e:
+        raise TrainError(f"the drafter does not fit the cache: {e}") from None
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    _check_run_dir(cfg, spec)
+    reporter = Reporter(sink)
+    reporter.start(total=0)
+    try:
+        launch(_worker, (cfg, reporter.channel), gpus=cfg.gpus, procs=cfg.procs)
+    finally:
+        totals = reporter.stop()
+    return {"run": str(cfg.out), "export": str(cfg.out / EXPORT), **{k: v for k, v in totals.items() if k != "bar"}}
+
+
+def _check_run_dir(cfg: TrainConfig, spec: CacheSpec) -> None:
+    """A run directory belongs to one cache and one set of hyper-parameters: a rerun resumes it."""
+    ident = {"cache_created": spec.created, "cache_target": spec.target.weights_fingerprint, **cfg.identity()}
+    path = cfg.out / RUN_JSON
+    if path.exists():
+        old = json.loads(path.read_text())
+        diffs = [f"{k} ({old.get('identity', {}).get(k)!r} vs {v!r})"
+                 for k, v in ident.items() if old.get("identity", {}).get(k) != v]  # fmt: skip
+        if diffs:
+            raise TrainError(f"{cfg.out} holds a run with other settings; use a new --out. Differences: "
+                             + "; ".join(diffs))  # fmt: skip
+        return
+    record = {"identity": ident, "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}}
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _worker(w: Worker, cfg: TrainConfig, channel) -> None:
+    distributed = w.world_size > 1
+    if distributed and not dist.is_initialized():
+        dist.init_process_group("nccl" if w.device.type == "cuda" else "gloo", rank=w.rank, world_size=w.world_size)
+    try:
+        _train(w, cfg, channel)
+    finally:
+        if distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(w: Worker, cfg: TrainConfig, channel) -> None:
+    if w.device.type == "cpu" and w.world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.world_size))
+    spec = read_spec(cfg.cache)
+    dcfg = drafter_config(cfg, spec)
+    device, cuda = w.device, w.device.type == "cuda"
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = DFlashDrafter(dcfg).to(device)
+    embed, head = (t.to(device, torch.bfloat16 if cuda else torch.float32) for t in read_frozen(cfg.cache))
+    ddp = DDP(model, device_ids=[device.index] if cuda else None) if w.world_size > 1 else model
+    loader = CacheLoader(
+        cfg.cache,
+        layer_ids=dcfg.target_layer_ids,
+        token_budget=cfg.token_budget or (16384 if cuda else 2048),
+        seed=cfg.seed,
+        rank=w.rank,
+        world_size=w.world_size,
+        device=device,
+        prefetch=cfg.prefetch,
+        readers=cfg.readers,
+        skip_bad_units=cfg.skip_bad_units,
+    )
+    if loader.dropped and w.rank == 0:
+        channel.put({"warning": f"skipping bad units: {'; '.join(loader.dropped)}"})
+    per_epoch = [loader.num_batches(e) // cfg.grad_accum for e in range(cfg.epochs)]
+    total = min(sum(per_epoch), cfg.max_steps or sum(per_epoch))
+    if total == 0:
+        raise TrainError("the cache gives no full batch per rank: lower --token-budget or use fewer processes")
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                            fused=cuda)  # fmt: skip
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, total, cfg.warmup))
+    ckpt = Checkpointer(cfg.out)
+    state = ckpt.load()
+    step, epoch, start_batch, samples_this_epoch = 0, 0, 0, 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        step, epoch, start_batch = state["step"], state["epoch"], state["batch"]
+        samples_this_epoch = state["samples"][w.rank] if w.rank < len(state["samples"]) else 0
+    metrics = MetricsLog(cfg.out, state["step"] if state else None) if w.rank == 0 else None
+    if w.rank == 0:
+        channel.put({"bar": {"total": total, "completed": step}})
+
+    trace = _Trace(cfg.out, w.rank, step) if cfg.trace else None
+    sums: dict[str, torch.Tensor] = {}
+    window = {"loss": 0.0, "n": 0, "tokens": 0, "wait": loader.wait_seconds, "t": time.perf_counter()}
+    while step < total and epoch < cfg.epochs:
+        micro = 0
+        for i, batch in enumerate(loader.epoch(epoch, start_batch), start=start_batch):
+            if i >= per_epoch[epoch] * cfg.grad_accum:
+                break
+            micro += 1
+            last_micro = micro % cfg.grad_accum == 0
+            with nullcontext() if last_micro or ddp is model else ddp.no_sync():
+                loss, correct, blocks = train_step(ddp, embed, head, batch, dcfg, cfg,
+                                                   _anchor_generator(cfg.seed, epoch, i, w.rank))  # fmt: skip
+            for k, v in block_metrics(correct, blocks.weights).items():
+                sums[k] = sums.get(k, 0) + v.detach()
+            window["loss"] += loss  # stays on the device: no host sync per step
+            window["n"] += 1
+            window["tokens"] += batch.num_tokens
+            samples_this_epoch += len(batch.sample_index)
+            if trace is not None:
+                trace.batch(epoch, i, batch.sample_index.tolist())
+            if not last_micro:
+                continue
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            if trace is not None:
+                trace.step(step, model)
+            if step % cfg.log_every == 0 or step == total:
+                record = _log_record(step, epoch, opt, sums, window, loader, w.world_size)
+                if w.rank == 0:
+                    metrics.write(record)
+                    bar = {"completed": step, "loss": record["loss"], "accept": record["accept_len"],
+                           "tok_s": record["tokens_per_s"], "wait": record["loader_wait_s"]}  # fmt: skip
+                    channel.put({"bar": bar})
+                sums = {}
+                window = {"loss": 0.0, "n": 0, "tokens": 0, "wait": loader.wait_seconds, "t": time.perf_counter()}
+            if step % cfg.save_every == 0 or step == total:
+                _save(ckpt, w, model, opt, sched, step, (epoch, i + 1), samples_this_epoch)
+            if step >= total:
+                break
+        consumed = _sum_ranks(samples_this_epoch, device)
+        if metrics is not None:
+            metrics.write({"epoch_end": epoch, "step": step, "samples": consumed})
+        samples_this_epoch, start_batch = 0, 0
+        epoch += 1
+    if w.rank == 0:
+        save_serving(model, dcfg, cfg.out / EXPORT)
+        channel.put({"steps": step})
+    if w.world_size > 1:
+        dist.barrier()
+
+
+class _Trace:
+    """`trace/rank{r}.jsonl`: which samples each batch held, and a checksum of the weights after
+    each step (replicas must agree). Lines past a resumed checkpoint are dropped."""
+
+    def __init__(self, run_dir: Path, rank: int, resume_step: int):
+        self.path = Path(run_dir) / "trace" / f"rank{rank}.jsonl"
+        self.path.parent.mkdir(exist_ok=True)
+        lines = self.path.read_text().splitlines() if self.path.exists() and resume_step > 0 else []
+        kept = []
+        for line in lines:  # a step's batch lines are written together with its step line
+            kept.append(line)
+            if json.loads(line).get("step") == resume_step:
+                break
+        self.path.write_text("".join(x + "\n" for x in kept))
+        self.pending: list[str] = []
+
+    def batch(self, epoch: int, index: int, samples: list[int]) -> None:
+        self.pending.append(json.dumps({"epoch": epoch, "batch": index, "samples": samples}))
+
+    def step(self, step: int, model: torch.nn.Module) -> None:
+        checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+        self.pending.append(json.dumps({"step": step, "checksum": checksum}))
+        with open(self.path, "a") as f:
+            f.write("".join(x + "\n" for x in self.pending))
+        self.pending = []
+
+
+def _sum_ranks(n: int, device: torch.device) -> int:
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return int(t.item())
+
+
+def _log_record(step, epoch, opt, sums, window, loader, world) -> dict[str, Any]:
+    sums = all_reduce_sums({k: v.clone() for k, v in sums.items()})
+    stats = summarize_metrics(sums)
+    elapsed = time.perf_counter() - window["t"]
+    loss = _sum_ranks_float(float(window["loss"]) / max(1, window["n"]), world)
+    return {
+        "step": step,
+        "epoch": epoch,
+        "loss": loss,
+        "lr": opt.param_groups[0]["lr"],
+        "slot_acc": stats["slot_acc"],
+        "accept_len": stats["accept_len"],
+        "tokens_per_s": window["tokens"] * world / max(elapsed, 1e-9),
+        "loader_wait_s": loader.wait_seconds - window["wait"],
+    }
+
+
+def _sum_ranks_float(x: float, world: int) -> float:
+    if world == 1 or not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t)
+    return float(t.item()) / world
+
+
+def _save(ckpt: Checkpointer, w: Worker, model, opt, sched, step: int, position: tuple[int, int], samples: int) -> None:
+    per_rank = [samples] * w.world_size
+    if w.world_size > 1:
+        dist.all_gather_object(per_rank, samples)
+    if w.rank == 0:
+        ckpt.save(step, {
+            "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+            "rng": {"cpu": torch.get_rng_state()}, "step": step, "epoch": position[0], "batch": position[1],
+            "samples": per_rank,
+        })  # fmt: skip
+    if w.world_size > 1:
+        dist.barrier()
+
+
+def export(run_dir: Path, out: Path) -> Path:
+    """Write the serving format of a run's latest checkpoint (what vLLM, SGLang and z-lab load)."""
+    record = json.loads((Path(run_dir) / RUN_JSON).read_text())
+    conf = record["config"]
+    cfg = TrainConfig(cache=Path(conf["cache"]), out=Path(run_dir), layers=conf["layers"],
+                      draft_layers=conf["draft_layers"], block_size=conf["block_size"])  # fmt: skip
+    dcfg = drafter_config(cfg, read_spec(cfg.cache))
+    state = Checkpointer(run_dir).load()
+    if state is None:
+        raise TrainError(f"{run_dir} has no checkpoint yet")
+    model = DFlashDrafter(dcfg)
+    model.load_state_dict(state["model"])
+    save_serving(model, dcfg, Path(out))
+    return Path(out)
+
