@@ -9,21 +9,32 @@ from pathlib import Path
 
 import typer
 
-from cli.ui import ExtractBar, console, human_bytes
+from cli.ui import ExtractBar, TrainBar, console, human_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Decoupled hidden-state cache for DFlash drafters.")
 
 
+@app.callback()
+def _quiet_libraries() -> None:
+    """One progress bar per job: silence the libraries' own bars and load logs."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def _user_errors():
     from dflash_cache.data import DataError
-
     from dflash_cache.devices import DeviceError
     from dflash_cache.extract import ExtractError
     from dflash_cache.spec import SpecError
     from dflash_cache.store import CorruptUnit
     from dflash_cache.target import TargetError
+    from dflash_cache.train import TrainError
 
-    return (DataError, DeviceError, ExtractError, SpecError, CorruptUnit, TargetError, FileNotFoundError)
+    return (DataError, DeviceError, ExtractError, SpecError, CorruptUnit, TargetError, TrainError, FileNotFoundError)
 
 
 def friendly(fn):
@@ -76,7 +87,8 @@ def extract(
     storage: str = typer.Option("bf16", help="bf16, or fp8 (float8_e4m3fn with a per-token, per-layer scale)."),
     zstd_level: int = typer.Option(3, help="zstd level for the shards."),
     token_budget: int | None = typer.Option(None, help="Padded tokens per forward (default 16384 GPU, 4096 CPU)."),
-    unit_mb: int = typer.Option(1024, help="Hidden-state MiB per work unit."),
+    unit_mb: int = typer.Option(512, help="Hidden-state MiB per work unit."),
+    writer_threads: int = typer.Option(6, help="Units compressed and written at once (one host buffer each)."),
     gpus: str | None = typer.Option(None, help="GPUs, one process each: 0-4 or 0,2,5."),
     procs: int = typer.Option(1, help="CPU processes when no --gpus."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the size estimate, write nothing."),
@@ -87,7 +99,7 @@ def extract(
     cfg = ex.ExtractConfig(
         target=target, data=str(data), out=out, layers=_layers(layers), num_layers=num_layers, revision=revision,
         max_length=max_length, truncate=truncate, storage=storage, zstd_level=zstd_level,
-        token_budget=token_budget, unit_mb=unit_mb, gpus=_gpus(gpus), procs=procs,
+        token_budget=token_budget, unit_mb=unit_mb, writer_threads=writer_threads, gpus=_gpus(gpus), procs=procs,
     )  # fmt: skip
     if dry_run:
         prep = ex.prepare(cfg)
@@ -105,11 +117,59 @@ def extract(
     console.print(
         f"cached {summary['samples']} samples, {summary['tokens']:,} tokens in {summary['units']} units; "
         f"{summary['rejected']} rows rejected (see {out}/rejected.jsonl); padding {100 * summary['padding']:.1f}%; "
-        f"wrote {human_bytes(summary['bytes_written'])} at {summary['tokens_per_s']:,.0f} tok/s"
+        f"wrote {human_bytes(summary['bytes_written'])} in {summary['seconds']:.1f}s"
     )
     if summary["missing_units"]:
         console.print(f"[red]error:[/red] units not committed: {summary['missing_units'][:10]}")
         raise typer.Exit(1)
+
+
+@app.command()
+@friendly
+def train(
+    cache: Path = typer.Option(..., help="Cache directory written by `dflash extract`."),
+    out: Path = typer.Option(..., help="Run directory (created, or resumed if it exists)."),
+    epochs: int = typer.Option(6, help="Passes over the cache."),
+    max_steps: int | None = typer.Option(None, help="Stop after this many optimizer steps."),
+    lr: float = typer.Option(6e-4, help="Peak learning rate (AdamW, cosine schedule)."),
+    warmup: float = typer.Option(0.04, help="Warmup fraction of the steps."),
+    clip: float = typer.Option(1.0, help="Gradient clipping norm."),
+    token_budget: int | None = typer.Option(None, help="Context tokens per batch per rank (16384 GPU, 2048 CPU)."),
+    grad_accum: int = typer.Option(1, help="Batches per optimizer step."),
+    draft_layers: int = typer.Option(5, help="Drafter decoder layers."),
+    block_size: int = typer.Option(16, help="Block size B."),
+    layers: str | None = typer.Option(None, help="Subset of the cached layer ids (default: all cached)."),
+    max_anchors: int = typer.Option(512, help="Anchors sampled per sequence."),
+    seed: int = typer.Option(0, help="Seed for weights, shuffling and anchors."),
+    save_every: int = typer.Option(200, help="Checkpoint every N steps."),
+    log_every: int = typer.Option(10, help="Metrics every N steps."),
+    gpus: str | None = typer.Option(None, help="GPUs, one DDP process each: 5-7."),
+    procs: int = typer.Option(1, help="CPU DDP processes (gloo) when no --gpus."),
+    skip_bad_units: bool = typer.Option(False, help="Train without units that fail their checks."),
+) -> None:
+    """Train a DFlash drafter from a cache; rerun the same command to resume."""
+    from dflash_cache import train as tr
+
+    cfg = tr.TrainConfig(
+        cache=cache, out=out, epochs=epochs, max_steps=max_steps, lr=lr, warmup=warmup, clip=clip,
+        token_budget=token_budget, grad_accum=grad_accum, draft_layers=draft_layers, block_size=block_size,
+        layers=_layers(layers), max_anchors=max_anchors, seed=seed, save_every=save_every, log_every=log_every,
+        gpus=_gpus(gpus), procs=procs, skip_bad_units=skip_bad_units,
+    )  # fmt: skip
+    summary = tr.run(cfg, TrainBar())
+    console.print(f"trained {summary.get('steps', 0)} steps; serving export in {summary['export']}")
+
+
+@app.command()
+@friendly
+def export(
+    run: Path = typer.Argument(..., help="Run directory of `dflash train`."),
+    out: Path = typer.Argument(..., help="Where to write config.json + model.safetensors."),
+) -> None:
+    """Write a run's latest checkpoint in the serving format (z-lab, vLLM, SGLang)."""
+    from dflash_cache.train import export as export_run
+
+    console.print(f"exported to {export_run(run, out)}")
 
 
 @app.command()
@@ -133,6 +193,65 @@ def verify(cache: Path = typer.Argument(..., help="Cache directory.")) -> None:
             console.print(f"[red]bad unit {unit}:[/red] " + "; ".join(problems))
         raise typer.Exit(1)
     console.print("all units sound")
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Measure this machine before a long job (ratios side by side).")
+app.add_typer(bench_app, name="bench")
+
+
+def _print_json(d: dict) -> None:
+    print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}, indent=2))
+
+
+@bench_app.command("disk")
+@friendly
+def bench_disk(path: Path = typer.Argument(..., help="A directory on the cache's filesystem."),
+               size_mb: int = typer.Option(2048, help="Bytes to write and read back.")) -> None:
+    """Sequential write and cold-read bandwidth."""
+    from dflash_cache import bench
+
+    _print_json(bench.disk(path, size_mb))
+
+
+@bench_app.command("codec")
+@friendly
+def bench_codec(level: int = typer.Option(3, help="zstd level.")) -> None:
+    """zstd ratio and single-thread speed on bf16 hidden-state-shaped data."""
+    from dflash_cache import bench
+
+    _print_json(bench.codec(level=level))
+
+
+@bench_app.command("extract")
+@friendly
+def bench_extract(
+    out: Path = typer.Option(..., help="Where to write the benchmark cache."),
+    tokens: int = typer.Option(1_000_000, help="Tokens of the synthetic log-normal length mix."),
+    storage: str = typer.Option("bf16", help="bf16 or fp8."),
+    token_budget: int = typer.Option(16384, help="Padded tokens per forward."),
+    writer_threads: int = typer.Option(6, help="Unit writer threads."),
+) -> None:
+    """Full extract path vs the bare truncated forward of a random Qwen3-8B-shaped target."""
+    from dflash_cache import bench
+
+    result = bench.extract(out, num_tokens=tokens, storage=storage, token_budget=token_budget,
+                           writer_threads=writer_threads)  # fmt: skip
+    bench.write_random_frozen(out, bench.QWEN3_8B)
+    _print_json(result)
+
+
+@bench_app.command("train")
+@friendly
+def bench_train(
+    cache: Path = typer.Option(..., help="A cache, e.g. the one `dflash bench extract` wrote."),
+    steps: int = typer.Option(20, help="Measured steps per phase."),
+    token_budget: int = typer.Option(4096, help="Context tokens per batch."),
+    max_anchors: int = typer.Option(512, help="Anchors per sequence."),
+) -> None:
+    """Drafter steps with the real loader vs the same steps on batches already on the GPU."""
+    from dflash_cache import bench
+
+    _print_json(bench.train(cache, steps=steps, token_budget=token_budget, max_anchors=max_anchors))
 
 
 def main() -> None:

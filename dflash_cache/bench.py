@@ -1,0 +1,294 @@
+"""Benchmarks a user can run before a long job; each prints ratios measured side by side.
+
+- `disk`: sequential write/read bandwidth of the cache's filesystem (read cold via fadvise).
+- `codec`: compression ratio and per-thread encode/decode speed on hidden-state-shaped data.
+- `extract`: the full extract path against the bare truncated forward on the same batches.
+- `train`: drafter steps with the real loader against the same steps on batches already on
+  the device.
+
+Targets are random-weight models built from a config at real shapes: throughput does not depend
+on the weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+QWEN3_8B = {
+    "model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096, "intermediate_size": 12288,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+}  # fmt: skip
+
+
+def lognormal_lengths(n: int, lo: int = 64, hi: int = 3072, seed: int = 0) -> np.ndarray:
+    """A realistic chat length mix: log-normal, median about 600 tokens, clipped to [lo, hi]."""
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(np.log(600), 0.8, size=n), lo, hi).astype(np.int64)
+
+
+class PeakRSS:
+    """Samples this process's resident memory in a thread; `peak` is the largest seen."""
+
+    def __init__(self, every: float = 0.05):
+        self.every, self.peak, self._stop = every, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not self._stop.is_set():
+            with open("/proc/self/statm") as f:
+                self.peak = max(self.peak, int(f.read().split()[1]) * page)
+            time.sleep(self.every)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def disk(path: Path, size_mb: int = 2048) -> dict[str, float]:
+    """Sequential write (with fsync) and cold read bandwidth of the filesystem holding `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    f = path / f".dflash-bench-{os.getpid()}"
+    block = np.random.default_rng(0).integers(0, 255, size=64 << 20, dtype=np.uint8).tobytes()
+    n = max(1, size_mb // 64)
+    try:
+        t = time.perf_counter()
+        with open(f, "wb") as fh:
+            for _ in range(n):
+                fh.write(block)
+            fh.flush()
+            os.fsync(fh.fileno())
+        write = n * len(block) / (time.perf_counter() - t)
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        t = time.perf_counter()
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(16 << 20):
+                pass
+        read = n * len(block) / (time.perf_counter() - t)
+    finally:
+        f.unlink(missing_ok=True)
+    return {"write_GBps": write / 1e9, "read_GBps": read / 1e9, "bytes": n * len(block)}
+
+
+def codec(hidden: torch.Tensor | None = None, level: int = 3, rows: int = 4096, width: int = 5 * 4096) -> dict:
+    """zstd on bf16 hidden-state bits: ratio and single-thread encode/decode GB/s."""
+    from numcodecs import Zstd
+
+    if hidden is None:  # activations are heavy-tailed: a Student-t stands in for real ones
+        torch.manual_seed(0)
+        hidden = (torch.distributions.StudentT(4.0).sample((rows, width)) * 0.5).to(torch.bfloat16)
+    raw = hidden.contiguous().view(torch.int16).cpu().numpy().tobytes()
+    z = Zstd(level=level)
+    t = time.perf_counter()
+    enc = z.encode(raw)
+    t_enc = time.perf_counter() - t
+    t = time.perf_counter()
+    z.decode(enc)
+    t_dec = time.perf_counter() - t
+    return {"ratio": len(raw) / len(enc), "encode_GBps": len(raw) / t_enc / 1e9, "decode_GBps": len(raw) / t_dec / 1e9,
+            "level": level}  # fmt: skip
+
+
+@dataclass
+class RandomTarget:
+    """A random-weight model of a real shape, cut and tapped like a loaded target."""
+
+    config: dict[str, Any]
+    layer_ids: list[int]
+    device: torch.device
+
+    def build(self):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from .target import TappedTarget
+
+        cfg = AutoConfig.for_model(**self.config)
+        cfg.num_hidden_layers = max(self.layer_ids) + 1  # the layers above never run
+        with torch.device(self.device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.eval().requires_grad_(False)
+        return TappedTarget(model, self.layer_ids, cfg.num_hidden_layers)
+
+
+def synthetic_dataset(lengths: np.ndarray, vocab: int, seed: int = 0):
+    """A tokenized dataset (as `data.tokenize` returns) of random token ids with given lengths."""
+    import datasets
+
+    rng = np.random.default_rng(seed)
+    return datasets.Dataset.from_dict({
+        "sample_index": np.arange(len(lengths)),
+        "input_ids": [rng.integers(0, vocab, size=n, dtype=np.int32) for n in lengths],
+        "loss_mask": [np.ones(n, dtype=np.uint8) for n in lengths],
+        "length": lengths.astype(np.int32),
+    })  # fmt: skip
+
+
+def bench_spec(config: dict, layer_ids: list[int], plan, storage: str, chunk_tokens: int):
+    """A cache spec for a synthetic benchmark cache."""
+    from .spec import CacheSpec, DataInfo, LayerInfo, PlanInfo, StorageInfo, TargetInfo, TokenizerInfo
+
+    return CacheSpec(
+        target=TargetInfo(path="random", revision=None, weights_fingerprint="random", config_digest="random",
+                          model_type=config["model_type"], num_layers=config["num_hidden_layers"],
+                          hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
+                          compute_dtype="bfloat16", tied_embeddings=False, config=config),
+        layers=LayerInfo(ids=layer_ids),
+        storage=StorageInfo(dtype=storage, codec={"name": "zstd", "level": 3, "checksum": True},
+                            chunk_tokens=chunk_tokens),
+        tokenizer=TokenizerInfo(digest="random", chat_template_digest=None, mask_token_id=config["vocab_size"] - 1,
+                                pad_token_id=0, eos_token_ids=[]),
+        data=DataInfo(source="synthetic", fingerprint="synthetic", max_length=3072, truncate=False,
+                      num_rows=plan.num_samples, num_rejected=0),
+        plan=PlanInfo(bucket_edges=list(plan.bucket_edges), token_budget=plan.token_budget,
+                      unit_tokens=plan.unit_tokens, num_units=len(plan.units), num_samples=plan.num_samples,
+                      num_tokens=plan.num_tokens, padded_tokens=plan.padded_tokens),
+    )  # fmt: skip
+
+
+@contextmanager
+def _timer(device: torch.device, out: dict, key: str):
+    _sync(device)
+    t = time.perf_counter()
+    yield
+    _sync(device)
+    out[key] = time.perf_counter() - t
+
+
+def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, token_budget: int = 16384,
+            storage: str = "bf16", unit_mb: int = 512, writer_threads: int = 6,
+            device: torch.device | None = None, target=None) -> dict[str, Any]:  # fmt: skip
+    """Full extract path vs the bare truncated forward, same model, same batches, one process."""
+    from .extract import _batch_inputs, _unit_tokens, extract_units
+    from .plan import default_bucket_edges, make_plan
+    from .spec import default_layer_ids, write_spec
+    from .store import chunk_tokens_for, committed_units
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layer_ids = default_layer_ids(config["num_hidden_layers"])
+    target = target or RandomTarget(config, layer_ids, device).build()
+    lengths = lognormal_lengths(max(8, int(num_tokens / 700)))
+    dataset = synthetic_dataset(lengths, config["vocab_size"])
+    row_bytes = len(layer_ids) * config["hidden_size"] * (1 if storage == "fp8" else 2)
+    plan = make_plan(lengths, bucket_edges=default_bucket_edges(3072), token_budget=token_budget,
+                     unit_tokens=(unit_mb << 20) // row_bytes)  # fmt: skip
+    spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row_bytes))
+    out.mkdir(parents=True, exist_ok=True)
+    write_spec(out, spec)
+    # warm up kernels on the largest batch, outside the timings
+    unit = plan.units[0]
+    ids, _ = _unit_tokens(dataset, unit)
+    b = unit.batches[0]
+    inp, _ = _batch_inputs(ids[: int(unit.offsets[b.stop])], unit.lengths[b.start : b.stop], b.max_len, 0, device)
+    target(inp)
+    # The full path runs first, so any first-use cost of a batch shape is charged to it, not
+    # to the bare forward it is compared with.
+    times: dict[str, float] = {}
+    written = {"bytes": 0}
+
+    def report(d: dict) -> None:
+        written["bytes"] += d.get("bytes", 0)
+
+    with PeakRSS() as rss, _timer(device, times, "full"):
+        extract_units(target, list(plan.units), dataset, spec, out, device, report, writer_threads=writer_threads)
+    with _timer(device, times, "bare"):
+        for unit in plan.units:
+            ids, _ = _unit_tokens(dataset, unit)
+            for b in unit.batches:
+                r0, r1 = int(unit.offsets[b.start]), int(unit.offsets[b.stop])
+                inp, _ = _batch_inputs(ids[r0:r1], unit.lengths[b.start : b.stop], b.max_len, 0, device)
+                target(inp)
+    assert len(committed_units(out)) == len(plan.units)
+    return {
+        "tokens": plan.num_tokens, "samples": plan.num_samples, "units": len(plan.units),
+        "padding": plan.padding_ratio, "storage": storage,
+        "bare_tok_s": plan.num_tokens / times["bare"], "full_tok_s": plan.num_tokens / times["full"],
+        "ratio": times["bare"] / times["full"],
+        "bytes_per_token": written["bytes"] / plan.num_tokens, "raw_bytes_per_token": row_bytes,
+        "peak_rss_GB": rss.peak / 1e9,
+    }  # fmt: skip
+
+
+def write_random_frozen(cache: Path, config: dict) -> None:
+    from .store import write_frozen
+
+    g = torch.Generator().manual_seed(0)
+    shape = (config["vocab_size"], config["hidden_size"])
+    write_frozen(cache, torch.randn(shape, generator=g).mul_(0.02).bfloat16(),
+                 torch.randn(shape, generator=g).mul_(0.02).bfloat16())  # fmt: skip
+
+
+def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int = 16384, max_anchors: int = 512,
+          block_size: int = 16, draft_layers: int = 5, device: torch.device | None = None) -> dict[str, Any]:
+    """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
+    the device. Both phases run the same batches (the first `steps` of epoch 0, after warm-up)."""
+    from .drafter import DFlashDrafter
+    from .loader import CacheLoader
+    from .spec import read_spec
+    from .store import read_frozen
+    from .train import TrainConfig, _anchor_generator, drafter_config, train_step
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
+                      block_size=block_size, draft_layers=draft_layers)  # fmt: skip
+    dcfg = drafter_config(cfg, read_spec(cache))
+    torch.manual_seed(0)
+    model = DFlashDrafter(dcfg).to(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    embed, head = (t.to(device, dtype) for t in read_frozen(cache))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def step(batch, i) -> None:
+        train_step(model, embed, head, batch, dcfg, cfg, _anchor_generator(0, 0, i, 0))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    loader = CacheLoader(cache, token_budget=token_budget, device=device, layer_ids=dcfg.target_layer_ids)
+    n = min(steps + warmup, loader.num_batches(0))
+    times: dict[str, float] = {}
+    it = loader.epoch(0)
+    for i in range(warmup):
+        step(next(it), i)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    wait0 = loader.wait_seconds
+    with PeakRSS() as rss, _timer(device, times, "loader"):
+        for i in range(warmup, n):
+            step(next(it), i)
+    wait = loader.wait_seconds - wait0
+    peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    kept = list(itertools.islice(loader.epoch(0), warmup, n))
+    with _timer(device, times, "memory"):  # the very same batches, already on the device
+        for j, batch in enumerate(kept):
+            step(batch, warmup + j)
+    measured = len(kept)
+    context_tokens = sum(b.num_tokens for b in kept)
+    return {
+        "steps": measured, "token_budget": token_budget, "max_anchors": max_anchors,
+        "loader_steps_s": measured / times["loader"], "memory_steps_s": measured / times["memory"],
+        "ratio": times["memory"] / times["loader"], "loader_wait_per_step_s": wait / max(1, measured),
+        "context_tok_s": context_tokens / times["loader"], "peak_gpu_GB": peak_gpu / 1e9, "peak_rss_GB": rss.peak / 1e9,
+    }  # fmt: skip
