@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,3 +94,25 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
 
 def default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class GpuThrottle:
+    """Keeps the launching thread at most `depth` batches ahead of the GPU.
+
+    Unchecked, it fills CUDA's launch queue and then blocks inside a kernel launch while holding
+    the GIL, which starves the threads that compress units (extract) or decode batches (train).
+    Waiting on an event instead releases the GIL while the GPU works.
+    """
+
+    def __init__(self, cuda: bool, depth: int = 2):
+        self.cuda, self.depth = cuda, depth
+        self.events: deque[torch.cuda.Event] = deque()
+
+    def mark(self) -> None:
+        if not self.cuda:
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self.events.append(event)
+        while len(self.events) > self.depth:
+            self.events.popleft().synchronize()

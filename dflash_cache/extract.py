@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import data as data_mod
-from .devices import Worker, launch
+from .devices import GpuThrottle, Worker, launch
 from .plan import Plan, Unit, default_bucket_edges, make_plan
 from .progress import ProgressSink, Reporter
 from .spec import (
@@ -352,6 +352,7 @@ def extract_units(
     pad_id = spec.tokenizer.pad_token_id or 0
     writers = ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="unit-writer")
     pending: list[Future] = []
+    throttle = GpuThrottle(cuda)
     try:
         for unit in units:
             ids, mask = _unit_tokens(dataset, unit)
@@ -363,6 +364,7 @@ def extract_units(
                 inp, index = _batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device)
                 bits, scale = pack_hidden(target(inp), index, fp8)
                 _copy_out(copy_stream, buf, r0, r1, bits, scale)
+                throttle.mark()
                 report({"tokens": r1 - r0, "padded": len(lengths) * batch.max_len})
             ready = torch.cuda.Event() if cuda else None
             if ready is not None:

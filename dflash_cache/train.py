@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import Checkpointer
-from .devices import Worker, launch
+from .devices import GpuThrottle, Worker, launch
 from .drafter import DFlashDrafter, DrafterConfig, save_serving
 from .loader import Batch, CacheLoader
 from .metrics import MetricsLog, all_reduce_sums
@@ -222,6 +222,7 @@ def _train(w: Worker, cfg: TrainConfig, channel) -> None:
         channel.put({"bar": {"total": total, "completed": step}})
 
     trace = _Trace(cfg.out, w.rank, step) if cfg.trace else None
+    throttle = GpuThrottle(cuda)
     sums: dict[str, torch.Tensor] = {}
     window = {"loss": 0.0, "n": 0, "tokens": 0, "wait": loader.wait_seconds, "t": time.perf_counter()}
     while step < total and epoch < cfg.epochs:
@@ -248,6 +249,7 @@ def _train(w: Worker, cfg: TrainConfig, channel) -> None:
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+            throttle.mark()
             step += 1
             if trace is not None:
                 trace.step(step, model)
