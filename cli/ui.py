@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 console = Console(stderr=True)
 
@@ -24,11 +24,9 @@ class ExtractBar:
     def __init__(self) -> None:
         self.progress = Progress(
             TextColumn("[bold]extract"),
-            BarColumn(bar_width=24),
+            BarColumn(bar_width=12),
             MofNCompleteColumn(),
-            TextColumn("tok  {task.fields[rate]}  pad {task.fields[pad]}  {task.fields[written]}"),
-            TimeElapsedColumn(),
-            TextColumn("eta"),
+            TextColumn("tok {task.fields[rate]} pad {task.fields[pad]} {task.fields[written]} eta"),
             TimeRemainingColumn(),
             console=console,
             transient=False,
@@ -62,12 +60,10 @@ class TrainBar:
     def __init__(self) -> None:
         self.progress = Progress(
             TextColumn("[bold]train"),
-            BarColumn(bar_width=24),
+            BarColumn(bar_width=12),
             MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}  accept {task.fields[accept]}  {task.fields[rate]}  "
-                       "wait {task.fields[wait]}"),  # fmt: skip
-            TimeElapsedColumn(),
-            TextColumn("eta"),
+            TextColumn("loss {task.fields[loss]} accept {task.fields[accept]} {task.fields[rate]} "
+                       "wait {task.fields[wait]} eta"),  # fmt: skip
             TimeRemainingColumn(),
             console=console,
         )
