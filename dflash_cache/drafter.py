@@ -28,16 +28,28 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from .objective import BlockLayout, block_attention
+from .spec import default_layer_ids
 
 INITIALIZER_RANGE = 0.02  # Qwen3's initializer_range: std of the Linear weights at init
 
 
-def default_target_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
-    """round(1 + i*(L-4)/(K-1)), i < K: spread over the target, skipping the first and last few
-    layers (Qwen3-8B, L=36: [1, 9, 17, 25, 33]). One layer: the middle one, as z-lab does."""
-    if k == 1:
-        return [num_target_layers // 2]
-    return [round(1 + i * (num_target_layers - 4) / (k - 1)) for i in range(k)]
+def _geometry(d: dict) -> dict:
+    """The Qwen3/Llama geometry fields shared by a target's and a drafter's config.json."""
+    heads = d["num_attention_heads"]
+    theta, scaling = _rope_from(d)
+    return {
+        "hidden_size": d["hidden_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": d.get("num_key_value_heads") or heads,
+        "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
+        "intermediate_size": d["intermediate_size"],
+        "vocab_size": d["vocab_size"],
+        "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": d.get("max_position_embeddings", 32768),
+        "hidden_act": d.get("hidden_act", "silu"),
+    }
 
 
 def _rope_from(d: dict) -> tuple[float, dict | None]:
@@ -114,22 +126,11 @@ class DrafterConfig:
         t = target_config
         if "hidden_size" not in t and "text_config" in t:
             t = t["text_config"]
-        heads = t["num_attention_heads"]
-        theta, scaling = _rope_from(t)
         n_target = t["num_hidden_layers"]
         return cls(
-            hidden_size=t["hidden_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=t.get("num_key_value_heads") or heads,
-            head_dim=t.get("head_dim") or t["hidden_size"] // heads,
-            intermediate_size=t["intermediate_size"],
-            vocab_size=t["vocab_size"],
-            rms_norm_eps=t.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=t.get("max_position_embeddings", 32768),
+            **_geometry(t),
             target_layer_ids=(
-                default_target_layer_ids(n_target)
+                default_layer_ids(n_target)
                 if target_layer_ids is None
                 else list(target_layer_ids)
             ),
@@ -137,7 +138,6 @@ class DrafterConfig:
             mask_token_id=mask_token_id,
             num_hidden_layers=num_draft_layers,
             block_size=block_size,
-            hidden_act=t.get("hidden_act", "silu"),
         )
 
     def _rope_parameters(self) -> dict:
@@ -186,25 +186,14 @@ class DrafterConfig:
     @classmethod
     def from_serving_config(cls, d: dict) -> DrafterConfig:
         dflash = d.get("dflash_config") or {}
-        theta, scaling = _rope_from(d)
         return cls(
-            hidden_size=d["hidden_size"],
-            num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-            intermediate_size=d["intermediate_size"],
-            vocab_size=d["vocab_size"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
+            **_geometry(d),
+            attention_bias=d.get("attention_bias", False),
             target_layer_ids=dflash["target_layer_ids"],
             num_target_layers=d["num_target_layers"],
             mask_token_id=dflash["mask_token_id"],
             num_hidden_layers=d["num_hidden_layers"],
             block_size=d.get("block_size", dflash.get("block_size", 16)),
-            attention_bias=d.get("attention_bias", False),
-            hidden_act=d.get("hidden_act", "silu"),
         )
 
 
@@ -406,7 +395,6 @@ def load_serving(
 __all__ = [
     "DFlashDrafter",
     "DrafterConfig",
-    "default_target_layer_ids",
     "load_serving",
     "save_serving",
 ]

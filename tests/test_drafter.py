@@ -13,11 +13,11 @@ from dflash_cache import objective
 from dflash_cache.drafter import (
     DFlashDrafter,
     DrafterConfig,
-    default_target_layer_ids,
     load_serving,
     save_serving,
 )
 from dflash_cache.objective import BlockLayout
+from dflash_cache.spec import default_layer_ids
 
 B = 4
 LENGTHS = [13, 3, 29, 7]  # the 3-token sequence is shorter than a block: it gets no blocks
@@ -297,10 +297,10 @@ def test_scaled_rope_builds():
     assert torch.isfinite(model(embeds, context, layout)).all()
 
 
-def test_default_target_layer_ids():
-    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
-    assert default_target_layer_ids(28) == [1, 7, 13, 19, 25]
-    assert default_target_layer_ids(36, 1) == [18]
+def test_default_layer_ids():
+    assert default_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(28) == [1, 7, 13, 19, 25]
+    assert default_layer_ids(36, 1) == [18]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
