@@ -228,9 +228,10 @@ def run(cfg: ExtractConfig, sink: ProgressSink | None = None) -> dict:
                 f"the cache needs up to {_gib(need)} more and {cfg.out} has {_gib(free)} free; "
                 "free space, use --storage fp8, or point --out elsewhere"
             )
-        if not (cfg.out / "cache.json").exists():
+        lead = not in_torchrun or os.environ["RANK"] == "0"  # one process writes the shared files
+        if lead and not (cfg.out / "cache.json").exists():
             write_spec(cfg.out, prep.spec)
-        if not (cfg.out / REJECTED).exists():
+        if lead and not (cfg.out / REJECTED).exists():
             write_rejected(cfg.out, prep.tokens.rejected)
         swept = 0 if in_torchrun else sweep_partial(cfg.out)
         start = time.perf_counter()
