@@ -208,6 +208,11 @@ def _empty_raw() -> datasets.Dataset:
     return datasets.Dataset.from_dict({RAW: [], LINE: []}, features=_RAW_FEATURES)
 
 
+def source_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row of `read_rows` as the source wrote it (JSON Lines are kept raw until now)."""
+    return _parse_raw(row[RAW], row.get(LINE)) if RAW in row else row
+
+
 def _parse_raw(raw: bytes, line: int | None) -> dict[str, Any]:
     where = f" (line {line})" if line is not None else ""
     try:
@@ -247,11 +252,10 @@ def encode_row(
     """
     if not isinstance(row, dict):
         raise RowRejected(f"malformed row: expected an object, got {_json_type(row)}")
-    if RAW in row:
-        row = _parse_raw(row[RAW], row.get(LINE))
+    row = source_row(row)
     messages = row.get("messages")
     if messages is not None:
-        ids, mask = _encode_chat(_check_messages(messages), tokenizer)
+        ids, mask = _encode_chat(check_messages(messages), tokenizer)
     elif row.get("prompt") is not None or row.get("response") is not None:
         prompt, response = row.get("prompt"), row.get("response")
         for name, other, value in (("prompt", "response", prompt), ("response", "prompt", response)):
@@ -286,7 +290,7 @@ def encode_row(
     return ids, mask
 
 
-def _check_messages(messages: Any) -> list[dict[str, Any]]:
+def check_messages(messages: Any) -> list[dict[str, Any]]:
     """Validate a conversation; return its messages with ``None`` fields dropped."""
     if not isinstance(messages, list):
         raise RowRejected(f"wrong type: messages must be a list, got {_json_type(messages)}")
