@@ -195,6 +195,35 @@ def verify(cache: Path = typer.Argument(..., help="Cache directory.")) -> None:
     console.print("all units sound")
 
 
+@app.command("eval")
+@friendly
+def eval_(
+    target: str = typer.Option(..., help="Target model: local directory or a hub id in the local cache."),
+    drafter: Path = typer.Option(..., help="Exported drafter (config.json + model.safetensors), e.g. RUN/export."),
+    data: Path = typer.Option(..., help="Prompts: JSONL / JSON / Parquet rows with messages, prompt or text."),
+    max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate per prompt."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0: greedy; above 0: speculative sampling."),
+    seed: int = typer.Option(0, help="Seed of the sampling generators."),
+    block_size: int | None = typer.Option(None, min=2, help="Block size B (default: the drafter's)."),
+    limit: int | None = typer.Option(None, min=1, help="Use only the first N prompts."),
+    json_out: Path | None = typer.Option(None, "--json", help="Also write the full result as JSON here."),
+) -> None:
+    """Speculative decoding with a drafter: tau, acceptance histogram, speedup over the target alone."""
+    from dflash_cache.evaluate import evaluate
+
+    r = evaluate(target, drafter, data, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                 block_size=block_size, limit=limit).to_dict()  # fmt: skip
+    s = r["settings"]
+    print(f"{s['prompts']} prompts, B={s['block_size']}, temperature {s['temperature']}, {s['device']} {s['dtype']}")
+    for name, value in (("tau", f"{r['tau']:.3f}"), ("steps", r["steps"]), ("new tokens", r["new_tokens"]),
+                        ("spec tok/s", f"{r['spec_tok_s']:.1f}"), ("target tok/s", f"{r['target_tok_s']:.1f}"),
+                        ("speedup", f"{r['speedup']:.2f}x")):  # fmt: skip
+        print(f"  {name:<13}{value}")
+    print("  accept len   " + "  ".join(f"{n}:{c}" for n, c in enumerate(r["histogram"], 1)))
+    if json_out is not None:
+        json_out.write_text(json.dumps(r, indent=2) + "\n")
+
+
 bench_app = typer.Typer(no_args_is_help=True, help="Measure this machine before a long job (ratios side by side).")
 app.add_typer(bench_app, name="bench")
 
