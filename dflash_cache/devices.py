@@ -34,10 +34,12 @@ def parse_gpus(spec: str) -> list[int]:
             if "-" in part:
                 lo, hi = (int(x) for x in part.split("-", 1))
                 if hi < lo:
-                    raise ValueError
+                    raise DeviceError(f"--gpus {spec!r}: the range {part} runs backwards (write {hi}-{lo})")
                 ids.extend(range(lo, hi + 1))
             elif part:
                 ids.append(int(part))
+    except DeviceError:
+        raise
     except ValueError:
         raise DeviceError(f"--gpus {spec!r}: expected ids and ranges like 0-4 or 0,2,5-7") from None
     if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
