@@ -224,6 +224,43 @@ def eval_(
         json_out.write_text(json.dumps(r, indent=2) + "\n")
 
 
+@app.command()
+@friendly
+def regen(
+    target: str = typer.Option(..., help="Target model: local directory or a hub id in the local cache."),
+    data: Path = typer.Option(..., help="JSONL / JSON / Parquet rows with messages or prompt."),
+    out: Path = typer.Option(..., help="Output .jsonl (parts are kept in OUT.parts/ until done; rerun to resume)."),
+    max_new_tokens: int = typer.Option(512, min=1, help="Longest regenerated turn."),
+    temperature: float = typer.Option(0.0, min=0.0, help="0: greedy."),
+    seed: int = typer.Option(0, help="Sampling seed (each part is seeded by its id)."),
+    batch_size: int = typer.Option(32, min=1, help="Prompts per generate call."),
+    gpus: str | None = typer.Option(None, help="GPUs, one process each: 0-7."),
+) -> None:
+    """Rewrite a dataset's assistant turns with the target's own generations."""
+    from dflash_cache.regen import RegenConfig, run
+
+    s = run(RegenConfig(target=target, data=str(data), out=out, max_new_tokens=max_new_tokens,
+                        temperature=temperature, seed=seed, batch_size=batch_size, gpus=_gpus(gpus)))  # fmt: skip
+    console.print(f"{s['rows']} rows in {s['out']}" + (" (already complete)" if s["resumed"] else
+                  f"; {s['rejected']} rows could not be regenerated"))  # fmt: skip
+
+
+@app.command()
+@friendly
+def demo(
+    out: Path = typer.Option(Path("demo"), help="Directory for every stage's output."),
+    epochs: int = typer.Option(4, help="Training epochs."),
+    eval_prompts: int = typer.Option(10, help="Held-out prompts to evaluate on."),
+) -> None:
+    """regen -> extract -> train -> eval on the bundled data and tiny target; tau trained vs untrained."""
+    from dflash_cache.demo import DemoConfig, run
+
+    results = run(DemoConfig(out=out, epochs=epochs, eval_prompts=eval_prompts), say=console.print)
+    print(f"{'drafter':<10} {'tau':>6} {'spec tok/s':>11} {'target tok/s':>13} {'speedup':>8}")
+    for name, r in results.items():
+        print(f"{name:<10} {r.tau:>6.3f} {r.spec_tok_s:>11.1f} {r.target_tok_s:>13.1f} {r.speedup:>7.2f}x")
+
+
 bench_app = typer.Typer(no_args_is_help=True, help="Measure this machine before a long job (ratios side by side).")
 app.add_typer(bench_app, name="bench")
 
