@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from cli.ui import ExtractBar, TrainBar, console, human_bytes
+from dflash_cache.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Decoupled hidden-state cache for DFlash drafters.")
 
@@ -25,18 +26,6 @@ def _quiet_libraries() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-def _user_errors():
-    from dflash_cache.data import DataError
-    from dflash_cache.devices import DeviceError
-    from dflash_cache.extract import ExtractError
-    from dflash_cache.spec import SpecError
-    from dflash_cache.store import CorruptUnit
-    from dflash_cache.target import TargetError
-    from dflash_cache.train import TrainError
-
-    return (DataError, DeviceError, ExtractError, SpecError, CorruptUnit, TargetError, TrainError, FileNotFoundError)
-
-
 def friendly(fn):
     """Print user errors as one line and exit 1; a worker process's error likewise."""
 
@@ -46,7 +35,7 @@ def friendly(fn):
 
         try:
             return fn(*args, **kwargs)
-        except _user_errors() as e:
+        except (UserError, FileNotFoundError) as e:
             console.print(f"[red]error:[/red] {e}")
             raise typer.Exit(1) from None
         except ProcessRaisedException as e:
@@ -191,6 +180,7 @@ def verify(cache: Path = typer.Argument(..., help="Cache directory.")) -> None:
     if bad:
         for unit, problems in bad.items():
             console.print(f"[red]bad unit {unit}:[/red] " + "; ".join(problems))
+        console.print(f"[red]error:[/red] {len(bad)} bad unit(s) in {cache}: {', '.join(bad)}")
         raise typer.Exit(1)
     console.print("all units sound")
 

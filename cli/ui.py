@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # an error stays one line when piped
 
 
 def human_bytes(n: float) -> str:

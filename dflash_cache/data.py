@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import datasets
 
+from .errors import UserError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -74,7 +76,7 @@ _MAPPED_FEATURES = datasets.Features({**TOKENIZED_FEATURES, "reason": datasets.V
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A problem with the input as a whole; the message is meant to be printed as one line."""
 
 

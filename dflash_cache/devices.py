@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
+from .errors import UserError
 
-class DeviceError(ValueError):
+
+class DeviceError(UserError, ValueError):
     """A device request this machine cannot serve."""
 
 

@@ -25,6 +25,7 @@ import torch
 
 from . import data as data_mod
 from .devices import GpuThrottle, Worker, launch
+from .errors import UserError
 from .plan import Plan, Unit, default_bucket_edges, make_plan
 from .progress import ProgressSink, Reporter
 from .spec import (
@@ -57,7 +58,7 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 WORK = ".work"  # tokenized dataset, reused by reruns; safe to delete
 
 
-class ExtractError(RuntimeError):
+class ExtractError(UserError, RuntimeError):
     """An extraction that cannot start or go on; the message says why."""
 
 
@@ -216,7 +217,17 @@ def cache_lock(cache_dir: Path) -> Iterator[None]:
 
 def run(cfg: ExtractConfig, sink: ProgressSink | None = None) -> dict:
     """Extract everything that is not committed yet; returns a summary."""
+    created = not cfg.out.exists()
     cfg.out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _run(cfg, sink)
+    except BaseException:
+        if created and not (cfg.out / "cache.json").exists():  # refused before anything was cached
+            shutil.rmtree(cfg.out, ignore_errors=True)
+        raise
+
+
+def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     with nullcontext() if in_torchrun else cache_lock(cfg.out):
         prep = prepare(cfg)

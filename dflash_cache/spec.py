@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import UserError
+
 FORMAT_VERSION = 1
 CACHE_JSON = "cache.json"
 LAYER_MEANING = (
@@ -25,7 +27,7 @@ LAYER_MEANING = (
 _VOLATILE = {"created", "tool_version"}
 
 
-class SpecError(ValueError):
+class SpecError(UserError, ValueError):
     """A cache that cannot be used as asked: the message names the field."""
 
 

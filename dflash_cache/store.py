@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from zarr.codecs import BytesCodec, ZstdCodec
 from zarr.core.buffer.cpu import NDBuffer
 
+from .errors import UserError
 from .spec import StorageInfo
 
 UNITS = "units"
@@ -36,7 +37,7 @@ _UNIT_RE = re.compile(r"^u(\d{6,})$")
 TOKEN_ARRAYS = ("hidden", "hidden_scale", "input_ids", "loss_mask")
 
 
-class CorruptUnit(RuntimeError):
+class CorruptUnit(UserError, RuntimeError):
     """A committed unit that cannot be trusted; the message names the unit and the problem."""
 
     def __init__(self, unit: str, problem: str):

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from .errors import UserError
 from .spec import TargetInfo, digest
 
 
-class TargetError(ValueError):
+class TargetError(UserError, ValueError):
     """A target that cannot be loaded or tapped as asked."""
 
 

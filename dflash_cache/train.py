@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from .checkpoint import Checkpointer
 from .devices import GpuThrottle, Worker, launch
 from .drafter import DFlashDrafter, DrafterConfig, save_serving
+from .errors import UserError
 from .loader import Batch, CacheLoader
 from .metrics import MetricsLog, all_reduce_sums
 from .objective import Blocks, block_metrics, chunked_loss, make_blocks, summarize_metrics
@@ -35,7 +36,7 @@ RUN_JSON = "train.json"
 EXPORT = "export"
 
 
-class TrainError(RuntimeError):
+class TrainError(UserError, RuntimeError):
     """A training run that cannot start or resume; the message says why."""
 
 
@@ -79,13 +80,16 @@ def drafter_config(cfg: TrainConfig, spec: CacheSpec) -> DrafterConfig:
     layers = cfg.layers or list(spec.layers.ids)
     if not spec.target.config:
         raise TrainError("cache.json has no target config (target.config): re-extract with this version")
-    dcfg = DrafterConfig.from_target(
-        spec.target.config,
-        target_layer_ids=layers,
-        mask_token_id=spec.tokenizer.mask_token_id,
-        num_draft_layers=cfg.draft_layers,
-        block_size=cfg.block_size,
-    )
+    try:
+        dcfg = DrafterConfig.from_target(
+            spec.target.config,
+            target_layer_ids=layers,
+            mask_token_id=spec.tokenizer.mask_token_id,
+            num_draft_layers=cfg.draft_layers,
+            block_size=cfg.block_size,
+        )
+    except ValueError as e:  # the drafter's own checks (block size, heads, layer ids)
+        raise TrainError(f"drafter settings: {e}") from None
     check_drafter_fits(
         spec,
         layer_ids=layers,

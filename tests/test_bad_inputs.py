@@ -371,9 +371,6 @@ def test_train_layers_not_in_cache(suite):
     assert_user_error(suite["train_layers_not_cached"], "layers", "[0, 7]", str(cached))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "DrafterConfig.__post_init__ raises a bare ValueError('block_size must be >= 2') that "
-    "train.drafter_config does not turn into a TrainError, so the CLI prints a rich traceback"))  # fmt: skip
 def test_train_block_size_1(suite):
     assert_user_error(suite["train_block_size_1"], "block", "2")
 
@@ -395,9 +392,6 @@ def test_verify_names_truncated_unit(suite):
     assert not any(good in r.flat_err for good in broken["good"]), str(r)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "`dflash verify` lists 'bad unit uNNNNNN: ...' lines and exits 1 but prints no 'error:' line, "
-    "unlike every other failing command"))  # fmt: skip
 def test_verify_failure_has_error_line(suite):
     r = suite["verify_truncated"]
     assert r.rc == 1 and r.error, str(r)
@@ -428,20 +422,8 @@ USER_ERRORS = ["missing_data", "all_rows_bad", "target_not_a_model", "no_chat_te
                "info_corrupt_json", "train_layers_not_cached"]  # fmt: skip
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "cli/main.py prints errors with rich's console.print, which hard-wraps at 80 columns when stderr "
-    "is not a terminal, so a long message becomes several lines"))  # fmt: skip
 def test_errors_are_one_line_when_piped(suite):
     for name in USER_ERRORS:
         r = suite[name]
         lines = [x for x in _ANSI.sub("", r.stderr).splitlines() if x.strip()]
         assert lines and lines[-1].startswith("error:") and lines[-1].split() == r.error.split(), str(r)
-
-
-def test_timing(suite):
-    """Not a check: how long each command took, for the record (pytest -s shows it)."""
-    for name, future in suite.futures.items():
-        r = future.result()
-        if isinstance(r, Result):
-            print(f"{name:28s} {r.seconds:5.1f}s exit {r.rc}  dflash {r.argv[0]}")
-    print(f"all {len(suite.futures)} jobs done {time.perf_counter() - suite.wall_start:.1f}s after the fixture began")

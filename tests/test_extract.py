@@ -134,7 +134,8 @@ def test_fp8_round_trip_error(tmp_path, tiny_cache):
 
 def test_bad_requests_refused(tmp_path, tiny_cache):
     with pytest.raises(ExtractError, match="layers"):
-        prepare(extract_config(tmp_path / "c", layers=[1, 99]))
+        run(extract_config(tmp_path / "c", layers=[1, 99]))
+    assert not (tmp_path / "c").exists()  # a refused run leaves nothing behind
     with pytest.raises(ExtractError, match="storage"):
         prepare(extract_config(tmp_path / "c", storage="int4"))
     with pytest.raises(ExtractError, match="layers.ids"):
