@@ -286,6 +286,7 @@ def bench_extract(
     storage: str = typer.Option("bf16", help="bf16 or fp8."),
     token_budget: int = typer.Option(16384, help="Padded tokens per forward."),
     writer_threads: int = typer.Option(6, help="Unit writer threads."),
+    peer: bool = typer.Option(False, help="Also run the one-torch.save-per-sample baseline and both loaders."),
 ) -> None:
     """Full extract path vs the bare truncated forward of a random Qwen3-8B-shaped target."""
     from dflash_cache import bench
@@ -294,6 +295,10 @@ def bench_extract(
                            writer_threads=writer_threads)  # fmt: skip
     bench.write_random_frozen(out, bench.QWEN3_8B)
     _print_json(result)
+    if peer:
+        _print_json({f"loader_{k}": v for k, v in bench.loader_rate(out, token_budget=token_budget).items()})
+        _print_json({f"peer_{k}": v for k, v in bench.peer_baseline(out.with_name(out.name + "-peer"),
+                     num_tokens=tokens, token_budget=token_budget).items()})  # fmt: skip
 
 
 @bench_app.command("train")

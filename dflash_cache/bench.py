@@ -232,6 +232,72 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     }  # fmt: skip
 
 
+def peer_baseline(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, token_budget: int = 16384,
+                  device: torch.device | None = None, max_files: int = 2000) -> dict[str, Any]:  # fmt: skip
+    """The common practice this project replaces, on the same length mix and batches: the full
+    model with `output_hidden_states=True`, one `torch.save` file per sample holding the padded
+    tapped layers, then a loader that `torch.load`s the files one by one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .extract import _batch_inputs
+    from .plan import default_bucket_edges, make_plan
+    from .spec import default_layer_ids
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    layer_ids = default_layer_ids(config["num_hidden_layers"])
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).eval()
+    lengths = lognormal_lengths(max(8, int(num_tokens / 700)))
+    plan = make_plan(lengths, bucket_edges=default_bucket_edges(3072), token_budget=token_budget, unit_tokens=1 << 62)
+    rng = np.random.default_rng(0)
+    out.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    n_files = tokens = 0
+    with torch.inference_mode(), _timer(device, times, "extract"):
+        for unit in plan.units:
+            for b in unit.batches:
+                lens = unit.lengths[b.start : b.stop]
+                ids = rng.integers(0, config["vocab_size"], size=int(lens.sum()), dtype=np.int32)
+                inp, _ = _batch_inputs(ids, lens, b.max_len, 0, device)
+                hs = model(input_ids=inp, output_hidden_states=True).hidden_states
+                padded = torch.stack([hs[i + 1] for i in layer_ids], dim=1).cpu()  # [b, K, T, H], padding kept
+                for j in range(len(lens)):
+                    torch.save({"input_ids": inp[j].cpu(), "hidden_states": padded[j].clone()},
+                               out / f"{n_files:08d}.pt")  # fmt: skip
+                    n_files += 1
+                tokens += int(lens.sum())
+    nbytes = sum(f.stat().st_size for f in out.glob("*.pt"))
+    files = sorted(out.glob("*.pt"))
+    order = rng.permutation(len(files))[:max_files]
+    loaded = 0
+    with _timer(device, times, "load"):
+        for k in order:
+            d = torch.load(files[k], map_location="cpu")
+            loaded += d["hidden_states"].shape[1]  # padded tokens per file
+            d["hidden_states"].to(device, non_blocking=False)
+    return {
+        "files": n_files, "tokens": tokens, "extract_tok_s": tokens / times["extract"],
+        "bytes_per_token": nbytes / tokens, "loader_padded_tok_s": loaded / times["load"],
+    }  # fmt: skip
+
+
+def loader_rate(cache: Path, *, token_budget: int = 16384, device: torch.device | None = None,
+                max_batches: int = 50) -> dict[str, Any]:  # fmt: skip
+    """Tokens/s of the streaming loader alone (decode, pinned staging, copy to the device)."""
+    from .loader import CacheLoader
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loader = CacheLoader(cache, token_budget=token_budget, device=device)
+    times: dict[str, float] = {}
+    tokens = 0
+    with _timer(device, times, "load"):
+        for i, batch in enumerate(loader.epoch(0)):
+            tokens += batch.num_tokens
+            if i + 1 >= max_batches:
+                break
+    return {"loader_tok_s": tokens / times["load"], "batches": min(max_batches, loader.num_batches(0))}
+
+
 def write_random_frozen(cache: Path, config: dict) -> None:
     from .store import write_frozen
 
