@@ -1,0 +1,161 @@
+"""Two extracts on one cache, a killed lock holder, and host memory that does not grow with the data.
+
+Everything runs through the real CLI in subprocesses, so the lock, the exit codes and the peak RSS
+are those of real `dflash` processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import CHAT, ROOT, TINY_TARGET
+from test_extract import read_cache
+
+from dflash_cache.store import committed_units
+
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+# small units and batches: one extract of 100 rows is ~6 units and a few seconds on 2 CPU cores
+EXTRACT_ARGS = ["--target", str(TINY_TARGET), "--max-length", "512", "--unit-mb", "1", "--token-budget", "512"]
+TRAIN_ARGS = ["--epochs", "1", "--max-anchors", "16", "--token-budget", "1024", "--draft-layers", "1"]
+# run the CLI in this very process, then print its own peak RSS (Linux: KiB)
+PEAK = (
+    "import resource, sys\n"
+    "from cli.main import app\n"
+    "app(sys.argv[1:], prog_name='dflash', standalone_mode=False)\n"
+    "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
+)
+
+
+def rows(tmp_path: Path, n: int, repeat: int = 1) -> Path:
+    """The first n bundled rows, the whole block repeated `repeat` times."""
+    lines = CHAT.read_text().splitlines()[:n]
+    path = tmp_path / f"rows{n}x{repeat}.jsonl"
+    path.write_text("\n".join(lines * repeat) + "\n")
+    return path
+
+
+def extract_cmd(data: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "cli.main", "extract", "--data", str(data), "--out", str(out), *EXTRACT_ARGS]
+
+
+def wait_running(proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:
+    """Until the extract holds the lock (its pid written in .lock) or has committed a unit."""
+    deadline = time.time() + timeout
+    lock = out / ".lock"
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if lock.read_text().strip() == str(proc.pid):
+                return
+        except FileNotFoundError:
+            pass
+        if (out / "units").is_dir() and committed_units(out):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"extract did not start (exit {proc.poll()})")
+
+
+def assert_same_cache(a: Path, b: Path) -> None:
+    x, y = read_cache(a), read_cache(b)  # read_cache asserts no sample is cached twice
+    assert sorted(x) == sorted(y)
+    for s in x:
+        for u, v in zip(x[s][:3], y[s][:3], strict=True):
+            np.testing.assert_array_equal(u, v)
+
+
+def test_second_extract_refused_and_dead_holder_recovered(tmp_path):
+    data = rows(tmp_path, 100)
+    first_out = tmp_path / "cache"
+    first = subprocess.Popen(extract_cmd(data, first_out), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        wait_running(first, first_out)
+        # On an idle machine the first finishes in about the time the second takes to import torch,
+        # so hold it (alive, lock held) while the second starts, then let it go on.
+        first.send_signal(signal.SIGSTOP)
+        try:
+            second = subprocess.run(extract_cmd(data, first_out), env=ENV, capture_output=True, text=True,
+                                    timeout=300)
+            assert first.poll() is None
+        finally:
+            first.send_signal(signal.SIGCONT)
+    finally:
+        out_text, err_text = first.communicate(timeout=600)
+    assert second.returncode == 1, second.stdout + second.stderr
+    said = [line for line in (second.stdout + second.stderr).splitlines() if line.strip()]
+    assert len(said) == 1 and said[0].startswith("error:"), said
+    assert "Traceback" not in second.stderr
+    assert f"pid {first.pid}" in said[0] and "another dflash extract" in said[0], said[0]
+    assert first.returncode == 0, err_text
+    assert "cached 100 samples" in out_text + err_text
+
+    # the refused run left nothing behind and the first wrote every sample exactly once
+    assert not any((first_out / ".partial").iterdir())
+    assert sorted(read_cache(first_out)) == list(range(100))
+
+    # a SIGKILLed holder: its lock goes with it, and the rerun completes the cache
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(extract_cmd(data, out), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_running(proc, out)
+    deadline = time.time() + 120
+    while not committed_units(out) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the kill should land mid-run"
+    assert 0 < len(committed_units(out)) < len(committed_units(first_out)), "the kill should land mid-run"
+    assert (out / ".lock").read_text().strip() == str(proc.pid)  # the stale pid is still written there
+    done = subprocess.run(extract_cmd(data, out), env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "cached 100 samples" in done.stdout + done.stderr
+    assert not any((out / ".partial").iterdir())
+    # the first cache is an uninterrupted run of the same command (the refused one never wrote)
+    assert_same_cache(out, first_out)
+
+
+def peak_rss_kb(args: list[str]) -> int:
+    done = subprocess.run([sys.executable, "-c", PEAK, *args], env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return int(re.search(r"PEAK_RSS_KB (\d+)", done.stdout).group(1))
+
+
+# Measured on 2 shared CPU cores (peak RSS of the whole process, MiB):
+#   extract, 100 rows (~10k tokens, 6 units) vs the same rows x4 (~40k tokens, 22 units): 537 vs 547 (1.02x)
+#   extract, 400 rows (~42k tokens, 23 units) vs x4 (~168k tokens, 91 units):              549 vs 554 (1.01x)
+#   train one epoch, 100-row cache (12 steps) vs 400-row cache (44 steps):                  711 vs 783 (1.10x)
+# The baseline (python, torch, transformers, datasets, the tiny target) is most of it.
+@pytest.fixture(scope="module", params=[100, pytest.param(400, marks=pytest.mark.slow)], ids=["100rows", "400rows"])
+def caches(request, tmp_path_factory):
+    """(n, {1: (cache, peak extract KiB), 4: (...)}): the same rows once and four times over."""
+    n = request.param
+    tmp = tmp_path_factory.mktemp(f"mem{n}")
+    out = {}
+    for k in (1, 4):
+        cache = tmp / f"cache{k}x"
+        out[k] = (cache, peak_rss_kb(["extract", "--data", str(rows(tmp, n, k)), "--out", str(cache), *EXTRACT_ARGS]))
+        assert len(read_cache(cache)) == n * k
+    return n, out
+
+
+def test_extract_peak_memory_does_not_grow_with_data(caches):
+    n, out = caches
+    one, four = out[1][1], out[4][1]
+    print(f"extract peak RSS: {n} rows {one / 1024:.0f} MiB, {4 * n} rows {four / 1024:.0f} MiB ({four / one:.3f}x)")
+    assert four < 1.15 * one, (one, four)
+
+
+def test_train_peak_memory_does_not_grow_with_data(caches, tmp_path):
+    n, out = caches
+    peaks = {k: peak_rss_kb(["train", "--cache", str(out[k][0]), "--out", str(tmp_path / f"run{k}x"), *TRAIN_ARGS])
+             for k in (1, 4)}
+    one, four = peaks[1], peaks[4]
+    print(f"train peak RSS: {n}-row cache {one / 1024:.0f} MiB, {4 * n}-row cache {four / 1024:.0f} MiB "
+          f"({four / one:.3f}x)")
+    assert four < 1.15 * one, (one, four)
