@@ -126,11 +126,15 @@ def peak_rss_kb(args: list[str]) -> int:
     return int(re.search(r"PEAK_RSS_KB (\d+)", done.stdout).group(1))
 
 
-# Measured on 2 shared CPU cores (peak RSS of the whole process, MiB):
-#   extract, 100 rows (~10k tokens, 6 units) vs the same rows x4 (~40k tokens, 22 units): 537 vs 547 (1.02x)
-#   extract, 400 rows (~42k tokens, 23 units) vs x4 (~168k tokens, 91 units):              549 vs 554 (1.01x)
-#   train one epoch, 100-row cache (12 steps) vs 400-row cache (44 steps):                  711 vs 783 (1.10x)
-# The baseline (python, torch, transformers, datasets, the tiny target) is most of it.
+# Measured on 2 shared CPU cores (peak RSS of the whole process, MiB, over a few runs):
+#   extract, 100 rows (~10k tokens, 6 units) vs the same rows x4 (~40k tokens, 22 units): 537-540 vs 542-547
+#     (1.005-1.02x)
+#   extract, 400 rows (~42k tokens, 23 units) vs x4 (~168k tokens, 91 units): 547-549 vs 554-555 (1.01x)
+#   train one epoch, 100-row cache (12 steps) vs 400-row cache (44 steps): 702-711 vs 745-783 (1.06-1.10x)
+# The baseline (python, torch, transformers, datasets, the tiny target) is most of it. Training's
+# excess is not accumulation: sampled every 0.1 s, RSS swings 640-750 MiB with each batch (its
+# activations) around a floor that stays at ~640-660 MiB from the first steps to the last in both
+# runs; the 4x run draws four times as many batches, so its maximum of the swing is a little higher.
 @pytest.fixture(scope="module", params=[100, pytest.param(400, marks=pytest.mark.slow)], ids=["100rows", "400rows"])
 def caches(request, tmp_path_factory):
     """(n, {1: (cache, peak extract KiB), 4: (...)}): the same rows once and four times over."""
