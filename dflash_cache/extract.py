@@ -8,6 +8,7 @@ memory is bounded by the buffer count, whatever the dataset size.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import queue
@@ -48,6 +49,7 @@ from .store import (
     chunk_tokens_for,
     committed_units,
     sweep_partial,
+    unit_name,
     write_frozen,
     write_rejected,
     write_unit,
@@ -464,7 +466,15 @@ def _commit(out: Path, spec: CacheSpec, unit: Unit, dataset, ids, mask, buf, rea
             offsets=unit.offsets,
             sample_index=np.asarray(dataset.select(unit.rows.tolist())["sample_index"], dtype=np.int64),
         )
-        written = write_unit(out, unit.id, arrays, spec.storage)
+        try:
+            written = write_unit(out, unit.id, arrays, spec.storage)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise ExtractError(
+                f"the disk is full: unit {unit_name(unit.id)} could not be written to {out} ({e.strerror}); "
+                "free space and rerun the same command to resume (committed units are kept)"
+            ) from e
         report({"bytes": written, "units": 1})
     finally:
         buffers.put(buf)

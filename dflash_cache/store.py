@@ -82,12 +82,33 @@ def write_unit(cache_dir: Path, unit_id: int, arrays: UnitArrays, storage: Stora
     """Write a unit under `.partial/`, fsync it and rename it into `units/`; returns bytes written.
 
     If the unit is already committed (another writer got there first), the new copy is
-    discarded and 0 is returned: a unit id always names the same samples.
+    discarded and 0 is returned: a unit id always names the same samples. If writing fails (a full
+    disk, say), the partial copy is removed before the error propagates.
     """
     cache_dir = Path(cache_dir)
     name = unit_name(unit_id)
     tmp = cache_dir / PARTIAL / f"{name}.{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
     tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        files = _write_partial(tmp, unit_id, arrays, storage)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    target = cache_dir / UNITS / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not target.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return 0
+    _fsync_dir(target.parent)
+    return sum(files.values())
+
+
+def _write_partial(tmp: Path, unit_id: int, arrays: UnitArrays, storage: StorageInfo) -> dict[str, int]:
+    """The unit's Zarr group at `tmp`, manifest included, fsynced; returns the manifest's file sizes."""
     n_tokens = len(arrays.input_ids)
     chunk = storage.chunk_tokens
     shard = -(-n_tokens // chunk) * chunk
@@ -116,17 +137,7 @@ def write_unit(cache_dir: Path, unit_id: int, arrays: UnitArrays, storage: Stora
         }
     )
     _fsync_tree(tmp)
-    target = cache_dir / UNITS / name
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        if not target.exists():
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        return 0
-    _fsync_dir(target.parent)
-    return sum(files.values())
+    return files
 
 
 def _named(arrays: UnitArrays) -> Iterable[tuple[str, np.ndarray]]:
