@@ -131,6 +131,7 @@ def peak_rss_kb(args: list[str]) -> int:
 #     (1.005-1.02x)
 #   extract, 400 rows (~42k tokens, 23 units) vs x4 (~168k tokens, 91 units): 547-549 vs 554-555 (1.01x)
 #   train one epoch, 100-row cache (12 steps) vs 400-row cache (44 steps): 702-711 vs 745-783 (1.06-1.10x)
+#   train one epoch, 400-row cache (~45 steps) vs 1600-row cache (~170 steps): 741 vs 782 (1.056x)
 # The baseline (python, torch, transformers, datasets, the tiny target) is most of it. Training's
 # excess is not accumulation: sampled every 0.1 s, RSS swings 640-750 MiB with each batch (its
 # activations) around a floor that stays at ~640-660 MiB from the first steps to the last in both
