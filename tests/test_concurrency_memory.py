@@ -136,7 +136,8 @@ def peak_rss_kb(args: list[str]) -> int:
 # excess is not accumulation: sampled every 0.1 s, RSS swings 640-750 MiB with each batch (its
 # activations) around a floor that stays at ~640-660 MiB from the first steps to the last in both
 # runs; the 4x run draws four times as many batches, so its maximum of the swing is a little higher.
-@pytest.fixture(scope="module", params=[100, pytest.param(400, marks=pytest.mark.slow)], ids=["100rows", "400rows"])
+# The 400-vs-1600-row variant took over 7 minutes here, too long for CI; its figures are above.
+@pytest.fixture(scope="module", params=[100], ids=["100rows"])
 def caches(request, tmp_path_factory):
     """(n, {1: (cache, peak extract KiB), 4: (...)}): the same rows once and four times over."""
     n = request.param
