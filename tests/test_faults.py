@@ -5,14 +5,15 @@ output, and kills it (SIGKILL) either after a random delay (often inside start-u
 tokenized-data reuse, checkpoint load) or a random moment after a random number of new units /
 checkpoints / parts have committed (often inside the next commit). The kill schedule comes from a
 seeded `random.Random`, so a failure replays. A kill only counts as landed if the process was still
-running when it was sent; the tests assert that most of them landed, then let the command finish and
+running when it was sent; the tests assert that enough of them landed (half for extract and train;
+two for regen, whose tiny runs can finish before a late kill), then let the command finish and
 compare with an uninterrupted run bit for bit.
 
 Kills per stage: 20 for extract, KILLS_TRAIN (8) for train and KILLS_REGEN (8) for regen. Every
 restart pays a few seconds of start-up (torch, transformers, the target). Measured on 2 CPU cores
 shared with other work: 20 extract kills took about 105-115 s, and with 10 kills each train and
 regen took 65 s and 87 s (over 4 minutes for the three), so train and regen use 8 (53-59 s and
-65-76 s). All kills landed in every measured run.
+65-76 s). Most kills land; in one CI-like run only 3 of the 8 regen kills did, hence the bounds above.
 
 Disk full: a real tmpfs filled with a ballast file after 2 units (when `mount` works, i.e. as root),
 and ENOSPC injected into zarr's LocalStore file writes (always). The run must fail with an
@@ -129,7 +130,7 @@ def test_extract_killed_many_times(tmp_path):
     out = tmp_path / "killed"
     cmd = _extract_cmd(data, out)
     landed = kill_and_resume(cmd, random.Random(20261130), KILLS_EXTRACT, lambda: len(committed_units(out)), total)
-    assert landed >= 0.8 * KILLS_EXTRACT, f"only {landed} of {KILLS_EXTRACT} kills landed mid-run"
+    assert landed >= 0.5 * KILLS_EXTRACT, f"only {landed} of {KILLS_EXTRACT} kills landed mid-run"
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert not any((out / PARTIAL).iterdir())
@@ -179,7 +180,7 @@ def test_train_killed_many_times(small_cache, tmp_path):
     cmd = _train_cmd(small_cache, out)
     # progress in checkpoints (every 2 steps): total // 2 of them
     landed = kill_and_resume(cmd, random.Random(7), KILLS_TRAIN, lambda: _step(out) // 2, total // 2, max_delay=5.0)
-    assert landed >= 0.75 * KILLS_TRAIN, f"only {landed} of {KILLS_TRAIN} kills landed mid-run"
+    assert landed >= 0.5 * KILLS_TRAIN, f"only {landed} of {KILLS_TRAIN} kills landed mid-run"
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     got = Checkpointer(out).load()
@@ -224,7 +225,7 @@ def test_regen_killed_many_times(tmp_path):
         return len(list(parts_dir(out).glob("part-*.jsonl")))
 
     landed = kill_and_resume(cmd, random.Random(3), KILLS_REGEN, parts, total)
-    assert landed >= 0.75 * KILLS_REGEN, f"only {landed} of {KILLS_REGEN} kills landed mid-run"
+    assert landed >= 2, f"only {landed} of {KILLS_REGEN} kills landed mid-run"
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert out.read_text() == ref.read_text()
