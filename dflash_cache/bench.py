@@ -200,7 +200,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     write_spec(out, spec)
     # warm up kernels on the largest batch, outside the timings
     unit = plan.units[0]
-    ids, _ = _unit_tokens(dataset, unit)
+    ids, *_ = _unit_tokens(dataset, unit)
     b = unit.batches[0]
     inp, _ = _batch_inputs(ids[: int(unit.offsets[b.stop])], unit.lengths[b.start : b.stop], b.max_len, 0, device)
     target(inp)
@@ -216,7 +216,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
         extract_units(target, list(plan.units), dataset, spec, out, device, report, writer_threads=writer_threads)
     with _timer(device, times, "bare"):
         for unit in plan.units:
-            ids, _ = _unit_tokens(dataset, unit)
+            ids, *_ = _unit_tokens(dataset, unit)
             for b in unit.batches:
                 r0, r1 = int(unit.offsets[b.start]), int(unit.offsets[b.stop])
                 inp, _ = _batch_inputs(ids[r0:r1], unit.lengths[b.start : b.stop], b.max_len, 0, device)

@@ -54,7 +54,15 @@ from .store import (
     write_rejected,
     write_unit,
 )
-from .target import compute_dtype_for, load_config, load_target, load_tokenizer, target_info, text_config
+from .target import (
+    compute_dtype_for,
+    frozen_weights,
+    load_config,
+    load_target,
+    load_tokenizer,
+    target_info,
+    text_config,
+)
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 WORK = ".work"  # tokenized dataset, reused by reruns; safe to delete
@@ -332,7 +340,7 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.world_size))
     target, model, _ = load_target(spec.target.path, spec.layers.ids, w.device, spec.target.revision)
     if needs_frozen:
-        write_frozen(cfg.out, *_frozen(model))
+        write_frozen(cfg.out, *frozen_weights(model))
     del model  # the upper layers and the LM head stay on the CPU only until here
     extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put,
                   writer_threads=cfg.writer_threads)  # fmt: skip
@@ -369,7 +377,7 @@ def extract_units(
     throttle = GpuThrottle(cuda)
     try:
         for unit in units:
-            ids, mask = _unit_tokens(dataset, unit)
+            ids, mask, sample_index = _unit_tokens(dataset, unit)
             buf = pool.get()
             for batch in unit.batches:
                 lengths = unit.lengths[batch.start : batch.stop]
@@ -383,7 +391,7 @@ def extract_units(
             ready = torch.cuda.Event() if cuda else None
             if ready is not None:
                 ready.record(copy_stream)
-            job = (out, spec, unit, dataset, ids, mask, buf, ready, pool, report)
+            job = (out, spec, unit, sample_index, ids, mask, buf, ready, pool, report)
             pending.append(writers.submit(_commit, *job))
             pending = _reap(pending)
         for f in pending:
@@ -400,19 +408,14 @@ def _reap(pending: list[Future]) -> list[Future]:
     return [f for f in pending if not f.done()]
 
 
-def _frozen(model) -> tuple[torch.Tensor, torch.Tensor | None]:
-    from .target import frozen_weights
-
-    return frozen_weights(model)
-
-
-def _unit_tokens(dataset, unit: Unit) -> tuple[np.ndarray, np.ndarray]:
+def _unit_tokens(dataset, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A unit's packed input ids and loss mask, and the source row of each sample."""
     rows = dataset.select(unit.rows.tolist())
     ids = np.concatenate([np.asarray(x, dtype=np.int32) for x in rows["input_ids"]])
     mask = np.concatenate([np.asarray(x, dtype=np.uint8) for x in rows["loss_mask"]])
     if len(ids) != unit.num_tokens:
         raise ExtractError(f"unit {unit.id}: tokenized data changed under the plan (delete {WORK}/ and rerun)")
-    return ids, mask
+    return ids, mask, np.asarray(rows["sample_index"], dtype=np.int64)
 
 
 def _batch_inputs(
@@ -452,7 +455,7 @@ def _copy_out(stream, buf, r0: int, r1: int, bits: torch.Tensor, scale: torch.Te
             scale.record_stream(stream)
 
 
-def _commit(out: Path, spec: CacheSpec, unit: Unit, dataset, ids, mask, buf, ready, buffers, report) -> None:
+def _commit(out: Path, spec: CacheSpec, unit: Unit, sample_index, ids, mask, buf, ready, buffers, report) -> None:
     try:
         if ready is not None:
             ready.synchronize()
@@ -464,7 +467,7 @@ def _commit(out: Path, spec: CacheSpec, unit: Unit, dataset, ids, mask, buf, rea
             input_ids=ids,
             loss_mask=mask,
             offsets=unit.offsets,
-            sample_index=np.asarray(dataset.select(unit.rows.tolist())["sample_index"], dtype=np.int64),
+            sample_index=sample_index,
         )
         try:
             written = write_unit(out, unit.id, arrays, spec.storage)
