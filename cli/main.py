@@ -119,9 +119,10 @@ def train(
     cache: Path = typer.Option(..., help="Cache directory written by `dflash extract`."),
     out: Path = typer.Option(..., help="Run directory (created, or resumed if it exists)."),
     epochs: int = typer.Option(6, help="Passes over the cache."),
-    max_steps: int | None = typer.Option(None, help="Stop after this many optimizer steps."),
+    max_steps: int | None = typer.Option(None, help="Stop after this many optimizer steps (the schedule still "
+                                         "spans all epochs)."),
     lr: float = typer.Option(6e-4, help="Peak learning rate (AdamW, cosine schedule)."),
-    warmup: float = typer.Option(0.04, help="Warmup fraction of the steps."),
+    warmup: float = typer.Option(0.04, help="Warmup fraction of the run's tokens."),
     clip: float = typer.Option(1.0, help="Gradient clipping norm."),
     token_budget: int | None = typer.Option(None, help="Context tokens per batch per rank (16384 GPU, 2048 CPU)."),
     grad_accum: int = typer.Option(1, help="Batches per optimizer step."),
@@ -135,15 +136,22 @@ def train(
     gpus: str | None = typer.Option(None, help="GPUs, one DDP process each: 5-7."),
     procs: int = typer.Option(1, help="CPU DDP processes (gloo) when no --gpus."),
     skip_bad_units: bool = typer.Option(False, help="Train without units that fail their checks."),
+    follow: bool = typer.Option(True, help="On a cache still being extracted, epoch 1 follows the extraction "
+                                "(--no-follow: train on the units committed so far)."),
+    trace: bool = typer.Option(False, help="Log which samples every batch held to <out>/trace/rank<r>.jsonl."),
 ) -> None:
-    """Train a DFlash drafter from a cache; rerun the same command to resume."""
+    """Train a DFlash drafter from a cache; rerun the same command to resume.
+
+    Start it together with `dflash extract` on the same cache: the first epoch trains on units as
+    they commit and waits for more until the extraction is complete."""
     from dflash_cache import train as tr
 
     cfg = tr.TrainConfig(
         cache=cache, out=out, epochs=epochs, max_steps=max_steps, lr=lr, warmup=warmup, clip=clip,
         token_budget=token_budget, grad_accum=grad_accum, draft_layers=draft_layers, block_size=block_size,
         layers=_layers(layers), max_anchors=max_anchors, seed=seed, save_every=save_every, log_every=log_every,
-        gpus=_gpus(gpus), procs=procs, skip_bad_units=skip_bad_units,
+        gpus=_gpus(gpus), procs=procs, skip_bad_units=skip_bad_units, follow=follow,
+        trace=trace,
     )  # fmt: skip
     summary = tr.run(cfg, TrainBar())
     console.print(f"trained {summary.get('steps', 0)} steps; serving export in {summary['export']}")

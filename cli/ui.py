@@ -18,15 +18,23 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _count(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{int(n)}"
+
+
 class ExtractBar:
-    """tokens/s, padding, bytes written and ETA for `dflash extract`."""
+    """tokens/s, padding, units committed/planned, bytes written and ETA for `dflash extract`."""
 
     def __init__(self) -> None:
         self.progress = Progress(
             TextColumn("[bold]extract"),
             BarColumn(bar_width=12),
             MofNCompleteColumn(),
-            TextColumn("tok {task.fields[rate]} pad {task.fields[pad]} {task.fields[written]} eta"),
+            TextColumn("tok {task.fields[rate]} pad {task.fields[pad]} units {task.fields[units]} "
+                       "{task.fields[written]} eta"),  # fmt: skip
             TimeRemainingColumn(),
             console=console,
             transient=False,
@@ -35,18 +43,21 @@ class ExtractBar:
 
     def start(self, total: int, done: int) -> None:
         self.progress.start()
-        self.task = self.progress.add_task("extract", total=total, completed=done, rate="-", pad="-", written="0 B")
+        self.task = self.progress.add_task("extract", total=total, completed=done, rate="-", pad="-", units="-",
+                                           written="0 B")  # fmt: skip
 
     def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
         task = self.progress.tasks[0]
         padded = totals.get("padded", 0)
         pad = f"{100 * (1 - totals.get('tokens', 0) / padded):.1f}%" if padded else "-"
         rate = f"{task.speed:,.0f}/s" if task.speed else "-"
+        units = f"{totals.get('units_done', 0) + totals.get('units', 0)}/{totals.get('units_planned', '?')}"
         self.progress.update(
             self.task,
             advance=delta.get("tokens", 0),
             rate=rate,
             pad=pad,
+            units=units,
             written=human_bytes(totals.get("bytes", 0)),
         )
 
@@ -55,15 +66,16 @@ class ExtractBar:
 
 
 class TrainBar:
-    """Steps, loss, implied acceptance length, tokens/s and loader wait for `dflash train`."""
+    """Context tokens trained (what the schedule counts), loss, implied acceptance length,
+    tokens/s and loader wait for `dflash train`; while it follows an extraction, also units
+    committed/planned, units read and the time spent waiting for data."""
 
     def __init__(self) -> None:
         self.progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(bar_width=12),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]} accept {task.fields[accept]} {task.fields[rate]} "
-                       "wait {task.fields[wait]} eta"),  # fmt: skip
+            TextColumn("{task.fields[tokens]} loss {task.fields[loss]} accept {task.fields[accept]} "
+                       "{task.fields[rate]} wait {task.fields[wait]}{task.fields[follow]} eta"),  # fmt: skip
             TimeRemainingColumn(),
             console=console,
         )
@@ -71,20 +83,27 @@ class TrainBar:
 
     def start(self, total: int, done: int) -> None:
         self.progress.start()
-        self.task = self.progress.add_task("train", total=None, loss="-", accept="-", rate="-", wait="-")
+        self.task = self.progress.add_task("train", total=None, tokens="-", loss="-", accept="-", rate="-", wait="-",
+                                           follow="")  # fmt: skip
 
     def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
         if "warning" in delta:
             self.progress.console.print(f"[yellow]warning:[/yellow] {delta['warning']}")
+        if "follow" in delta:
+            f = delta["follow"]
+            idle = "" if f["extract_running"] or f["committed"] >= f["planned"] else ", no extract running"
+            self.progress.update(self.task, follow=f" | units {f['committed']}/{f['planned']} committed, "
+                                                  f"{f['read']} read, waited {f['wait_s']:.1f}s{idle}")  # fmt: skip
         bar = delta.get("bar")
         if not bar:
             return
-        fields = {}
+        task = self.progress.tasks[0]
+        total = bar.get("total", task.total)
+        fields = {"tokens": f"{_count(bar.get('completed', 0))}/{_count(total or 0)} tok"}
         if "loss" in bar:
-            fields = {"loss": f"{bar['loss']:.3f}", "accept": f"{bar['accept']:.2f}",
-                      "rate": f"{bar['tok_s']:,.0f} tok/s", "wait": f"{bar['wait']:.2f}s"}  # fmt: skip
-        self.progress.update(self.task, total=bar.get("total", self.progress.tasks[0].total),
-                             completed=bar.get("completed"), **fields)  # fmt: skip
+            fields |= {"loss": f"{bar['loss']:.3f}", "accept": f"{bar['accept']:.2f}",
+                       "rate": f"{bar['tok_s']:,.0f} tok/s", "wait": f"{bar['wait']:.2f}s"}  # fmt: skip
+        self.progress.update(self.task, total=total, completed=bar.get("completed"), **fields)
 
     def close(self) -> None:
         self.progress.stop()

@@ -9,14 +9,13 @@ memory is bounded by the buffer count, whatever the dataset size.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import queue
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -46,6 +45,7 @@ from .store import (
     FROZEN,
     REJECTED,
     UnitArrays,
+    cache_lock,
     chunk_tokens_for,
     committed_units,
     sweep_partial,
@@ -206,25 +206,6 @@ def estimated_bytes(spec: CacheSpec, num_tokens: int) -> int:
     return num_tokens * row
 
 
-@contextmanager
-def cache_lock(cache_dir: Path) -> Iterator[None]:
-    """One extract per cache on a host: a second is refused. The OS frees the lock when its holder
-    dies, so a crashed run never blocks the rerun."""
-    path = cache_dir / ".lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            raise ExtractError(f"another dflash extract is writing {cache_dir} (pid {holder}); wait for it") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
-        yield
-    finally:
-        os.close(fd)
-
-
 def run(cfg: ExtractConfig, sink: ProgressSink | None = None) -> dict:
     """Extract everything that is not committed yet; returns a summary."""
     created = not cfg.out.exists()
@@ -258,6 +239,7 @@ def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
         start = time.perf_counter()
         reporter = Reporter(sink)
         reporter.start(total=prep.plan.num_tokens, done=prep.plan.num_tokens - todo_tokens)
+        reporter.channel.put({"units_done": len(prep.done), "units_planned": len(prep.plan.units)})
         try:
             args = (cfg, prep.spec, prep.plan, prep.tokens.dataset, reporter.channel)
             launch(_worker, args, gpus=cfg.gpus, procs=cfg.procs)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from contextlib import nullcontext
@@ -33,7 +33,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
+from .follow import UnitFeed, Window, is_complete
 from .plan import default_bucket_edges
 from .spec import CacheSpec, SpecError, check_drafter_fits, read_spec
 from .store import CorruptUnit, UnitReader, committed_units
@@ -65,6 +67,15 @@ class SampleTable:
         length = np.concatenate([np.diff(readers[u].offsets) for u in ids]).astype(np.int64)
         sample_index = np.concatenate([readers[u].sample_index for u in ids]).astype(np.int64)
         return cls(unit, start, length, sample_index)
+
+    def take(self, rows: np.ndarray) -> SampleTable:
+        """The given rows, in the given order."""
+        return SampleTable(self.unit[rows], self.start[rows], self.length[rows], self.sample_index[rows])
+
+    @classmethod
+    def concat(cls, tables: list[SampleTable]) -> SampleTable:
+        keys = ("unit", "start", "length", "sample_index")
+        return cls(*(np.concatenate([np.zeros(0, np.int64)] + [getattr(t, k) for t in tables]) for k in keys))
 
     def __len__(self) -> int:
         return len(self.unit)
@@ -138,34 +149,19 @@ def open_units(
     return readers, problems
 
 
-def epoch_batches(
-    table: SampleTable,
-    *,
-    epoch: int,
-    seed: int,
-    token_budget: int,
-    bucket_edges: list[int],
-    world_size: int,
-) -> list[list[np.ndarray]]:
-    """Every rank's batches (arrays of table row ids) for one epoch; a pure function of the inputs.
+def pack_batches(
+    table: SampleTable, rng: np.random.Generator, *, token_budget: int, bucket_edges: list[int]
+) -> list[np.ndarray]:
+    """Token-budget batches (arrays of table rows) over all of `table`, in shuffled order.
 
-    Samples are shuffled with a generator seeded by (seed, epoch), split into length buckets
-    (`bucket_edges`, upper edges; longer samples form one more bucket) and packed, in shuffled
-    order, into batches of at most `token_budget` tokens. Tokens are packed, not padded, so the
-    budget counts real tokens; a sample longer than the budget gets a batch of its own. The batch
-    list is then shuffled, so lengths mix across batches and not within them.
-
-    Rank r gets batches r, r + W, r + 2W, ... of that list, cut first to a multiple of
-    `world_size` so that every rank runs the same number of steps (DDP would hang otherwise). The
-    fewer than `world_size` leftover batches are dropped for this epoch only; the shuffle makes
-    them different samples each epoch. With world_size 1 nothing is dropped: every sample comes
-    exactly once per epoch.
+    Samples are shuffled, split into length buckets (`bucket_edges`, upper edges; longer samples
+    form one more bucket) and packed, in shuffled order, into batches of at most `token_budget`
+    tokens. Tokens are packed, not padded, so the budget counts real tokens; a sample longer than
+    the budget gets a batch of its own. The batch list is then shuffled, so lengths mix across
+    batches and not within them.
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be positive, got {token_budget}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be positive, got {world_size}")
-    rng = np.random.default_rng([seed, epoch])
     perm = rng.permutation(len(table)).astype(np.int64)
     lengths = table.length[perm]
     bucket = np.searchsorted(np.asarray(bucket_edges, dtype=np.int64), lengths, side="left")
@@ -180,10 +176,65 @@ def epoch_batches(
             e = max(e, s + 1)
             batches.append(rows[s:e])
             s = e
-    order = rng.permutation(len(batches))
+    return [batches[i] for i in rng.permutation(len(batches))]
+
+
+def deal(
+    batches: list[np.ndarray], world_size: int, *, final: bool = True
+) -> tuple[list[list[np.ndarray]], np.ndarray]:
+    """Deal batches to ranks so that every rank gets the same number (DDP would hang otherwise).
+
+    Rank r gets batches r, r + W, r + 2W, ... The fewer than W batches left over are returned as
+    rows to carry into the next window when not `final`. When `final`, the leftover batches are
+    split (the one with most samples in two, again and again; parts stay within the budget) into
+    exactly W batches, one more per rank; only when they hold fewer than W samples are those
+    samples returned unused. So at most W - 1 samples per epoch go untrained, none with W = 1.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
     keep = len(batches) // world_size * world_size
-    dealt = [batches[i] for i in order[:keep]]
-    return [dealt[r::world_size] for r in range(world_size)]
+    dealt, left = list(batches[:keep]), list(batches[keep:])
+    if left and final:
+        while len(left) < world_size and max(len(b) for b in left) > 1:
+            i = max(range(len(left)), key=lambda j: len(left[j]))
+            half = len(left[i]) // 2
+            left[i : i + 1] = [left[i][:half], left[i][half:]]
+        if len(left) == world_size:
+            dealt, left = dealt + left, []
+    rest = np.concatenate(left) if left else np.zeros(0, dtype=np.int64)
+    return [dealt[r::world_size] for r in range(world_size)], rest
+
+
+def epoch_batches(
+    table: SampleTable,
+    *,
+    epoch: int,
+    seed: int,
+    token_budget: int,
+    bucket_edges: list[int],
+    world_size: int,
+) -> list[list[np.ndarray]]:
+    """Every rank's batches (arrays of table rows) for one epoch; a pure function of the inputs,
+    shuffled by a generator seeded with (seed, epoch). See `pack_batches` and `deal`."""
+    rng = np.random.default_rng([seed, epoch])
+    return deal(pack_batches(table, rng, token_budget=token_budget, bucket_edges=bucket_edges), world_size)[0]
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """A batch's samples, and the context tokens of its step summed over all ranks."""
+
+    samples: SampleTable
+    step_tokens: int
+
+
+def _rank_plan(table: SampleTable, per_rank: list[list[np.ndarray]], rank: int) -> list[_Planned]:
+    """One rank's batches; every rank computes the same per-rank plan, so each also knows what
+    every step consumes in total."""
+    return [
+        _Planned(table.take(rows), sum(int(table.length[other[i]].sum()) for other in per_rank))
+        for i, rows in enumerate(per_rank[rank])
+    ]
 
 
 @dataclass
@@ -196,6 +247,7 @@ class Batch:
     offsets: torch.Tensor  # [S+1] int64 packed sequence boundaries
     sample_index: torch.Tensor  # [S] int64 source rows, on the CPU
     num_tokens: int
+    step_tokens: int  # context tokens of this step summed over all ranks (for a token-based schedule)
     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # CPU copies of (input_ids, loss_mask, offsets)
 
 
@@ -229,10 +281,11 @@ class _Slot:
 class _Pending:
     """A batch whose samples the readers are decoding into `slot`, one future per sample."""
 
-    rows: np.ndarray
+    batch: SampleTable
     slot: _Slot
     futures: list[Future]
     num_tokens: int
+    step_tokens: int
 
 
 @dataclass
@@ -251,6 +304,12 @@ class CacheLoader:
     for data: the loader wait it reports), `dropped` (problems of bad units skipped with
     `skip_bad_units`), `host_slots` (the reused host buffers, `prefetch + 1` of them, allocated
     once) and `peak_slots_in_use` (instrumentation: never above `len(host_slots)`).
+
+    Follow mode: when epoch 0 starts on a cache that is still being extracted (not every unit of
+    the plan committed), it consumes units window by window as they commit (see `follow.py`),
+    shuffling within each window and waiting, without spinning, when it has consumed everything
+    committed so far; it ends once the extraction is complete. `follow_state()` is what a
+    checkpoint must keep to resume such an epoch; later epochs shuffle over the whole cache.
     """
 
     def __init__(
@@ -266,6 +325,9 @@ class CacheLoader:
         prefetch: int = 2,
         readers: int = 4,
         skip_bad_units: bool = False,
+        follow: bool = True,
+        control_group: dist.ProcessGroup | None = None,
+        on_status: Callable[[dict], None] | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -290,8 +352,14 @@ class CacheLoader:
         self.bucket_edges = list(self.spec.plan.bucket_edges) or default_bucket_edges(self.spec.data.max_length)
 
         # One reader per unit, opened once; the table indexes their samples.
+        self.skip_bad_units = skip_bad_units
         self.readers, self.dropped = open_units(self.cache_dir, skip_bad_units=skip_bad_units)
         self.table = SampleTable.from_units(self.readers)
+        self.complete = is_complete(self.cache_dir, self.spec.plan.num_units)
+        self.follow = follow
+        self.control_group = control_group
+        self.on_status = on_status
+        self._follow: _FollowSource | None = None
 
         self._cuda = self.device.type == "cuda"
         self._num_layers = len(cached)
@@ -303,9 +371,10 @@ class CacheLoader:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
 
         # prefetch + 1 host slots, allocated (and pinned) once. The largest batch is the token
-        # budget, or one sample longer than it. (Follow mode would size this from the spec's
-        # max_length instead, as later units may hold longer samples.)
+        # budget, or one sample longer than it (in units not committed yet, up to max_length).
         longest = int(self.table.length.max()) if len(self.table) else 0
+        if not self.complete:
+            longest = max(longest, self.spec.data.max_length)
         self.slot_rows = max(token_budget, longest)
         self.host_slots = [
             _Slot(i, self.slot_rows, self.spec.row_width, self._num_layers, self.fp8, self._cuda)
@@ -314,13 +383,14 @@ class CacheLoader:
         self.peak_slots_in_use = 0
         self.wait_seconds = 0.0
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="dflash-reader")
-        self._batches: tuple[int, list[np.ndarray]] | None = None
+        self._batches: tuple[int, list[_Planned]] | None = None
         self._active: Iterator[Batch] | None = None
 
     # -- planning -----------------------------------------------------------------------------
 
-    def _rank_batches(self, epoch: int) -> list[np.ndarray]:
+    def _rank_batches(self, epoch: int) -> list[_Planned]:
         if self._batches is None or self._batches[0] != epoch:
+            self._refresh()
             per_rank = epoch_batches(
                 self.table,
                 epoch=epoch,
@@ -329,12 +399,52 @@ class CacheLoader:
                 bucket_edges=self.bucket_edges,
                 world_size=self.world_size,
             )
-            self._batches = (epoch, per_rank[self.rank])
+            self._batches = (epoch, _rank_plan(self.table, per_rank, self.rank))
         return self._batches[1]
 
+    def _refresh(self) -> None:
+        """Index units committed since the loader opened (after a followed epoch, all of them)."""
+        if self.complete or not self.follow:
+            return
+        new = set(committed_units(self.cache_dir)) - set(self.readers)
+        readers, problems = open_units(self.cache_dir, skip_bad_units=self.skip_bad_units, only=new)
+        self.readers.update(readers)
+        self.dropped += problems
+        self.table = SampleTable.from_units(self.readers)
+        self.complete = is_complete(self.cache_dir, self.spec.plan.num_units)
+
+    def open_window(self, units: tuple[int, ...]) -> SampleTable:
+        """Open a follow window's units (once) and index their samples, in unit order."""
+        new = [u for u in units if u not in self.readers]
+        readers, problems = open_units(self.cache_dir, skip_bad_units=self.skip_bad_units, only=new)
+        self.readers.update(readers)
+        self.dropped += problems
+        return SampleTable.from_units({u: self.readers[u] for u in units if u in self.readers})
+
     def num_batches(self, epoch: int) -> int:
-        """Batches this rank gets in `epoch`: the same on every rank."""
+        """Batches this rank gets in `epoch` of a complete cache: the same on every rank."""
         return len(self._rank_batches(epoch))
+
+    def follows(self, epoch: int, state: dict | None = None) -> bool:
+        """Whether `epoch` follows the extraction: epoch 0 of an incomplete cache, or of a
+        checkpoint taken while following (`state`, from `follow_state`)."""
+        return epoch == 0 and (state is not None or (self.follow and not self.complete))
+
+    def follow_state(self) -> dict | None:
+        """The windows the current followed epoch has taken so far (all ranks agree), or None."""
+        if self._follow is None:
+            return None
+        return {"windows": [[list(w.units), w.final] for w in self._follow.windows]}
+
+    def follow_status(self) -> dict:
+        """Units committed/planned, units read and the loader wait, for status lines."""
+        f = self._follow
+        return {
+            "committed": f.feed.committed if f is not None and f.feed is not None else len(self.readers),
+            "planned": self.spec.plan.num_units,
+            "read": f.units_read if f is not None else len(self.readers),
+            "wait_s": self.wait_seconds,
+        }
 
     @property
     def host_bytes(self) -> int:
@@ -343,25 +453,33 @@ class CacheLoader:
 
     # -- streaming ----------------------------------------------------------------------------
 
-    def epoch(self, epoch: int, start_batch: int = 0) -> Iterator[Batch]:
+    def epoch(self, epoch: int, start_batch: int = 0, follow_state: dict | None = None) -> Iterator[Batch]:
         """This rank's batches of `epoch`, from `start_batch` on (a resumed run passes the number
         of batches it already trained, and gets exactly the rest: none repeated or skipped).
+        A followed epoch resumes from the checkpoint's `follow_state` as well.
 
         Starting a new epoch closes the previous iterator, as both would share the host slots.
         """
-        batches = self._rank_batches(epoch)
-        if not 0 <= start_batch <= len(batches):
-            raise ValueError(f"start_batch {start_batch} is outside 0..{len(batches)} for epoch {epoch}")
         if self._active is not None:
             self._active.close()
-        self._active = self._stream_batches(batches[start_batch:])
+        if self.follows(epoch, follow_state):
+            windows = [Window(tuple(u), bool(f)) for u, f in (follow_state or {}).get("windows", [])]
+            self._follow = _FollowSource(self, windows, start_batch)
+            source: _Source = self._follow
+        else:
+            self._follow = None
+            batches = self._rank_batches(epoch)
+            if not 0 <= start_batch <= len(batches):
+                raise ValueError(f"start_batch {start_batch} is outside 0..{len(batches)} for epoch {epoch}")
+            source = _ListSource(batches[start_batch:])
+        self._active = self._stream_batches(source)
         return self._active
 
-    def _stream_batches(self, batches: list[np.ndarray]) -> Iterator[Batch]:
+    def _stream_batches(self, source: _Source) -> Iterator[Batch]:
         free: list[_Slot] = list(self.host_slots)
         pending: deque[_Pending] = deque()  # reads submitted, in batch order
         copying: deque[tuple[_Slot, torch.cuda.Event | None]] = deque()  # copies whose slot is not free yet
-        todo = deque(batches)
+        held: list[_Planned] = []  # the next batch, taken from the source, waiting for a slot
 
         def reclaim(block: bool) -> None:
             # A slot is free again once the copy out of it has completed (event query). When
@@ -374,13 +492,24 @@ class CacheLoader:
                 self.wait_seconds += time.perf_counter() - t0
                 free.append(copying.popleft()[0])
 
-        def submit() -> None:
-            # Hand free slots to the readers, one batch per slot, in batch order.
-            reclaim(block=bool(todo) and not pending)
-            while free and todo:
+        def submit(block: bool = False) -> None:
+            # Hand free slots to the readers, one batch per slot, in batch order. Only when
+            # nothing is being read (the consumer would have nothing to take) does it wait for
+            # the source (a followed extraction) or for a slot.
+            while True:
+                if not held:
+                    t0 = time.perf_counter()
+                    batch = source.next(block=block and not pending)
+                    self.wait_seconds += time.perf_counter() - t0
+                    if batch is None:
+                        return
+                    held.append(batch)
+                reclaim(block=not pending)
+                if not free:
+                    return
                 slot = free.pop()
                 self.peak_slots_in_use = max(self.peak_slots_in_use, len(self.host_slots) - len(free))
-                pending.append(self._submit_reads(todo.popleft(), slot))
+                pending.append(self._submit_reads(held.pop(), slot))
 
         def stage(block: bool) -> _Staged | None:
             # Issue the device copy of the next batch in order, once all its samples are decoded
@@ -402,7 +531,7 @@ class CacheLoader:
             return staged
 
         try:
-            submit()
+            submit(block=True)
             nxt = stage(block=True)
             while nxt is not None:
                 current, nxt = nxt, None
@@ -414,9 +543,10 @@ class CacheLoader:
                 yield self._hand_over(current)
                 current = None  # the loader's reference: at most this batch and the next on the device
                 if nxt is None:
-                    submit()
+                    submit(block=True)
                     nxt = stage(block=True)
         finally:
+            source.close()
             for job in pending:
                 for f in job.futures:
                     f.cancel()
@@ -425,10 +555,11 @@ class CacheLoader:
                 if event is not None:
                     event.synchronize()
 
-    def _submit_reads(self, rows: np.ndarray, slot: _Slot) -> _Pending:
+    def _submit_reads(self, planned: _Planned, slot: _Slot) -> _Pending:
         """One reader task per sample, each decoding into its own rows of the slot."""
-        lengths = self.table.length[rows]
-        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        batch = planned.samples
+        lengths = batch.length
+        offsets = np.zeros(len(batch) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         n = int(offsets[-1])
         if n > self.slot_rows:
@@ -438,14 +569,14 @@ class CacheLoader:
             self._pool.submit(
                 self._read_sample,
                 slot,
-                int(self.table.unit[r]),
-                int(self.table.start[r]),
-                int(self.table.length[r]),
+                int(batch.unit[i]),
+                int(batch.start[i]),
+                int(batch.length[i]),
                 int(offsets[i]),
             )
-            for i, r in enumerate(rows)
+            for i in range(len(batch))
         ]
-        return _Pending(rows, slot, futures, n)
+        return _Pending(batch, slot, futures, n, planned.step_tokens)
 
     def _read_sample(self, slot: _Slot, unit: int, start: int, length: int, dst: int) -> None:
         reader = self.readers[unit]
@@ -455,7 +586,7 @@ class CacheLoader:
     def _copy_to_device(self, job: _Pending) -> _Staged:
         """Copy a decoded slot to the device (side stream on CUDA), then select layers and
         dequantise there; the event recorded after it tells both the consumer and the slot pool."""
-        n, s, slot = job.num_tokens, len(job.rows), job.slot
+        n, s, slot = job.num_tokens, len(job.batch), job.slot
 
         def up(t: torch.Tensor) -> torch.Tensor:
             # An explicit copy, also on the CPU, where .to() would alias the reused slot.
@@ -479,8 +610,9 @@ class CacheLoader:
             input_ids=input_ids,
             loss_mask=loss_mask,
             offsets=offsets,
-            sample_index=torch.from_numpy(self.table.sample_index[job.rows].copy()),
+            sample_index=torch.from_numpy(job.batch.sample_index.copy()),
             num_tokens=n,
+            step_tokens=job.step_tokens,
             # block building needs these on the host; reading them back from the device would
             # make the host wait for the GPU every step
             host=(slot.input_ids[:n].clone(), slot.loss_mask[:n].clone(), slot.offsets[: s + 1].clone()),
@@ -512,7 +644,7 @@ class CacheLoader:
         return batch
 
     def close(self) -> None:
-        """Stop the current epoch's reads and the reader threads."""
+        """Stop the current epoch's reads (and following) and the reader threads."""
         if self._active is not None:
             self._active.close()
             self._active = None
@@ -523,3 +655,91 @@ class CacheLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Source:
+    """Where `_stream_batches` takes this rank's batches from, in order."""
+
+    def next(self, block: bool) -> _Planned | None:
+        """The next batch; None when there is none yet (only if not `block`) or none left."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _ListSource(_Source):
+    """An epoch whose batches are all known (a complete cache)."""
+
+    def __init__(self, batches: list[_Planned]):
+        self.todo = deque(batches)
+
+    def next(self, block: bool) -> _Planned | None:
+        return self.todo.popleft() if self.todo else None
+
+
+class _FollowSource(_Source):
+    """A followed epoch: this rank's batches, window by window, as units commit.
+
+    Each window's batches are a pure function of (seed, window number, the window's units, the
+    rows carried from the window before): leftover batches that do not divide among the ranks
+    are carried into the next window, and split in the final one. So the windows alone (kept in
+    checkpoints) reproduce the epoch's batch sequence, on every rank.
+    """
+
+    def __init__(self, loader: CacheLoader, windows: list[Window], start_batch: int):
+        self.loader = loader
+        self.windows: list[Window] = []
+        self.carry = SampleTable.concat([])
+        self.todo: deque[tuple[_Planned, int]] = deque()  # (batch, window number)
+        self.final = False
+        self.units_read = 0
+        for w in windows:  # replay what a resumed run had taken
+            self._add(w)
+        for _ in range(start_batch):
+            if not self.todo:
+                raise ValueError(f"start_batch {start_batch} is past the checkpoint's follow windows")
+            self._pop()
+        self.feed = None
+        if not self.final:
+            self.feed = UnitFeed(loader.cache_dir, loader.spec.plan.num_units, known=self.windows, rank=loader.rank,
+                                 world_size=loader.world_size, group=loader.control_group,
+                                 on_status=self._status if loader.on_status is not None else None)  # fmt: skip
+
+    def _add(self, w: Window) -> None:
+        ld = self.loader
+        table = SampleTable.concat([self.carry, ld.open_window(w.units)])
+        rng = np.random.default_rng([ld.seed, 0, len(self.windows)])
+        batches = pack_batches(table, rng, token_budget=ld.token_budget, bucket_edges=ld.bucket_edges)
+        per_rank, rest = deal(batches, ld.world_size, final=w.final)
+        self.carry = table.take(rest) if not w.final else SampleTable.concat([])
+        mine = _rank_plan(table, per_rank, ld.rank)
+        self.todo.extend((planned, len(self.windows)) for planned in mine)
+        self.windows.append(w)
+        self.final = w.final
+        if not mine:
+            self.units_read += len(w.units)  # nothing of this window for this rank to read
+
+    def _pop(self) -> _Planned:
+        batch, window = self.todo.popleft()
+        if not self.todo or self.todo[0][1] != window:
+            self.units_read += len(self.windows[window].units)
+        return batch
+
+    def next(self, block: bool) -> _Planned | None:
+        while not self.todo:
+            if self.final:
+                return None
+            self.feed.request()
+            window = self.feed.get(block)
+            if window is None:
+                return None
+            self._add(window)
+        return self._pop()
+
+    def _status(self, status: dict) -> None:
+        self.loader.on_status({**status, "read": self.units_read, "wait_s": self.loader.wait_seconds})
+
+    def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()

@@ -9,13 +9,15 @@ sizes) that catches truncated or missing files before any decode.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import secrets
 import shutil
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,8 +35,13 @@ UNITS = "units"
 PARTIAL = ".partial"
 FROZEN = "frozen.safetensors"
 REJECTED = "rejected.jsonl"
+LOCK = ".lock"
 _UNIT_RE = re.compile(r"^u(\d{6,})$")
 TOKEN_ARRAYS = ("hidden", "hidden_scale", "input_ids", "loss_mask")
+
+
+class CacheBusy(UserError, RuntimeError):
+    """Another extract holds the cache's lock."""
 
 
 class CorruptUnit(UserError, RuntimeError):
@@ -167,6 +174,41 @@ def _fsync_tree(root: Path) -> None:
             finally:
                 os.close(fd)
         _fsync_dir(Path(dirpath))
+
+
+@contextmanager
+def cache_lock(cache_dir: Path) -> Iterator[None]:
+    """One extract per cache on a host: a second is refused. The OS frees the lock when its holder
+    dies, so a crashed run never blocks the rerun."""
+    path = Path(cache_dir) / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise CacheBusy(f"another dflash extract is writing {cache_dir} (pid {holder}); wait for it") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def extract_running(cache_dir: Path) -> bool:
+    """Whether an extract on this host holds the cache's lock right now (for status lines)."""
+    path = Path(cache_dir) / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def committed_units(cache_dir: Path) -> dict[int, Path]:

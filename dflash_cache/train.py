@@ -1,6 +1,6 @@
 """The train stage: cache -> streaming loader -> DFlash drafter, with DDP, checkpoints and metrics.
 
-The whole step is `_step`: blocks from anchors, frozen embedding, drafter, chunked decayed loss.
+The whole step is `train_step`: blocks from anchors, frozen embedding, drafter, chunked decayed loss.
 Everything needed to continue exactly (weights, optimizer, schedule, RNG, loader position) is in
 each checkpoint, and the anchors of a batch depend only on (seed, epoch, batch, rank), so a
 resumed run sees exactly the batches and anchors an uninterrupted one would have.
@@ -25,6 +25,7 @@ from .checkpoint import Checkpointer
 from .devices import GpuThrottle, Worker, launch
 from .drafter import DFlashDrafter, DrafterConfig, save_serving
 from .errors import UserError
+from .follow import wait_for_cache
 from .loader import Batch, CacheLoader
 from .metrics import MetricsLog, all_reduce_sums
 from .objective import Blocks, block_metrics, chunked_loss, make_blocks, summarize_metrics
@@ -67,6 +68,7 @@ class TrainConfig:
     skip_bad_units: bool = False
     loss_chunk: int = 4096
     trace: bool = False  # per-rank JSONL of the samples each step consumed, for audits and tests
+    follow: bool = True  # epoch 0 of a cache still being extracted follows it; False: committed units only
 
     def identity(self) -> dict[str, Any]:
         """What a resume must match: everything that changes the math, not the run's length."""
@@ -100,12 +102,13 @@ def drafter_config(cfg: TrainConfig, spec: CacheSpec) -> DrafterConfig:
     return dcfg
 
 
-def lr_at(step: int, total: int, warmup: float) -> float:
-    """Linear warmup over `warmup` of the steps, then cosine decay to zero: a multiplier of lr."""
-    warm = max(1, int(round(warmup * total)))
-    if step < warm:
-        return (step + 1) / warm
-    progress = min(1.0, (step - warm) / max(1, total - warm))
+def lr_at(done: float, total: float, warmup: float) -> float:
+    """The lr multiplier `done` of `total` tokens into a run: linear warmup over the first `warmup`
+    fraction, then cosine decay to zero at `total`."""
+    warm = warmup * total
+    if done < warm:
+        return done / warm
+    progress = min(1.0, (done - warm) / max(total - warm, 1e-9))
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -136,17 +139,23 @@ def _anchor_generator(seed: int, epoch: int, batch: int, rank: int) -> torch.Gen
 
 
 def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
-    """Train (or resume) a drafter on a cache; returns a summary of the finished run."""
-    spec = read_spec(cfg.cache)
-    try:
-        drafter_config(cfg, spec)
-    except SpecError as e:
-        raise TrainError(f"the drafter does not fit the cache: {e}") from None
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    _check_run_dir(cfg, spec)
+    """Train (or resume) a drafter on a cache; returns a summary of the finished run.
+
+    Started together with `dflash extract`, it first waits for the extract to write cache.json.
+    """
     reporter = Reporter(sink)
     reporter.start(total=0)
     try:
+        if cfg.follow:
+            wait_for_cache(cfg.cache, on_wait=lambda: reporter.channel.put(
+                {"warning": f"waiting for `dflash extract` to write {cfg.cache}/cache.json"}))  # fmt: skip
+        spec = read_spec(cfg.cache)
+        try:
+            drafter_config(cfg, spec)
+        except SpecError as e:
+            raise TrainError(f"the drafter does not fit the cache: {e}") from None
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        _check_run_dir(cfg, spec)
         launch(_worker, (cfg, reporter.channel), gpus=cfg.gpus, procs=cfg.procs)
     finally:
         totals = reporter.stop()
@@ -174,13 +183,15 @@ def _worker(w: Worker, cfg: TrainConfig, channel) -> None:
     if distributed and not dist.is_initialized():
         dist.init_process_group("nccl" if w.device.type == "cuda" else "gloo", rank=w.rank, world_size=w.world_size)
     try:
-        _train(w, cfg, channel)
+        # Follow mode's rank agreement runs in a thread on its own (CPU) group, apart from DDP's.
+        control = dist.new_group(backend="gloo") if distributed else None
+        _train(w, cfg, channel, control)
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _train(w: Worker, cfg: TrainConfig, channel) -> None:
+def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     if w.device.type == "cpu" and w.world_size > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.world_size))
     spec = read_spec(cfg.cache)
@@ -201,39 +212,43 @@ def _train(w: Worker, cfg: TrainConfig, channel) -> None:
         prefetch=cfg.prefetch,
         readers=cfg.readers,
         skip_bad_units=cfg.skip_bad_units,
+        follow=cfg.follow,
+        control_group=control_group,
+        on_status=(lambda s: channel.put({"follow": s})) if w.rank == 0 else None,
     )
-    if loader.dropped and w.rank == 0:
-        channel.put({"warning": f"skipping bad units: {'; '.join(loader.dropped)}"})
-    per_epoch = [loader.num_batches(e) // cfg.grad_accum for e in range(cfg.epochs)]
-    total = min(sum(per_epoch), cfg.max_steps or sum(per_epoch))
-    if total == 0:
-        raise TrainError("the cache gives no full batch per rank: lower --token-budget or use fewer processes")
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            fused=cuda)  # fmt: skip
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, total, cfg.warmup))
     ckpt = Checkpointer(cfg.out)
     state = ckpt.load()
-    step, epoch, start_batch, samples_this_epoch = 0, 0, 0, 0
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                            fused=cuda)  # fmt: skip
+    step, epoch, start_batch, samples_this_epoch, tokens_done, follow_state = 0, 0, 0, 0, 0, None
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"]["cpu"])
-        step, epoch, start_batch = state["step"], state["epoch"], state["batch"]
+        step, epoch, start_batch, tokens_done = state["step"], state["epoch"], state["batch"], state["tokens"]
         samples_this_epoch = state["samples"][w.rank] if w.rank < len(state["samples"]) else 0
-    metrics = MetricsLog(cfg.out, state["step"] if state else None) if w.rank == 0 else None
+        follow_state = state.get("follow")
+    # The schedule runs over tokens, not steps: its length is known from cache.json before the
+    # cache is complete, so a followed run and one on the finished cache get the same schedule.
+    following = loader.follows(epoch, follow_state)
+    total_tokens = cfg.epochs * (spec.plan.num_tokens if following else loader.table.num_tokens)
     if w.rank == 0:
-        channel.put({"bar": {"total": total, "completed": step}})
-
+        if loader.dropped:
+            channel.put({"warning": f"skipping bad units: {'; '.join(loader.dropped)}"})
+        if not loader.complete and not following:
+            channel.put({"warning": f"training on the {len(loader.readers)} of {spec.plan.num_units} units committed "
+                                    "so far (--no-follow)"})  # fmt: skip
+        channel.put({"bar": {"total": total_tokens, "completed": tokens_done}})
+    metrics = MetricsLog(cfg.out, state["step"] if state else None) if w.rank == 0 else None
     trace = _Trace(cfg.out, w.rank, step) if cfg.trace else None
     throttle = GpuThrottle(cuda)
     sums: dict[str, torch.Tensor] = {}
     window = {"loss": 0.0, "n": 0, "tokens": 0, "wait": loader.wait_seconds, "t": time.perf_counter()}
-    while step < total and epoch < cfg.epochs:
+    warned = len(loader.dropped)
+    position, step_start = (epoch, start_batch), tokens_done
+    while epoch < cfg.epochs and not (cfg.max_steps and step >= cfg.max_steps):
         micro = 0
-        for i, batch in enumerate(loader.epoch(epoch, start_batch), start=start_batch):
-            if i >= per_epoch[epoch] * cfg.grad_accum:
-                break
+        for i, batch in enumerate(loader.epoch(epoch, start_batch, follow_state), start=start_batch):
             micro += 1
             last_micro = micro % cfg.grad_accum == 0
             with nullcontext() if last_micro or ddp is model else ddp.no_sync():
@@ -245,41 +260,74 @@ def _train(w: Worker, cfg: TrainConfig, channel) -> None:
             window["n"] += 1
             window["tokens"] += batch.num_tokens
             samples_this_epoch += len(batch.sample_index)
+            tokens_done += batch.step_tokens
+            position = (epoch, i + 1)
             if trace is not None:
                 trace.batch(epoch, i, batch.sample_index.tolist())
             if not last_micro:
                 continue
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+            _optimizer_step(model, opt, cfg, lr_at((step_start + tokens_done) / 2, total_tokens, cfg.warmup))
             throttle.mark()
             step += 1
+            micro, step_start = 0, tokens_done
             if trace is not None:
                 trace.step(step, model)
-            if step % cfg.log_every == 0 or step == total:
+            if step % cfg.log_every == 0:
                 record = _log_record(step, epoch, opt, sums, window, loader, w.world_size)
                 if w.rank == 0:
                     metrics.write(record)
-                    bar = {"completed": step, "loss": record["loss"], "accept": record["accept_len"],
+                    bar = {"completed": tokens_done, "loss": record["loss"], "accept": record["accept_len"],
                            "tok_s": record["tokens_per_s"], "wait": record["loader_wait_s"]}  # fmt: skip
                     channel.put({"bar": bar})
+                    if len(loader.dropped) > warned:  # bad units found in a followed extraction
+                        channel.put({"warning": f"skipping bad units: {'; '.join(loader.dropped[warned:])}"})
+                        warned = len(loader.dropped)
                 sums = {}
                 window = {"loss": 0.0, "n": 0, "tokens": 0, "wait": loader.wait_seconds, "t": time.perf_counter()}
-            if step % cfg.save_every == 0 or step == total:
-                _save(ckpt, w, model, opt, sched, step, (epoch, i + 1), samples_this_epoch)
-            if step >= total:
+            if step % cfg.save_every == 0:
+                _save(ckpt, w, model, opt, step, position, samples_this_epoch, tokens_done, loader.follow_state())
+            if cfg.max_steps and step >= cfg.max_steps:
                 break
-        consumed = _sum_ranks(samples_this_epoch, device)
-        if metrics is not None:
-            metrics.write({"epoch_end": epoch, "step": step, "samples": consumed})
-        samples_this_epoch, start_batch = 0, 0
-        epoch += 1
+        else:  # the epoch ran out of batches
+            if micro:  # batches accumulated since the last step: step on them too
+                _sync_grads(model, ddp)
+                _optimizer_step(model, opt, cfg, lr_at((step_start + tokens_done) / 2, total_tokens, cfg.warmup))
+                step, micro, step_start = step + 1, 0, tokens_done
+            consumed = _sum_ranks(samples_this_epoch, device)
+            if metrics is not None:
+                record = {"epoch_end": epoch, "step": step, "samples": consumed}
+                if (followed := loader.follow_state()) is not None:
+                    record |= {"followed_windows": len(followed["windows"]), "loader_wait_s": loader.wait_seconds}
+                metrics.write(record)
+            samples_this_epoch, start_batch, follow_state = 0, 0, None
+            epoch += 1
+            position = (epoch, 0)
+    _save(ckpt, w, model, opt, step, position, samples_this_epoch, tokens_done,
+          loader.follow_state() if position[1] else None)  # fmt: skip
+    loader.close()
     if w.rank == 0:
         save_serving(model, dcfg, cfg.out / EXPORT)
         channel.put({"steps": step})
     if w.world_size > 1:
         dist.barrier()
+
+
+def _optimizer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, cfg: TrainConfig, scale: float) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+    for group in opt.param_groups:
+        group["lr"] = cfg.lr * scale
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _sync_grads(model: torch.nn.Module, ddp: torch.nn.Module) -> None:
+    """Average gradients accumulated under DDP's no_sync (an epoch that ended mid-accumulation)."""
+    if ddp is model:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
 
 
 class _Trace:
@@ -343,15 +391,18 @@ def _sum_ranks_float(x: float, world: int) -> float:
     return float(t.item()) / world
 
 
-def _save(ckpt: Checkpointer, w: Worker, model, opt, sched, step: int, position: tuple[int, int], samples: int) -> None:
+def _save(ckpt: Checkpointer, w: Worker, model, opt, step: int, position: tuple[int, int], samples: int,
+          tokens: int, follow: dict | None) -> None:  # fmt: skip
+    """Everything to continue exactly: weights, optimizer, RNG, loader position (epoch, batches
+    done), samples per rank this epoch, tokens done (the schedule) and a followed epoch's windows."""
     per_rank = [samples] * w.world_size
     if w.world_size > 1:
         dist.all_gather_object(per_rank, samples)
     if w.rank == 0:
         ckpt.save(step, {
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-            "rng": {"cpu": torch.get_rng_state()}, "step": step, "epoch": position[0], "batch": position[1],
-            "samples": per_rank,
+            "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": {"cpu": torch.get_rng_state()},
+            "step": step, "epoch": position[0], "batch": position[1], "samples": per_rank, "tokens": tokens,
+            "follow": follow,
         })  # fmt: skip
     if w.world_size > 1:
         dist.barrier()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_cache.loader import CacheLoader, SampleTable, epoch_batches, open_units
+from dflash_cache.loader import CacheLoader, SampleTable, deal, epoch_batches, open_units
 from dflash_cache.spec import (
     CacheSpec,
     DataInfo,
@@ -262,26 +262,30 @@ def test_ranks_get_equal_counts_of_disjoint_samples(cache, truth, world_size):
             assert len(batches) == loader.num_batches(2)
             for b in batches[:3]:
                 check_batch(b, truth)
+                assert b.num_tokens <= 600 or len(b.sample_index) == 1
             per_rank.append([s for b in batches for s in b.sample_index.tolist()])
             counts = len(batches)
-        assert counts == len(everyone) // world_size
+        assert counts == -(-len(everyone) // world_size)  # leftover batches are split, not dropped
     flat = [s for r in per_rank for s in r]
-    assert len(flat) == len(set(flat))  # disjoint across ranks, nothing repeated
-    # Whole batches are dropped, fewer than world_size of them (the tail of the shuffled list).
-    covered = set(flat)
-    full = [set(table.sample_index[b].tolist()) <= covered for b in everyone]
-    assert all(full[i] or not (set(table.sample_index[b].tolist()) & covered) for i, b in enumerate(everyone))
-    assert full.count(False) == len(everyone) % world_size
-    plan = epoch_batches(table, epoch=2, seed=1, token_budget=600, bucket_edges=EDGES, world_size=world_size)
-    assert len({len(r) for r in plan}) == 1
-    assert sum(len(r) for r in plan) == len(everyone) // world_size * world_size
-    # The leftovers (when there are any) differ from epoch to epoch.
-    nonempty = []
-    for epoch in range(200):
+    assert sorted(flat) == sorted(truth.where)  # every sample once, across the ranks
+    # Over many epochs: equal counts, budgets kept, and never more than W - 1 samples unused.
+    for epoch in range(100):
         plan = epoch_batches(table, epoch=epoch, seed=1, token_budget=600, bucket_edges=EDGES, world_size=world_size)
-        left = set(range(len(table))) - {int(i) for r in plan for b in r for i in b}
-        nonempty += [frozenset(left)] if left else []
-    assert len(nonempty) >= 2 and len(set(nonempty)) > 1
+        assert len({len(r) for r in plan}) == 1
+        used = [int(i) for r in plan for b in r for i in b]
+        assert len(used) == len(set(used)) >= len(table) - (world_size - 1)
+        assert all(table.length[b].sum() <= 600 or len(b) == 1 for r in plan for b in r)
+
+
+def test_deal_splits_leftovers_and_carries_when_not_final():
+    batches = [np.array([0, 1, 2, 3]), np.array([4, 5]), np.array([6, 7, 8])]
+    per_rank, rest = deal(batches, 2, final=False)
+    assert [[b.tolist() for b in r] for r in per_rank] == [[[0, 1, 2, 3]], [[4, 5]]] and rest.tolist() == [6, 7, 8]
+    per_rank, rest = deal(batches, 2, final=True)  # the leftover [6, 7, 8] is split in two
+    assert [[b.tolist() for b in r] for r in per_rank] == [[[0, 1, 2, 3], [6]], [[4, 5], [7, 8]]]
+    assert rest.tolist() == []
+    per_rank, rest = deal([np.array([0]), np.array([1])], 3, final=True)  # fewer samples than ranks
+    assert per_rank == [[], [], []] and rest.tolist() == [0, 1]
 
 
 def test_start_batch_resumes_exactly(cache):

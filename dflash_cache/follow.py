@@ -1,0 +1,167 @@
+"""Following a cache that `dflash extract` is still writing: which units the trainer takes, when.
+
+The first epoch of a run on an incomplete cache consumes committed units in *windows*: each time
+the loader runs out of work it asks for everything committed since the last window. Whether the
+extraction is finished is read from the cache alone: every unit of the plan in `cache.json` is
+committed. No process has to be alive for the trainer to know it is done.
+
+DDP ranks must see the same windows in the same order, or they would run different numbers of
+steps and hang. Rank 0 decides; a thread on every rank takes part in a broadcast on a gloo group
+every `poll` seconds (a heartbeat when there is nothing new, so no collective ever waits long),
+and hands windows to its loader through a queue. The threads' collectives run on their own group,
+so they never interleave with the training's collectives: a rank blocked in an all-reduce cannot
+deadlock a rank waiting for units.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .spec import CACHE_JSON
+from .store import FROZEN, committed_units, extract_running
+
+
+@dataclass(frozen=True)
+class Window:
+    """Units that became available together; `final` when they complete the cache."""
+
+    units: tuple[int, ...]
+    final: bool
+
+
+def is_complete(cache_dir: Path, num_units: int) -> bool:
+    """Every unit of the plan is committed."""
+    return len(committed_units(cache_dir)) >= num_units
+
+
+def wait_for_cache(cache_dir: Path, *, grace: float = 20.0, poll: float = 0.5,
+                  on_wait: Callable[[], None] | None = None) -> None:  # fmt: skip
+    """Wait for the cache.json and frozen weights of a cache that an extract is still preparing
+    (tokenizing, planning and loading the target come first), as long as an extract holds the
+    cache's lock. A directory that does
+    not exist yet gets `grace` seconds for an extract started at the same moment to create it; an
+    existing one without cache.json or lock holder returns at once, so the caller's error can say
+    what is wrong with it."""
+    cache_dir = Path(cache_dir)
+    deadline = time.monotonic() + grace
+    told = False
+    while not all((cache_dir / name).exists() for name in (CACHE_JSON, FROZEN)):
+        if not extract_running(cache_dir) and (cache_dir.exists() or time.monotonic() > deadline):
+            return
+        if not told and on_wait is not None:
+            on_wait()
+            told = True
+        time.sleep(poll)
+
+
+class UnitFeed:
+    """Windows of newly committed units for one rank, identical on every rank.
+
+    `request()` (rank 0's loader, when it has no more work queued) asks for the next window;
+    `get(block)` returns the next window or None. `known` are the windows a resumed run already
+    consumed: their units are never handed out again.
+    """
+
+    def __init__(
+        self,
+        cache_dir: Path,
+        num_units: int,
+        *,
+        known: list[Window] = (),
+        rank: int = 0,
+        world_size: int = 1,
+        group: dist.ProcessGroup | None = None,
+        poll: float = 0.5,
+        on_status: Callable[[dict], None] | None = None,
+    ):
+        if world_size > 1 and group is None:
+            raise ValueError("a multi-rank feed needs a gloo process group for its broadcasts")
+        self.cache_dir = Path(cache_dir)
+        self.num_units = num_units
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.poll = poll
+        self.on_status = on_status
+        self.windowed = {u for w in known for u in w.units}
+        self.committed = len(self.windowed)
+        self._windows: queue.Queue[Window | BaseException] = queue.Queue()
+        self._wanted = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dflash-follow", daemon=True)
+        self._thread.start()
+
+    # -- the loader's side --------------------------------------------------------------------
+
+    def request(self) -> None:
+        """Ask for the next window (only rank 0's request counts; others just wait for it)."""
+        self._wanted.set()
+
+    def get(self, block: bool) -> Window | None:
+        try:
+            item = self._windows.get(block=block)
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop following (an early end): rank 0 tells the other ranks' threads to stop too."""
+        self._stop.set()
+        self._wanted.set()
+        self._thread.join(timeout=None if self.rank == 0 else 60)
+
+    # -- the thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                message = self._decide() if self.rank == 0 else None
+                if self.world_size > 1:
+                    box = [message]
+                    dist.broadcast_object_list(box, src=0, group=self.group)
+                    message = box[0]
+                kind, payload = message
+                if kind == "window":
+                    self._windows.put(payload)
+                    if payload.final:
+                        return
+                elif kind == "stop":
+                    return
+                else:
+                    self.committed = payload
+        except BaseException as e:  # surfaces in the loader, on the training thread
+            self._windows.put(e)
+
+    def _decide(self) -> tuple[str, object]:
+        """Rank 0: the next window when asked for and there is one; else a heartbeat."""
+        self._wanted.wait(self.poll)
+        if self._stop.is_set():
+            return "stop", None
+        committed = set(committed_units(self.cache_dir))
+        self.committed = len(committed)
+        if self.on_status is not None:
+            self.on_status(self.status())
+        if self._wanted.is_set():
+            new = sorted(committed - self.windowed)
+            final = len(committed) >= self.num_units
+            if new or final:
+                self._wanted.clear()
+                self.windowed.update(new)
+                return "window", Window(tuple(new), final)
+            time.sleep(self.poll)  # asked, but nothing new yet: look again after a pause
+        return "wait", self.committed
+
+    def status(self) -> dict:
+        """What the progress bar shows: units committed/planned and whether an extract runs."""
+        return {
+            "committed": self.committed,
+            "planned": self.num_units,
+            "extract_running": extract_running(self.cache_dir),
+        }
