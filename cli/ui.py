@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-console = Console(stderr=True, soft_wrap=True)  # an error stays one line when piped
+# An error stays one line when piped, and a bar written to a log file is not cut at 80 columns.
+console = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 200)
 
 
 def human_bytes(n: float) -> str:
