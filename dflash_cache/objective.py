@@ -17,21 +17,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 try:
-    # Compiled once per process, lazily: nothing is compiled until the first GPU call. Compiled
-    # create_block_mask never materializes the [Q, KV] mask, which would not fit in memory.
+    # Compiled once per process, lazily: nothing is compiled until the first GPU call.
     _flex_compiled = torch.compile(flex_attention)
-    _create_block_mask = torch.compile(create_block_mask)
 except Exception:  # pragma: no cover - torch.compile unsupported on this Python/platform
     _flex_compiled = None
-    _create_block_mask = create_block_mask
 _flex_broken = False  # set once if the compiled kernel fails; then the SDPA path is used
 
 # Budget, in attention-matrix elements per head, for one SDPA call of the exact path.
 SDPA_CHUNK_ELEMS = 1 << 23
+TILE = 128  # flex attention's block size, for queries and keys
 
 # gamma of the slot decay exp(-(k-1)/gamma), from the DFlash paper.
 _PUBLISHED_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -102,11 +100,13 @@ class BlockLayout:
             mv(self.offsets),
         )
 
-    def flex_block_mask(self):
+    def flex_block_mask(self) -> BlockMask:
         """The flex BlockMask of the attention rule over [context ; block tokens], built once.
 
-        Every lookup table is padded past the next multiple of 128 with ids that match nothing,
-        so the mask_mod stays in bounds wherever flex evaluates it, padded tiles included.
+        The tiles each query tile must visit come straight from the layout (`kv_tiles`), so no
+        [Q, KV] mask is ever evaluated and nothing is compiled per batch shape; `mask_mod`
+        decides inside the visited tiles. Every lookup table is padded past the next multiple of
+        128 with ids that match nothing, so the mask_mod stays in bounds in padded tiles too.
         """
         if self._flex_mask is not None:
             return self._flex_mask
@@ -129,8 +129,45 @@ class BlockLayout:
             in_context = (kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
             return in_context | (kv_blk[kv_idx] == q_blk[q_idx])
 
-        self._flex_mask = _create_block_mask(mask_mod, None, None, nq, nc + nq, device=dev)
+        counts, indices = self.kv_tiles()
+        self._flex_mask = BlockMask.from_kv_blocks(counts[None, None], indices[None, None], BLOCK_SIZE=TILE,
+                                                   mask_mod=mask_mod, seq_lengths=(nq, nc + nq))  # fmt: skip
         return self._flex_mask
+
+    def kv_tiles(self) -> tuple[Tensor, Tensor]:
+        """For each 128-query tile, the 128-key tiles it may attend to: (counts [Qt] int32,
+        indices [Qt, KVt] int32, the first `counts[t]` of row t used).
+
+        A query tile holds the tokens of a run of consecutive blocks, grouped by sequence. Their
+        context lies between the start of the first block's sequence and the furthest
+        `sequence start + anchor` among them (one contiguous range that may include some tiles
+        of sequences in between: mask_mod masks those), and their own block keys sit at
+        `Nc + query index`. So each row is two runs of tile ids, computed without a mask.
+        """
+        B, nc, dev = self.block_size, self.num_context, self.block_seq.device
+        nq = self.num_blocks * B
+        n_qt, n_kvt = -(-nq // TILE), -(-(nc + nq) // TILE)
+        starts = self.offsets[self.block_seq]  # context start of each block's sequence
+        ends = starts + self.block_anchor  # one past the last visible context token
+        first_tile = torch.arange(self.num_blocks, device=dev) * B // TILE  # a block may straddle
+        last_tile = ((torch.arange(self.num_blocks, device=dev) + 1) * B - 1) // TILE  # two tiles
+        lo = torch.full((n_qt,), nc, dtype=torch.int64, device=dev)
+        hi = torch.zeros(n_qt, dtype=torch.int64, device=dev)
+        for tile in (first_tile, last_tile):
+            lo.scatter_reduce_(0, tile, starts, "amin")
+            hi.scatter_reduce_(0, tile, ends, "amax")
+        t = torch.arange(n_qt, device=dev)
+        # own keys: the whole blocks the tile's queries belong to (at nc + their token indices)
+        own_lo = (nc + t * TILE // B * B) // TILE
+        own_hi = (nc + torch.clamp(-(-(t + 1) * TILE // B) * B, max=nq) - 1) // TILE
+        ctx_lo = lo // TILE
+        ctx_hi = torch.minimum((hi - 1) // TILE, own_lo - 1)  # a shared tile is counted as own
+        n_ctx = torch.where(hi > lo, ctx_hi - ctx_lo + 1, 0).clamp(min=0)
+        counts = n_ctx + own_hi - own_lo + 1
+        j = torch.arange(n_kvt, device=dev)
+        indices = torch.where(j < n_ctx[:, None], ctx_lo[:, None] + j, own_lo[:, None] + j - n_ctx[:, None])
+        indices = torch.where(j < counts[:, None], indices, 0)
+        return counts.to(torch.int32), indices.to(torch.int32)
 
     def sdpa_plan(self) -> list[tuple[int, int, int, int]]:
         """(q_start, q_end, ctx_start, ctx_len) pieces for the exact path, in query order.

@@ -254,3 +254,65 @@ def test_block_attention_rejects_unsorted_blocks():
     x = torch.randn(8, 2, 4)
     with pytest.raises(ValueError):
         block_attention(x, torch.randn(20, 2, 4), torch.randn(20, 2, 4), x, x, layout, impl="sdpa")
+
+
+def _random_layout(g: torch.Generator, bsz: int) -> BlockLayout:
+    """Sequences of mixed lengths (some longer than a 128-token tile), blocks at random anchors,
+    grouped by sequence as make_blocks lays them out."""
+    lengths = torch.randint(2, 300, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    seq, anchor = [], []
+    for s, n in enumerate(lengths.tolist()):
+        k = int(torch.randint(0, 12, (1,), generator=g))
+        picks = sorted(torch.randint(0, n - 1, (k,), generator=g).tolist())
+        seq += [s] * k
+        anchor += [a + 1 for a in picks]
+    return BlockLayout.build(offsets, torch.tensor(seq, dtype=torch.int64), torch.tensor(anchor, dtype=torch.int64),
+                             bsz)  # fmt: skip
+
+
+@pytest.mark.parametrize("bsz", [4, 10, 16])
+def test_flex_tiles_cover_every_allowed_pair(bsz):
+    """Every (query, key) pair the rule allows lies in a tile that kv_tiles lists for its query
+    tile (flex skips unlisted tiles), and the listing stays close to the tiles actually needed."""
+    g = torch.Generator().manual_seed(bsz)
+    for _ in range(40):
+        layout = _random_layout(g, bsz)
+        if layout.num_blocks == 0:
+            continue
+        nq, nc = layout.num_blocks * bsz, layout.num_context
+        j = torch.arange(nq) // bsz
+        q_seq, q_anchor = layout.block_seq[j], layout.block_anchor[j]
+        ctx = (layout.ctx_seq[None, :] == q_seq[:, None]) & (layout.ctx_pos[None, :] < q_anchor[:, None])
+        own = j[:, None] == j[None, :]
+        allowed = torch.cat([ctx, own], dim=1)  # [nq, nc + nq]
+        counts, indices = layout.kv_tiles()
+        n_qt, n_kvt = -(-nq // 128), -(-(nc + nq) // 128)
+        assert counts.shape == (n_qt,) and indices.shape == (n_qt, n_kvt)
+        listed = torch.zeros(n_qt, n_kvt, dtype=torch.bool)
+        for t in range(n_qt):
+            row = indices[t, : counts[t]]
+            assert len(set(row.tolist())) == len(row), "a tile listed twice"
+            listed[t, row.long()] = True
+        padded = torch.nn.functional.pad(allowed, (0, n_kvt * 128 - nc - nq, 0, n_qt * 128 - nq))
+        needed = padded.view(n_qt, 128, n_kvt, 128).any(dim=3).any(dim=1)
+        assert not (needed & ~listed).any(), "an allowed pair in an unlisted tile"
+        assert listed.sum() <= needed.sum() + 2 * n_qt  # only gaps between sequences add tiles
+
+
+def test_flex_block_mask_gives_the_rule_on_cpu():
+    """flex_attention (eager, on the CPU) with the layout's BlockMask equals the exact path."""
+    g = torch.Generator().manual_seed(1)
+    layout = _random_layout(g, 16)
+    while layout.num_blocks < 3:
+        layout = _random_layout(g, 16)
+    nq, nc, hq, hkv, d = layout.num_blocks * 16, layout.num_context, 4, 2, 8
+    q, kb, vb = (torch.randn(nq, h, d, generator=g) for h in (hq, hkv, hkv))
+    kc, vc = (torch.randn(nc, hkv, d, generator=g) for _ in range(2))
+    k = torch.cat([kc, kb]).transpose(0, 1)[None]
+    v = torch.cat([vc, vb]).transpose(0, 1)[None]
+    flex = torch.nn.attention.flex_attention.flex_attention(
+        q.transpose(0, 1)[None], k, v, block_mask=layout.flex_block_mask(), enable_gqa=True
+    )[0].transpose(0, 1)
+    exact = block_attention(q, kc, vc, kb, vb, layout, impl="sdpa")
+    torch.testing.assert_close(flex, exact, rtol=1e-5, atol=1e-5)
