@@ -124,7 +124,7 @@ def train(
     lr: float = typer.Option(6e-4, help="Peak learning rate (AdamW, cosine schedule)."),
     warmup: float = typer.Option(0.04, help="Warmup fraction of the run's tokens."),
     clip: float = typer.Option(1.0, help="Gradient clipping norm."),
-    token_budget: int | None = typer.Option(None, help="Context tokens per batch per rank (16384 GPU, 2048 CPU)."),
+    token_budget: int | None = typer.Option(None, help="Context tokens per batch per rank (4096 GPU, 2048 CPU)."),
     grad_accum: int = typer.Option(1, help="Batches per optimizer step."),
     draft_layers: int = typer.Option(5, help="Drafter decoder layers."),
     block_size: int = typer.Option(16, help="Block size B."),

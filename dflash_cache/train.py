@@ -204,7 +204,9 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     loader = CacheLoader(
         cfg.cache,
         layer_ids=dcfg.target_layer_ids,
-        token_budget=cfg.token_budget or (16384 if cuda else 2048),
+        # 4096 context tokens x 512 anchors fills an H200 with the default 8B-shaped drafter
+        # (102 GB peak, BENCHMARKS.md); 8192 ran out of memory.
+        token_budget=cfg.token_budget or (4096 if cuda else 2048),
         seed=cfg.seed,
         rank=w.rank,
         world_size=w.world_size,
