@@ -224,6 +224,9 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
                             fused=cuda)  # fmt: skip
     step, epoch, start_batch, samples_this_epoch, tokens_done, follow_state = 0, 0, 0, 0, 0, None
     if state is not None:
+        if "tokens" not in state:
+            raise TrainError(f"{cfg.out} holds a checkpoint from an older dflash-cache (a step-based schedule); "
+                             "use a new --out")  # fmt: skip
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"]["cpu"])

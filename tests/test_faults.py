@@ -9,12 +9,10 @@ running when it was sent; the tests assert that enough of them landed (half for 
 two for regen, whose tiny runs can finish before a late kill), then let the command finish and
 compare with an uninterrupted run bit for bit.
 
-Kills per stage: 20 for extract, KILLS_TRAIN (8) for train and KILLS_REGEN (8) for regen;
-`DFLASH_KILLS=20 python -m pytest tests/test_faults.py` runs 20 of each. Every
-restart pays a few seconds of start-up (torch, transformers, the target). Measured on 2 CPU cores
-shared with other work: 20 extract kills took about 105-115 s, and with 10 kills each train and
-regen took 65 s and 87 s (over 4 minutes for the three), so train and regen use 8 (53-59 s and
-65-76 s). Most kills land; in one CI-like run only 3 of the 8 regen kills did, hence the bounds above.
+Kills per stage: 20 each for extract, train and regen. Every restart pays a few seconds of
+start-up (torch, transformers, the target). Measured on 2 CPU cores: 20 extract kills took about
+105-115 s, and 20 train plus 20 regen kills 134 s together. Most kills land; in one CI-like run
+only 3 of 8 regen kills did (its tiny runs can finish before a late kill), hence the bounds above.
 
 Disk full: a real tmpfs filled with a ballast file after 2 units (when `mount` works, i.e. as root),
 and ENOSPC injected into zarr's LocalStore file writes (always). The run must fail with an
@@ -47,10 +45,9 @@ from dflash_cache.regen import parts_dir
 from dflash_cache.spec import read_spec
 from dflash_cache.store import PARTIAL, UnitReader, committed_units, verify_unit
 
-# The suite's default counts; DFLASH_KILLS=20 runs 20 of each (see the module docstring).
 KILLS_EXTRACT = 20
-KILLS_TRAIN = int(os.environ.get("DFLASH_KILLS", 8))
-KILLS_REGEN = int(os.environ.get("DFLASH_KILLS", 8))
+KILLS_TRAIN = 20
+KILLS_REGEN = 20
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
