@@ -120,6 +120,9 @@ def test_train_follows_a_paused_and_resumed_extraction(tmp_path):
         assert sorted(got) == sorted(everything), f"epoch {epoch}: {len(got)} vs {len(everything)}"
     ends = _epoch_ends(run)
     assert ends[0]["samples"] == ends[1]["samples"] == len(everything)
+    # The token-based schedule, sized from cache.json before the cache existed, ends with the data.
+    lrs = [json.loads(x)["lr"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"lr"' in x]
+    assert max(lrs) > 5e-4 and lrs[-1] < 1e-3 * max(lrs)
     assert ends[0]["followed_windows"] >= 2 and "followed_windows" not in ends[1]
     assert ends[0]["loader_wait_s"] >= 2.0  # the pause was spent waiting for data
 
