@@ -16,6 +16,7 @@ import re
 import secrets
 import shutil
 import socket
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -99,7 +100,7 @@ def write_unit(cache_dir: Path, unit_id: int, arrays: UnitArrays, storage: Stora
     try:
         files = _write_partial(tmp, unit_id, arrays, storage)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_failed(tmp)
         raise
     target = cache_dir / UNITS / name
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -112,6 +113,18 @@ def write_unit(cache_dir: Path, unit_id: int, arrays: UnitArrays, storage: Stora
         return 0
     _fsync_dir(target.parent)
     return sum(files.values())
+
+
+def _remove_failed(tmp: Path, settle: float = 0.05, limit: float = 2.0) -> None:
+    """Remove a partial unit whose write failed. zarr writes some metadata files concurrently and a
+    failed gather does not wait for the others, so a straggler can recreate the directory just
+    after it was removed: remove it until it has stayed gone for `settle` seconds."""
+    deadline = time.monotonic() + limit
+    while True:
+        shutil.rmtree(tmp, ignore_errors=True)
+        time.sleep(settle)
+        if not tmp.exists() or time.monotonic() > deadline:
+            return
 
 
 def _write_partial(tmp: Path, unit_id: int, arrays: UnitArrays, storage: StorageInfo) -> dict[str, int]:
