@@ -77,7 +77,8 @@ def extract(
     zstd_level: int = typer.Option(3, help="zstd level for the shards."),
     token_budget: int | None = typer.Option(None, help="Padded tokens per forward (default 16384 GPU, 4096 CPU)."),
     unit_mb: int = typer.Option(512, help="Hidden-state MiB per work unit."),
-    writer_threads: int = typer.Option(6, help="Units compressed and written at once (one host buffer each)."),
+    writers: int | None = typer.Option(None, help="Writer processes: units compressed and written at once, one host "
+                                       "buffer each (default 6 with --gpus, else 2)."),
     gpus: str | None = typer.Option(None, help="GPUs, one process each: 0-4 or 0,2,5."),
     procs: int = typer.Option(1, help="CPU processes when no --gpus."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the size estimate, write nothing."),
@@ -88,7 +89,7 @@ def extract(
     cfg = ex.ExtractConfig(
         target=target, data=str(data), out=out, layers=_layers(layers), num_layers=num_layers, revision=revision,
         max_length=max_length, truncate=truncate, storage=storage, zstd_level=zstd_level,
-        token_budget=token_budget, unit_mb=unit_mb, writer_threads=writer_threads, gpus=_gpus(gpus), procs=procs,
+        token_budget=token_budget, unit_mb=unit_mb, writers=writers, gpus=_gpus(gpus), procs=procs,
     )  # fmt: skip
     if dry_run:
         prep = ex.prepare(cfg)
@@ -286,6 +287,19 @@ def bench_codec(level: int = typer.Option(3, help="zstd level.")) -> None:
     _print_json(bench.codec(level=level))
 
 
+@bench_app.command("commit")
+@friendly
+def bench_commit(
+    out: Path = typer.Argument(..., help="A scratch directory on the cache's filesystem (removed afterwards)."),
+    units: int = typer.Option(8, help="Units to commit per variant."),
+    writers: int = typer.Option(2, help="Writer threads / processes."),
+) -> None:
+    """Unit commits while the process runs Python: writer threads against writer processes."""
+    from dflash_cache import bench
+
+    _print_json(bench.commit(out, units=units, writers=writers))
+
+
 @bench_app.command("extract")
 @friendly
 def bench_extract(
@@ -293,14 +307,14 @@ def bench_extract(
     tokens: int = typer.Option(1_000_000, help="Tokens of the synthetic log-normal length mix."),
     storage: str = typer.Option("bf16", help="bf16 or fp8."),
     token_budget: int = typer.Option(16384, help="Padded tokens per forward."),
-    writer_threads: int = typer.Option(6, help="Unit writer threads."),
+    writers: int = typer.Option(6, help="Unit writer processes."),
     peer: bool = typer.Option(False, help="Also run the one-torch.save-per-sample baseline and both loaders."),
 ) -> None:
     """Full extract path vs the bare truncated forward of a random Qwen3-8B-shaped target."""
     from dflash_cache import bench
 
     result = bench.extract(out, num_tokens=tokens, storage=storage, token_budget=token_budget,
-                           writer_threads=writer_threads)  # fmt: skip
+                           writers=writers)  # fmt: skip
     bench.write_random_frozen(out, bench.QWEN3_8B)
     _print_json(result)
     if peer:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import threading
 import time
 from contextlib import contextmanager
@@ -113,6 +114,72 @@ def codec(hidden: torch.Tensor | None = None, level: int = 3, rows: int = 4096, 
             "level": level}  # fmt: skip
 
 
+@contextmanager
+def _python_load():
+    """A thread that runs Python (holding the GIL) until the block ends, as a launch loop does."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def commit(out: Path, *, units: int = 8, rows: int = 3200, width: int = 5 * 4096, writers: int = 2) -> dict:
+    """Unit commits while another thread of the process runs Python, as extraction's forward loop
+    does: writer threads in the process (the design before commit.py) against writer processes.
+    Both write the same bf16-shaped units; the figures are raw MB/s committed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .commit import BufferLayout, Committer, SharedBuffers
+    from .spec import StorageInfo
+    from .store import UnitArrays, chunk_tokens_for, write_unit
+
+    torch.manual_seed(0)
+    bits = (torch.distributions.StudentT(4.0).sample((rows, width)) * 0.5).to(torch.bfloat16).view(torch.int16).numpy()
+    meta = {"input_ids": np.zeros(rows, np.int32), "loss_mask": np.ones(rows, np.uint8),
+            "offsets": np.array([0, rows]), "sample_index": np.array([0])}  # fmt: skip
+    storage = StorageInfo(dtype="bf16", codec={"name": "zstd", "level": 3, "checksum": True},
+                          chunk_tokens=chunk_tokens_for(width * 2))  # fmt: skip
+    times = {}
+    with _python_load(), ThreadPoolExecutor(writers) as pool:
+        t = time.perf_counter()
+        arrays = UnitArrays(hidden=bits.view(np.uint16), **meta)
+        for f in [pool.submit(write_unit, out / "threads", u, arrays, storage) for u in range(units)]:
+            f.result()
+        times["threads"] = time.perf_counter() - t
+    shared = SharedBuffers(BufferLayout(count=writers + 1, rows=rows, width=width, layers=1, fp8=False))
+    for hidden, _ in shared.arrays:
+        hidden[:] = bits
+    committed = threading.Semaphore(0)
+    committer = Committer(out / "processes", storage, shared, writers, lambda _: committed.release())
+
+    def commit_units(ids: range) -> None:
+        for u in ids:
+            committer.commit(committer.take(), u, rows, meta["offsets"], meta["sample_index"], meta["input_ids"],
+                             meta["loss_mask"])  # fmt: skip
+        for _ in ids:
+            committed.acquire()
+
+    commit_units(range(units, units + writers))  # warm-up: the writer processes start and import
+    with _python_load():
+        t = time.perf_counter()
+        commit_units(range(units))
+        times["processes"] = time.perf_counter() - t
+    committer.close()
+    shutil.rmtree(out, ignore_errors=True)
+    raw = units * bits.nbytes / 1e6
+    return {"units": units, "unit_MB": bits.nbytes / 1e6, "writers": writers, "threads_MBps": raw / times["threads"],
+            "processes_MBps": raw / times["processes"], "ratio": times["threads"] / times["processes"]}  # fmt: skip
+
+
 @dataclass
 class RandomTarget:
     """A random-weight model of a real shape, cut and tapped like a loaded target."""
@@ -199,10 +266,10 @@ def _steady_rate(plan, marks: dict) -> float:
 
 
 def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, token_budget: int = 16384,
-            storage: str = "bf16", unit_mb: int = 512, writer_threads: int = 6,
+            storage: str = "bf16", unit_mb: int = 512, writers: int = 6,
             device: torch.device | None = None, target=None) -> dict[str, Any]:  # fmt: skip
     """Full extract path vs the bare truncated forward, same model, same batches, one process."""
-    from .extract import _copy_out, _UnitBuffers, extract_units, pack_hidden
+    from .extract import _copy_out, extract_units, pack_hidden
     from .plan import default_bucket_edges, make_plan
     from .spec import default_layer_ids, write_spec
     from .store import chunk_tokens_for, committed_units
@@ -237,7 +304,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
 
     with PeakRSS() as rss, _timer(device, times, "full"):
         t0 = time.perf_counter()
-        extract_units(target, list(plan.units), dataset, spec, out, device, report, writer_threads=writer_threads)
+        extract_units(target, list(plan.units), dataset, spec, out, device, report, writers=writers)
     times["setup"], times["drain"] = written["first"] - t0, t0 + times["full"] - written["last"]
     with _timer(device, times, "bare"):
         for *_, inp, _index in _plan_batches(plan, dataset, device):
@@ -245,8 +312,9 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     # Forward, unpad and the device-to-host copy into one pinned buffer, without compression or
     # disk: separates what the copy-out costs from what the writers cost.
     fp8 = storage == "fp8"
-    buf = _UnitBuffers(1, max(u.num_tokens for u in plan.units), spec.row_width, len(layer_ids), fp8,
-                       device.type == "cuda").get()  # fmt: skip
+    rows, pin = max(u.num_tokens for u in plan.units), device.type == "cuda"
+    buf = (torch.empty((rows, spec.row_width), dtype=torch.uint8 if fp8 else torch.int16, pin_memory=pin),
+           torch.empty((rows, len(layer_ids)), dtype=torch.float32, pin_memory=pin) if fp8 else None)  # fmt: skip
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     with _timer(device, times, "staged"):
         for unit, b, inp, index in _plan_batches(plan, dataset, device):

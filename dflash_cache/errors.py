@@ -7,3 +7,7 @@ module imports nothing heavy, so the CLI can catch errors without loading torch'
 
 class UserError(Exception):
     """An error whose message tells the user what to change."""
+
+
+class ExtractError(UserError, RuntimeError):
+    """An extraction that cannot start or go on; the message says why."""

@@ -1,20 +1,19 @@
 """The extract stage: dataset + target -> cache of tapped hidden states.
 
 Per process, the GPU runs batch n+1 while batch n's unpadded hidden states are copied to the host
-on a side stream, straight into one of a few reused pinned unit buffers, and writer threads
-compress and commit finished units. A unit buffer is only reused once its unit is on disk, so host
-memory is bounded by the buffer count, whatever the dataset size.
+on a side stream, straight into one of a few reused pinned unit buffers, and writer processes
+(commit.py) compress and commit finished units out of those same buffers, in shared memory. A unit
+buffer is only reused once its unit is on disk, so host memory is bounded by the buffer count,
+whatever the dataset size.
 """
 
 from __future__ import annotations
 
-import errno
 import os
-import queue
 import shutil
 import time
+import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,8 +23,9 @@ import numpy as np
 import torch
 
 from . import data as data_mod
+from .commit import BufferLayout, Committer, SharedBuffers
 from .devices import GpuThrottle, Worker, launch
-from .errors import UserError
+from .errors import ExtractError
 from .plan import Plan, Unit, default_bucket_edges, make_plan
 from .progress import ProgressSink, Reporter
 from .spec import (
@@ -44,15 +44,12 @@ from .spec import (
 from .store import (
     FROZEN,
     REJECTED,
-    UnitArrays,
     cache_lock,
     chunk_tokens_for,
     committed_units,
     sweep_partial,
-    unit_name,
     write_frozen,
     write_rejected,
-    write_unit,
 )
 from .target import (
     compute_dtype_for,
@@ -66,10 +63,6 @@ from .target import (
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 WORK = ".work"  # tokenized dataset, reused by reruns; safe to delete
-
-
-class ExtractError(UserError, RuntimeError):
-    """An extraction that cannot start or go on; the message says why."""
 
 
 @dataclass
@@ -89,7 +82,7 @@ class ExtractConfig:
     gpus: list[int] | None = None
     procs: int = 1
     tokenize_procs: int = field(default_factory=lambda: max(1, min(8, (os.cpu_count() or 2) - 1)))
-    writer_threads: int = 6  # units compressed and written at once; each holds one unit buffer
+    writers: int | None = None  # writer processes (each holds one unit buffer); default 6 on GPU, 2 on CPU
 
 
 @dataclass
@@ -268,25 +261,6 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-class _UnitBuffers:
-    """A fixed pool of host buffers, each big enough for the largest unit; pinned on CUDA hosts so
-    device-to-host copies are true async DMA. Pinning costs about a second per GiB: done once."""
-
-    def __init__(self, count: int, rows: int, width: int, layers: int, fp8: bool, pin: bool):
-        dtype = torch.uint8 if fp8 else torch.int16
-        self._free: queue.Queue = queue.Queue()
-        for _ in range(count):
-            hidden = torch.empty((rows, width), dtype=dtype, pin_memory=pin)
-            scale = torch.empty((rows, layers), dtype=torch.float32, pin_memory=pin) if fp8 else None
-            self._free.put((hidden, scale))
-
-    def get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._free.get()
-
-    def put(self, buf: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-        self._free.put(buf)
-
-
 def pack_hidden(
     taps: list[torch.Tensor], index: torch.Tensor, fp8: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -324,8 +298,7 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
     if needs_frozen:
         write_frozen(cfg.out, *frozen_weights(model))
     del model  # the upper layers and the LM head stay on the CPU only until here
-    extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put,
-                  writer_threads=cfg.writer_threads)  # fmt: skip
+    extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put, writers=cfg.writers)
 
 
 def extract_units(
@@ -337,9 +310,10 @@ def extract_units(
     device: torch.device,
     report: Callable[[dict], None],
     *,
-    writer_threads: int = 6,
+    writers: int | None = None,
 ) -> None:
-    """The per-process pipeline: forward, unpad, copy out on a side stream, commit in threads.
+    """The per-process pipeline: forward, unpad, copy out on a side stream into a shared unit
+    buffer, commit in writer processes (commit.py).
 
     `target` maps right-padded input ids [b, T] to the tapped layers' hidden states; the
     benchmark passes a random model of real shape here, the CLI the loaded target.
@@ -348,46 +322,61 @@ def extract_units(
         return
     fp8 = spec.storage.dtype == "fp8"
     cuda = device.type == "cuda"
-    # One buffer fills while each writer thread holds one: the forward only waits when every
-    # writer is busy, i.e. when compression or the disk bounds the run.
-    rows = max(u.num_tokens for u in units)
-    pool = _UnitBuffers(min(writer_threads + 1, len(units)), rows, spec.row_width, len(spec.layers.ids), fp8, cuda)
+    writers = writers or (6 if cuda else 2)
+    # One buffer fills while each writer holds one: the forward only waits when every writer is
+    # busy, i.e. when compression or the disk bounds the run.
+    layout = BufferLayout(count=min(writers + 1, len(units)), rows=max(u.num_tokens for u in units),
+                          width=spec.row_width, layers=len(spec.layers.ids), fp8=fp8)  # fmt: skip
+    shared = SharedBuffers(layout)
+    buffers = [(torch.from_numpy(h), None if sc is None else torch.from_numpy(sc)) for h, sc in shared.arrays]
+    pinned = _pin(shared) if cuda else None
     copy_stream = torch.cuda.Stream(device) if cuda else None
     pad_id = spec.tokenizer.pad_token_id or 0
-    writers = ThreadPoolExecutor(max_workers=writer_threads, thread_name_prefix="unit-writer")
-    pending: list[Future] = []
+    committer = Committer(out, spec.storage, shared, writers, report)
     throttle = GpuThrottle(cuda)
     try:
         for unit in units:
             ids, mask, sample_index = _unit_tokens(dataset, unit)
-            buf = pool.get()
+            index = committer.take()
             for batch in unit.batches:
                 lengths = unit.lengths[batch.start : batch.stop]
                 r0 = int(unit.offsets[batch.start])
                 r1 = int(unit.offsets[batch.stop])
-                inp, index = _batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device)
-                bits, scale = pack_hidden(target(inp), index, fp8)
-                _copy_out(copy_stream, buf, r0, r1, bits, scale)
+                inp, rows = _batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device)
+                bits, scale = pack_hidden(target(inp), rows, fp8)
+                _copy_out(copy_stream, buffers[index], r0, r1, bits, scale)
                 throttle.mark()
                 report({"tokens": r1 - r0, "padded": len(lengths) * batch.max_len})
             ready = torch.cuda.Event() if cuda else None
             if ready is not None:
                 ready.record(copy_stream)
-            job = (out, spec, unit, sample_index, ids, mask, buf, ready, pool, report)
-            pending.append(writers.submit(_commit, *job))
-            pending = _reap(pending)
-        for f in pending:
-            f.result()
+            committer.commit(index, unit.id, unit.num_tokens, unit.offsets, sample_index, ids, mask, ready)
+    except BaseException:
+        committer.close(check=False)  # the first error is the one to report
+        raise
+    else:
+        committer.close()
     finally:
-        writers.shutdown(wait=True)
+        if pinned is not None:
+            torch.cuda.synchronize(device)
+            torch.cuda.cudart().cudaHostUnregister(pinned)
 
 
-def _reap(pending: list[Future]) -> list[Future]:
-    """Drop finished commits, re-raising the first failure in the compute loop."""
-    for f in pending:
-        if f.done():
-            f.result()
-    return [f for f in pending if not f.done()]
+def _pin(shared: SharedBuffers) -> int | None:
+    """Page-lock the shared unit buffers so device-to-host copies are true async DMA (about a
+    second per GiB, done once). Returns the registered address, or None when the driver refuses,
+    in which case the copies still work, only synchronously."""
+    address = shared.arrays[0][0].ctypes.data
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(address, shared.layout.total, 0)
+    except Exception as e:  # noqa: BLE001 - any failure only costs the asynchrony of the copies
+        warnings.warn(f"could not pin the unit buffers ({e}); device-to-host copies will be synchronous", stacklevel=2)
+        return None
+    if int(getattr(err, "value", err)) != 0:
+        warnings.warn(f"could not pin the unit buffers (CUDA error {err}); device-to-host copies will be synchronous",
+                      stacklevel=2)  # fmt: skip
+        return None
+    return address
 
 
 def _unit_tokens(dataset, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -435,31 +424,3 @@ def _copy_out(stream, buf, r0: int, r1: int, bits: torch.Tensor, scale: torch.Te
         if scale is not None:
             hscale[r0:r1].copy_(scale, non_blocking=True)
             scale.record_stream(stream)
-
-
-def _commit(out: Path, spec: CacheSpec, unit: Unit, sample_index, ids, mask, buf, ready, buffers, report) -> None:
-    try:
-        if ready is not None:
-            ready.synchronize()
-        hidden, scale = buf
-        n = unit.num_tokens
-        arrays = UnitArrays(
-            hidden=hidden[:n].numpy().view(np.uint8 if spec.storage.dtype == "fp8" else np.uint16),
-            hidden_scale=None if scale is None else scale[:n].numpy(),
-            input_ids=ids,
-            loss_mask=mask,
-            offsets=unit.offsets,
-            sample_index=sample_index,
-        )
-        try:
-            written = write_unit(out, unit.id, arrays, spec.storage)
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            raise ExtractError(
-                f"the disk is full: unit {unit_name(unit.id)} could not be written to {out} ({e.strerror}); "
-                "free space and rerun the same command to resume (committed units are kept)"
-            ) from e
-        report({"bytes": written, "units": 1})
-    finally:
-        buffers.put(buf)

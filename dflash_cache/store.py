@@ -21,16 +21,18 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import zarr
-from safetensors.torch import load_file, save_file
 from zarr.codecs import BytesCodec, ZstdCodec
 from zarr.core.buffer.cpu import NDBuffer
 
 from .errors import UserError
 from .spec import StorageInfo
+
+if TYPE_CHECKING:  # torch is imported where it is used: unit writer processes never load it
+    import torch
 
 UNITS = "units"
 PARTIAL = ".partial"
@@ -378,6 +380,8 @@ def verify_unit(path: Path, row_width: int, num_layers: int, storage: str) -> li
 
 def write_frozen(cache_dir: Path, embed: torch.Tensor, lm_head: torch.Tensor | None) -> None:
     """Save the target's token embedding and LM head (omitted when tied) atomically."""
+    from safetensors.torch import save_file
+
     path = Path(cache_dir) / FROZEN
     tensors = {"embed_tokens.weight": embed.detach().contiguous().cpu()}
     if lm_head is not None:
@@ -389,6 +393,8 @@ def write_frozen(cache_dir: Path, embed: torch.Tensor, lm_head: torch.Tensor | N
 
 def read_frozen(cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen (embedding, LM head) pair; the same tensor twice when the target ties them."""
+    from safetensors.torch import load_file
+
     tensors = load_file(str(Path(cache_dir) / FROZEN))
     embed = tensors["embed_tokens.weight"]
     return embed, tensors.get("lm_head.weight", embed)

@@ -22,7 +22,6 @@ nothing left in `.partial/`; with space again the same run completes the cache b
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import random
@@ -242,24 +241,42 @@ def _try_tmpfs(path: Path, size_mb: int) -> bool:
     return res.returncode == 0
 
 
-def _fill(directory: Path) -> Path:
-    """Write zeros into a ballast file until the filesystem is full."""
-    ballast = directory / "ballast"
-    block = b"\0" * (1 << 16)
-    with open(ballast, "wb") as f:
-        try:
-            while True:
-                f.write(block)
-                f.flush()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-    return ballast
+# Imported at start-up by every Python process of the run (the extract and its writer processes),
+# through PYTHONPATH: once `after` units are committed, writes into `.partial/` meet a full disk,
+# either a real one (a ballast file fills the tmpfs) or an injected ENOSPC.
+DISK_FULL_HOOK = """
+import errno, json, os
+from pathlib import Path
+
+_cfg = os.environ.get("DFLASH_TEST_DISK_FULL")
+if _cfg:
+    import zarr.storage._local as _zl
+
+    _cfg, _real = json.loads(_cfg), _zl._put
+
+    def _put(path, value, exclusive=False):
+        units = Path(_cfg["out"]) / "units"
+        done = sum(1 for _ in units.iterdir()) if units.is_dir() else 0
+        if ".partial" in Path(path).parts and done >= _cfg["after"]:
+            if _cfg["fill"] is None:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            ballast = Path(_cfg["fill"]) / "ballast"
+            if not ballast.exists():
+                with open(ballast, "wb") as f:
+                    try:
+                        while True:
+                            f.write(bytes(1 << 16))
+                            f.flush()
+                    except OSError:
+                        pass
+        return _real(path, value, exclusive=exclusive)
+
+    _zl._put = _put
+"""
 
 
 @pytest.mark.parametrize("how", ["tmpfs", "injected"])
 def test_disk_full_fails_clearly_and_resumes(tmp_path, monkeypatch, how):
-    import zarr.storage._local as zlocal
-
     data = _rows(tmp_path / "rows.jsonl", 60)
     ref = tmp_path / "ref"
     run(extract_config(ref, data=str(data), unit_mb=1, token_budget=512))
@@ -272,26 +289,18 @@ def test_disk_full_fails_clearly_and_resumes(tmp_path, monkeypatch, how):
         pytest.skip("cannot mount a tmpfs here (not root or no mount); the injected case covers ENOSPC")
     try:
         out = root / "cache"
-        after = 2  # the disk fills once this many units are committed
-        real_put = zlocal._put
-        state = {"ballast": None}
-
-        def put(path, value, exclusive=False):
-            if PARTIAL in Path(path).parts and len(committed_units(out)) >= after:
-                if mounted:  # a real full filesystem: the kernel answers ENOSPC
-                    if state["ballast"] is None:
-                        state["ballast"] = _fill(root)
-                else:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-            return real_put(path, value, exclusive=exclusive)
-
-        monkeypatch.setattr(zlocal, "_put", put)
+        hook = tmp_path / "hook"
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(DISK_FULL_HOOK)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        monkeypatch.setenv("DFLASH_TEST_DISK_FULL", json.dumps({"out": str(out), "after": 2,
+                                                                "fill": str(root) if mounted else None}))  # fmt: skip
         with pytest.raises(ExtractError) as err:  # one writer: units commit in turn, so the third one fails
-            run(extract_config(out, data=str(data), unit_mb=1, token_budget=512, writer_threads=1))
+            run(extract_config(out, data=str(data), unit_mb=1, token_budget=512, writers=1))
         msg = str(err.value)
         assert "disk is full" in msg and str(out) in msg and "unit u0" in msg, msg
         units = committed_units(out)
-        assert after <= len(units) < total
+        assert 2 <= len(units) < total
         spec = read_spec(out)
         for path in units.values():  # no torn unit: every committed one decodes completely
             assert verify_unit(path, spec.row_width, len(spec.layers.ids), spec.storage.dtype) == []
@@ -300,9 +309,8 @@ def test_disk_full_fails_clearly_and_resumes(tmp_path, monkeypatch, how):
         assert not left, f"a failed write should not leave its partial unit behind: {left}"
 
         # space again: the same command completes the cache
-        monkeypatch.setattr(zlocal, "_put", real_put)
-        if state["ballast"] is not None:
-            state["ballast"].unlink()
+        monkeypatch.delenv("DFLASH_TEST_DISK_FULL")
+        (root / "ballast").unlink(missing_ok=True)
         summary = run(extract_config(out, data=str(data), unit_mb=1, token_budget=512))
         assert summary["samples"] == len(read_cache(ref))
         assert len(committed_units(out)) == total
