@@ -436,16 +436,6 @@ class CacheLoader:
             return None
         return {"windows": [[list(w.units), w.final] for w in self._follow.windows]}
 
-    def follow_status(self) -> dict:
-        """Units committed/planned, units read and the loader wait, for status lines."""
-        f = self._follow
-        return {
-            "committed": f.feed.committed if f is not None and f.feed is not None else len(self.readers),
-            "planned": self.spec.plan.num_units,
-            "read": f.units_read if f is not None else len(self.readers),
-            "wait_s": self.wait_seconds,
-        }
-
     @property
     def host_bytes(self) -> int:
         """Host memory held by the slots: fixed at construction, whatever the dataset size."""
