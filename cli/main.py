@@ -290,7 +290,7 @@ def bench_codec(level: int = typer.Option(3, help="zstd level.")) -> None:
 @bench_app.command("commit")
 @friendly
 def bench_commit(
-    out: Path = typer.Argument(..., help="A scratch directory on the cache's filesystem (removed afterwards)."),
+    out: Path = typer.Argument(..., help="A directory on the cache's filesystem (a scratch folder in it is removed)."),
     units: int = typer.Option(8, help="Units to commit per variant."),
     writers: int = typer.Option(2, help="Writer threads / processes."),
 ) -> None:

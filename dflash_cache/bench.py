@@ -142,6 +142,7 @@ def commit(out: Path, *, units: int = 8, rows: int = 3200, width: int = 5 * 4096
     from .spec import StorageInfo
     from .store import UnitArrays, chunk_tokens_for, write_unit
 
+    out = Path(out) / f".dflash-bench-commit-{os.getpid()}"  # only this is written, and removed
     torch.manual_seed(0)
     bits = (torch.distributions.StudentT(4.0).sample((rows, width)) * 0.5).to(torch.bfloat16).view(torch.int16).numpy()
     meta = {"input_ids": np.zeros(rows, np.int32), "loss_mask": np.ones(rows, np.uint8),
