@@ -32,13 +32,14 @@ class SpecError(UserError, ValueError):
 
 
 def default_layer_ids(num_layers: int, k: int = 5) -> list[int]:
-    """DFlash's default taps: K layers spread from layer 1 to layer L-3."""
+    """DFlash's default taps: K layers spread from layer 1 to layer L-3. A target too shallow for K
+    distinct taps (fewer than K + 3 layers) gets the distinct ones, within its depth."""
     if k < 1:
         raise SpecError(f"layers: need at least one tapped layer, got {k}")
     if k == 1:
         return [num_layers // 2]
     span = num_layers - 4
-    return [int(round(1 + i * span / (k - 1))) for i in range(k)]
+    return sorted({min(max(int(round(1 + i * span / (k - 1))), 0), num_layers - 1) for i in range(k)})
 
 
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:

@@ -301,6 +301,10 @@ def test_default_layer_ids():
     assert default_layer_ids(36) == [1, 9, 17, 25, 33]
     assert default_layer_ids(28) == [1, 7, 13, 19, 25]
     assert default_layer_ids(36, 1) == [18]
+    for depth in range(2, 9):  # too shallow for 5 distinct taps: the distinct ones, in range
+        ids = default_layer_ids(depth)
+        assert ids == sorted(set(ids)) and all(0 <= i < depth for i in ids)
+    assert default_layer_ids(6) == [1, 2, 3] and default_layer_ids(8) == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

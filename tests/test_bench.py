@@ -1,0 +1,35 @@
+"""The benchmarks run end to end on the CPU at toy sizes (their figures only count from a GPU),
+and what they build is sound: the extract benchmark's cache verifies, every path is exercised."""
+
+from __future__ import annotations
+
+from dflash_cache import bench
+from dflash_cache.audit import verify
+from dflash_cache.spec import read_spec
+from dflash_cache.store import committed_units
+
+TINY = dict(bench.QWEN3_8B, num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=512)  # fmt: skip
+
+
+def test_disk_codec_and_commit(tmp_path):
+    d = bench.disk(tmp_path, size_mb=64)
+    assert d["bytes"] == 64 << 20 and d["write_GBps"] > 0 and d["read_GBps"] > 0
+    c = bench.codec(rows=256, width=512)
+    assert 1.0 < c["ratio"] < 4.0
+    m = bench.commit(tmp_path, units=2, rows=200, width=256, writers=1)
+    assert m["threads_MBps"] > 0 and m["processes_MBps"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # its scratch folder is gone
+
+
+def test_extract_and_train_benchmarks(tmp_path):
+    out = tmp_path / "bx"
+    x = bench.extract(out, config=TINY, num_tokens=20000, unit_mb=1, writers=1)
+    spec = read_spec(out)
+    assert len(committed_units(out)) == x["units"] == spec.plan.num_units and verify(out) == {}
+    assert x["tokens"] == spec.plan.num_tokens and 0 < x["padding"] < 0.5
+    assert x["raw_bytes_per_token"] == len(spec.layers.ids) * 64 * 2 and 0 < x["bytes_per_token"]
+    assert all(x[k] > 0 for k in ("ratio", "steady_ratio", "staged_ratio", "setup_s"))
+    bench.write_random_frozen(out, TINY)
+    t = bench.train(out, steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=1)
+    assert t["steps"] == 2 and t["ratio"] > 0 and t["loader_wait_per_step_s"] >= 0 and t["peak_rss_GB"] > 0
