@@ -402,23 +402,25 @@ class CacheLoader:
             self._batches = (epoch, _rank_plan(self.table, per_rank, self.rank))
         return self._batches[1]
 
-    def _refresh(self) -> None:
-        """Index units committed since the loader opened (after a followed epoch, all of them)."""
-        if self.complete or not self.follow:
-            return
-        new = set(committed_units(self.cache_dir)) - set(self.readers)
-        readers, problems = open_units(self.cache_dir, skip_bad_units=self.skip_bad_units, only=new)
-        self.readers.update(readers)
-        self.dropped += problems
-        self.table = SampleTable.from_units(self.readers)
-        self.complete = is_complete(self.cache_dir, self.spec.plan.num_units)
-
-    def open_window(self, units: tuple[int, ...]) -> SampleTable:
-        """Open a follow window's units (once) and index their samples, in unit order."""
+    def _open(self, units: Iterable[int]) -> None:
+        """Open the given units that are not open yet (bad ones as `skip_bad_units` says)."""
         new = [u for u in units if u not in self.readers]
         readers, problems = open_units(self.cache_dir, skip_bad_units=self.skip_bad_units, only=new)
         self.readers.update(readers)
         self.dropped += problems
+
+    def _refresh(self) -> None:
+        """Index units committed since the loader opened (after a followed epoch, all of them)."""
+        if self.complete or not self.follow:
+            return
+        committed = committed_units(self.cache_dir)
+        self._open(committed)
+        self.table = SampleTable.from_units(self.readers)
+        self.complete = len(committed) >= self.spec.plan.num_units
+
+    def open_window(self, units: tuple[int, ...]) -> SampleTable:
+        """Open a follow window's units (once) and index their samples, in unit order."""
+        self._open(units)
         return SampleTable.from_units({u: self.readers[u] for u in units if u in self.readers})
 
     def num_batches(self, epoch: int) -> int:

@@ -278,7 +278,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
             if trace is not None:
                 trace.step(step, model)
             if step % cfg.log_every == 0:
-                record = _log_record(step, epoch, opt, sums, window, loader, w.world_size)
+                record = _log_record(step, epoch, opt, sums, window, loader, w.world_size, device)
                 if w.rank == 0:
                     metrics.write(record)
                     bar = {"completed": tokens_done, "loss": record["loss"], "accept": record["accept_len"],
@@ -298,7 +298,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
                 _sync_grads(model, ddp)
                 _optimizer_step(model, opt, cfg, lr_at((step_start + tokens_done) / 2, total_tokens, cfg.warmup))
                 step, micro, step_start = step + 1, 0, tokens_done
-            consumed = _sum_ranks(samples_this_epoch, device)
+            consumed = int(_sum_ranks(samples_this_epoch, device))
             if metrics is not None:
                 record = {"epoch_end": epoch, "step": step, "samples": consumed}
                 if (followed := loader.follow_state()) is not None:
@@ -362,18 +362,19 @@ class _Trace:
         self.pending = []
 
 
-def _sum_ranks(n: int, device: torch.device) -> int:
-    t = torch.tensor([n], dtype=torch.int64, device=device)
+def _sum_ranks(x: float, device: torch.device) -> float:
+    """The sum of `x` over the ranks (float64: exact for counts)."""
+    t = torch.tensor([x], dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t)
-    return int(t.item())
+    return float(t.item())
 
 
-def _log_record(step, epoch, opt, sums, window, loader, world) -> dict[str, Any]:
+def _log_record(step, epoch, opt, sums, window, loader, world, device) -> dict[str, Any]:
     sums = all_reduce_sums({k: v.clone() for k, v in sums.items()})
     stats = summarize_metrics(sums)
     elapsed = time.perf_counter() - window["t"]
-    loss = _sum_ranks_float(float(window["loss"]) / max(1, window["n"]), world)
+    loss = _sum_ranks(float(window["loss"]) / max(1, window["n"]), device) / world
     return {
         "step": step,
         "epoch": epoch,
@@ -384,16 +385,6 @@ def _log_record(step, epoch, opt, sums, window, loader, world) -> dict[str, Any]
         "tokens_per_s": window["tokens"] * world / max(elapsed, 1e-9),
         "loader_wait_s": loader.wait_seconds - window["wait"],
     }
-
-
-def _sum_ranks_float(x: float, world: int) -> float:
-    if world == 1 or not dist.is_initialized():
-        return x
-    t = torch.tensor([x], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t)
-    return float(t.item()) / world
 
 
 def _save(ckpt: Checkpointer, w: Worker, model, opt, step: int, position: tuple[int, int], samples: int,
