@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from .errors import UserError
@@ -99,6 +100,12 @@ def _decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, str, 
     raise TargetError(f"cannot find the {num_layers} decoder layers in {type(model).__name__}")
 
 
+# Every extract batch has a shape of its own (its rows' longest length), and cuDNN's attention,
+# which torch prefers on Hopper, builds a plan per new shape: about 50 ms each on an H200, 10% of
+# the forward. Flash attention has no per-shape setup and runs as fast (BENCHMARKS.md).
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 class TappedTarget:
     """The target's base model cut after its last tapped layer, with hooks on the tapped layers."""
 
@@ -129,7 +136,8 @@ class TappedTarget:
         the padding after it, so its hidden states are those of the unpadded sequence.
         """
         self._taps = [None] * len(self.layer_ids)
-        self.base(input_ids=input_ids, use_cache=False)
+        with sdpa_kernel(_SDPA_BACKENDS):
+            self.base(input_ids=input_ids, use_cache=False)
         taps, self._taps = self._taps, [None] * len(self.layer_ids)
         return taps  # type: ignore[return-value]
 
