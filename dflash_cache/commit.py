@@ -25,6 +25,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -119,19 +120,25 @@ class Committer:
     """Writer processes that commit units out of shared buffers, and the threads that feed them.
 
     `take()` hands out a free buffer, blocking while every buffer is filled or being written: the
-    back-pressure that bounds host memory. `commit()` queues a filled buffer; with `ready` (a CUDA
-    event after the copy into it), a feeder thread waits for the event first, so the GPU process
-    never blocks on it. `close()` waits for every commit and raises the first failure (a full
-    disk is an ExtractError naming the unit; failures also surface in the next `take()`).
+    back-pressure that bounds host memory (`wait_s` sums that blocking). `commit()` queues a
+    filled buffer; with `ready` (a CUDA event after the copy into it), a feeder thread waits for
+    the event first, so the GPU process never blocks on it. `close()` waits for every commit and
+    raises the first failure (a full disk is an ExtractError naming the unit; failures also
+    surface in the next `take()`).
+
+    `prepare(i)`, if given, runs once per buffer in a background thread before the buffer is
+    first handed out (extract pins buffers there, a second per GiB, while the first forward runs).
     """
 
     def __init__(self, out: Path, storage: StorageInfo, buffers: SharedBuffers, writers: int,
-                 report: Callable[[dict], None]):  # fmt: skip
+                 report: Callable[[dict], None], prepare: Callable[[int], None] | None = None):  # fmt: skip
         self.out = Path(out)
         self.report = report
+        self.wait_s = 0.0
         self._free: queue.Queue[int] = queue.Queue()
-        for i in range(buffers.layout.count):
-            self._free.put(i)
+        self._prepare = prepare
+        self._closing = False
+        self._count = buffers.layout.count
         ctx = mp.get_context("spawn")
         self._jobs = ctx.Queue()
         self._results = ctx.Queue()
@@ -147,17 +154,22 @@ class Committer:
         self._done = threading.Condition()
         self._error: BaseException | None = None
         self._threads = [threading.Thread(target=self._feeder, daemon=True, name="dflash-commit-feed"),
-                         threading.Thread(target=self._collector, daemon=True, name="dflash-commit-done")]  # fmt: skip
+                         threading.Thread(target=self._collector, daemon=True, name="dflash-commit-done"),
+                         threading.Thread(target=self._release, daemon=True, name="dflash-commit-prepare")]  # fmt: skip
         for t in self._threads:
             t.start()
 
     def take(self) -> int:
-        while True:
-            self._check()
-            try:
-                return self._free.get(timeout=0.5)
-            except queue.Empty:
-                continue
+        start = time.perf_counter()
+        try:
+            while True:
+                self._check()
+                try:
+                    return self._free.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+        finally:
+            self.wait_s += time.perf_counter() - start
 
     def commit(self, index: int, unit_id: int, n_tokens: int, offsets: np.ndarray, sample_index: np.ndarray,
                input_ids: np.ndarray, loss_mask: np.ndarray, ready: Any = None) -> None:  # fmt: skip
@@ -169,6 +181,7 @@ class Committer:
     def close(self, check: bool = True) -> None:
         """Wait for every queued commit, stop the writers, and (with `check`) raise the first
         failure. Without `check` (the caller is already failing) queued commits still finish."""
+        self._closing = True
         try:
             with self._done:
                 while self._in_flight and self._error is None:
@@ -183,7 +196,8 @@ class Committer:
                 if p.is_alive():
                     p.kill()
             self._results.put(None)
-            for t in self._threads:
+            self._threads[2].join()  # a buffer being prepared (pinned) must be done before its owner frees it
+            for t in self._threads[:2]:
                 t.join(timeout=5)
         if check:
             self._check()
@@ -199,6 +213,18 @@ class Committer:
         dead = [p for p in self._procs if p.exitcode is not None and p.exitcode != 0]
         if dead and self._error is None:
             self._error = RuntimeError(f"unit writer process {dead[0].name} died (exit code {dead[0].exitcode})")
+
+    def _release(self) -> None:
+        for i in range(self._count):
+            if self._closing:
+                return
+            if self._prepare is not None:
+                try:
+                    self._prepare(i)
+                except BaseException as e:  # noqa: BLE001 - surfaces in take()
+                    self._error = self._error or e
+                    return
+            self._free.put(i)
 
     def _feeder(self) -> None:
         while (item := self._feed.get()) is not None:

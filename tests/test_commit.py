@@ -68,3 +68,43 @@ def test_a_dead_writer_is_an_error_not_a_hang(tmp_path: Path):
             _commit(committer, shared, unit, np.zeros((10, WIDTH), np.int16))
     assert time.monotonic() - t < 10
     committer.close(check=False)
+
+
+def test_buffers_are_prepared_once_each_before_use(tmp_path):
+    """extract pins buffers in `prepare`, in the background: a buffer is never handed out before
+    its turn has finished, each is prepared once, and the wait for it is counted."""
+    shared = SharedBuffers(BufferLayout(count=3, rows=ROWS, width=WIDTH, layers=1, fp8=False))
+    prepared: list[int] = []
+
+    def prepare(i: int) -> None:
+        time.sleep(0.3)
+        prepared.append(i)
+
+    committer = Committer(tmp_path, _storage(), shared, 1, lambda _: None, prepare=prepare)
+    seen = []
+    for unit in range(5):
+        index = committer.take()
+        assert index in prepared, "a buffer handed out before it was prepared"
+        seen.append(index)
+        shared.arrays[index][0][:4] = unit
+        committer.commit(index, unit, 4, np.array([0, 4]), np.array([unit]), np.zeros(4, np.int32),
+                         np.ones(4, np.uint8))  # fmt: skip
+    committer.close()
+    # in order, once each; a buffer whose turn had not come when the run ended is never prepared
+    assert prepared == list(range(len(prepared))) and set(seen) <= set(prepared)
+    assert committer.wait_s >= 0.25  # at least the first buffer's preparation
+    assert sorted(committed_units(tmp_path)) == list(range(5))
+
+
+def test_a_failing_prepare_is_an_error(tmp_path):
+    shared = SharedBuffers(BufferLayout(count=2, rows=ROWS, width=WIDTH, layers=1, fp8=False))
+
+    def prepare(i: int) -> None:
+        raise OSError("cannot lock memory")
+
+    committer = Committer(tmp_path, _storage(), shared, 1, lambda _: None, prepare=prepare)
+    t = time.monotonic()
+    with pytest.raises(OSError, match="cannot lock memory"):
+        committer.take()  # not a wait for a buffer that never comes
+    assert time.monotonic() - t < 5
+    committer.close(check=False)
