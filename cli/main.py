@@ -107,8 +107,13 @@ def extract(
     console.print(
         f"cached {summary['samples']} samples, {summary['tokens']:,} tokens in {summary['units']} units; "
         f"{summary['rejected']} rows rejected (see {out}/rejected.jsonl); padding {100 * summary['padding']:.1f}%; "
-        f"wrote {human_bytes(summary['bytes_written'])} in {summary['seconds']:.1f}s"
+        f"wrote {human_bytes(summary['bytes_written'])} in {summary['seconds']:.1f}s "
+        f"({summary['startup_s']:.1f}s to start; forward loop {summary['forward_tokens_per_s']:,.0f} tokens/s)"
     )
+    ranks = max(1, len(cfg.gpus or []) or cfg.procs)
+    if summary["buffer_wait_s"] > 0.05 * summary["seconds"] * ranks:
+        console.print(f"note: the forward passes waited {summary['buffer_wait_s']:.1f}s in all for unit writers "
+                      "(compression or the disk bound this run); more --writers may help if cores idle")  # fmt: skip
     if summary["missing_units"]:
         console.print(f"[red]error:[/red] units not committed: {summary['missing_units'][:10]}")
         raise typer.Exit(1)

@@ -295,10 +295,11 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     # (drain_s). Back-pressure from slow writers still lands inside it: the forward loop waits
     # for a free buffer.
     times: dict[str, float] = {}
-    written = {"bytes": 0, "first": 0.0, "last": 0.0}
+    written = {"bytes": 0, "first": 0.0, "last": 0.0, "wait": 0.0}
 
     def report(d: dict) -> None:
         written["bytes"] += d.get("bytes", 0)
+        written["wait"] += d.get("buffer_wait_s", 0)
         if "tokens" in d:
             written["last"] = time.perf_counter()
             written["first"] = written["first"] or written["last"]
@@ -328,7 +329,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
         "bare_tok_s": plan.num_tokens / times["bare"], "full_tok_s": plan.num_tokens / times["full"],
         "ratio": times["bare"] / times["full"], "setup_s": times["setup"], "drain_s": times["drain"],
         "steady_ratio": _steady_rate(plan, written) * times["bare"] / plan.num_tokens,
-        "staged_ratio": times["bare"] / times["staged"],
+        "staged_ratio": times["bare"] / times["staged"], "buffer_wait_s": written["wait"],
         "bytes_per_token": written["bytes"] / plan.num_tokens, "raw_bytes_per_token": row_bytes,
         "peak_rss_GB": rss.peak / 1e9,
     }  # fmt: skip

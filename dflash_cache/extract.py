@@ -238,7 +238,8 @@ def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
             launch(_worker, args, gpus=cfg.gpus, procs=cfg.procs)
         finally:
             totals = reporter.stop()
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
+        elapsed = end - start
     committed = committed_units(cfg.out)
     missing = [u.id for u in prep.plan.units if u.id not in committed]
     return {
@@ -253,6 +254,9 @@ def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
         "bytes_written": totals.get("bytes", 0),
         "seconds": elapsed,
         "tokens_per_s": totals.get("tokens", 0) / max(elapsed, 1e-9),
+        "startup_s": (reporter.first_at or end) - start,  # tokenizing, loading the target, first batch
+        "forward_tokens_per_s": totals.get("forward_tokens_per_s", 0.0),  # steady rate, summed over ranks
+        "buffer_wait_s": totals.get("buffer_wait_s", 0.0),  # forwards waiting for a free unit buffer, all ranks
         "swept_partial": swept,
     }
 
@@ -329,23 +333,27 @@ def extract_units(
                           width=spec.row_width, layers=len(spec.layers.ids), fp8=fp8)  # fmt: skip
     shared = SharedBuffers(layout)
     buffers = [(torch.from_numpy(h), None if sc is None else torch.from_numpy(sc)) for h, sc in shared.arrays]
-    pinned = _pin(shared) if cuda else None
+    pinner = _Pinner(shared) if cuda else None
     copy_stream = torch.cuda.Stream(device) if cuda else None
     pad_id = spec.tokenizer.pad_token_id or 0
-    committer = Committer(out, spec.storage, shared, writers, report)
+    committer = Committer(out, spec.storage, shared, writers, report, prepare=pinner and pinner.pin)
     throttle = GpuThrottle(cuda)
+    rate = _Rate()
     try:
         for unit in units:
             ids, mask, sample_index = _unit_tokens(dataset, unit)
-            index = committer.take()
+            index = None
             for batch in unit.batches:
                 lengths = unit.lengths[batch.start : batch.stop]
                 r0 = int(unit.offsets[batch.start])
                 r1 = int(unit.offsets[batch.stop])
                 inp, rows = _batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device)
                 bits, scale = pack_hidden(target(inp), rows, fp8)
+                if index is None:  # taken this late, a wait for a free buffer overlaps the forward
+                    index = committer.take()
                 _copy_out(copy_stream, buffers[index], r0, r1, bits, scale)
                 throttle.mark()
+                rate.add(r1 - r0)
                 report({"tokens": r1 - r0, "padded": len(lengths) * batch.max_len})
             ready = torch.cuda.Event() if cuda else None
             if ready is not None:
@@ -357,26 +365,64 @@ def extract_units(
     else:
         committer.close()
     finally:
-        if pinned is not None:
+        report({"buffer_wait_s": committer.wait_s, "forward_tokens_per_s": rate.per_s})
+        if pinner is not None:
             torch.cuda.synchronize(device)
-            torch.cuda.cudart().cudaHostUnregister(pinned)
+            pinner.unpin()
 
 
-def _pin(shared: SharedBuffers) -> int | None:
-    """Page-lock the shared unit buffers so device-to-host copies are true async DMA (about a
-    second per GiB, done once). Returns the registered address, or None when the driver refuses,
-    in which case the copies still work, only synchronously."""
-    address = shared.arrays[0][0].ctypes.data
-    try:
-        err = torch.cuda.cudart().cudaHostRegister(address, shared.layout.total, 0)
-    except Exception as e:  # noqa: BLE001 - any failure only costs the asynchrony of the copies
-        warnings.warn(f"could not pin the unit buffers ({e}); device-to-host copies will be synchronous", stacklevel=2)
-        return None
-    if int(getattr(err, "value", err)) != 0:
-        warnings.warn(f"could not pin the unit buffers (CUDA error {err}); device-to-host copies will be synchronous",
-                      stacklevel=2)  # fmt: skip
-        return None
-    return address
+class _Rate:
+    """Tokens/s of the forward loop from its first batch to its last: the rate a long run settles
+    at, without start-up and without the final commits. Summed over ranks it is the aggregate."""
+
+    def __init__(self) -> None:
+        self.first = self.last = 0.0
+        self.tokens = 0
+
+    def add(self, tokens: int) -> None:
+        self.last = time.perf_counter()
+        if not self.first:
+            self.first = self.last
+        else:
+            self.tokens += tokens  # the first batch's tokens precede `first`'s clock
+
+    @property
+    def per_s(self) -> float:
+        return self.tokens / (self.last - self.first) if self.last > self.first else 0.0
+
+
+class _Pinner:
+    """Page-locks the shared unit buffers, one at a time, so device-to-host copies into them are
+    true async DMA. Pinning costs about a second per GiB, so the Committer does it in the
+    background while the first forward runs. If the driver refuses, the copies still work, only
+    synchronously, and a warning says so."""
+
+    def __init__(self, shared: SharedBuffers):
+        self.shared = shared
+        self.pinned: list[int] = []
+        self.failed = False
+
+    def pin(self, index: int) -> None:
+        if self.failed:
+            return
+        layout = self.shared.layout
+        address = self.shared.arrays[0][0].ctypes.data + index * layout.stride
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(address, layout.stride, 0)  # releases the GIL
+            err = int(getattr(err, "value", err))
+        except Exception as e:  # noqa: BLE001 - any failure only costs the asynchrony of the copies
+            err = e
+        if err != 0:
+            self.failed = True
+            warnings.warn(f"could not pin the unit buffers ({err}); device-to-host copies will be synchronous",
+                          stacklevel=2)  # fmt: skip
+            return
+        self.pinned.append(address)
+
+    def unpin(self) -> None:
+        for address in self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(address)
+        self.pinned.clear()
 
 
 def _unit_tokens(dataset, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

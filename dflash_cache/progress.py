@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import threading
+import time
 from typing import Any, Protocol
 
 
@@ -24,6 +25,7 @@ class Reporter:
         self.sink = sink
         self.channel = mp.get_context("spawn").Queue()
         self.totals: dict[str, Any] = {}
+        self.first_at: float | None = None  # when the first work arrived: start-up ends there
         self._thread: threading.Thread | None = None
 
     def start(self, total: int, done: int = 0) -> None:
@@ -34,6 +36,8 @@ class Reporter:
 
     def _drain(self) -> None:
         while (delta := self.channel.get()) is not None:
+            if self.first_at is None and delta.get("tokens"):
+                self.first_at = time.perf_counter()
             for key, value in delta.items():
                 if isinstance(value, (int, float)):
                     self.totals[key] = self.totals.get(key, 0) + value

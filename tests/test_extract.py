@@ -72,6 +72,10 @@ def test_every_row_once_and_rejections_recorded(tmp_path):
     assert sorted(cached) == [i for i in range(len(lines)) if i not in rejected_rows]
     assert summary["rejected"] == 4 and summary["samples"] == len(cached)
     assert len(committed_units(out)) > 1
+    # the rate of the forward loop alone is faster than the whole run, start-up and drain included
+    assert 0 < summary["startup_s"] < summary["seconds"]
+    assert summary["forward_tokens_per_s"] > summary["tokens"] / summary["seconds"]
+    assert summary["buffer_wait_s"] >= 0
 
 
 def test_kill_and_resume_equals_uninterrupted(tmp_path):
