@@ -342,6 +342,33 @@ def bench_train(
     _print_json(bench.train(cache, steps=steps, token_budget=token_budget, max_anchors=max_anchors))
 
 
+@bench_app.command("ranks")
+@friendly
+def bench_ranks(
+    cache: Path | None = typer.Option(None, help="Use this cache's sample lengths (default: the synthetic mix)."),
+    samples: int = typer.Option(4000, help="Samples of the synthetic log-normal mix, without --cache."),
+    token_budget: int = typer.Option(4096, help="Context tokens per batch."),
+    max_anchors: int = typer.Option(512, help="Anchors per sequence."),
+    block_size: int = typer.Option(16, help="Draft block size."),
+    ranks: str = typer.Option("2,4,8", help="Rank counts to predict."),
+) -> None:
+    """Predicted DDP speed-up over one GPU, batches dealt as they come vs by cost (no timing)."""
+    from dflash_cache import bench
+
+    edges = None
+    if cache is not None:
+        from dflash_cache.loader import SampleTable, open_units
+        from dflash_cache.spec import read_spec
+
+        lengths = SampleTable.from_units(open_units(cache)[0]).length
+        edges = list(read_spec(cache).plan.bucket_edges) or None
+    else:
+        lengths = bench.lognormal_lengths(samples)
+    counts = tuple(int(r) for r in ranks.split(","))
+    _print_json(bench.rank_balance(lengths, token_budget=token_budget, block_size=block_size,
+                                   max_anchors=max_anchors, ranks=counts, bucket_edges=edges))  # fmt: skip
+
+
 def main() -> None:
     app()
 

@@ -5,6 +5,7 @@
 - `extract`: the full extract path against the bare truncated forward on the same batches.
 - `train`: drafter steps with the real loader against the same steps on batches already on
   the device.
+- `ranks`: how evenly DDP ranks' steps are loaded, from the sample lengths alone (no timing).
 
 Targets are random-weight models built from a config at real shapes: throughput does not depend
 on the weights.
@@ -461,3 +462,29 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int = 
         "ratio": times["memory"] / times["loader"], "loader_wait_per_step_s": wait / max(1, measured),
         "context_tok_s": context_tokens / times["loader"], "peak_gpu_GB": peak_gpu / 1e9, "peak_rss_GB": rss.peak / 1e9,
     }  # fmt: skip
+
+
+def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: int = 16, max_anchors: int = 512,
+                 ranks: tuple[int, ...] = (2, 4, 8), bucket_edges: list[int] | None = None,
+                 seed: int = 0) -> dict[str, Any]:  # fmt: skip
+    """Predicted DDP speed-up over one rank, batches dealt as they come against dealt by cost (what
+    `dflash train` does). A step lasts as long as its costliest rank's batch, with a batch's cost
+    modelled by `objective.drafter_cost`; no timing, so it runs anywhere, on a cache's lengths."""
+    from .loader import SampleTable, deal, pack_batches
+    from .objective import drafter_cost
+    from .plan import default_bucket_edges
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    table = SampleTable(np.zeros_like(lengths), np.zeros_like(lengths), lengths, np.arange(len(lengths)))
+    edges = bucket_edges or default_bucket_edges(int(lengths.max()))
+    batches = pack_batches(table, np.random.default_rng(seed), token_budget=token_budget, bucket_edges=edges)
+    cost = np.array([drafter_cost(lengths[b], block_size, max_anchors) for b in batches])
+    of = {id(b): c for b, c in zip(batches, cost, strict=True)}
+    out: dict[str, Any] = {"samples": len(lengths), "batches": len(batches),
+                           "batch_cost_spread": float(cost.max() / cost.min())}  # fmt: skip
+    for w in ranks:
+        for name, c in (("as_they_come", None), ("by_cost", cost)):
+            per_rank, _ = deal(batches, w, final=False, cost=c)
+            steps = np.array([[of[id(r[i])] for r in per_rank] for i in range(len(per_rank[0]))])
+            out[f"speedup_{w}_{name}"] = float(w * steps.mean(1).sum() / steps.max(1).sum())
+    return out

@@ -180,7 +180,7 @@ def pack_batches(
 
 
 def deal(
-    batches: list[np.ndarray], world_size: int, *, final: bool = True
+    batches: list[np.ndarray], world_size: int, *, final: bool = True, cost: np.ndarray | None = None
 ) -> tuple[list[list[np.ndarray]], np.ndarray]:
     """Deal batches to ranks so that every rank gets the same number (DDP would hang otherwise).
 
@@ -189,11 +189,16 @@ def deal(
     split (the one with most samples in two, again and again; parts stay within the budget) into
     exactly W batches, one more per rank; only when they hold fewer than W samples are those
     samples returned unused. So at most W - 1 samples per epoch go untrained, none with W = 1.
+
+    With `cost` (a figure per batch, such as its compute), the W batches of each step are ones
+    of similar cost; see `_balance`. With W = 1 the order is unchanged.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
     keep = len(batches) // world_size * world_size
     dealt, left = list(batches[:keep]), list(batches[keep:])
+    if cost is not None and world_size > 1:
+        dealt = _balance(dealt, np.asarray(cost[:keep], dtype=np.float64), world_size)
     if left and final:
         while len(left) < world_size and max(len(b) for b in left) > 1:
             i = max(range(len(left)), key=lambda j: len(left[j]))
@@ -205,6 +210,25 @@ def deal(
     return [dealt[r::world_size] for r in range(world_size)], rest
 
 
+def _balance(batches: list[np.ndarray], cost: np.ndarray, world_size: int) -> list[np.ndarray]:
+    """Reorder batches so each run of W (one step of W ranks) holds batches of similar cost.
+
+    A DDP step waits for its slowest rank. Token-budget batches differ several-fold in drafter
+    compute (a batch of short samples has many more anchors than one long sample), and dealt at
+    random two ranks lose about a quarter of each step to waiting, eight about 40% (BENCHMARKS.md).
+    Sorting by cost and cutting into runs of W removes that; the steps then go in the order of
+    their earliest batch in the shuffled input, so the order of steps stays random.
+    """
+    steps = np.argsort(cost, kind="stable").reshape(-1, world_size)
+    steps = steps[np.argsort(steps.min(axis=1), kind="stable")]
+    return [batches[i] for i in steps.ravel()]
+
+
+def _costs(table: SampleTable, batches: list[np.ndarray], batch_cost: Callable[[np.ndarray], float] | None
+           ) -> np.ndarray | None:  # fmt: skip
+    return None if batch_cost is None else np.array([batch_cost(table.length[b]) for b in batches])
+
+
 def epoch_batches(
     table: SampleTable,
     *,
@@ -213,11 +237,14 @@ def epoch_batches(
     token_budget: int,
     bucket_edges: list[int],
     world_size: int,
+    batch_cost: Callable[[np.ndarray], float] | None = None,
 ) -> list[list[np.ndarray]]:
     """Every rank's batches (arrays of table rows) for one epoch; a pure function of the inputs,
-    shuffled by a generator seeded with (seed, epoch). See `pack_batches` and `deal`."""
+    shuffled by a generator seeded with (seed, epoch). See `pack_batches` and `deal`;
+    `batch_cost` maps a batch's sample lengths to its cost, to balance the ranks' steps."""
     rng = np.random.default_rng([seed, epoch])
-    return deal(pack_batches(table, rng, token_budget=token_budget, bucket_edges=bucket_edges), world_size)[0]
+    batches = pack_batches(table, rng, token_budget=token_budget, bucket_edges=bucket_edges)
+    return deal(batches, world_size, cost=_costs(table, batches, batch_cost))[0]
 
 
 @dataclass(frozen=True)
@@ -328,6 +355,7 @@ class CacheLoader:
         follow: bool = True,
         control_group: dist.ProcessGroup | None = None,
         on_status: Callable[[dict], None] | None = None,
+        batch_cost: Callable[[np.ndarray], float] | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -342,6 +370,7 @@ class CacheLoader:
         if len(set(positions)) != len(positions) or positions != sorted(positions):
             raise SpecError(f"layers: {self.layer_ids} must be distinct and in the cache's order {cached}")
         self.token_budget = token_budget
+        self.batch_cost = batch_cost  # a batch's compute from its sample lengths: balances DDP steps
         self.seed = seed
         self.rank = rank
         self.world_size = world_size
@@ -398,6 +427,7 @@ class CacheLoader:
                 token_budget=self.token_budget,
                 bucket_edges=self.bucket_edges,
                 world_size=self.world_size,
+                batch_cost=self.batch_cost,
             )
             self._batches = (epoch, _rank_plan(self.table, per_rank, self.rank))
         return self._batches[1]
@@ -703,7 +733,7 @@ class _FollowSource(_Source):
         table = SampleTable.concat([self.carry, ld.open_window(w.units)])
         rng = np.random.default_rng([ld.seed, 0, len(self.windows)])
         batches = pack_batches(table, rng, token_budget=ld.token_budget, bucket_edges=ld.bucket_edges)
-        per_rank, rest = deal(batches, ld.world_size, final=w.final)
+        per_rank, rest = deal(batches, ld.world_size, final=w.final, cost=_costs(table, batches, ld.batch_cost))
         self.carry = table.take(rest) if not w.final else SampleTable.concat([])
         mine = _rank_plan(table, per_rank, ld.rank)
         self.todo.extend((planned, len(self.windows)) for planned in mine)

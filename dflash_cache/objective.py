@@ -14,6 +14,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -328,6 +329,13 @@ def sample_anchors(
         pick = torch.randperm(valid.numel(), generator=generator, device=generator.device)
         valid = valid[pick[:max_anchors].cpu()].sort().values
     return valid
+
+
+def drafter_cost(lengths: np.ndarray, block_size: int, max_anchors: int) -> float:
+    """A packed batch's relative drafter compute, from its sample lengths: its block tokens (an
+    upper bound: anchors need supervised positions) plus its context tokens."""
+    anchors = np.minimum(np.maximum(np.asarray(lengths) - block_size + 1, 0), max_anchors)
+    return float(block_size * anchors.sum() + np.sum(lengths))
 
 
 @dataclass

@@ -14,6 +14,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from .errors import UserError
 from .follow import wait_for_cache
 from .loader import Batch, CacheLoader
 from .metrics import MetricsLog, all_reduce_sums
-from .objective import Blocks, block_metrics, chunked_loss, make_blocks, summarize_metrics
+from .objective import Blocks, block_metrics, chunked_loss, drafter_cost, make_blocks, summarize_metrics
 from .progress import ProgressSink, Reporter
 from .spec import CacheSpec, SpecError, check_drafter_fits, read_spec
 from .store import read_frozen
@@ -74,7 +75,8 @@ class TrainConfig:
         """What a resume must match: everything that changes the math, not the run's length."""
         keep = ("lr", "warmup", "weight_decay", "clip", "token_budget", "grad_accum", "draft_layers", "block_size",
                 "layers", "max_anchors", "gamma", "seed")  # fmt: skip
-        return {k: getattr(self, k) for k in keep}
+        # how batches are dealt to ranks (DDP steps of similar cost) changes which samples share a step
+        return {**{k: getattr(self, k) for k in keep}, "dealing": "cost-balanced"}
 
 
 def drafter_config(cfg: TrainConfig, spec: CacheSpec) -> DrafterConfig:
@@ -217,6 +219,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
         follow=cfg.follow,
         control_group=control_group,
         on_status=(lambda s: channel.put({"follow": s})) if w.rank == 0 else None,
+        batch_cost=partial(drafter_cost, block_size=dcfg.block_size, max_anchors=cfg.max_anchors),
     )
     ckpt = Checkpointer(cfg.out)
     state = ckpt.load()

@@ -3,6 +3,10 @@ and what they build is sound: the extract benchmark's cache verifies, every path
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 from dflash_cache import bench
 from dflash_cache.audit import verify
 from dflash_cache.spec import read_spec
@@ -30,6 +34,14 @@ def test_extract_and_train_benchmarks(tmp_path):
     assert x["tokens"] == spec.plan.num_tokens and 0 < x["padding"] < 0.5
     assert x["raw_bytes_per_token"] == len(spec.layers.ids) * 64 * 2 and 0 < x["bytes_per_token"]
     assert all(x[k] > 0 for k in ("ratio", "steady_ratio", "staged_ratio", "setup_s"))
+    # `bench ranks` on this cache's lengths, through the CLI (sorted runs minimise the sum of step maxima)
+    cmd = [sys.executable, "-m", "cli.main", "bench", "ranks", "--cache", str(out), "--token-budget", "512",
+           "--max-anchors", "4", "--ranks", "2,3"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["samples"] == spec.plan.num_samples
+    assert r["speedup_2_as_they_come"] <= r["speedup_2_by_cost"] <= 2 and r["speedup_3_by_cost"] <= 3
     bench.write_random_frozen(out, TINY)
     t = bench.train(out, steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=1)
     assert t["steps"] == 2 and t["ratio"] > 0 and t["loader_wait_per_step_s"] >= 0 and t["peak_rss_GB"] > 0
