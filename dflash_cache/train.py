@@ -385,7 +385,7 @@ def _log_record(step, epoch, opt, sums, window, loader, world, device) -> dict[s
         "lr": opt.param_groups[0]["lr"],
         "slot_acc": stats["slot_acc"],
         "accept_len": stats["accept_len"],
-        "tokens_per_s": window["tokens"] * world / max(elapsed, 1e-9),
+        "tokens_per_s": _sum_ranks(window["tokens"], device) / max(elapsed, 1e-9),  # all ranks' context tokens
         "loader_wait_s": loader.wait_seconds - window["wait"],
     }
 
