@@ -154,9 +154,9 @@ class Committer:
         self._done = threading.Condition()
         self._error: BaseException | None = None
         self._threads = [threading.Thread(target=self._feeder, daemon=True, name="dflash-commit-feed"),
-                         threading.Thread(target=self._collector, daemon=True, name="dflash-commit-done"),
-                         threading.Thread(target=self._release, daemon=True, name="dflash-commit-prepare")]  # fmt: skip
-        for t in self._threads:
+                         threading.Thread(target=self._collector, daemon=True, name="dflash-commit-done")]  # fmt: skip
+        self._preparer = threading.Thread(target=self._release, daemon=True, name="dflash-commit-prepare")
+        for t in (*self._threads, self._preparer):
             t.start()
 
     def take(self) -> int:
@@ -196,8 +196,8 @@ class Committer:
                 if p.is_alive():
                     p.kill()
             self._results.put(None)
-            self._threads[2].join()  # a buffer being prepared (pinned) must be done before its owner frees it
-            for t in self._threads[:2]:
+            self._preparer.join()  # a buffer being prepared (pinned) must be done before its owner frees it
+            for t in self._threads:
                 t.join(timeout=5)
         if check:
             self._check()
