@@ -224,9 +224,13 @@ def _balance(batches: list[np.ndarray], cost: np.ndarray, world_size: int) -> li
     return [batches[i] for i in steps.ravel()]
 
 
-def _costs(table: SampleTable, batches: list[np.ndarray], batch_cost: Callable[[np.ndarray], float] | None
-           ) -> np.ndarray | None:  # fmt: skip
-    return None if batch_cost is None else np.array([batch_cost(table.length[b]) for b in batches])
+def _pack_and_deal(table: SampleTable, rng: np.random.Generator, *, token_budget: int, bucket_edges: list[int],
+                   world_size: int, final: bool = True, batch_cost: Callable[[np.ndarray], float] | None = None
+                   ) -> tuple[list[list[np.ndarray]], np.ndarray]:  # fmt: skip
+    """`pack_batches` then `deal`, balanced by `batch_cost` (a batch's cost from its sample lengths)."""
+    batches = pack_batches(table, rng, token_budget=token_budget, bucket_edges=bucket_edges)
+    cost = None if batch_cost is None else np.array([batch_cost(table.length[b]) for b in batches])
+    return deal(batches, world_size, final=final, cost=cost)
 
 
 def epoch_batches(
@@ -243,8 +247,8 @@ def epoch_batches(
     shuffled by a generator seeded with (seed, epoch). See `pack_batches` and `deal`;
     `batch_cost` maps a batch's sample lengths to its cost, to balance the ranks' steps."""
     rng = np.random.default_rng([seed, epoch])
-    batches = pack_batches(table, rng, token_budget=token_budget, bucket_edges=bucket_edges)
-    return deal(batches, world_size, cost=_costs(table, batches, batch_cost))[0]
+    return _pack_and_deal(table, rng, token_budget=token_budget, bucket_edges=bucket_edges, world_size=world_size,
+                          batch_cost=batch_cost)[0]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -732,8 +736,8 @@ class _FollowSource(_Source):
         ld = self.loader
         table = SampleTable.concat([self.carry, ld.open_window(w.units)])
         rng = np.random.default_rng([ld.seed, 0, len(self.windows)])
-        batches = pack_batches(table, rng, token_budget=ld.token_budget, bucket_edges=ld.bucket_edges)
-        per_rank, rest = deal(batches, ld.world_size, final=w.final, cost=_costs(table, batches, ld.batch_cost))
+        per_rank, rest = _pack_and_deal(table, rng, token_budget=ld.token_budget, bucket_edges=ld.bucket_edges,
+                                        world_size=ld.world_size, final=w.final, batch_cost=ld.batch_cost)  # fmt: skip
         self.carry = table.take(rest) if not w.final else SampleTable.concat([])
         mine = _rank_plan(table, per_rank, ld.rank)
         self.todo.extend((planned, len(self.windows)) for planned in mine)
