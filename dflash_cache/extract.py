@@ -254,7 +254,7 @@ def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
         "bytes_written": totals.get("bytes", 0),
         "seconds": elapsed,
         "tokens_per_s": totals.get("tokens", 0) / max(elapsed, 1e-9),
-        "startup_s": (reporter.first_at or end) - start,  # tokenizing, loading the target, first batch
+        "startup_s": (reporter.first_at or end) - start,  # starting processes, loading the target, first batch
         "forward_tokens_per_s": totals.get("forward_tokens_per_s", 0.0),  # steady rate, summed over ranks
         "buffer_wait_s": totals.get("buffer_wait_s", 0.0),  # forwards waiting for a free unit buffer, all ranks
         "swept_partial": swept,
@@ -405,10 +405,9 @@ class _Pinner:
     def pin(self, index: int) -> None:
         if self.failed:
             return
-        layout = self.shared.layout
-        address = self.shared.arrays[0][0].ctypes.data + index * layout.stride
+        address = self.shared.arrays[index][0].ctypes.data  # buffer `index` starts its stride
         try:
-            err = torch.cuda.cudart().cudaHostRegister(address, layout.stride, 0)  # releases the GIL
+            err = torch.cuda.cudart().cudaHostRegister(address, self.shared.layout.stride, 0)  # releases the GIL
             err = int(getattr(err, "value", err))
         except Exception as e:  # noqa: BLE001 - any failure only costs the asynchrony of the copies
             err = e
