@@ -355,15 +355,7 @@ def bench_ranks(
     """Predicted DDP speed-up over one GPU, batches dealt as they come vs by cost (no timing)."""
     from dflash_cache import bench
 
-    edges = None
-    if cache is not None:
-        from dflash_cache.loader import SampleTable, open_units
-        from dflash_cache.spec import read_spec
-
-        lengths = SampleTable.from_units(open_units(cache)[0]).length
-        edges = list(read_spec(cache).plan.bucket_edges) or None
-    else:
-        lengths = bench.lognormal_lengths(samples)
+    lengths, edges = bench.cache_lengths(cache) if cache is not None else (bench.lognormal_lengths(samples), None)
     counts = tuple(int(r) for r in ranks.split(","))
     _print_json(bench.rank_balance(lengths, token_budget=token_budget, block_size=block_size,
                                    max_anchors=max_anchors, ranks=counts, bucket_edges=edges))  # fmt: skip

@@ -464,6 +464,14 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int = 
     }  # fmt: skip
 
 
+def cache_lengths(cache: Path) -> tuple[np.ndarray, list[int] | None]:
+    """A cache's sample lengths and its plan's bucket edges, for `rank_balance`."""
+    from .loader import SampleTable, open_units
+    from .spec import read_spec
+
+    return SampleTable.from_units(open_units(cache)[0]).length, list(read_spec(cache).plan.bucket_edges) or None
+
+
 def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: int = 16, max_anchors: int = 512,
                  ranks: tuple[int, ...] = (2, 4, 8), bucket_edges: list[int] | None = None,
                  seed: int = 0) -> dict[str, Any]:  # fmt: skip
