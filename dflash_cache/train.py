@@ -281,7 +281,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
             if trace is not None:
                 trace.step(step, model)
             if step % cfg.log_every == 0:
-                record = _log_record(step, epoch, opt, sums, window, loader, w.world_size, device)
+                record = _log_record(step, epoch, opt, sums, window, loader, w.world_size, device) | _clock(tokens_done)
                 if w.rank == 0:
                     metrics.write(record)
                     bar = {"completed": tokens_done, "loss": record["loss"], "accept": record["accept_len"],
@@ -303,7 +303,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
                 step, micro, step_start = step + 1, 0, tokens_done
             consumed = int(_sum_ranks(samples_this_epoch, device))
             if metrics is not None:
-                record = {"epoch_end": epoch, "step": step, "samples": consumed}
+                record = {"epoch_end": epoch, "step": step, "samples": consumed} | _clock(tokens_done)
                 if (followed := loader.follow_state()) is not None:
                     record |= {"followed_windows": len(followed["windows"]), "loader_wait_s": loader.wait_seconds}
                 metrics.write(record)
@@ -371,6 +371,12 @@ def _sum_ranks(x: float, device: torch.device) -> float:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t)
     return float(t.item())
+
+
+def _clock(tokens_done: int) -> dict[str, float]:
+    """Where the run stands in tokens (all ranks, the schedule's count) and wall time, so rates over
+    any span of a run, resumed or not, follow from two lines."""
+    return {"tokens": tokens_done, "time": time.time()}
 
 
 def _log_record(step, epoch, opt, sums, window, loader, world, device) -> dict[str, Any]:

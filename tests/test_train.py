@@ -38,6 +38,10 @@ def test_training_learns(tiny_cache, tmp_path):
     assert last["accept_len"] > first["accept_len"]
     ends = [m for m in _metrics(tmp_path / "run") if "epoch_end" in m]
     assert [m["samples"] for m in ends] == [400, 400, 400]  # one process: every sample, every epoch
+    cached = read_spec(tiny_cache).plan.num_tokens  # every epoch trains on every cached token
+    assert [m["tokens"] for m in ends] == [cached, 2 * cached, 3 * cached]
+    times = [m["time"] for m in _metrics(tmp_path / "run")]
+    assert times == sorted(times) and times[-1] - times[0] > 0
 
 
 def _state(run_dir):
