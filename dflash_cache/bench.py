@@ -20,6 +20,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -478,21 +479,25 @@ def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: i
     """Predicted DDP speed-up over one rank, batches dealt as they come against dealt by cost (what
     `dflash train` does). A step lasts as long as its costliest rank's batch, with a batch's cost
     modelled by `objective.drafter_cost`; no timing, so it runs anywhere, on a cache's lengths."""
-    from .loader import SampleTable, deal, pack_batches
+    from .loader import SampleTable, _pack_and_deal
     from .objective import drafter_cost
     from .plan import default_bucket_edges
 
     lengths = np.asarray(lengths, dtype=np.int64)
     table = SampleTable(np.zeros_like(lengths), np.zeros_like(lengths), lengths, np.arange(len(lengths)))
     edges = bucket_edges or default_bucket_edges(int(lengths.max()))
-    batches = pack_batches(table, np.random.default_rng(seed), token_budget=token_budget, bucket_edges=edges)
-    cost = np.array([drafter_cost(lengths[b], block_size, max_anchors) for b in batches])
-    of = {id(b): c for b, c in zip(batches, cost, strict=True)}
-    out: dict[str, Any] = {"samples": len(lengths), "batches": len(batches),
+    cost_of = partial(drafter_cost, block_size=block_size, max_anchors=max_anchors)
+
+    def dealt(world: int, by_cost: bool) -> list[list[np.ndarray]]:  # the same packing every time (same seed)
+        return _pack_and_deal(table, np.random.default_rng(seed), token_budget=token_budget, bucket_edges=edges,
+                              world_size=world, final=False, batch_cost=cost_of if by_cost else None)[0]  # fmt: skip
+
+    cost = np.array([cost_of(lengths[b]) for b in dealt(1, False)[0]])
+    out: dict[str, Any] = {"samples": len(lengths), "batches": len(cost),
                            "batch_cost_spread": float(cost.max() / cost.min())}  # fmt: skip
     for w in ranks:
-        for name, c in (("as_they_come", None), ("by_cost", cost)):
-            per_rank, _ = deal(batches, w, final=False, cost=c)
-            steps = np.array([[of[id(r[i])] for r in per_rank] for i in range(len(per_rank[0]))])
+        for name, by_cost in (("as_they_come", False), ("by_cost", True)):
+            per_rank = dealt(w, by_cost)
+            steps = np.array([[cost_of(lengths[r[i]]) for r in per_rank] for i in range(len(per_rank[0]))])
             out[f"speedup_{w}_{name}"] = float(w * steps.mean(1).sum() / steps.max(1).sum())
     return out
