@@ -215,7 +215,7 @@ def _balance(batches: list[np.ndarray], cost: np.ndarray, world_size: int) -> li
 
     A DDP step waits for its slowest rank. Token-budget batches differ several-fold in drafter
     compute (a batch of short samples has many more anchors than one long sample), and dealt at
-    random two ranks lose about a quarter of each step to waiting, eight about 40% (BENCHMARKS.md).
+    random two ranks lose about a quarter of each step to waiting, eight almost half (BENCHMARKS.md).
     Sorting by cost and cutting into runs of W removes that; the steps then go in the order of
     their earliest batch in the shuffled input, so the order of steps stays random.
     """
