@@ -132,6 +132,8 @@ def train(
     clip: float = typer.Option(1.0, help="Gradient clipping norm."),
     token_budget: int | None = typer.Option(None, help="Context tokens per batch per rank (4096 GPU, 2048 CPU)."),
     grad_accum: int = typer.Option(1, help="Batches per optimizer step."),
+    grad_reduce: str = typer.Option("fp32", help="Dtype of the DDP gradient all-reduce: fp32, or bf16 (half "
+                                    "the bytes)."),
     draft_layers: int = typer.Option(5, help="Drafter decoder layers."),
     block_size: int = typer.Option(16, help="Block size B."),
     layers: str | None = typer.Option(None, help="Subset of the cached layer ids (default: all cached)."),
@@ -154,7 +156,8 @@ def train(
 
     cfg = tr.TrainConfig(
         cache=cache, out=out, epochs=epochs, max_steps=max_steps, lr=lr, warmup=warmup, clip=clip,
-        token_budget=token_budget, grad_accum=grad_accum, draft_layers=draft_layers, block_size=block_size,
+        token_budget=token_budget, grad_accum=grad_accum, grad_reduce=grad_reduce,
+        draft_layers=draft_layers, block_size=block_size,
         layers=_layers(layers), max_anchors=max_anchors, seed=seed, save_every=save_every, log_every=log_every,
         gpus=_gpus(gpus), procs=procs, skip_bad_units=skip_bad_units, follow=follow,
         trace=trace,

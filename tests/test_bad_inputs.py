@@ -255,6 +255,8 @@ def suite(tmp_path_factory) -> Suite:
                                                                        "0,7"))))  # fmt: skip
     jobs.append(("train_block_size_1", after_cache(lambda: dflash(*train, "--out", root / "run-b", "--block-size",
                                                                   "1"))))  # fmt: skip
+    jobs.append(("train_grad_reduce_unknown", after_cache(lambda: dflash(*train, "--out", root / "run-g",
+                                                                         "--grad-reduce", "fp8"))))  # fmt: skip
     truncated_jobs = [
         ("truncated", after_cache(truncate_biggest_unit)),
         ("train_skip_bad_units", on_truncated(*skip_run)),
@@ -373,6 +375,11 @@ def test_train_layers_not_in_cache(suite):
 
 def test_train_block_size_1(suite):
     assert_user_error(suite["train_block_size_1"], "block", "2")
+
+
+def test_train_grad_reduce_unknown(suite):
+    assert_user_error(suite["train_grad_reduce_unknown"], "--grad-reduce", "'fp8'", "fp32 or bf16")
+    assert not (suite.root / "run-g").exists()  # refused before anything is written
 
 
 def test_train_out_holds_other_run(suite):

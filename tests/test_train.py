@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import ROOT
 
 from dflash_cache.checkpoint import Checkpointer
+from dflash_cache.devices import launch
 from dflash_cache.drafter import load_serving
 from dflash_cache.spec import read_spec
-from dflash_cache.train import TrainConfig, TrainError, export, run
+from dflash_cache.train import TrainConfig, TrainError, _data_parallel, export, run
 
 
 def _cfg(cache, out, **kw):
@@ -95,6 +97,35 @@ def test_ddp_two_processes(tiny_cache, tmp_path):
         seen = per_rank[0] + per_rank[1]
         assert len(seen) == len(set(seen)), "a sample was consumed twice in one epoch"
         assert len(seen) > 0.9 * spec.plan.num_samples  # only the leftover batch (< world) is dropped
+
+
+def _reduce_grads(w, grad_reduce, out):
+    """One DDP backward on rank-dependent inputs; reports the reduced gradient and both ranks' local ones."""
+    dist.init_process_group("gloo", rank=w.rank, world_size=w.world_size)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    x = torch.randn(w.world_size, 8, 64)
+    model(x[w.rank]).square().sum().backward()  # this rank's own gradient, without DDP
+    local = model.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    ddp = _data_parallel(model, w.device, grad_reduce)  # held: its reducer does the all-reduce in backward
+    ddp(x[w.rank]).square().sum().backward()
+    torch.save((local, model.weight.grad), out / f"rank{w.rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("grad_reduce", ["fp32", "bf16"])
+def test_ddp_gradient_is_the_mean_of_the_ranks(grad_reduce, tmp_path):
+    launch(_reduce_grads, (grad_reduce, tmp_path), procs=2)
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    mean = (got[0][0] + got[1][0]) / 2
+    for _, reduced in got:
+        if grad_reduce == "fp32":
+            torch.testing.assert_close(reduced, mean)
+        else:  # sent as bf16: each rank's share and the sum rounded to 8 bits, so every value is a bf16 one
+            assert ((reduced - mean).abs() <= 2**-8 * (got[0][0].abs() + got[1][0].abs())).all()
+            assert torch.equal(reduced, reduced.bfloat16().float()) and not torch.equal(reduced, mean)
+    assert torch.equal(got[0][1], got[1][1])
 
 
 def test_export_and_refusals(tiny_cache, tmp_path):
