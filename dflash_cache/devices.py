@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import socket
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,24 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
         _entry(0, fn, devices, args)
         return
     mp.start_processes(_entry, args=(fn, devices, args), nprocs=len(devices), join=True, start_method="spawn")
+
+
+@contextmanager
+def worker_threads(w: Worker, per_gpu: int | None = None) -> Iterator[None]:
+    """torch's intra-op CPU threads for one worker while it runs, restored after (a one-process
+    run works inside the caller's process). torch gives every process one thread per core, so
+    CPU workers split the cores between them, and a GPU worker takes at most `per_gpu`: where its
+    CPU work is small ops and copies, spinning OpenMP teams of several processes only fight over
+    the cores."""
+    before = torch.get_num_threads()
+    if w.device.type == "cpu" and w.world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.world_size))
+    elif w.device.type == "cuda" and per_gpu is not None:
+        torch.set_num_threads(min(per_gpu, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def default_device() -> torch.device:

@@ -24,7 +24,7 @@ import torch
 
 from . import data as data_mod
 from .commit import BufferLayout, Committer, SharedBuffers
-from .devices import GpuThrottle, Worker, launch
+from .devices import GpuThrottle, Worker, launch, worker_threads
 from .errors import ExtractError
 from .plan import Plan, Unit, default_bucket_edges, make_plan
 from .progress import ProgressSink, Reporter
@@ -296,13 +296,12 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
     needs_frozen = w.rank == 0 and not (cfg.out / FROZEN).exists()
     if not todo and not needs_frozen:
         return
-    if w.device.type == "cpu" and w.world_size > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.world_size))
-    target, model, _ = load_target(spec.target.path, spec.layers.ids, w.device, spec.target.revision)
-    if needs_frozen:
-        write_frozen(cfg.out, *frozen_weights(model))
-    del model  # the upper layers and the LM head stay on the CPU only until here
-    extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put, writers=cfg.writers)
+    with worker_threads(w):
+        target, model, _ = load_target(spec.target.path, spec.layers.ids, w.device, spec.target.revision)
+        if needs_frozen:
+            write_frozen(cfg.out, *frozen_weights(model))
+        del model  # the upper layers and the LM head stay on the CPU only until here
+        extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put, writers=cfg.writers)
 
 
 def extract_units(

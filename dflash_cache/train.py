@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -23,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import Checkpointer
-from .devices import GpuThrottle, Worker, launch
+from .devices import GpuThrottle, Worker, launch, worker_threads
 from .drafter import DFlashDrafter, DrafterConfig, save_serving
 from .errors import UserError
 from .follow import wait_for_cache
@@ -190,20 +189,15 @@ def _worker(w: Worker, cfg: TrainConfig, channel) -> None:
     try:
         # Follow mode's rank agreement runs in a thread on its own (CPU) group, apart from DDP's.
         control = dist.new_group(backend="gloo") if distributed else None
-        _train(w, cfg, channel, control)
+        # 4 threads a GPU: two H200s trained 1.77x one with 32 threads a process, 1.875x with 4 (BENCHMARKS.md)
+        with worker_threads(w, per_gpu=4):
+            _train(w, cfg, channel, control)
     finally:
         if distributed and dist.is_initialized():
             dist.destroy_process_group()
 
 
 def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
-    if w.device.type == "cpu" and w.world_size > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.world_size))
-    elif w.device.type == "cuda":
-        # A GPU worker's CPU work is small ops and copies, several at once from the loader's
-        # threads; a full set of spinning OpenMP threads per process only fights over the cores.
-        # Two H200s trained 1.77x one with 32 threads a process, 1.875x with 4 (BENCHMARKS.md).
-        torch.set_num_threads(min(4, torch.get_num_threads()))
     spec = read_spec(cfg.cache)
     dcfg = drafter_config(cfg, spec)
     device, cuda = w.device, w.device.type == "cuda"

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from conftest import ROOT
 
 from dflash_cache.checkpoint import Checkpointer
-from dflash_cache.devices import launch
+from dflash_cache.devices import Worker, launch, worker_threads
 from dflash_cache.drafter import load_serving
 from dflash_cache.spec import read_spec
 from dflash_cache.train import TrainConfig, TrainError, _data_parallel, export, run
@@ -126,6 +126,17 @@ def test_ddp_gradient_is_the_mean_of_the_ranks(grad_reduce, tmp_path):
             assert ((reduced - mean).abs() <= 2**-8 * (got[0][0].abs() + got[1][0].abs())).all()
             assert torch.equal(reduced, reduced.bfloat16().float()) and not torch.equal(reduced, mean)
     assert torch.equal(got[0][1], got[1][1])
+
+
+def test_worker_threads_split_the_cores_and_are_restored():
+    before = torch.get_num_threads()
+    with worker_threads(Worker(0, 2, torch.device("cpu"))):
+        assert torch.get_num_threads() == max(1, os.cpu_count() // 2)
+    with worker_threads(Worker(0, 2, torch.device("cuda", 0)), per_gpu=1):  # no CUDA call is made
+        assert torch.get_num_threads() == 1
+    with worker_threads(Worker(0, 1, torch.device("cpu")), per_gpu=1):  # one CPU process keeps them all
+        assert torch.get_num_threads() == before
+    assert torch.get_num_threads() == before
 
 
 def test_export_and_refusals(tiny_cache, tmp_path):
