@@ -18,6 +18,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from . import data as data_mod
 from .commit import BufferLayout, Committer, SharedBuffers
 from .devices import GpuThrottle, Worker, launch, worker_threads
 from .errors import ExtractError
+from .paths import output_dir
 from .plan import Plan, Unit, default_bucket_edges, make_plan
 from .progress import ProgressSink, Reporter
 from .spec import (
@@ -83,6 +85,10 @@ class ExtractConfig:
     procs: int = 1
     tokenize_procs: int = field(default_factory=lambda: max(1, min(8, (os.cpu_count() or 2) - 1)))
     writers: int | None = None  # writer processes (each holds one unit buffer); default 6 on GPU, 2 on CPU
+    mask_token_id: int | None = None  # default: the tokenizer's mask token, else len(tokenizer) (see `mask_token_id`)
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to every apply_chat_template call
+    data_split: str | None = None  # split of a hub dataset or saved DatasetDict
+    max_samples: int | None = None  # read only the first N rows of the source
 
 
 @dataclass
@@ -102,8 +108,8 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     in the cache directory except the reusable tokenized dataset under `.work/`."""
     if cfg.storage not in ("bf16", "fp8"):
         raise ExtractError(f"--storage {cfg.storage!r}: expected bf16 or fp8")
-    if cfg.out.exists() and not cfg.out.is_dir():
-        raise ExtractError(f"--out {cfg.out} exists and is not a directory")
+    template_kwargs = data_mod.check_template_kwargs(cfg.chat_template_kwargs)
+    output_dir(cfg.out, "--out")
     if cfg.out.is_dir() and any(cfg.out.iterdir()) and not (cfg.out / "cache.json").exists():
         if not set(os.listdir(cfg.out)) <= {WORK, ".lock"}:
             raise ExtractError(f"--out {cfg.out} is a non-empty directory that is not a dflash cache")
@@ -118,10 +124,11 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     except SpecError as e:
         raise ExtractError(f"--{e}") from None
     tokenizer = load_tokenizer(cfg.target, cfg.revision)
-    mask_id = _mask_token_id(tokenizer)
+    mask_id = mask_token_id(tokenizer, int(tc["vocab_size"]), cfg.mask_token_id)
     tokens = data_mod.tokenize(
-        cfg.data, tokenizer, cfg.max_length, cfg.truncate, num_proc=cfg.tokenize_procs, work_dir=cfg.out / WORK
-    )
+        cfg.data, tokenizer, cfg.max_length, cfg.truncate, num_proc=cfg.tokenize_procs, work_dir=cfg.out / WORK,
+        template_kwargs=template_kwargs, split=cfg.data_split, max_samples=cfg.max_samples,
+    )  # fmt: skip
     device = _device_kind(cfg)
     row_bytes = len(layer_ids) * int(tc["hidden_size"]) * (1 if cfg.storage == "fp8" else 2)
     budget = cfg.token_budget or (16384 if device.type == "cuda" else 4096)
@@ -146,14 +153,17 @@ def prepare(cfg: ExtractConfig) -> Prepared:
             mask_token_id=mask_id,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_ids=[] if eos is None else [int(eos)],
+            chat_template_kwargs=template_kwargs,
         ),
         data=DataInfo(
             source=str(cfg.data),
-            fingerprint=data_mod.source_fingerprint(cfg.data),
+            fingerprint=data_mod.source_fingerprint(cfg.data, split=cfg.data_split),
             max_length=cfg.max_length,
             truncate=cfg.truncate,
             num_rows=tokens.num_rows,
             num_rejected=len(tokens.rejected),
+            split=cfg.data_split,
+            max_samples=cfg.max_samples,
         ),
         plan=PlanInfo(
             bucket_edges=list(plan.bucket_edges),
@@ -176,10 +186,50 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     return Prepared(spec, plan, tokens, set(committed_units(cfg.out)))
 
 
-def _mask_token_id(tokenizer) -> int:
-    if tokenizer.mask_token_id is not None:
-        return int(tokenizer.mask_token_id)
-    raise ExtractError("the target's tokenizer has no mask token (DFlash blocks need one): add a reserved mask token")
+def mask_token_id(tokenizer, vocab_size: int, override: int | None = None) -> int:
+    """The id that fills DFlash's block slots 1..B-1: one no text produces, inside the target's
+    embedding table of `vocab_size` rows.
+
+    `override` (--mask-token-id) is checked; else the tokenizer's mask token; else
+    `len(tokenizer)`, the first row past the tokenizer in a padded table (the published Qwen3
+    drafters use 151669 = len(tokenizer) of a 151,936-row table).
+    """
+    if override is not None:
+        if not 0 <= override < vocab_size:
+            raise ExtractError(f"--mask-token-id {override}: outside the target's embedding table "
+                               f"(vocab_size {vocab_size}: ids 0..{vocab_size - 1})")  # fmt: skip
+        text = _text_token(tokenizer, override)
+        if text is not None:
+            raise ExtractError(
+                f"--mask-token-id {override} is {text!r}, a regular token that text encodes to, so masked "
+                f"slots would look like real text; use the tokenizer's mask token, an added special token, "
+                f"or an id from len(tokenizer) = {len(tokenizer)} to {vocab_size - 1}"
+            )
+        return override
+    own = tokenizer.mask_token_id
+    if own is not None:
+        if not 0 <= own < vocab_size:
+            raise ExtractError(f"the tokenizer's mask token {own} is outside the target's embedding table "
+                               f"(vocab_size {vocab_size}); pass --mask-token-id N")  # fmt: skip
+        return int(own)
+    spare = len(tokenizer)
+    if spare < vocab_size and _text_token(tokenizer, spare) is None:
+        return spare
+    raise ExtractError(
+        f"the target's tokenizer has no mask token and no spare row: len(tokenizer) = {spare} is not below "
+        f"vocab_size {vocab_size}; pass --mask-token-id N, an added special token that text never produces"
+    )
+
+
+def _text_token(tokenizer, token_id: int) -> str | None:
+    """The token `token_id` stands for when text can encode to it; None for ids past the
+    tokenizer, its mask token and added special tokens."""
+    if token_id == tokenizer.mask_token_id:
+        return None
+    added = tokenizer.added_tokens_decoder.get(token_id)
+    if added is not None and added.special:
+        return None
+    return tokenizer.convert_ids_to_tokens(token_id)
 
 
 def _tool_version() -> str:
@@ -201,6 +251,7 @@ def estimated_bytes(spec: CacheSpec, num_tokens: int) -> int:
 
 def run(cfg: ExtractConfig, sink: ProgressSink | None = None) -> dict:
     """Extract everything that is not committed yet; returns a summary."""
+    output_dir(cfg.out, "--out")
     created = not cfg.out.exists()
     cfg.out.mkdir(parents=True, exist_ok=True)
     try:
@@ -265,9 +316,7 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def pack_hidden(
-    taps: list[torch.Tensor], index: torch.Tensor, fp8: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack_hidden(taps: list[torch.Tensor], index: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gather the real (unpadded) rows of every tapped layer into [n, K*H] storage bits.
 
     bf16: the bf16 bits as int16. fp8: float8_e4m3fn bits as uint8 with a float32 scale per

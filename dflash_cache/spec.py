@@ -99,6 +99,8 @@ class TokenizerInfo:
     mask_token_id: int
     pad_token_id: int | None
     eos_token_ids: list[int]
+    # passed to every apply_chat_template call (e.g. enable_thinking): they change the rendered tokens
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -110,6 +112,8 @@ class DataInfo:
     num_rows: int
     num_rejected: int
     filters: dict[str, Any] = field(default_factory=dict)
+    split: str | None = None  # the split of a hub dataset or saved DatasetDict; None: its default
+    max_samples: int | None = None  # only the first N rows of the source were read
 
 
 @dataclass
@@ -170,6 +174,7 @@ class CacheSpec:
 
     def differences(self, other: CacheSpec) -> list[str]:
         """Dotted names of the fields whose values differ, ignoring run-only fields."""
+
         def plain(spec: CacheSpec) -> dict[str, Any]:  # as it reads back from cache.json
             return json.loads(json.dumps(spec.to_dict()))
 
@@ -190,6 +195,8 @@ def _diff(a: Any, b: Any, prefix: str) -> list[str]:
 def read_spec(cache_dir: str | Path) -> CacheSpec:
     """Load and validate `cache.json`, with an error that says what is wrong."""
     path = Path(cache_dir) / CACHE_JSON
+    if Path(cache_dir).exists() and not Path(cache_dir).is_dir():
+        raise SpecError(f"{cache_dir} is a file, not a dflash cache (a directory holding {CACHE_JSON})")
     if not path.is_file():
         raise SpecError(f"{cache_dir} is not a dflash cache (no {CACHE_JSON})")
     try:

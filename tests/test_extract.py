@@ -3,6 +3,7 @@ the source rows, an uninterrupted run, a single-process run."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import torch
 from conftest import CHAT, TINY_TARGET, extract_config
 from transformers import AutoModelForCausalLM
 
+from dflash_cache.errors import UserError
 from dflash_cache.extract import ExtractError, prepare, run, unpack_hidden
-from dflash_cache.spec import read_spec
+from dflash_cache.spec import read_spec, write_spec
 from dflash_cache.store import PARTIAL, REJECTED, UnitReader, committed_units
 
 
@@ -159,3 +161,56 @@ def test_dry_run_writes_no_units(tmp_path):
     plan = json.loads(res.stdout)
     assert plan["samples"] == 400 and plan["padding"] < 0.2 and plan["estimated_bytes_max"] > 0
     assert not (out / "units").exists() and not (out / "cache.json").exists()
+
+
+def test_source_options_recorded_and_a_changed_one_refused(tmp_path):
+    """--data-split, --max-samples and --chat-template-kwargs shape the rows, so cache.json records
+    them and a rerun with other values is refused, naming the field."""
+    import datasets
+
+    rows = [json.loads(line) for line in CHAT.read_text().splitlines()[:40]]
+    saved = tmp_path / "saved"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:10]),
+                          "train_sft": datasets.Dataset.from_list(rows[10:])}).save_to_disk(saved)  # fmt: skip
+    out = tmp_path / "cache"
+    options = {"data": str(saved), "data_split": "train_sft", "max_samples": 20,
+               "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    prep = prepare(extract_config(out, **options))
+    spec = prep.spec
+    assert (spec.data.split, spec.data.max_samples, spec.data.num_rows) == ("train_sft", 20, 20)
+    assert spec.tokenizer.chat_template_kwargs == {"enable_thinking": False}
+    assert sorted(prep.tokens.dataset["sample_index"]) == list(range(20))
+    first = prep.tokens.dataset.filter(lambda r: r["sample_index"] == 0)["input_ids"][0]
+    assert first == prepare(extract_config(tmp_path / "other", data=str(CHAT))).tokens.dataset.filter(
+        lambda r: r["sample_index"] == 10)["input_ids"][0]  # row 0 of train_sft is row 10 of the source  # fmt: skip
+    write_spec(out, spec)
+    assert prepare(extract_config(out, **options)).spec.differences(spec) == []  # the same command resumes
+    for change, field in (({"chat_template_kwargs": {"enable_thinking": True}}, "tokenizer.chat_template_kwargs"),
+                          ({"chat_template_kwargs": None}, "tokenizer.chat_template_kwargs"),
+                          ({"max_samples": 25}, "data.max_samples"),
+                          ({"data_split": "train"}, "data.split")):  # fmt: skip
+        with pytest.raises(ExtractError, match=f"other settings.*{re.escape(field)}"):
+            prepare(extract_config(out, **{**options, **change}))
+
+
+def test_cache_json_without_the_new_fields_still_reads(tmp_path, tiny_cache):
+    """A cache written before chat_template_kwargs, split and max_samples were recorded reads as
+    their defaults, and the command that made it resumes it."""
+    old = json.loads((tiny_cache / "cache.json").read_text())
+    del old["tokenizer"]["chat_template_kwargs"], old["data"]["split"], old["data"]["max_samples"]
+    copy = tmp_path / "old-cache"
+    copy.mkdir()
+    (copy / "cache.json").write_text(json.dumps(old))
+    spec = read_spec(copy)
+    assert (spec.tokenizer.chat_template_kwargs, spec.data.split, spec.data.max_samples) == ({}, None, None)
+    assert prepare(extract_config(copy)).spec.differences(spec) == []
+    with pytest.raises(ExtractError, match="tokenizer.chat_template_kwargs"):
+        prepare(extract_config(copy, chat_template_kwargs={"enable_thinking": False}))
+
+
+def test_out_that_is_a_file_is_refused_and_kept(tmp_path):
+    out = tmp_path / "cache"
+    out.write_text("not a cache")
+    with pytest.raises(UserError, match="--out .* is a file"):
+        run(extract_config(out))
+    assert out.read_text() == "not a cache"
