@@ -156,3 +156,21 @@ def test_build_is_deterministic_and_vocab_overridable(tmp_path, built):
         assert (again / name).read_bytes() == (built["qwen3"] / name).read_bytes()
     with pytest.raises(ValueError, match="unknown family"):
         fam.build("mistral", tmp_path / "nope")
+
+
+def test_bench_inputs_qwen3_rows_fit_the_length_mix(built):
+    import make_bench_inputs
+
+    from dflash_cache.bench import lognormal_lengths
+
+    tok = AutoTokenizer.from_pretrained(built["qwen3"])
+    rows = make_bench_inputs.qwen3_rows(30, tok)
+    convs = [r["messages"] for r in rows]
+    assert sum(len(c) > 2 for c in convs) == 10 and sum("reasoning_content" in c[-1] for c in convs) == 10
+    assert sum("</think>" in c[-1]["content"] for c in convs) == 10
+    think = tok.convert_tokens_to_ids("<think>")
+    for conv, n in zip(convs, lognormal_lengths(30), strict=True):
+        ids = tok.apply_chat_template(conv)["input_ids"]
+        assert ids.count(think) == 1  # an earlier turn's reasoning is dropped, the last turn's kept
+        last = conv[-1].get("reasoning_content", "") + " " + conv[-1]["content"]
+        assert 0.8 < len(tok(last)["input_ids"]) / n < 1.25  # the last reply follows the length mix
