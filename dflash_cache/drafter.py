@@ -27,10 +27,15 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from .objective import BlockLayout, block_attention
+from .objective import BlockLayout, block_attention, compile_for_cuda
 from .spec import default_layer_ids
 
 INITIALIZER_RANGE = 0.02  # Qwen3's initializer_range: std of the Linear weights at init
+# The remote-code modeling file every export carries, under the name z-lab's drafters use, so that
+# AutoModel.from_pretrained(export, trust_remote_code=True) loads it (config.json's auto_map).
+MODELING_SOURCE = Path(__file__).with_name("modeling_dflash.py")
+MODELING_FILE = "dflash.py"
+AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 
 
 def _geometry(d: dict) -> dict:
@@ -94,9 +99,7 @@ class DrafterConfig:
         if not ids or len(set(ids)) != len(ids):
             raise ValueError(f"target_layer_ids must be non-empty and distinct, got {ids}")
         if min(ids) < 0 or max(ids) >= self.num_target_layers:
-            raise ValueError(
-                f"target_layer_ids {ids} out of range for {self.num_target_layers} target layers"
-            )
+            raise ValueError(f"target_layer_ids {ids} out of range for {self.num_target_layers} target layers")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.block_size < 2:
@@ -129,11 +132,7 @@ class DrafterConfig:
         n_target = t["num_hidden_layers"]
         return cls(
             **_geometry(t),
-            target_layer_ids=(
-                default_layer_ids(n_target)
-                if target_layer_ids is None
-                else list(target_layer_ids)
-            ),
+            target_layer_ids=(default_layer_ids(n_target) if target_layer_ids is None else list(target_layer_ids)),
             num_target_layers=n_target,
             mask_token_id=mask_token_id,
             num_hidden_layers=num_draft_layers,
@@ -148,6 +147,7 @@ class DrafterConfig:
         n = self.num_hidden_layers
         return {
             "architectures": ["DFlashDraftModel"],
+            "auto_map": dict(AUTO_MAP),
             "model_type": "qwen3",
             "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
@@ -246,6 +246,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
+    def project(self, x: Tensor, ctx: Tensor, rope_q, rope_k) -> tuple[Tensor, ...]:
+        """(q, k_ctx, v_ctx, k_blk, v_blk): the block tokens' queries, keys and values and the
+        context's keys and values, normed and rotated, in one dtype."""
+        nq, nc, d = x.shape[0], ctx.shape[0], self.head_dim
+        q = _rotate(self.q_norm(self.q_proj(x).view(nq, self.n_heads, d)), *rope_q)
+        k_blk = _rotate(self.k_norm(self.k_proj(x).view(nq, self.n_kv, d)), *rope_q)
+        k_ctx = _rotate(self.k_norm(self.k_proj(ctx).view(nc, self.n_kv, d)), *rope_k)
+        v_blk = self.v_proj(x).view(nq, self.n_kv, d)
+        v_ctx = self.v_proj(ctx).view(nc, self.n_kv, d)
+        dt = v_blk.dtype  # under autocast the norms give float32 while v is bf16
+        return q.to(dt), k_ctx.to(dt), v_ctx, k_blk.to(dt), v_blk
+
     def forward(
         self,
         x: Tensor,
@@ -254,17 +266,8 @@ class Attention(nn.Module):
         rope_k: tuple[Tensor, Tensor],
         layout: BlockLayout,
     ) -> Tensor:
-        nq, nc, d = x.shape[0], ctx.shape[0], self.head_dim
-        q = _rotate(self.q_norm(self.q_proj(x).view(nq, self.n_heads, d)), *rope_q)
-        k_blk = _rotate(self.k_norm(self.k_proj(x).view(nq, self.n_kv, d)), *rope_q)
-        k_ctx = _rotate(self.k_norm(self.k_proj(ctx).view(nc, self.n_kv, d)), *rope_k)
-        v_blk = self.v_proj(x).view(nq, self.n_kv, d)
-        v_ctx = self.v_proj(ctx).view(nc, self.n_kv, d)
-        dt = v_blk.dtype  # under autocast the norms give float32 while v is bf16
-        out = block_attention(
-            q.to(dt), k_ctx.to(dt), v_ctx, k_blk.to(dt), v_blk, layout, scale=d**-0.5
-        )
-        return self.o_proj(out.reshape(nq, self.n_heads * d))
+        out = block_attention(*self.project(x, ctx, rope_q, rope_k), layout, scale=self.head_dim**-0.5)
+        return self.o_proj(out.flatten(1))
 
 
 class DecoderLayer(nn.Module):
@@ -276,8 +279,27 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_k, layout: BlockLayout) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, layout)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not (x.is_cuda and _attention_inputs_cuda is not None and _mlp_block_cuda is not None):
+            x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, layout)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # The same arithmetic, with everything around the attention kernel compiled: the norms,
+        # RoPE, casts and SiLU fuse into a few kernels around the GEMMs (BENCHMARKS.md, session 6).
+        attn = self.self_attn
+        out = block_attention(*_attention_inputs_cuda(self, x, ctx, rope_q, rope_k), layout, scale=attn.head_dim**-0.5)
+        return _mlp_block_cuda(self, x, out)
+
+
+def _attention_inputs(layer: DecoderLayer, x: Tensor, ctx: Tensor, rope_q, rope_k) -> tuple[Tensor, ...]:
+    return layer.self_attn.project(layer.input_layernorm(x), ctx, rope_q, rope_k)
+
+
+def _mlp_block(layer: DecoderLayer, x: Tensor, attn_out: Tensor) -> Tensor:
+    x = x + layer.self_attn.o_proj(attn_out.flatten(1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+_attention_inputs_cuda = compile_for_cuda(_attention_inputs)
+_mlp_block_cuda = compile_for_cuda(_mlp_block)
 
 
 class DFlashDrafter(nn.Module):
@@ -343,9 +365,9 @@ class DFlashDrafter(nn.Module):
 
 
 def save_serving(model: DFlashDrafter, cfg: DrafterConfig, out_dir: Path) -> None:
-    """Write config.json + model.safetensors (bf16) into out_dir, atomically: everything is
-    written to a temporary sibling directory that is then renamed into place (an existing
-    out_dir is moved aside first and removed after)."""
+    """Write config.json + model.safetensors (bf16) + the remote-code modeling file into out_dir,
+    atomically: everything is written to a temporary sibling directory that is then renamed into
+    place (an existing out_dir is moved aside first and removed after)."""
     out_dir = Path(out_dir)
     if model.fc.out_features != cfg.hidden_size or len(model.layers) != cfg.num_hidden_layers:
         raise ValueError("cfg does not describe this model")
@@ -358,13 +380,12 @@ def save_serving(model: DFlashDrafter, cfg: DrafterConfig, out_dir: Path) -> Non
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        tensors = {
-            k: v.detach().to("cpu", torch.bfloat16).contiguous()
-            for k, v in model.state_dict().items()
-        }
+        tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        with open(tmp / "model.safetensors", "rb") as f:
-            os.fsync(f.fileno())
+        shutil.copyfile(MODELING_SOURCE, tmp / MODELING_FILE)
+        for name in ("model.safetensors", MODELING_FILE):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
         old = None
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")

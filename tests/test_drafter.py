@@ -118,9 +118,7 @@ def reference_forward(model, cfg, embeds, context, offsets):
 
 
 # chunk_elems 40 cuts every sequence into several SDPA pieces
-@pytest.mark.parametrize(
-    "heads,kv_heads,chunk_elems", [(4, 2, 1 << 23), (4, 2, 40), (4, 1, 1 << 23), (2, 2, 1 << 23)]
-)
+@pytest.mark.parametrize("heads,kv_heads,chunk_elems", [(4, 2, 1 << 23), (4, 2, 40), (4, 1, 1 << 23), (2, 2, 1 << 23)])
 def test_forward_matches_per_block_reference(heads, kv_heads, chunk_elems, monkeypatch):
     monkeypatch.setattr(objective, "SDPA_CHUNK_ELEMS", chunk_elems)
     cfg = tiny_config(heads, kv_heads)
@@ -178,7 +176,7 @@ def test_export_round_trip(tmp_path):
     out_dir = tmp_path / "export" / "drafter"
     save_serving(model, cfg, out_dir)
     save_serving(model, cfg, out_dir)  # overwriting an export works too
-    assert sorted(p.name for p in out_dir.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out_dir.iterdir()) == ["config.json", "dflash.py", "model.safetensors"]
     assert [p.name for p in out_dir.parent.iterdir()] == ["drafter"]  # no temp dirs left
 
     with safe_open(str(out_dir / "model.safetensors"), framework="pt") as f:
@@ -203,6 +201,7 @@ def test_export_round_trip(tmp_path):
 
     conf = json.loads((out_dir / "config.json").read_text())
     assert conf["architectures"] == ["DFlashDraftModel"]
+    assert conf["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}  # the file beside it (test_serving_export)
     assert conf["model_type"] == "qwen3"
     assert conf["block_size"] == B
     assert conf["num_target_layers"] == 6
@@ -271,11 +270,15 @@ def test_from_target_geometry_variants():
     assert cfg.head_dim == 128 and cfg.target_layer_ids == [2, 20]
     # Llama-like: no head_dim, legacy rope_scaling with "type"
     llama = {k: v for k, v in QWEN3_8B.items() if k != "head_dim"}
-    llama["rope_scaling"] = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    llama["rope_scaling"] = {
+        "type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     llama["rope_theta"] = 500000.0
-    cfg = DrafterConfig.from_target(llama, target_layer_ids=None, mask_token_id=5,
-                                    num_draft_layers=2, block_size=8)
+    cfg = DrafterConfig.from_target(llama, target_layer_ids=None, mask_token_id=5, num_draft_layers=2, block_size=8)
     assert cfg.head_dim == 128 and cfg.rope_scaling["rope_type"] == "llama3"
     assert DrafterConfig.from_serving_config(cfg.to_serving_config()) == cfg
     # transformers 5 style rope_parameters
@@ -288,8 +291,7 @@ def test_from_target_geometry_variants():
 
 
 def test_scaled_rope_builds():
-    cfg = tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                    "original_max_position_embeddings": 64})
+    cfg = tiny_config(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
     model = random_model(cfg)
     plain = random_model(tiny_config())
     assert not torch.equal(model._inv_freq, plain._inv_freq)
@@ -326,8 +328,7 @@ def test_flex_path_matches_sdpa_path(dtype):
     def rand(*shape):
         return torch.randn(*shape, device=dev, dtype=dtype, requires_grad=True)
 
-    q, kc, vc, kb, vb = rand(nq, hq, d), rand(nc, hkv, d), rand(nc, hkv, d), rand(nq, hkv, d), \
-        rand(nq, hkv, d)
+    q, kc, vc, kb, vb = rand(nq, hq, d), rand(nc, hkv, d), rand(nc, hkv, d), rand(nq, hkv, d), rand(nq, hkv, d)
     probe = torch.randn(nq, hq, d, device=dev, dtype=dtype)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     results = []
