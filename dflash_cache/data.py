@@ -1,14 +1,10 @@
 """Source rows -> (input_ids, loss_mask), and the rows that cannot be used, with a reason.
 
-A drafter learns only where ``loss_mask`` is 1 (DESIGN.md section 2: anchors and loss positions
-are response tokens), so the mask is the one thing here that must never be silently wrong:
-
-- With ``{% generation %}`` markers in the chat template, transformers' assistant-token mask is
-  used, after a probe conversation has shown that the markers really cover the replies.
-- Without markers, each assistant turn's tokens are found by rendering the conversation up to the
-  turn (with the generation prompt) and with the turn: the tokens in between are the turn. That is
-  only true if both renderings are exact token prefixes of the full conversation; a row where they
-  are not is rejected, never given a guessed mask.
+Rows come in the forms users already have (OpenAI ``messages``, ShareGPT ``conversations``, Alpaca
+``instruction``/``input``/``output``, ``prompt``/``response``, plain ``text``), from local files, a
+saved or downloaded dataset directory, or a hub dataset name. :func:`conversation` turns every chat
+form into one list of messages, so regen, extract and eval accept the same rows; the loss mask of a
+conversation comes from its chat template (see :mod:`dflash_cache.chat`).
 
 Bad rows (malformed, empty, nothing to learn, too long) are rejected with a reason instead of
 crashing the run; problems that concern every row (no such file, no chat template, a template
@@ -17,22 +13,33 @@ whose mask cannot be trusted, every row rejected) raise :class:`DataError`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import weakref
+import socket
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 import datasets
 
-from .errors import UserError
+from .chat import (
+    DataError,
+    RowRejected,
+    _check_generation_markers,
+    _short,
+    _tokenize_text,
+    check_template_kwargs,
+    encode_chat,
+    has_generation_markers,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -43,9 +50,13 @@ __all__ = [
     "RowRejected",
     "Tokenized",
     "chat_template_digest",
+    "check_messages",
+    "check_template_kwargs",
+    "conversation",
     "encode_row",
     "read_rows",
     "source_fingerprint",
+    "source_row",
     "tokenize",
     "tokenizer_digest",
 ]
@@ -53,10 +64,16 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+# ShareGPT's `from` values and the roles they stand for.
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+DATA_SUFFIXES = (*JSONL_SUFFIXES, ".json", ".parquet", ".csv", ".txt", ".arrow")
 # Bump when the encoding of a row changes, so that tokenized data saved by an older version is
-# not reused.
-ENCODER_VERSION = 1
+# not reused. 2: assistant turns located in the whole rendering; template kwargs; more row forms.
+ENCODER_VERSION = 2
+# A hub dataset id: `name` or `owner/name`.
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+HUB_CONNECT_TIMEOUT_S = 3.0
 
 # Private columns of rows read from JSON text: the raw bytes of each row and its line number.
 RAW = "__dflash_raw_json__"
@@ -72,20 +89,6 @@ TOKENIZED_FEATURES = datasets.Features(
     }
 )
 _MAPPED_FEATURES = datasets.Features({**TOKENIZED_FEATURES, "reason": datasets.Value("string")})
-
-_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
-class DataError(UserError):
-    """A problem with the input as a whole; the message is meant to be printed as one line."""
-
-
-class RowRejected(Exception):
-    """One source row cannot be used; ``reason`` says why (``"category: detail"``)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass
@@ -109,8 +112,13 @@ class Tokenized:
 # ------------------------------------------------------------------------------------------------
 
 
-def read_rows(path: str | Path, cache_dir: str | Path | None = None) -> datasets.Dataset:
-    """Read a local JSON Lines, JSON, Parquet file or a ``save_to_disk`` directory.
+def read_rows(
+    path: str | Path,
+    cache_dir: str | Path | None = None,
+    split: str | None = None,
+    max_samples: int | None = None,
+) -> datasets.Dataset:
+    """Read a local JSON Lines, JSON or Parquet file, a dataset directory, or a hub dataset.
 
     JSON text is not parsed here: each row becomes its raw bytes (and line number), parsed one by
     one when it is encoded, so that one bad line (invalid JSON or UTF-8, a value of another type
@@ -119,13 +127,29 @@ def read_rows(path: str | Path, cache_dir: str | Path | None = None) -> datasets
 
     With ``cache_dir``, JSON Lines and Parquet rows are written there as Arrow files and
     memory-mapped (what you want for big inputs and ``num_proc``); without it they are held in
-    memory. A saved dataset directory is always memory-mapped where it is.
+    memory. A directory saved with ``save_to_disk`` is memory-mapped where it is; any other
+    directory (a dataset repository cloned from the hub) and a ``path`` that does not exist but
+    looks like a hub id (``name`` or ``owner/name``) go through ``datasets.load_dataset`` and its
+    own cache. ``split`` picks a split other than ``train`` of a source that has splits;
+    ``max_samples`` keeps the first rows only.
     """
+    _check_max_samples(max_samples)
+    rows = _read_source(path, cache_dir, split)
+    if max_samples is not None and max_samples < len(rows):
+        rows = rows.select(range(max_samples))
+    return rows
+
+
+def _read_source(path: str | Path, cache_dir: str | Path | None, split: str | None) -> datasets.Dataset:
     p = Path(path)
     if not p.exists():
+        if is_hub_id(path):
+            return _load_dataset(str(path), split, hub=True)
         raise DataError(f"data source not found: {p}")
     if p.is_dir():
-        return _read_saved_dataset(p)
+        return _read_dataset_dir(p, split)
+    if split not in (None, "train"):
+        raise DataError(f"{p} is one file, which has no split {split!r}: leave the split unset")
     suffix = p.suffix.lower()
     if suffix == ".json" and _first_non_space_byte(p) == b"[":
         raw = [json.dumps(row, ensure_ascii=False).encode() for row in _read_json_array(p)]
@@ -151,29 +175,128 @@ def read_rows(path: str | Path, cache_dir: str | Path | None = None) -> datasets
         except Exception as e:  # pyarrow raises several unrelated types for a bad file
             raise DataError(f"cannot read Parquet file {p}: {_short(e)}") from e
     raise DataError(
-        f"unsupported data source {p}: expected a .jsonl, .json or .parquet file or a directory "
-        "saved with datasets' save_to_disk"
+        f"unsupported data source {p}: expected a .jsonl, .json or .parquet file, a dataset directory "
+        "(saved with datasets' save_to_disk, or a dataset repository) or a hub dataset name"
     )
 
 
-def _read_saved_dataset(p: Path) -> datasets.Dataset:
+def is_hub_id(path: str | Path) -> bool:
+    """Whether a path that does not exist locally is taken for a hub dataset name: ``name`` or
+    ``owner/name``, not a file name with a data suffix (a missing ``rows.jsonl`` is just missing)."""
+    text = str(path)
+    return bool(_HUB_ID.fullmatch(text)) and not text.lower().endswith(DATA_SUFFIXES)
+
+
+def _check_max_samples(max_samples: int | None) -> None:
+    if max_samples is not None and (type(max_samples) is not int or max_samples < 1):
+        raise DataError(f"max_samples must be a positive number of rows, got {max_samples!r}")
+
+
+def _read_dataset_dir(p: Path, split: str | None) -> datasets.Dataset:
     if not ((p / "dataset_dict.json").exists() or (p / "state.json").exists()):
-        raise DataError(
-            f"{p} is a directory but not one saved with datasets' save_to_disk (no dataset_dict.json or state.json)"
-        )
+        return _load_dataset(str(p), split, hub=False)
     try:
         loaded = datasets.load_from_disk(str(p))
     except Exception as e:
         raise DataError(f"cannot load the saved dataset {p}: {_short(e)}") from e
     if isinstance(loaded, datasets.DatasetDict):
-        if "train" in loaded:
-            return loaded["train"]
-        if len(loaded) == 1:
-            return next(iter(loaded.values()))
-        raise DataError(
-            f"{p} holds the splits {sorted(loaded)} and none is called 'train': save the split to use on its own"
-        )
+        return _pick_split(loaded, split, str(p))
+    if split not in (None, "train"):
+        raise DataError(f"{p} is one saved dataset, which has no split {split!r}: leave the split unset")
     return loaded
+
+
+def _pick_split(splits: datasets.DatasetDict, split: str | None, where: str) -> datasets.Dataset:
+    """The split asked for; unasked, ``train``, or the only split there is."""
+    if split is not None:
+        if split not in splits:
+            raise DataError(f"{where} has no split {split!r}; its splits are {', '.join(sorted(splits))}")
+        return splits[split]
+    if "train" in splits:
+        return splits["train"]
+    if len(splits) == 1:
+        return next(iter(splits.values()))
+    raise DataError(f"{where} holds the splits {', '.join(sorted(splits))} and none is called 'train': pick one")
+
+
+_loaded: dict[tuple[str, str | None], datasets.Dataset] = {}
+
+
+def _load_dataset(name: str, split: str | None, hub: bool) -> datasets.Dataset:
+    """A split of a hub dataset (or a local dataset repository) through ``datasets.load_dataset``.
+
+    Without a route to the hub, datasets retries for about half a minute before it gives up; we
+    look first (one connection, a few seconds at most) and load in offline mode when there is none,
+    so a dataset in the local cache still loads and any other fails at once with one line.
+    """
+    key = (name, split)
+    if hub and key in _loaded:  # the fingerprint and the rows load it once per process
+        return _loaded[key]
+    where = f"the hub dataset {name!r}" if hub else f"the dataset directory {name}"
+    offline = not hub or _hub_offline()
+    want = split or "train"  # only the split asked for is downloaded and prepared
+    try:
+        with _offline_mode(offline):
+            rows = datasets.load_dataset(name, split=want)
+    except Exception as e:  # datasets raises many types: not found, no route, bad files, no such split
+        raise DataError(_load_failure(name, where, want, hub and offline, hub, e)) from None
+    if hub:
+        _loaded[key] = rows
+    return rows
+
+
+def _load_failure(name: str, where: str, split: str, unreachable: bool, hub: bool, e: Exception) -> str:
+    if isinstance(e, ValueError) and "Unknown split" in str(e):
+        splits = re.search(r"\[.*\]", str(e))
+        return f"{where} has no split {split!r}; its splits are {splits[0] if splits else 'not listed'}"
+    if unreachable:
+        host = urlparse(_hub_endpoint()).hostname
+        return (
+            f"cannot load {where}: no such local path, the hub ({host}) cannot be reached and the dataset is "
+            "not in the local datasets cache"
+        )
+    if not hub:
+        return (
+            f"{name} is a directory neither saved with datasets' save_to_disk (no dataset_dict.json or "
+            f"state.json) nor readable by datasets.load_dataset: {_short(e)}"
+        )
+    return f"cannot load {where}: {_short(e)}"
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def _hub_offline() -> bool:
+    """Whether the hub is out of reach: offline mode is set, or its host takes no connection."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or datasets.config.HF_HUB_OFFLINE:
+        return True
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return False  # the proxy may have a route we cannot see from here
+    url = urlparse(_hub_endpoint())
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=HUB_CONNECT_TIMEOUT_S).close()
+    except OSError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def _offline_mode(offline: bool) -> Iterator[None]:
+    """datasets and huggingface_hub read their offline flag at call time from these constants."""
+    from huggingface_hub import constants
+
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    if offline:
+        constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved
 
 
 def _first_non_space_byte(p: Path) -> bytes:
@@ -237,50 +360,108 @@ def _parse_raw(raw: bytes, line: int | None) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 
 
-def encode_row(
-    row: dict, tokenizer: PreTrainedTokenizerBase, max_length: int, truncate: bool
-) -> tuple[list[int], list[int]]:
-    """Encode one parsed row as ``(input_ids, loss_mask)``.
+def conversation(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """A row of any chat form as validated chat messages; ``None`` for a plain ``text`` row.
 
-    Row forms (a ``None`` value counts as absent, as in Arrow tables with optional columns, and
-    the first form present wins): ``{"messages": [{"role", "content"}, ...]}`` through the chat
-    template, the mask on assistant tokens only; ``{"prompt", "response"}`` as one user and one
-    assistant turn; ``{"text"}`` as plain text (special tokens as the tokenizer adds them), the
-    mask all ones.
+    Forms, the first present winning (a ``None`` value counts as absent, as in Arrow tables with
+    optional columns):
 
-    Raises :class:`RowRejected` for a row that cannot be used, and :class:`DataError` when no row
-    of this form could be (a chat row with a tokenizer that has no chat template, or a template
-    whose generation markers do not cover the replies).
+    - OpenAI ``{"messages": [{"role", "content", ...}, ...]}``;
+    - ShareGPT ``{"conversations": [{"from", "value", ...}, ...]}`` with ``from`` one of human, gpt,
+      system, user, assistant (entries with ``role``/``content`` are read as OpenAI messages);
+    - Alpaca ``{"instruction", "input", "output"}``: the user says the instruction, then a blank
+      line and the input when there is one; the assistant says the output;
+    - ``{"prompt", "response"}``: one user and one assistant turn;
+    - ``{"text"}``: plain text, no conversation.
+
+    Other string fields of a message (``reasoning_content``) are kept: the template may read them.
+    Raises :class:`RowRejected` for a row of none of these forms or a malformed one.
     """
     if not isinstance(row, dict):
         raise RowRejected(f"malformed row: expected an object, got {_json_type(row)}")
     row = source_row(row)
-    messages = row.get("messages")
-    if messages is not None:
-        ids, mask = _encode_chat(check_messages(messages), tokenizer)
-    elif row.get("prompt") is not None or row.get("response") is not None:
-        prompt, response = row.get("prompt"), row.get("response")
+    if row.get("messages") is not None:
+        return check_messages(row["messages"])
+    if row.get("conversations") is not None:
+        return check_messages(_sharegpt_messages(row["conversations"]), field="conversations")
+    if row.get("instruction") is not None or row.get("output") is not None:
+        instruction, extra, output = (
+            _string_field(row, k, "instruction/output") for k in ("instruction", "input", "output")
+        )
+        if instruction is None or output is None:
+            missing = "instruction" if instruction is None else "output"
+            raise RowRejected(f"missing field: an Alpaca row needs {missing}")
+        user = f"{instruction}\n\n{extra}" if extra else instruction
+        return check_messages([{"role": "user", "content": user}, {"role": "assistant", "content": output}])
+    if row.get("prompt") is not None or row.get("response") is not None:
+        prompt, response = (_string_field(row, k, "prompt/response") for k in ("prompt", "response"))
         for name, other, value in (("prompt", "response", prompt), ("response", "prompt", response)):
             if value is None:
                 raise RowRejected(f"missing field: a row with {other} needs {name} too")
-            if not isinstance(value, str):
-                raise RowRejected(f"wrong type: {name} must be a string, got {_json_type(value)}")
-        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-        ids, mask = _encode_chat(messages, tokenizer)
-    elif row.get("text") is not None:
-        text = row["text"]
+        return check_messages([{"role": "user", "content": prompt}, {"role": "assistant", "content": response}])
+    if row.get("text") is not None:
+        return None
+    present = sorted(k for k, v in row.items() if v is not None)
+    raise RowRejected(
+        "missing field: a row needs messages, conversations, instruction and output, prompt and response, or text"
+        f" (it has {', '.join(present) if present else 'no fields'})"
+    )
+
+
+def _string_field(row: dict[str, Any], key: str, form: str) -> str | None:
+    value = row.get(key)
+    if value is not None and not isinstance(value, str):
+        raise RowRejected(f"wrong type: {key} of a {form} row must be a string, got {_json_type(value)}")
+    return value
+
+
+def _sharegpt_messages(turns: Any) -> Any:
+    """ShareGPT turns as OpenAI messages; anything malformed is left for check_messages to name."""
+    if not isinstance(turns, list):
+        return turns
+    out = []
+    for i, turn in enumerate(turns):
+        if isinstance(turn, dict) and (turn.get("from") is not None or turn.get("value") is not None):
+            speaker = turn.get("from")
+            if not isinstance(speaker, str) or speaker not in SHAREGPT_ROLES:
+                raise RowRejected(
+                    f"unknown role: conversations turn {i} has from {speaker!r} (expected {', '.join(SHAREGPT_ROLES)})"
+                )
+            rest = {k: v for k, v in turn.items() if k not in ("from", "value")}
+            turn = {**rest, "role": SHAREGPT_ROLES[speaker], "content": turn.get("value")}
+        out.append(turn)
+    return out
+
+
+def encode_row(
+    row: dict,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    truncate: bool,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[int], list[int]]:
+    """Encode one row (any form :func:`conversation` reads) as ``(input_ids, loss_mask)``.
+
+    A conversation goes through the chat template, with ``template_kwargs`` (``enable_thinking``
+    and the like); ``input_ids`` are exactly what ``apply_chat_template`` gives the whole row and
+    the mask is on the assistant turns as rendered, each with its end-of-turn token. A ``text``
+    row is plain text (special tokens as the tokenizer adds them), the mask all ones.
+
+    Raises :class:`RowRejected` for a row that cannot be used, and :class:`DataError` when no row
+    of this form could be (a chat row with a tokenizer that has no chat template, or a template
+    whose assistant turns cannot be located).
+    """
+    messages = conversation(row)
+    if messages is not None:
+        ids, mask = encode_chat(messages, tokenizer, template_kwargs)
+    else:
+        text = source_row(row)["text"]
         if not isinstance(text, str):
             raise RowRejected(f"wrong type: text must be a string, got {_json_type(text)}")
         if not text:
             raise RowRejected("empty text: the text field is empty")
         ids = _tokenize_text(tokenizer, text, add_special_tokens=True)
         mask = [1] * len(ids)
-    else:
-        present = sorted(k for k, v in row.items() if v is not None)
-        raise RowRejected(
-            "missing field: a row needs messages, prompt and response, or text"
-            f" (it has {', '.join(present) if present else 'no fields'})"
-        )
     if len(ids) > max_length:
         if not truncate:
             raise RowRejected(f"too long: {len(ids)} tokens > max_length {max_length}")
@@ -292,12 +473,12 @@ def encode_row(
     return ids, mask
 
 
-def check_messages(messages: Any) -> list[dict[str, Any]]:
-    """Validate a conversation; return its messages with ``None`` fields dropped."""
+def check_messages(messages: Any, field: str = "messages") -> list[dict[str, Any]]:
+    """Validate a conversation; return its messages with ``None`` fields dropped, other fields kept."""
     if not isinstance(messages, list):
-        raise RowRejected(f"wrong type: messages must be a list, got {_json_type(messages)}")
+        raise RowRejected(f"wrong type: {field} must be a list, got {_json_type(messages)}")
     if not messages:
-        raise RowRejected("empty conversation: messages is an empty list")
+        raise RowRejected(f"empty conversation: {field} is an empty list")
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -306,7 +487,8 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
         for key in ("role", "content"):
             if key not in m:
                 raise RowRejected(f"missing field: message {i} has no {key}")
-            if not isinstance(m[key], str):
+        for key in ("role", "content", "reasoning_content"):
+            if key in m and not isinstance(m[key], str):
                 raise RowRejected(f"wrong type: message {i} {key} must be a string, got {_json_type(m[key])}")
         if m["role"] not in ROLES:
             raise RowRejected(f"unknown role: message {i} has role {m['role']!r} (expected {', '.join(ROLES)})")
@@ -314,153 +496,6 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     if not any(m["role"] == "assistant" for m in out):
         raise RowRejected("no assistant turn: nothing to learn from this conversation")
     return out
-
-
-def _encode_chat(messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
-    template = _template(tokenizer)
-    if template is None:
-        raise DataError(
-            "the tokenizer has no chat template, so rows in messages or prompt/response form "
-            "cannot be tokenized: use a tokenizer with a chat template, or text rows"
-        )
-    if _GENERATION_MARKER.search(template) and getattr(tokenizer, "is_fast", False):
-        _check_generation_markers(tokenizer, template)
-        out = _call(
-            tokenizer.apply_chat_template,
-            messages,
-            tokenize=True,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-        )
-        ids = [int(t) for t in out["input_ids"]]
-        mask = [1 if m else 0 for m in out["assistant_masks"]]
-        return ids, mask
-    return _prefix_diff_mask(messages, tokenizer)
-
-
-def _prefix_diff_mask(
-    messages: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase
-) -> tuple[list[int], list[int]]:
-    """The loss mask of a template without generation markers, from renderings of prefixes.
-
-    Assistant turn i's tokens are those between the rendering of messages[:i] with the
-    generation prompt and that of messages[:i+1], up to and including its last end-of-turn
-    (eos) token: what follows it (a newline in ChatML) is formatting, not something the model
-    generates. Both renderings must be exact token prefixes of the whole conversation's, or the
-    span would be a guess, and the row is rejected.
-    """
-    full = _render_ids(tokenizer, messages, add_generation_prompt=False)
-    mask = [0] * len(full)
-    eos = tokenizer.eos_token_id
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        if i == 0:
-            raise RowRejected(
-                "assistant turn first: without generation markers in the chat template the "
-                "tokens of an opening assistant turn cannot be located"
-            )
-        head = _render_ids(tokenizer, messages[:i], add_generation_prompt=True)
-        turn = _render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        for what, part in (("prompt of", head), ("conversation up to", turn)):
-            if full[: len(part)] != part:
-                raise RowRejected(
-                    f"chat template not prefix-stable: the {what} assistant turn {i} does not "
-                    "render as a prefix of the whole conversation, so its tokens cannot be "
-                    "located; add {% generation %} markers to the template"
-                )
-        start, end = len(head), len(turn)
-        if eos is not None and eos in full[start:end]:
-            end = start + max(j for j, t in enumerate(full[start:end]) if t == eos) + 1
-        for j in range(start, end):
-            mask[j] = 1
-    return full, mask
-
-
-def _render_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool
-) -> list[int]:
-    text = _call(
-        tokenizer.apply_chat_template,
-        messages,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-    )
-    return _tokenize_text(tokenizer, text, add_special_tokens=False)
-
-
-def _tokenize_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool) -> list[int]:
-    try:
-        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-    except Exception as e:
-        raise RowRejected(f"tokenizer error: {_short(e)}") from None
-    return [int(t) for t in ids]
-
-
-def _call(fn, *args, **kwargs):
-    """Call a chat-template function; a template that fails on this row rejects the row."""
-    try:
-        return fn(*args, **kwargs)
-    except (DataError, RowRejected):
-        raise
-    except Exception as e:  # jinja2 raises many types (raise_exception, undefined, ...)
-        raise RowRejected(f"chat template error: {_short(e)}") from None
-
-
-def _template(tokenizer: PreTrainedTokenizerBase) -> str | None:
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("default")
-    return template or None
-
-
-_PROBE = [
-    {"role": "user", "content": "Probe question one?"},
-    {"role": "assistant", "content": "Probe reply one."},
-    {"role": "user", "content": "Probe question two?"},
-    {"role": "assistant", "content": "Probe reply two."},
-]
-_PROBE_SYSTEM = {"role": "system", "content": "Probe system prompt."}
-_marker_verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _check_generation_markers(tokenizer: PreTrainedTokenizerBase, template: str) -> None:
-    """Check once per tokenizer and template that the generation markers cover the replies.
-
-    The masked tokens of two probe conversations (two exchanges, without and with a system turn,
-    so both the last-turn and earlier-turn branches render) must decode to text holding each reply
-    and no other message; otherwise masks from this template would be wrong, which is a DataError.
-    A template that cannot render a probe is not judged on it: its rows fail on their own.
-    """
-    try:
-        verdicts = _marker_verdicts.setdefault(tokenizer, {})
-    except TypeError:  # not weak-referenceable: check every time
-        verdicts = {}
-    if template not in verdicts:
-        verdicts[template] = _probe_markers(tokenizer)
-    if verdicts[template] is not None:
-        raise DataError(verdicts[template])
-
-
-def _probe_markers(tokenizer: PreTrainedTokenizerBase) -> str | None:
-    for probe in (_PROBE, [_PROBE_SYSTEM, *_PROBE]):
-        try:
-            out = tokenizer.apply_chat_template(
-                probe, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-        except Exception:  # e.g. a template that refuses system turns: nothing to judge
-            continue
-        ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-        masked = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m], skip_special_tokens=False)
-        replies = [m["content"] for m in probe if m["role"] == "assistant"]
-        others = [m["content"] for m in probe if m["role"] != "assistant"]
-        if not all(r in masked for r in replies) or any(o in masked for o in others):
-            return (
-                "the chat template's {% generation %} markers do not cover exactly the assistant replies "
-                f"(a probe conversation's supervised text was {masked[:120]!r}), so its loss mask cannot be "
-                "trusted: fix the markers, or remove them to locate replies by prefixes"
-            )
-    return None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -475,30 +510,40 @@ def tokenize(
     truncate: bool = False,
     num_proc: int = 1,
     work_dir: Path | None = None,
+    *,
+    template_kwargs: Mapping[str, Any] | None = None,
+    split: str | None = None,
+    max_samples: int | None = None,
 ) -> Tokenized:
-    """Tokenize a source once.
+    """Tokenize a source (a path or a hub dataset name, see :func:`read_rows`) once.
 
     With ``work_dir``, the result is saved in ``work_dir/tokenized-<key>/`` (built in a temporary
     directory and renamed into place, so a crash or a concurrent run never leaves half of it),
-    where the key digests the source content, the tokenizer, the chat template, ``max_length``
-    and ``truncate``. A later call with the same inputs memory-maps it instead of tokenizing
-    again. Without ``work_dir`` everything stays in memory.
+    where the key digests the source content and split, ``max_samples``, the tokenizer, the chat
+    template and its kwargs, ``max_length`` and ``truncate``. A later call with the same inputs
+    memory-maps it instead of tokenizing again. Without ``work_dir`` everything stays in memory.
 
     Raises :class:`DataError` for a missing or unreadable source, a chat template that cannot
     give a trustworthy mask, or when every row is rejected (with the most common reasons).
     """
-    src = Path(path)
-    if not src.exists():
-        raise DataError(f"data source not found: {src}")
+    kwargs = check_template_kwargs(template_kwargs)
+    _check_max_samples(max_samples)
     if max_length < 1:
         raise DataError(f"max_length must be positive, got {max_length}")
+    local = Path(path)
+    if not local.exists() and not is_hub_id(path):
+        raise DataError(f"data source not found: {local}")
+    src = str(path)
     key = _sha256_json(
         {
             "encoder": ENCODER_VERSION,
-            "source": source_fingerprint(src),
-            "form": "dir" if src.is_dir() else src.suffix.lower(),
+            "source": source_fingerprint(path, split),
+            "form": ("dir" if local.is_dir() else local.suffix.lower()) if local.exists() else "hub",
+            "split": split,
+            "max_samples": max_samples,
             "tokenizer": tokenizer_digest(tokenizer),
             "chat_template": chat_template_digest(tokenizer),
+            "template_kwargs": kwargs,
             "max_length": max_length,
             "truncate": truncate,
         }
@@ -511,9 +556,8 @@ def tokenize(
             return loaded
         shutil.rmtree(final, ignore_errors=True)  # unreadable: build it again
 
-    template = _template(tokenizer)
-    if template and _GENERATION_MARKER.search(template) and getattr(tokenizer, "is_fast", False):
-        _check_generation_markers(tokenizer, template)  # fail before touching any row
+    if has_generation_markers(tokenizer):
+        _check_generation_markers(tokenizer, kwargs)  # fail before touching any row
 
     scratch = None
     if final is not None:
@@ -521,8 +565,8 @@ def tokenize(
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
     try:
-        rows = read_rows(src, cache_dir=scratch / "rows" if scratch else None)
-        result = _tokenize_rows(src, rows, tokenizer, max_length, truncate, num_proc, key, scratch)
+        rows = read_rows(path, cache_dir=scratch / "rows" if scratch else None, split=split, max_samples=max_samples)
+        result = _tokenize_rows(src, rows, tokenizer, max_length, truncate, num_proc, key, scratch, kwargs)
         if final is None:
             return result
         return _save_tokenized(result, final, scratch / "out", key)
@@ -532,7 +576,7 @@ def tokenize(
 
 
 def _tokenize_rows(
-    src: Path,
+    src: str,
     rows: datasets.Dataset,
     tokenizer: PreTrainedTokenizerBase,
     max_length: int,
@@ -540,6 +584,7 @@ def _tokenize_rows(
     num_proc: int,
     key: str,
     scratch: Path | None,
+    template_kwargs: dict[str, Any],
 ) -> Tokenized:
     num_rows = len(rows)
     if num_rows == 0:
@@ -551,7 +596,7 @@ def _tokenize_rows(
         for j, index in enumerate(indices):
             row = {c: batch[c][j] for c in columns}
             try:
-                ids, mask = encode_row(row, tokenizer, max_length, truncate)
+                ids, mask = encode_row(row, tokenizer, max_length, truncate, template_kwargs)
                 reason = ""
             except RowRejected as e:
                 ids, mask, reason = [], [], e.reason
@@ -585,7 +630,7 @@ def _tokenize_rows(
     return Tokenized(dataset=dataset, rejected=rejected, num_rows=num_rows)
 
 
-def _all_rejected_message(src: Path, rejected: list[tuple[int, str]]) -> str:
+def _all_rejected_message(src: str, rejected: list[tuple[int, str]]) -> str:
     by_kind = Counter(reason.split(":", 1)[0] for _, reason in rejected)
     example = {}
     for _, reason in rejected:
@@ -631,12 +676,22 @@ def _load_tokenized(final: Path, key: str) -> Tokenized | None:
 _fingerprints: dict[tuple, str] = {}
 
 
-def source_fingerprint(path: str | Path) -> str:
-    """The sha256 of the source's bytes (a directory: its files' relative paths and bytes, in
-    sorted order), so that the same data under another name or date is still the same data."""
+def source_fingerprint(path: str | Path, split: str | None = None) -> str:
+    """What identifies the source's rows, so that the same data under another name or date is
+    still the same data: the sha256 of a local source's bytes (a directory: its files' relative
+    paths and bytes, in sorted order), or of a hub dataset's name, split and datasets' own
+    fingerprint of the prepared split. A ``split`` is part of it."""
     p = Path(path)
     if not p.exists():
-        raise DataError(f"data source not found: {p}")
+        if not is_hub_id(path):
+            raise DataError(f"data source not found: {p}")
+        rows = _load_dataset(str(path), split, hub=True)
+        return _sha256_json(["hub", str(path), split, rows._fingerprint])
+    digest = _local_fingerprint(p)
+    return digest if split is None else _sha256_json(["split", digest, split])
+
+
+def _local_fingerprint(p: Path) -> str:
     files = sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
     stats = tuple((str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     if stats in _fingerprints:
@@ -696,8 +751,3 @@ def _json_type(value: Any) -> str:
     if value is None:
         return "null"
     return names.get(type(value), "number" if isinstance(value, float) else type(value).__name__)
-
-
-def _short(e: BaseException, limit: int = 200) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."

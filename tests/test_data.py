@@ -12,6 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_cache import data as D
+from dflash_cache.chat import has_generation_markers
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "data" / "tiny-target"
@@ -113,18 +114,17 @@ def test_prompt_response_and_text_rows(tok):
 
 def strip_markers(tokenizer):
     tokenizer.chat_template = MARKERS.sub("", tokenizer.chat_template)
-    assert not D._GENERATION_MARKER.search(tokenizer.chat_template) and "endgeneration" not in tokenizer.chat_template
+    assert not has_generation_markers(tokenizer) and "endgeneration" not in tokenizer.chat_template
     return tokenizer
 
 
-def test_prefix_diff_fallback_equals_marker_path(tok, chat_rows):
+def test_located_turns_equal_marker_path(tok, chat_rows):
     plain = strip_markers(load_tok())
     for row in [{"messages": CONVERSATION}, *chat_rows]:
         assert D.encode_row(row, plain, 4096, False) == D.encode_row(row, tok, 4096, False)
-    # An opening assistant turn cannot be located without markers: rejected, not guessed.
-    with pytest.raises(D.RowRejected, match="assistant turn first"):
-        D.encode_row({"messages": CONVERSATION[2:]}, plain, 4096, False)
-    opening = D.encode_row({"messages": CONVERSATION[2:]}, tok, 4096, False)
+    # An opening assistant turn is located like any other, in the one rendering of the row.
+    opening = D.encode_row({"messages": CONVERSATION[2:]}, plain, 4096, False)
+    assert opening == D.encode_row({"messages": CONVERSATION[2:]}, tok, 4096, False)
     assert runs(tok, *opening) == [m["content"] + EOT for m in CONVERSATION[2:] if m["role"] == "assistant"]
 
 
@@ -142,14 +142,38 @@ LAST_TURN_DIFFERS = (  # only the final assistant turn is rendered with a think 
 
 
 @pytest.mark.parametrize("template", [THINK_ON_PROMPT, LAST_TURN_DIFFERS], ids=["think-on-prompt", "last-turn"])
-def test_template_that_is_not_prefix_stable_rejects_rows(template, tmp_path):
+def test_template_that_is_not_prefix_stable_supervises_turns_as_rendered(template, tmp_path):
+    """Rendering up to an assistant turn differs from the whole row here: each turn is supervised
+    as the whole rendering shows it, and the row's tokens are the whole rendering's."""
     t = load_tok()
     t.chat_template = template
-    with pytest.raises(D.RowRejected, match="not prefix-stable"):
-        D.encode_row({"messages": CONVERSATION}, t, 4096, False)
-    path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}] * 3)
-    with pytest.raises(D.DataError, match="every row .* rejected .*3 x chat template not prefix-stable"):
-        D.tokenize(path, t, 4096)
+    ids, mask = D.encode_row({"messages": CONVERSATION}, t, 4096, False)
+    assert ids == t.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
+    replies = [m["content"] + EOT for m in CONVERSATION if m["role"] == "assistant"]
+    if template is LAST_TURN_DIFFERS:
+        replies[-1] = "<think>\n\n</think>\n\n" + replies[-1]
+    assert runs(t, ids, mask) == replies
+    tz = D.tokenize(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}] * 3), t, 4096)
+    assert not tz.rejected and tz.dataset["input_ids"][:] == [ids] * 3 and tz.dataset["loss_mask"][:] == [mask] * 3
+
+
+NO_ASSISTANT_HEADER = (  # Mistral-like: the reply follows the user turn with nothing a probe can see
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{{- '[INST] ' + m['content'] + ' [/INST]' }}"
+    "{%- else %}{{- m['content'] + '<|im_end|>' }}{%- endif %}{%- endfor %}"
+)
+
+
+def test_template_whose_turns_cannot_be_located_is_a_data_error(tmp_path):
+    t = load_tok()
+    t.chat_template = NO_ASSISTANT_HEADER
+    with pytest.raises(
+        D.DataError, match="cannot locate assistant turns .* generation prompt adds no assistant header"
+    ):
+        D.encode_row({"messages": CONVERSATION[1:]}, t, 4096, False)
+    with pytest.raises(D.DataError, match="cannot locate assistant turns"):
+        D.tokenize(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION[1:]}]), t, 4096)
+    text_only = write_jsonl(tmp_path / "t.jsonl", [{"text": "plain words"}])  # text rows need no template
+    assert D.tokenize(text_only, t, 128).num_rows == 1
 
 
 MARKS_USER_TURNS = (
