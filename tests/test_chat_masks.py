@@ -103,6 +103,26 @@ def test_family_rows_are_masked_on_their_assistant_spans(family_tok, family, kwa
         assert mask[-1] == (family == "llama3")  # the newline after the last end-of-turn is not learned
 
 
+ORDERS = {
+    "assistant-first": ["assistant", "user", "assistant"],
+    "two-users": ["system", "user", "user", "assistant"],
+    "two-replies": ["user", "assistant", "assistant"],
+}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("family", F.FAMILIES)
+def test_unusual_turn_orders_are_located_or_rejected_by_the_template(family_tok, family, order):
+    tok = family_tok[family]
+    messages = [{"role": r, "content": f"{r.title()} line {i}."} for i, r in enumerate(ORDERS[order])]
+    if family == "gemma":  # its template demands user/model turns alternating from a user turn
+        with pytest.raises(D.RowRejected, match="chat template error: Conversation roles must alternate"):
+            D.encode_row({"messages": messages}, tok, 4096, False)
+        return
+    ids, mask = D.encode_row({"messages": messages}, tok, 4096, False)
+    assert (ids, mask) == expected_mask(tok, family, messages, {})
+
+
 def test_qwen3_supervises_each_turn_as_the_whole_rendering_shows_it(qwen):
     """Earlier turns lose their reasoning in the rendering and are learned without it; the last turn
     keeps its think block, and it is learned with it. Both reasoning forms render alike."""
