@@ -19,13 +19,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
-from torch.utils.checkpoint import checkpoint
 
-try:
-    # Compiled once per process, lazily: nothing is compiled until the first GPU call.
-    _flex_compiled = torch.compile(flex_attention)
-except Exception:  # pragma: no cover - torch.compile unsupported on this Python/platform
-    _flex_compiled = None
+
+def compile_for_cuda(fn, **kwargs):
+    """`torch.compile(fn)` for the CUDA path, or None where compiling is unsupported. Compiled
+    lazily: nothing is compiled until the first call. Shapes vary from batch to batch, so the
+    kernels are built for dynamic sizes."""
+    try:
+        return torch.compile(fn, **{"dynamic": True, **kwargs})
+    except Exception:  # pragma: no cover - torch.compile unsupported on this Python/platform
+        return None
+
+
+_flex_compiled = compile_for_cuda(flex_attention, dynamic=None)
 _flex_broken = False  # set once if the compiled kernel fails; then the SDPA path is used
 
 # Budget, in attention-matrix elements per head, for one SDPA call of the exact path.
@@ -130,20 +136,26 @@ class BlockLayout:
             in_context = (kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
             return in_context | (kv_blk[kv_idx] == q_blk[q_idx])
 
-        counts, indices = self.kv_tiles()
-        self._flex_mask = BlockMask.from_kv_blocks(counts[None, None], indices[None, None], BLOCK_SIZE=TILE,
-                                                   mask_mod=mask_mod, seq_lengths=(nq, nc + nq))  # fmt: skip
+        counts, indices, full_counts, full_indices = self.kv_tiles()
+        self._flex_mask = BlockMask.from_kv_blocks(
+            counts[None, None], indices[None, None], full_counts[None, None], full_indices[None, None],
+            BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(nq, nc + nq),
+        )  # fmt: skip
         return self._flex_mask
 
-    def kv_tiles(self) -> tuple[Tensor, Tensor]:
-        """For each 128-query tile, the 128-key tiles it may attend to: (counts [Qt] int32,
-        indices [Qt, KVt] int32, the first `counts[t]` of row t used).
+    def kv_tiles(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """For each 128-query tile, the 128-key tiles it may attend to, split as flex wants them:
+        (counts [Qt], indices [Qt, KVt]) of the partial tiles, where mask_mod decides pair by
+        pair, and (full_counts, full_indices) of the full tiles, where every pair is allowed and
+        mask_mod never runs. The first `counts[t]` entries of row t are used; int32.
 
         A query tile holds the tokens of a run of consecutive blocks, grouped by sequence. Their
         context lies between the start of the first block's sequence and the furthest
         `sequence start + anchor` among them (one contiguous range that may include some tiles
         of sequences in between: mask_mod masks those), and their own block keys sit at
-        `Nc + query index`. So each row is two runs of tile ids, computed without a mask.
+        `Nc + query index`. When the tile's blocks all belong to one sequence, the context tiles
+        before its smallest anchor are full: at long context that is nearly all of them, and
+        skipping mask_mod there is what makes the attention kernel fast (BENCHMARKS.md).
         """
         B, nc, dev = self.block_size, self.num_context, self.block_seq.device
         nq = self.num_blocks * B
@@ -152,11 +164,15 @@ class BlockLayout:
         ends = starts + self.block_anchor  # one past the last visible context token
         first_tile = torch.arange(self.num_blocks, device=dev) * B // TILE  # a block may straddle
         last_tile = ((torch.arange(self.num_blocks, device=dev) + 1) * B - 1) // TILE  # two tiles
-        lo = torch.full((n_qt,), nc, dtype=torch.int64, device=dev)
-        hi = torch.zeros(n_qt, dtype=torch.int64, device=dev)
-        for tile in (first_tile, last_tile):
-            lo.scatter_reduce_(0, tile, starts, "amin")
-            hi.scatter_reduce_(0, tile, ends, "amax")
+
+        def per_tile(values: Tensor, reduce: str, init: int) -> Tensor:
+            out = torch.full((n_qt,), init, dtype=torch.int64, device=dev)
+            for tile in (first_tile, last_tile):
+                out.scatter_reduce_(0, tile, values, reduce)
+            return out
+
+        lo, hi, min_end = per_tile(starts, "amin", nc), per_tile(ends, "amax", 0), per_tile(ends, "amin", nc)
+        one_seq = per_tile(self.block_seq, "amin", 1 << 62) == per_tile(self.block_seq, "amax", -1)
         t = torch.arange(n_qt, device=dev)
         # own keys: the whole blocks the tile's queries belong to (at nc + their token indices)
         own_lo = (nc + t * TILE // B * B) // TILE
@@ -164,11 +180,15 @@ class BlockLayout:
         ctx_lo = lo // TILE
         ctx_hi = torch.minimum((hi - 1) // TILE, own_lo - 1)  # a shared tile is counted as own
         n_ctx = torch.where(hi > lo, ctx_hi - ctx_lo + 1, 0).clamp(min=0)
-        counts = n_ctx + own_hi - own_lo + 1
-        j = torch.arange(n_kvt, device=dev)
-        indices = torch.where(j < n_ctx[:, None], ctx_lo[:, None] + j, own_lo[:, None] + j - n_ctx[:, None])
-        indices = torch.where(j < counts[:, None], indices, 0)
-        return counts.to(torch.int32), indices.to(torch.int32)
+        # full context tiles: wholly inside [sequence start, start + smallest anchor)
+        full_lo = -(-lo // TILE)
+        n_full = torch.where(one_seq & (hi > lo), min_end // TILE - full_lo, 0).clamp(min=0)
+        before = torch.where(n_full > 0, full_lo - ctx_lo, n_ctx)
+        after = torch.where(n_full > 0, ctx_hi - (full_lo + n_full) + 1, 0)
+        counts, indices = _tile_runs([(ctx_lo, before), (full_lo + n_full, after), (own_lo, own_hi - own_lo + 1)],
+                                     n_kvt)  # fmt: skip
+        full_counts, full_indices = _tile_runs([(full_lo, n_full)], n_kvt)
+        return counts, indices, full_counts, full_indices
 
     def sdpa_plan(self) -> list[tuple[int, int, int, int]]:
         """(q_start, q_end, ctx_start, ctx_len) pieces for the exact path, in query order.
@@ -197,6 +217,19 @@ class BlockLayout:
             plan.append((start * B, j * B, offsets[s], max(anchors[start:j])))
         self._sdpa_plan = plan
         return plan
+
+
+def _tile_runs(runs: list[tuple[Tensor, Tensor]], width: int) -> tuple[Tensor, Tensor]:
+    """Rows of tile ids made of consecutive runs: run i of row t is `length[t]` ids from
+    `start[t]`. Returns (counts [rows] int32, indices [rows, width] int32, zero past the count)."""
+    j = torch.arange(width, device=runs[0][0].device)
+    indices = torch.zeros(runs[0][0].shape[0], width, dtype=torch.int64, device=j.device)
+    done = torch.zeros_like(runs[0][0])
+    for start, length in runs:
+        inside = (j >= done[:, None]) & (j < (done + length)[:, None])
+        indices = torch.where(inside, start[:, None] + j - done[:, None], indices)
+        done = done + length
+    return done.to(torch.int32), indices.to(torch.int32)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -395,10 +428,61 @@ def make_blocks(
 # ----------------------------------------------------------------------------- loss, metrics
 
 
-def _chunk_ce(h: Tensor, w_lm: Tensor, labels: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
-    logits = F.linear(h, w_lm).float()
-    ce = F.cross_entropy(logits, labels, reduction="none")
-    return (ce * weights).sum(), logits.argmax(-1) == labels
+def _ce_chunk(logits: Tensor, labels: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk's weighted cross-entropy sum, argmax hits, and the loss's gradient wrt the logits.
+
+    `scale` is each row's weight over the batch's total weight. Softmax runs in float32. On CUDA
+    this is compiled, so the passes over the [chunk, vocab] logits fuse into a few kernels.
+    """
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    target = lf.gather(1, labels[:, None]).squeeze(1)
+    loss = ((lse - target) * scale).sum()
+    grad = torch.exp(lf - lse[:, None])
+    grad.scatter_add_(1, labels[:, None], -torch.ones_like(target)[:, None])
+    return loss, lf.argmax(-1) == labels, grad * scale[:, None]
+
+
+_ce_chunk_cuda = compile_for_cuda(_ce_chunk)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum(w * ce(hidden @ W^T)) / sum(w), with the gradient computed chunk by chunk during the
+    forward pass: each chunk's logits live only while it is processed and are never recomputed
+    (recomputing them in backward, as activation checkpointing does, costs a third more LM-head
+    FLOPs)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, weights, chunk_size):  # noqa: ANN001 - autograd signature
+        scale = weights.float() / weights.float().sum().clamp_min(1e-12)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ce = _ce_chunk_cuda if hidden.is_cuda and _ce_chunk_cuda is not None else _ce_chunk
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
+        total = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+        correct = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk_size):
+            h = hidden[s : s + chunk_size].to(weight.dtype)
+            part, ok, g = ce(F.linear(h, weight), labels[s : s + chunk_size], scale[s : s + chunk_size])
+            total += part
+            correct[s : s + chunk_size] = ok
+            g = g.to(weight.dtype)
+            if need_h:
+                grad_h[s : s + chunk_size] = g @ weight
+            if need_w:
+                grad_w += (g.T @ h).to(grad_w.dtype)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(correct)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):  # noqa: ANN001 - autograd signature
+        grad_h, grad_w = ctx.saved_tensors
+        grad_h = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
+        grad_w = None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None
 
 
 def chunked_loss(
@@ -410,28 +494,13 @@ def chunked_loss(
 ) -> tuple[Tensor, Tensor]:
     """Weighted cross-entropy sum(w*ce)/sum(w) over the vocabulary, chunk by chunk.
 
-    Full logits (anchors x slots x 150-250K vocab: several GB) never exist at once: each chunk's
-    logits are dropped after its forward and recomputed in backward (activation checkpointing).
-    Softmax runs in float32. Returns (loss, correct [N] bool = argmax == label); loss is 0, with
-    a graph, when sum(w) == 0.
+    Full logits (anchors x slots x 150-250K vocab: several GB) never exist at once, and no chunk's
+    logits are computed twice (see _LinearCrossEntropy). Softmax runs in float32. Returns (loss,
+    correct [N] bool = argmax == label); loss is 0, with a graph, when sum(w) == 0.
     """
-    n = hidden.shape[0]
-    if n == 0:
+    if hidden.shape[0] == 0:
         return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    weights = weights.float()
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or lm_head_weight.requires_grad)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    correct = []
-    for s in range(0, n, chunk_size):
-        rows = slice(s, s + chunk_size)
-        args = (hidden[rows], lm_head_weight, labels[rows], weights[rows])
-        if recompute:
-            part, ok = checkpoint(_chunk_ce, *args, use_reentrant=False, preserve_rng_state=False)
-        else:
-            part, ok = _chunk_ce(*args)
-        total = total + part
-        correct.append(ok)
-    return total / weights.sum().clamp_min(1e-12), torch.cat(correct)
+    return _LinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights, chunk_size)
 
 
 def block_metrics(correct: Tensor, weights: Tensor) -> dict[str, Tensor]:

@@ -256,56 +256,85 @@ def test_block_attention_rejects_unsorted_blocks():
         block_attention(x, torch.randn(20, 2, 4), torch.randn(20, 2, 4), x, x, layout, impl="sdpa")
 
 
-def _random_layout(g: torch.Generator, bsz: int) -> BlockLayout:
+def _random_layout(g: torch.Generator, bsz: int, long: bool = False) -> BlockLayout:
     """Sequences of mixed lengths (some longer than a 128-token tile), blocks at random anchors,
-    grouped by sequence as make_blocks lays them out."""
-    lengths = torch.randint(2, 300, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+    grouped by sequence as make_blocks lays them out. `long`: longer sequences with anchors late
+    in them, so that query tiles have full context tiles."""
+    lengths = torch.randint(300 if long else 2, 1200 if long else 300, (int(torch.randint(1, 6, (1,), generator=g)),),
+                            generator=g)  # fmt: skip
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     seq, anchor = [], []
     for s, n in enumerate(lengths.tolist()):
-        k = int(torch.randint(0, 12, (1,), generator=g))
-        picks = sorted(torch.randint(0, n - 1, (k,), generator=g).tolist())
+        k = int(torch.randint(0, 24 if long else 12, (1,), generator=g))
+        lo = n // 2 if long else 0
+        picks = sorted(torch.randint(lo, n - 1, (k,), generator=g).tolist())
         seq += [s] * k
         anchor += [a + 1 for a in picks]
     return BlockLayout.build(offsets, torch.tensor(seq, dtype=torch.int64), torch.tensor(anchor, dtype=torch.int64),
                              bsz)  # fmt: skip
 
 
+def _allowed(layout: BlockLayout) -> torch.Tensor:
+    """[nq, nc + nq]: the attention rule from its definition."""
+    bsz = layout.block_size
+    j = torch.arange(layout.num_blocks * bsz) // bsz
+    q_seq, q_anchor = layout.block_seq[j], layout.block_anchor[j]
+    ctx = (layout.ctx_seq[None, :] == q_seq[:, None]) & (layout.ctx_pos[None, :] < q_anchor[:, None])
+    return torch.cat([ctx, j[:, None] == j[None, :]], dim=1)
+
+
+def _listed(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    listed = torch.zeros(indices.shape, dtype=torch.bool)
+    for t in range(indices.shape[0]):
+        row = indices[t, : counts[t]]
+        assert len(set(row.tolist())) == len(row), "a tile listed twice"
+        listed[t, row.long()] = True
+    return listed
+
+
 @pytest.mark.parametrize("bsz", [4, 10, 16])
-def test_flex_tiles_cover_every_allowed_pair(bsz):
+@pytest.mark.parametrize("long", [False, True])
+def test_flex_tiles_cover_every_allowed_pair(bsz, long):
     """Every (query, key) pair the rule allows lies in a tile that kv_tiles lists for its query
-    tile (flex skips unlisted tiles), and the listing stays close to the tiles actually needed."""
+    tile (flex skips unlisted tiles), every pair of a tile listed as full is allowed (flex skips
+    mask_mod there), and the listing stays close to the tiles actually needed."""
     g = torch.Generator().manual_seed(bsz)
+    fulls = 0
     for _ in range(40):
-        layout = _random_layout(g, bsz)
+        layout = _random_layout(g, bsz, long)
         if layout.num_blocks == 0:
             continue
         nq, nc = layout.num_blocks * bsz, layout.num_context
-        j = torch.arange(nq) // bsz
-        q_seq, q_anchor = layout.block_seq[j], layout.block_anchor[j]
-        ctx = (layout.ctx_seq[None, :] == q_seq[:, None]) & (layout.ctx_pos[None, :] < q_anchor[:, None])
-        own = j[:, None] == j[None, :]
-        allowed = torch.cat([ctx, own], dim=1)  # [nq, nc + nq]
-        counts, indices = layout.kv_tiles()
+        counts, indices, full_counts, full_indices = layout.kv_tiles()
         n_qt, n_kvt = -(-nq // 128), -(-(nc + nq) // 128)
-        assert counts.shape == (n_qt,) and indices.shape == (n_qt, n_kvt)
-        listed = torch.zeros(n_qt, n_kvt, dtype=torch.bool)
-        for t in range(n_qt):
-            row = indices[t, : counts[t]]
-            assert len(set(row.tolist())) == len(row), "a tile listed twice"
-            listed[t, row.long()] = True
-        padded = torch.nn.functional.pad(allowed, (0, n_kvt * 128 - nc - nq, 0, n_qt * 128 - nq))
-        needed = padded.view(n_qt, 128, n_kvt, 128).any(dim=3).any(dim=1)
+        assert counts.shape == full_counts.shape == (n_qt,) and indices.shape == full_indices.shape == (n_qt, n_kvt)
+        partial, full = _listed(counts, indices), _listed(full_counts, full_indices)
+        assert not (partial & full).any(), "a tile both partial and full"
+        listed = partial | full
+        padded = torch.nn.functional.pad(_allowed(layout), (0, n_kvt * 128 - nc - nq, 0, n_qt * 128 - nq))
+        tiles = padded.view(n_qt, 128, n_kvt, 128)
+        needed = tiles.any(dim=3).any(dim=1)
         assert not (needed & ~listed).any(), "an allowed pair in an unlisted tile"
-        assert listed.sum() <= needed.sum() + 2 * n_qt  # only gaps between sequences add tiles
+        for t in range(n_qt):  # only gaps between the sequences of one query tile add tiles
+            need = needed[t].nonzero()
+            assert not listed[t, : need.min()].any() and not listed[t, need.max() + 1 :].any()
+        if not long:
+            assert listed.sum() <= needed.sum() + 2 * n_qt
+        real_queries = (torch.arange(n_qt * 128) < nq).view(n_qt, 128)
+        every = (tiles | ~real_queries[:, :, None, None]).all(dim=3).all(dim=1)  # padded queries are cut off
+        assert not (full & ~every).any(), "a tile listed as full holds a forbidden pair"
+        fulls += int(full.sum())
+    assert fulls > 0 or not long  # long sequences with late anchors must have full tiles
 
 
-def test_flex_block_mask_gives_the_rule_on_cpu():
-    """flex_attention (eager, on the CPU) with the layout's BlockMask equals the exact path."""
+@pytest.mark.parametrize("long", [False, True])
+def test_flex_block_mask_gives_the_rule_on_cpu(long):
+    """flex_attention (eager, on the CPU) with the layout's BlockMask, full tiles included, equals
+    the exact path."""
     g = torch.Generator().manual_seed(1)
-    layout = _random_layout(g, 16)
-    while layout.num_blocks < 3:
-        layout = _random_layout(g, 16)
+    layout = _random_layout(g, 16, long)
+    while layout.num_blocks < 3 or (long and layout.kv_tiles()[2].sum() == 0):
+        layout = _random_layout(g, 16, long)
     nq, nc, hq, hkv, d = layout.num_blocks * 16, layout.num_context, 4, 2, 8
     q, kb, vb = (torch.randn(nq, h, d, generator=g) for h in (hq, hkv, hkv))
     kc, vc = (torch.randn(nc, hkv, d, generator=g) for _ in range(2))
