@@ -13,6 +13,10 @@ The loop follows the DFlash reference (z-lab/dflash), batch size 1:
    draft plus the target's own next token (the bonus) is committed, the cache is cropped back to
    the committed length and the tapped states of the committed positions join the context.
 3. tau is the mean number of tokens committed per verification step (accepted drafts + bonus).
+   Two means are reported: ``tau`` pools every step of every prompt; ``tau_per_prompt`` is the
+   mean over prompts of each prompt's tau, the figure the DFlash reference benchmark prints
+   ("Average Acceptance length") and the one published numbers are. Long answers weigh more in
+   the first, every prompt the same in the second.
 
 Temperature > 0 uses the standard speculative-sampling rule (Leviathan et al. 2023; Chen et al.
 2023): draft token d_k, sampled from the drafter's q_k, is kept with probability
@@ -31,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -41,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from . import objective
-from .data import LINE, RAW, DataError, read_rows
+from .data import LINE, DataError, RowRejected, check_template_kwargs, conversation, read_rows, source_row
 from .drafter import DFlashDrafter, DrafterConfig, load_serving
 from .objective import BlockLayout
 from .target import TargetError, _decoder_layers, _first_line, load_tokenizer, text_config
@@ -56,6 +59,7 @@ __all__ = [
     "stop_token_ids",
     "target_generate",
     "tau",
+    "tau_per_prompt",
 ]
 
 
@@ -66,9 +70,13 @@ class EvalError(TargetError):
 
 @dataclass
 class EvalResult:
-    """What `dflash eval` reports. histogram[i] counts the steps that committed i+1 tokens."""
+    """What `dflash eval` reports. histogram[i] counts the steps that committed i+1 tokens.
+
+    tau pools all verification steps of all prompts; tau_per_prompt is the mean over prompts of
+    each prompt's own tau (the reference benchmark's figure; see the module docstring)."""
 
     tau: float
+    tau_per_prompt: float
     histogram: list[int]
     steps: int
     new_tokens: int
@@ -88,6 +96,14 @@ def tau(acceptance_lengths: list[int]) -> float:
     if not acceptance_lengths:
         return 0.0
     return sum(acceptance_lengths) / len(acceptance_lengths)
+
+
+def tau_per_prompt(per_prompt_lengths: list[list[int]]) -> float:
+    """The DFlash reference benchmark's tau: the mean over prompts of each prompt's tau. A prompt
+    with no verification step (its first token ended the generation) has no tau and is left out,
+    as it would make the reference's mean NaN; 0.0 when no prompt has a step."""
+    taus = [tau(lengths) for lengths in per_prompt_lengths if lengths]
+    return sum(taus) / len(taus) if taus else 0.0
 
 
 def histogram(acceptance_lengths: list[int], block_size: int) -> list[int]:
@@ -361,50 +377,77 @@ def stop_token_ids(tokenizer, model: nn.Module | None = None) -> set[int]:
     return ids
 
 
-def load_prompts(path: str | Path, tokenizer, limit: int | None = None) -> list[list[int]]:
-    """Prompt token ids from a JSONL / JSON / Parquet file or a saved dataset.
+def load_prompts(
+    path: str | Path,
+    tokenizer,
+    limit: int | None = None,
+    chat_template_kwargs: dict | None = None,
+    split: str | None = None,
+) -> list[list[int]]:
+    """Prompt token ids from the rows `dflash extract` reads (a JSONL / JSON / Parquet file, a
+    saved dataset or a hub dataset name; any form :func:`dflash_cache.data.conversation` reads).
 
-    ``messages`` rows go through the chat template with the generation prompt; trailing
-    assistant turns are dropped first, so the training data's format works as a prompt set.
-    ``prompt`` and ``text`` rows are plain text (special tokens as the tokenizer adds them).
+    A conversation goes through the chat template with the generation prompt, and with
+    ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``); its trailing assistant turns
+    are dropped first, so the training data works as a prompt set, and rows that stop before the
+    reply (user-only ``messages``, a ``prompt`` without ``response``) are prompts as they are.
+    ``text`` rows are plain text (special tokens as the tokenizer adds them).
     """
-    rows = read_rows(path)
+    kwargs = check_template_kwargs(chat_template_kwargs)
+    rows = read_rows(path, split=split, max_samples=limit)
     prompts: list[list[int]] = []
     for i, row in enumerate(rows):
-        if limit is not None and len(prompts) >= limit:
-            break
         where = f"{path} row {i}" if row.get(LINE) is None else f"{path} line {row[LINE]}"
-        if RAW in row:
-            try:
-                row = json.loads(row[RAW])
-            except (UnicodeDecodeError, ValueError) as e:
-                raise DataError(f"{where}: invalid JSON ({_first_line(e)})") from None
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: not a JSON object")
-        prompts.append(_encode_prompt(row, tokenizer, where))
+        try:
+            messages = _prompt_conversation(row)
+        except RowRejected as e:
+            raise DataError(f"{where}: {e.reason}") from None
+        prompts.append(_encode_prompt(row, messages, tokenizer, kwargs, where))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts
 
 
-def _encode_prompt(row: dict, tokenizer, where: str) -> list[int]:
-    messages = row.get("messages")
+def _prompt_conversation(row: dict) -> list[dict] | None:
+    """conversation(row), for rows that may end before the reply. conversation() reads training
+    rows, which need a reply to learn from; a prompt row without one gets an empty reply in its
+    own form, which load_prompts drops again with the other trailing assistant turns."""
+    try:
+        return conversation(row)
+    except RowRejected as rejected:
+        try:
+            return conversation(_with_empty_reply(source_row(row)))
+        except RowRejected:
+            raise rejected from None
+
+
+def _with_empty_reply(row: dict) -> dict:
+    reply = {"role": "assistant", "content": ""}
+    for key in ("messages", "conversations"):
+        if isinstance(row.get(key), list):
+            return {**row, key: [*row[key], reply]}
+    if row.get("prompt") is not None and row.get("response") is None:
+        return {**row, "response": ""}
+    if row.get("instruction") is not None and row.get("output") is None:
+        return {**row, "output": ""}
+    return row
+
+
+def _encode_prompt(row: dict, messages: list[dict] | None, tokenizer, kwargs: dict, where: str) -> list[int]:
     if messages is not None:
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise DataError(f"{where}: messages must be a list of objects")
-        while messages and messages[-1].get("role") == "assistant":
+        while messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
         if not messages:
             raise DataError(f"{where}: no message before the assistant's reply")
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         except Exception as e:  # jinja2 raises many types
             raise DataError(f"{where}: chat template failed ({_first_line(e)})") from None
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
-        text = row.get("prompt") if row.get("prompt") is not None else row.get("text")
+        text = source_row(row)["text"]
         if not isinstance(text, str):
-            raise DataError(f"{where}: a prompt row needs messages, prompt or text (a string)")
+            raise DataError(f"{where}: text must be a string")
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
     if not ids:
         raise DataError(f"{where}: empty prompt")
@@ -446,8 +489,17 @@ def evaluate(
     seed: int = 0,
     block_size: int | None = None,
     limit: int | None = None,
+    chat_template_kwargs: dict | None = None,
+    data_split: str | None = None,
 ) -> EvalResult:
     """Speculative decoding vs target-only decoding on the same prompts.
+
+    Defaults: greedy (temperature 0), 128 new tokens per prompt, the drafter's block size, every
+    prompt, and the chat template's own defaults: Qwen3's template thinks unless
+    ``chat_template_kwargs={"enable_thinking": False}``. The DFlash reference benchmark runs with
+    thinking off (its published Qwen3 drafters are non-thinking), greedy, up to 2048 new tokens,
+    and reports tau per prompt (``tau_per_prompt`` here): set those to compare with its numbers.
+    Generation stops at the tokenizer's and the generation config's eos and at ``<|im_end|>``.
 
     Both runs of a prompt draw from generators seeded with (seed, prompt index), so the result
     does not depend on --limit. Timings include the prefill and follow a short warm-up.
@@ -462,6 +514,8 @@ def evaluate(
     torch.manual_seed(seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(target)
+    template_kwargs = check_template_kwargs(chat_template_kwargs)
+    prompt_ids = load_prompts(prompts, tokenizer, limit, template_kwargs, data_split)  # bad rows fail before loading
     model = _load_target_model(target, device)
     dtype = model.get_input_embeddings().weight.dtype
     try:
@@ -474,7 +528,6 @@ def evaluate(
     if B < 2:
         raise EvalError(f"block size must be >= 2, got {B}")
     stop_ids = stop_token_ids(tokenizer, model)
-    prompt_ids = load_prompts(prompts, tokenizer, limit)
 
     def gen(i: int) -> torch.Generator | None:
         return torch.Generator(device).manual_seed(seed * 1_000_003 + i) if temperature > 0 else None
@@ -489,7 +542,7 @@ def evaluate(
     target_generate(model, prompt_ids[0], max_new_tokens=warm, temperature=temperature, generator=gen(0),
                     stop_ids=stop_ids)  # fmt: skip
 
-    samples, all_lengths = [], []
+    samples, per_prompt = [], []
     spec_time = target_time = 0.0
     spec_tokens = target_tokens = 0
     for i, ids in enumerate(prompt_ids):
@@ -507,7 +560,7 @@ def evaluate(
         t2 = time.perf_counter()
         spec_time, target_time = spec_time + t1 - t0, target_time + t2 - t1
         spec_tokens, target_tokens = spec_tokens + len(out), target_tokens + len(ref)
-        all_lengths += lengths
+        per_prompt.append(lengths)
         samples.append({
             "index": i, "prompt_tokens": len(ids), "new_tokens": len(out), "steps": len(lengths),
             "tau": tau(lengths), "acceptance_lengths": lengths,
@@ -515,8 +568,10 @@ def evaluate(
         })  # fmt: skip
     spec_tok_s = spec_tokens / spec_time if spec_time > 0 else 0.0
     target_tok_s = target_tokens / target_time if target_time > 0 else 0.0
+    all_lengths = [n for lengths in per_prompt for n in lengths]
     return EvalResult(
         tau=tau(all_lengths),
+        tau_per_prompt=tau_per_prompt(per_prompt),
         histogram=histogram(all_lengths, B),
         steps=len(all_lengths),
         new_tokens=spec_tokens,
@@ -527,7 +582,8 @@ def evaluate(
         settings={
             "target": str(target), "drafter": str(drafter_dir), "data": str(prompts), "prompts": len(prompt_ids),
             "block_size": B, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
-            "limit": limit, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "limit": limit, "chat_template_kwargs": template_kwargs, "data_split": data_split,
+            "device": str(device), "dtype": str(dtype).removeprefix("torch."),
             "cpu_threads": torch.get_num_threads(),
             "target_layer_ids": list(dcfg.target_layer_ids), "target_new_tokens": target_tokens,
         },
