@@ -62,11 +62,35 @@ def _layers(layers: str | None) -> list[int] | None:
         raise typer.Exit(1) from None
 
 
+def _template_kwargs(text: str | None) -> dict | None:
+    from dflash_cache.data import DataError, check_template_kwargs
+
+    try:
+        return None if text is None else check_template_kwargs(text)
+    except DataError as e:
+        raise DataError(f"--chat-template-kwargs {text!r}: {e}") from None
+
+
+def _paths(*checks) -> None:
+    """Refuse path arguments of the wrong kind before anything is written (dflash_cache.paths)."""
+    from dflash_cache import paths
+
+    for kind, path, arg in checks:
+        getattr(paths, kind)(path, arg)
+
+
+DATA_HELP = ("Rows: a JSONL / JSON / Parquet file, a saved `datasets` directory, or a hub dataset name; "
+             "messages, ShareGPT conversations, Alpaca instruction/output, prompt/response or text.")  # fmt: skip
+KWARGS_HELP = """Chat-template kwargs as a JSON object, e.g. '{"enable_thinking": false}'."""
+SPLIT_HELP = "Split of a hub dataset or saved DatasetDict (default: train)."
+MAX_SAMPLES_HELP = "Read only the first N rows."
+
+
 @app.command()
 @friendly
 def extract(
     target: str = typer.Option(..., help="Target model: local directory or a hub id in the local cache."),
-    data: Path = typer.Option(..., help="JSONL / JSON / Parquet file, or a saved `datasets` directory."),
+    data: str = typer.Option(..., help=DATA_HELP),
     out: Path = typer.Option(..., help="Cache directory (created, or resumed if it exists)."),
     layers: str | None = typer.Option(None, help="Tapped layer ids, e.g. 1,9,17,25,33 (default: DFlash's 5)."),
     num_layers: int = typer.Option(5, help="How many layers to tap when --layers is not given."),
@@ -77,19 +101,32 @@ def extract(
     zstd_level: int = typer.Option(3, help="zstd level for the shards."),
     token_budget: int | None = typer.Option(None, help="Padded tokens per forward (default 16384 GPU, 4096 CPU)."),
     unit_mb: int = typer.Option(512, help="Hidden-state MiB per work unit."),
-    writers: int | None = typer.Option(None, help="Writer processes: units compressed and written at once, one host "
-                                       "buffer each (default 6 with --gpus, else 2)."),
+    writers: int | None = typer.Option(
+        None,
+        help="Writer processes: units compressed and written at once, one host "
+        "buffer each (default 6 with --gpus, else 2).",
+    ),
     gpus: str | None = typer.Option(None, help="GPUs, one process each: 0-4 or 0,2,5."),
     procs: int = typer.Option(1, help="CPU processes when no --gpus."),
+    mask_token_id: int | None = typer.Option(
+        None,
+        help="Id for the drafter's masked block slots (default: the "
+        "tokenizer's mask token, else len(tokenizer), a row no text produces).",
+    ),
+    chat_template_kwargs: str | None = typer.Option(None, help=KWARGS_HELP),
+    data_split: str | None = typer.Option(None, help=SPLIT_HELP),
+    max_samples: int | None = typer.Option(None, help=MAX_SAMPLES_HELP),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the size estimate, write nothing."),
 ) -> None:
     """Run the target over a dataset and cache its tapped hidden states."""
     from dflash_cache import extract as ex
 
     cfg = ex.ExtractConfig(
-        target=target, data=str(data), out=out, layers=_layers(layers), num_layers=num_layers, revision=revision,
+        target=target, data=data, out=out, layers=_layers(layers), num_layers=num_layers, revision=revision,
         max_length=max_length, truncate=truncate, storage=storage, zstd_level=zstd_level,
         token_budget=token_budget, unit_mb=unit_mb, writers=writers, gpus=_gpus(gpus), procs=procs,
+        mask_token_id=mask_token_id, chat_template_kwargs=_template_kwargs(chat_template_kwargs),
+        data_split=data_split, max_samples=max_samples,
     )  # fmt: skip
     if dry_run:
         prep = ex.prepare(cfg)
@@ -125,15 +162,17 @@ def train(
     cache: Path = typer.Option(..., help="Cache directory written by `dflash extract`."),
     out: Path = typer.Option(..., help="Run directory (created, or resumed if it exists)."),
     epochs: int = typer.Option(6, help="Passes over the cache."),
-    max_steps: int | None = typer.Option(None, help="Stop after this many optimizer steps (the schedule still "
-                                         "spans all epochs)."),
+    max_steps: int | None = typer.Option(
+        None, help="Stop after this many optimizer steps (the schedule still spans all epochs)."
+    ),
     lr: float = typer.Option(6e-4, help="Peak learning rate (AdamW, cosine schedule)."),
     warmup: float = typer.Option(0.04, help="Warmup fraction of the run's tokens."),
     clip: float = typer.Option(1.0, help="Gradient clipping norm."),
     token_budget: int | None = typer.Option(None, help="Context tokens per batch per rank (4096 GPU, 2048 CPU)."),
     grad_accum: int = typer.Option(1, help="Batches per optimizer step."),
-    grad_reduce: str = typer.Option("fp32", help="Dtype of the DDP gradient all-reduce: fp32, or bf16 (half "
-                                    "the bytes)."),
+    grad_reduce: str = typer.Option(
+        "fp32", help="Dtype of the DDP gradient all-reduce: fp32, or bf16 (half the bytes)."
+    ),
     draft_layers: int = typer.Option(5, help="Drafter decoder layers."),
     block_size: int = typer.Option(16, help="Block size B."),
     layers: str | None = typer.Option(None, help="Subset of the cached layer ids (default: all cached)."),
@@ -144,8 +183,11 @@ def train(
     gpus: str | None = typer.Option(None, help="GPUs, one DDP process each: 5-7."),
     procs: int = typer.Option(1, help="CPU DDP processes (gloo) when no --gpus."),
     skip_bad_units: bool = typer.Option(False, help="Train without units that fail their checks."),
-    follow: bool = typer.Option(True, help="On a cache still being extracted, epoch 1 follows the extraction "
-                                "(--no-follow: train on the units committed so far)."),
+    follow: bool = typer.Option(
+        True,
+        help="On a cache still being extracted, epoch 1 follows the extraction "
+        "(--no-follow: train on the units committed so far).",
+    ),
     trace: bool = typer.Option(False, help="Log which samples every batch held to <out>/trace/rank<r>.jsonl."),
 ) -> None:
     """Train a DFlash drafter from a cache; rerun the same command to resume.
@@ -154,6 +196,7 @@ def train(
     they commit and waits for more until the extraction is complete."""
     from dflash_cache import train as tr
 
+    _paths(("output_dir", out, "--out"))
     cfg = tr.TrainConfig(
         cache=cache, out=out, epochs=epochs, max_steps=max_steps, lr=lr, warmup=warmup, clip=clip,
         token_budget=token_budget, grad_accum=grad_accum, grad_reduce=grad_reduce,
@@ -175,6 +218,7 @@ def export(
     """Write a run's latest checkpoint in the serving format (z-lab, vLLM, SGLang)."""
     from dflash_cache.train import export as export_run
 
+    _paths(("input_dir", run, "RUN"), ("output_dir", out, "OUT"))
     console.print(f"exported to {export_run(run, out)}")
 
 
@@ -207,22 +251,33 @@ def verify(cache: Path = typer.Argument(..., help="Cache directory.")) -> None:
 def eval_(
     target: str = typer.Option(..., help="Target model: local directory or a hub id in the local cache."),
     drafter: Path = typer.Option(..., help="Exported drafter (config.json + model.safetensors), e.g. RUN/export."),
-    data: Path = typer.Option(..., help="Prompts: JSONL / JSON / Parquet rows with messages, prompt or text."),
+    data: str = typer.Option(..., help="Prompts: " + DATA_HELP + " Trailing assistant turns are dropped."),
     max_new_tokens: int = typer.Option(128, min=1, help="Tokens to generate per prompt."),
     temperature: float = typer.Option(0.0, min=0.0, help="0: greedy; above 0: speculative sampling."),
     seed: int = typer.Option(0, help="Seed of the sampling generators."),
     block_size: int | None = typer.Option(None, min=2, help="Block size B (default: the drafter's)."),
     limit: int | None = typer.Option(None, min=1, help="Use only the first N prompts."),
+    chat_template_kwargs: str | None = typer.Option(
+        None, help=KWARGS_HELP + " The DFlash reference benchmark runs Qwen3 with thinking off."
+    ),
+    data_split: str | None = typer.Option(None, help=SPLIT_HELP),
     json_out: Path | None = typer.Option(None, "--json", help="Also write the full result as JSON here."),
 ) -> None:
-    """Speculative decoding with a drafter: tau, acceptance histogram, speedup over the target alone."""
+    """Speculative decoding with a drafter: tau, acceptance histogram, speedup over the target alone.
+
+    tau/prompt is the mean over prompts of each prompt's tokens per verification step, as the
+    DFlash reference benchmark reports it; tau (pooled) divides all tokens by all steps."""
     from dflash_cache.evaluate import evaluate
 
     r = evaluate(target, drafter, data, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                 block_size=block_size, limit=limit).to_dict()  # fmt: skip
+                 block_size=block_size, limit=limit, chat_template_kwargs=_template_kwargs(chat_template_kwargs),
+                 data_split=data_split).to_dict()  # fmt: skip
     s = r["settings"]
-    print(f"{s['prompts']} prompts, B={s['block_size']}, temperature {s['temperature']}, {s['device']} {s['dtype']}")
-    for name, value in (("tau", f"{r['tau']:.3f}"), ("steps", r["steps"]), ("new tokens", r["new_tokens"]),
+    kwargs = f", template {json.dumps(s['chat_template_kwargs'])}" if s["chat_template_kwargs"] else ""
+    print(f"{s['prompts']} prompts, B={s['block_size']}, temperature {s['temperature']}{kwargs}, "
+          f"{s['device']} {s['dtype']}")  # fmt: skip
+    for name, value in (("tau/prompt", f"{r['tau_per_prompt']:.3f}"), ("tau (pooled)", f"{r['tau']:.3f}"),
+                        ("steps", r["steps"]), ("new tokens", r["new_tokens"]),
                         ("spec tok/s", f"{r['spec_tok_s']:.1f}"), ("target tok/s", f"{r['target_tok_s']:.1f}"),
                         ("speedup", f"{r['speedup']:.2f}x")):  # fmt: skip
         print(f"  {name:<13}{value}")
@@ -235,19 +290,24 @@ def eval_(
 @friendly
 def regen(
     target: str = typer.Option(..., help="Target model: local directory or a hub id in the local cache."),
-    data: Path = typer.Option(..., help="JSONL / JSON / Parquet rows with messages or prompt."),
+    data: str = typer.Option(..., help=DATA_HELP),
     out: Path = typer.Option(..., help="Output .jsonl (parts are kept in OUT.parts/ until done; rerun to resume)."),
     max_new_tokens: int = typer.Option(512, min=1, help="Longest regenerated turn."),
     temperature: float = typer.Option(0.0, min=0.0, help="0: greedy."),
     seed: int = typer.Option(0, help="Sampling seed (each part is seeded by its id)."),
     batch_size: int = typer.Option(32, min=1, help="Prompts per generate call."),
     gpus: str | None = typer.Option(None, help="GPUs, one process each: 0-7."),
+    chat_template_kwargs: str | None = typer.Option(None, help=KWARGS_HELP),
+    data_split: str | None = typer.Option(None, help=SPLIT_HELP),
+    max_samples: int | None = typer.Option(None, help=MAX_SAMPLES_HELP),
 ) -> None:
     """Rewrite a dataset's assistant turns with the target's own generations."""
     from dflash_cache.regen import RegenConfig, run
 
-    s = run(RegenConfig(target=target, data=str(data), out=out, max_new_tokens=max_new_tokens,
-                        temperature=temperature, seed=seed, batch_size=batch_size, gpus=_gpus(gpus)))  # fmt: skip
+    s = run(RegenConfig(target=target, data=data, out=out, max_new_tokens=max_new_tokens,
+                        temperature=temperature, seed=seed, batch_size=batch_size, gpus=_gpus(gpus),
+                        chat_template_kwargs=_template_kwargs(chat_template_kwargs),
+                        data_split=data_split, max_samples=max_samples))  # fmt: skip
     console.print(f"{s['rows']} rows in {s['out']}" + (" (already complete)" if s["resumed"] else
                   f"; {s['rejected']} rows could not be regenerated"))  # fmt: skip
 
@@ -262,6 +322,7 @@ def demo(
     """regen -> extract -> train -> eval on the bundled data and tiny target; tau trained vs untrained."""
     from dflash_cache.demo import DemoConfig, run
 
+    _paths(("output_dir", out, "--out"))
     results = run(DemoConfig(out=out, epochs=epochs, eval_prompts=eval_prompts), say=console.print)
     print(f"{'drafter':<10} {'tau':>6} {'spec tok/s':>11} {'target tok/s':>13} {'speedup':>8}")
     for name, r in results.items():
@@ -278,11 +339,14 @@ def _print_json(d: dict) -> None:
 
 @bench_app.command("disk")
 @friendly
-def bench_disk(path: Path = typer.Argument(..., help="A directory on the cache's filesystem."),
-               size_mb: int = typer.Option(2048, help="Bytes to write and read back.")) -> None:
+def bench_disk(
+    path: Path = typer.Argument(..., help="A directory on the cache's filesystem."),
+    size_mb: int = typer.Option(2048, help="Bytes to write and read back."),
+) -> None:
     """Sequential write and cold-read bandwidth."""
     from dflash_cache import bench
 
+    _paths(("output_dir", path, "PATH"))
     _print_json(bench.disk(path, size_mb))
 
 
@@ -305,6 +369,7 @@ def bench_commit(
     """Unit commits while the process runs Python: writer threads against writer processes."""
     from dflash_cache import bench
 
+    _paths(("output_dir", out, "OUT"))
     _print_json(bench.commit(out, units=units, writers=writers))
 
 
@@ -321,6 +386,7 @@ def bench_extract(
     """Full extract path vs the bare truncated forward of a random Qwen3-8B-shaped target."""
     from dflash_cache import bench
 
+    _paths(("output_dir", out, "--out"))
     result = bench.extract(out, num_tokens=tokens, storage=storage, token_budget=token_budget,
                            writers=writers)  # fmt: skip
     bench.write_random_frozen(out, bench.QWEN3_8B)

@@ -200,10 +200,11 @@ def mask_token_id(tokenizer, vocab_size: int, override: int | None = None) -> in
                                f"(vocab_size {vocab_size}: ids 0..{vocab_size - 1})")  # fmt: skip
         text = _text_token(tokenizer, override)
         if text is not None:
+            past = f", or an id from {len(tokenizer)} to {vocab_size - 1}" if len(tokenizer) < vocab_size else ""
             raise ExtractError(
-                f"--mask-token-id {override} is {text!r}, a regular token that text encodes to, so masked "
-                f"slots would look like real text; use the tokenizer's mask token, an added special token, "
-                f"or an id from len(tokenizer) = {len(tokenizer)} to {vocab_size - 1}"
+                f"--mask-token-id {override} is {text!r}, a regular token that text encodes to, so masked slots "
+                f"would look like real text; use the tokenizer's mask token, an added special token the data does "
+                f"not use (e.g. a reserved one){past}"
             )
         return override
     own = tokenizer.mask_token_id
@@ -216,8 +217,9 @@ def mask_token_id(tokenizer, vocab_size: int, override: int | None = None) -> in
     if spare < vocab_size and _text_token(tokenizer, spare) is None:
         return spare
     raise ExtractError(
-        f"the target's tokenizer has no mask token and no spare row: len(tokenizer) = {spare} is not below "
-        f"vocab_size {vocab_size}; pass --mask-token-id N, an added special token that text never produces"
+        f"the target's tokenizer has no mask token and its embedding table no spare row past the tokenizer "
+        f"(len(tokenizer) {spare}, vocab_size {vocab_size}); pass --mask-token-id N, an added special token "
+        "the data does not use (e.g. a reserved one)"
     )
 
 

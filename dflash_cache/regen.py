@@ -5,6 +5,10 @@ responses learns a distribution the target never produces. Prompts (system and u
 kept; each assistant turn is regenerated in order, given the conversation so far with the earlier
 turns already regenerated.
 
+Chat-template kwargs (e.g. `enable_thinking`) reach every prompt the target continues, and a
+generated reasoning block (`<think>...</think>`) stays in the written reply: it is what the
+target says, and the template decides what of it a later turn sees.
+
 Rows are cut into fixed parts; a part is generated whole and committed by an atomic rename, so a
 killed run resumes without redoing finished parts, and each part's sampling is seeded by its id,
 so a resumed run writes what an uninterrupted one would. The parts are joined into one JSON Lines
@@ -16,18 +20,22 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .data import DataError, RowRejected, check_messages, read_rows, source_row
+from .data import DataError, RowRejected, check_template_kwargs, conversation, read_rows, source_row
 from .devices import Worker, launch
+from .paths import output_dir, output_file
 from .progress import ProgressSink, Reporter
 from .target import compute_dtype_for, load_tokenizer
 
 REJECTED = "rejected.jsonl"
+_ANSWER_FIELDS = (("prompt", "response"), ("instruction", "output"))
+REASONING_MARKERS = ("<think>", "</think>")  # kept in a reply even where the tokenizer calls them special
 
 
 @dataclass
@@ -43,32 +51,41 @@ class RegenConfig:
     revision: str | None = None
     gpus: list[int] | None = None
     procs: int = 1
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to every apply_chat_template call
+    data_split: str | None = None  # split of a hub dataset or saved DatasetDict
+    max_samples: int | None = None  # read only the first N rows of the source
 
 
 def parts_dir(out: Path) -> Path:
     return out.with_name(out.name + ".parts")
 
 
-def _conversation(row: dict[str, Any]) -> list[dict[str, str]] | str:
-    """The source row as chat messages to regenerate, or the reason it cannot be."""
+def _conversation(row: dict[str, Any]) -> list[dict[str, Any]] | str:
+    """The source row as chat messages to regenerate (any row form extract reads), or the reason
+    it cannot be."""
     try:
         row = source_row(row)
-        if row.get("messages") is not None:
-            return [{"role": m["role"], "content": m["content"]} for m in check_messages(row["messages"])]
+        for question, answer in _ANSWER_FIELDS:
+            if isinstance(row.get(question), str) and row.get(answer) is None:
+                row = {**row, answer: ""}  # a bare question is one for the target to answer
+        messages = conversation(row)
     except RowRejected as e:
         return e.reason
-    if isinstance(row.get("prompt"), str):
-        return [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": ""}]
-    if row.get("text") is not None:
-        return "plain text rows have no prompt to answer"
-    return "row has neither messages nor prompt"
+    return "plain text rows have no prompt to answer" if messages is None else messages
+
+
+def _read(cfg: RegenConfig):
+    return read_rows(cfg.data, split=cfg.data_split, max_samples=cfg.max_samples)
 
 
 def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     """Regenerate every part not yet committed, then join the parts into `cfg.out`."""
+    output_file(cfg.out, "--out")
+    output_dir(parts_dir(cfg.out), "--out's parts directory")
+    check_template_kwargs(cfg.chat_template_kwargs)
     if cfg.out.exists():
         return {"out": str(cfg.out), "rows": sum(1 for _ in open(cfg.out)), "resumed": True}
-    rows = read_rows(cfg.data)
+    rows = _read(cfg)
     n_parts = -(-len(rows) // cfg.part_rows)
     parts = parts_dir(cfg.out)
     parts.mkdir(parents=True, exist_ok=True)
@@ -106,12 +123,14 @@ def _worker(w: Worker, cfg: RegenConfig, n_parts: int, channel) -> None:
     todo = [i for i in range(n_parts) if i % w.world_size == w.rank and not (parts / f"part-{i:05d}.jsonl").exists()]
     if not todo:
         return
-    rows = read_rows(cfg.data)
+    rows = _read(cfg)
     tokenizer = load_tokenizer(cfg.target, cfg.revision)
     tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:  # e.g. Llama 3: batched prompts need a pad, which the mask hides
+        tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(cfg.target, revision=cfg.revision,
                                                  dtype=compute_dtype_for(w.device)).to(w.device).eval()  # fmt: skip
-    stop = [t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int)]
+    stop = stop_ids(model.generation_config, tokenizer)
     for part in todo:
         torch.manual_seed(cfg.seed * 1_000_003 + part)  # a part samples the same on any rerun
         lo, hi = part * cfg.part_rows, min(len(rows), (part + 1) * cfg.part_rows)
@@ -126,10 +145,29 @@ def _worker(w: Worker, cfg: RegenConfig, n_parts: int, channel) -> None:
         channel.put({"parts": 1})
 
 
+def stop_ids(generation_config, tokenizer) -> list[int]:
+    """Where a reply ends: the generation config's eos ids (a chat model lists its end-of-turn
+    token there: <|im_end|>, <|eot_id|>, <end_of_turn>) and the tokenizer's eos."""
+    ids = generation_config.eos_token_id
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    return sorted({int(t) for t in [*ids, tokenizer.eos_token_id] if t is not None})
+
+
+def reply_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """Generated ids -> reply text: special tokens dropped (as `skip_special_tokens` would), except
+    the reasoning markers, which `skip_special_tokens` drops where they are added as special."""
+    added = tokenizer.added_tokens_decoder
+    drop = (set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}) - {
+        i for i, t in added.items() if t.content in REASONING_MARKERS
+    }
+    return lambda ids: tokenizer.decode([t for t in ids if t not in drop], skip_special_tokens=False)
+
+
 @torch.inference_mode()
 def _regenerate(model, tokenizer, convs: dict[int, list[dict]], cfg: RegenConfig, stop: list[int],
                 device: torch.device) -> None:  # fmt: skip
     """Replace every assistant turn, turn by turn across the part, in length-sorted batches."""
+    decode = reply_decoder(tokenizer)
     depth = 0
     while True:
         # requests: (row, message index) of the depth-th assistant turn of each conversation
@@ -140,8 +178,9 @@ def _regenerate(model, tokenizer, convs: dict[int, list[dict]], cfg: RegenConfig
                 requests.append((i, turns[depth]))
         if not requests:
             return
-        prompts = {r: tokenizer.apply_chat_template(convs[r[0]][: r[1]], add_generation_prompt=True, tokenize=False)
-                   for r in requests}  # fmt: skip
+        kwargs = check_template_kwargs(cfg.chat_template_kwargs)
+        prompts = {r: tokenizer.apply_chat_template(convs[r[0]][: r[1]], add_generation_prompt=True, tokenize=False,
+                                                    **kwargs) for r in requests}  # fmt: skip
         requests.sort(key=lambda r: (len(prompts[r]), r))
         for b in range(0, len(requests), cfg.batch_size):
             batch = requests[b : b + cfg.batch_size]
@@ -153,5 +192,5 @@ def _regenerate(model, tokenizer, convs: dict[int, list[dict]], cfg: RegenConfig
             )  # fmt: skip
             for (i, k), ids in zip(batch, out[:, enc["input_ids"].shape[1] :].tolist(), strict=True):
                 cut = next((j for j, t in enumerate(ids) if t in stop), len(ids))
-                convs[i][k] = {"role": "assistant", "content": tokenizer.decode(ids[:cut], skip_special_tokens=True)}
+                convs[i][k] = {"role": "assistant", "content": decode(ids[:cut])}
         depth += 1

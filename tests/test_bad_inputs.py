@@ -24,6 +24,9 @@ import pytest
 import torch
 from conftest import CHAT, ROOT, TINY_TARGET
 
+sys.path.insert(0, str(ROOT / "data"))
+import make_family_targets as fam  # noqa: E402
+
 ENV = {
     **{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR")},
     "PYTHONPATH": str(ROOT),
@@ -100,7 +103,7 @@ BAD_ROWS: list[tuple[bytes, str]] = [
     (json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 7}]}).encode(),
      "wrong type: message 1 content must be a string"),
     (json.dumps({"messages": "hello there"}).encode(), "wrong type: messages must be a list"),
-    (json.dumps({"prompt": 3, "response": "three"}).encode(), "wrong type: prompt must be a string"),
+    (json.dumps({"prompt": 3, "response": "three"}).encode(), "wrong type: prompt"),
     (json.dumps({"question": "hi", "answer": "hello"}).encode(), "missing field"),
     (json.dumps({"prompt": "hi"}).encode(), "missing field: a row with prompt needs response"),
     (json.dumps({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}).encode(),
@@ -154,6 +157,11 @@ class Suite:
     def cache(self) -> Path:
         return self.root / "cache"
 
+    @property
+    def paths(self) -> Path:
+        """Where the wrong-kind-of-path cases point: a file and an empty directory, nothing else."""
+        return self.root / "paths"
+
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory) -> Suite:
@@ -168,6 +176,10 @@ def suite(tmp_path_factory) -> Suite:
     (no_template / "chat_template.jinja").unlink(missing_ok=True)
     tok_cfg = no_template / "tokenizer_config.json"
     tok_cfg.write_text(json.dumps({k: v for k, v in json.loads(tok_cfg.read_text()).items() if k != "chat_template"}))
+    full_table = fam.build("llama3", root / "llama3-target")  # no mask token and no spare embedding row
+    a_file, a_dir = root / "paths" / "a-file", root / "paths" / "a-dir"
+    a_dir.mkdir(parents=True)
+    a_file.write_text(FILE_TEXT)
 
     cache, empty = root / "cache", root / "empty-dir"
     futures: dict[str, Future] = {}
@@ -226,6 +238,11 @@ def suite(tmp_path_factory) -> Suite:
         "layers_not_numbers": ["--layers", "a,b"],
         "storage_unknown": ["--storage", "int4"],
         "gpus_backwards": ["--gpus", "3-1"],
+        "extract_out_is_a_file": ["--out", a_file],
+        "extract_kwargs_not_json": ["--chat-template-kwargs", "{enable_thinking: false}"],
+        "extract_kwargs_not_object": ["--chat-template-kwargs", "[1, 2]"],
+        "mask_token_id_outside": ["--mask-token-id", "99999"],
+        "no_mask_token_no_spare_row": ["--target", full_table],
     }
     if torch.cuda.device_count() == 0:
         extract_cases["gpu_missing"] = ["--gpus", "0"]
@@ -257,6 +274,27 @@ def suite(tmp_path_factory) -> Suite:
                                                                   "1"))))  # fmt: skip
     jobs.append(("train_grad_reduce_unknown", after_cache(lambda: dflash(*train, "--out", root / "run-g",
                                                                          "--grad-reduce", "fp8"))))  # fmt: skip
+    small = root / "small.jsonl"
+    regen = ("regen", "--target", TINY_TARGET, "--data", small, "--max-new-tokens", "4")
+    wrong_kind = {
+        "regen_out_is_a_dir": (*regen, "--out", a_dir),
+        "regen_kwargs_not_object": (*regen, "--out", root / "paths" / "r.jsonl", "--chat-template-kwargs", "true"),
+        "train_cache_is_a_file": ("train", "--cache", a_file, "--out", root / "paths" / "run", *TRAIN),
+        "train_out_is_a_file": ("train", "--cache", cache, "--out", a_file, *TRAIN),
+        "export_run_is_a_file": ("export", a_file, root / "paths" / "export"),
+        "info_file": ("info", a_file),
+        "verify_file": ("verify", a_file),
+        "demo_out_is_a_file": ("demo", "--out", a_file),
+        "bench_commit_out_is_a_file": ("bench", "commit", a_file),
+    }
+    jobs += [(name, lambda argv=argv: dflash(*argv)) for name, argv in wrong_kind.items()]
+
+    def export_out_is_a_file() -> Result:  # a real run, exported onto a file
+        first = futures["train_skip_bad_units"].result()
+        if first.rc != 0:
+            pytest.fail(f"the run to export failed:\n{first}")
+        return dflash("export", root / "run-skip", a_file)
+
     truncated_jobs = [
         ("truncated", after_cache(truncate_biggest_unit)),
         ("train_skip_bad_units", on_truncated(*skip_run)),
@@ -269,11 +307,13 @@ def suite(tmp_path_factory) -> Suite:
     # only waits on jobs submitted before it, so the pool cannot deadlock.
     submit("cache", lambda: dflash("extract", "--target", TINY_TARGET, "--data", root / "mixed.jsonl",
                                    "--out", cache, *EXTRACT))  # fmt: skip
-    independent = [job for job in jobs if job[0] in extract_cases or job[0].endswith("not_a_cache")]
+    independent = [job for job in jobs if job[0] in extract_cases or job[0] in wrong_kind
+                   or job[0].endswith("not_a_cache")]  # fmt: skip
     order = independent[: WORKERS - 1] + truncated_jobs + [job for job in jobs if job not in independent[: WORKERS - 1]]
     for name, fn in order:
         submit(name, fn)
     submit("rerun_other_settings", rerun_other_settings)
+    submit("export_out_is_a_file", export_out_is_a_file)
     pool.shutdown(wait=False)
     return Suite(root, expected, futures, start)
 
@@ -344,6 +384,55 @@ def test_gpu_that_does_not_exist(suite):
 
 def test_gpus_range_backwards(suite):
     assert_user_error(suite["gpus_backwards"], "--gpus", "3-1", "backwards")
+
+
+def test_no_mask_token_and_no_spare_row(suite):
+    assert_user_error(suite["no_mask_token_no_spare_row"], "no mask token", "no spare row", "--mask-token-id")
+
+
+def test_mask_token_id_outside_the_table(suite):
+    assert_user_error(suite["mask_token_id_outside"], "--mask-token-id 99999", "outside", "vocab_size 1536")
+
+
+@pytest.mark.parametrize("name, needles", [
+    ("extract_kwargs_not_json", ("--chat-template-kwargs", "not valid JSON")),
+    ("extract_kwargs_not_object", ("--chat-template-kwargs", "must be a JSON object", "list")),
+    ("regen_kwargs_not_object", ("--chat-template-kwargs", "must be a JSON object", "bool")),
+])  # fmt: skip
+def test_template_kwargs_not_an_object(suite, name, needles):
+    assert_user_error(suite[name], *needles)
+
+
+# ------------------------------------------------------------------------------------------------
+# Path arguments of the wrong kind: one error line, nothing written
+# ------------------------------------------------------------------------------------------------
+
+FILE_TEXT = "a file, not a directory\n"
+WRONG_KIND = {
+    "extract_out_is_a_file": ("--out", "a-file", "is a file"),
+    "regen_out_is_a_dir": ("--out", "a-dir", "is a directory"),
+    "train_cache_is_a_file": ("a-file", "is a file, not a dflash cache"),
+    "train_out_is_a_file": ("--out", "a-file", "is a file"),
+    "export_run_is_a_file": ("RUN", "a-file", "is a file"),
+    "export_out_is_a_file": ("OUT", "a-file", "is a file"),
+    "info_file": ("a-file", "is a file, not a dflash cache"),
+    "verify_file": ("a-file", "is a file, not a dflash cache"),
+    "demo_out_is_a_file": ("--out", "a-file", "is a file"),
+    "bench_commit_out_is_a_file": ("OUT", "a-file", "is a file"),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_KIND)
+def test_path_of_the_wrong_kind(suite, name):
+    assert_user_error(suite[name], *WRONG_KIND[name])
+
+
+def test_paths_of_the_wrong_kind_write_nothing(suite):
+    for name in [*WRONG_KIND, "regen_kwargs_not_object"]:
+        suite[name]  # every case has finished
+    assert sorted(p.name for p in suite.paths.iterdir()) == ["a-dir", "a-file"]
+    assert (suite.paths / "a-file").read_text() == FILE_TEXT and not any((suite.paths / "a-dir").iterdir())
+    assert not (suite.paths / "a-dir.parts").exists()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -426,7 +515,9 @@ def test_train_skip_bad_units_reports_dropped_samples(suite):
 
 USER_ERRORS = ["missing_data", "all_rows_bad", "target_not_a_model", "no_chat_template", "layers_out_of_range",
                "layers_not_numbers", "storage_unknown", "gpus_backwards", "info_not_a_cache", "train_newer_version",
-               "info_corrupt_json", "train_layers_not_cached"]  # fmt: skip
+               "info_corrupt_json", "train_layers_not_cached", "no_mask_token_no_spare_row", "mask_token_id_outside",
+               "extract_kwargs_not_json", "extract_kwargs_not_object", "regen_kwargs_not_object",
+               *WRONG_KIND]  # fmt: skip
 
 
 def test_errors_are_one_line_when_piped(suite):

@@ -1,5 +1,5 @@
 """dflash regen against independent computations: the target's own unbatched greedy generation,
-the source prompts, and an uninterrupted run."""
+the source prompts, and an uninterrupted run; for the bundled target and Qwen3- and Llama-3-style ones."""
 
 import json
 import os
@@ -9,15 +9,36 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import CHAT, ROOT, TINY_TARGET
+from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache.regen import RegenConfig, parts_dir, run
+from dflash_cache.errors import UserError
+from dflash_cache.regen import REASONING_MARKERS, RegenConfig, parts_dir, reply_decoder, run
+
+sys.path.insert(0, str(ROOT / "data"))
+import make_family_targets as fam  # noqa: E402
 
 
 def _source(n):
     return [json.loads(x) for x in CHAT.read_text().splitlines()[:n]]
+
+
+def greedy_reply(tok, model, messages, stop, max_new_tokens, **template_kwargs) -> str:
+    """The target's own greedy reply to `messages`, one conversation at a time, as the reference."""
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True,
+                                  **template_kwargs)["input_ids"]  # fmt: skip
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
+                             pad_token_id=tok.pad_token_id or stop[0])[0, ids.shape[1]:].tolist()  # fmt: skip
+    cut = next((j for j, t in enumerate(out) if t in stop), len(out))
+    return tok.decode(out[:cut], skip_special_tokens=True)
+
+
+def first_reply(messages: list[dict]) -> int:
+    return next(i for i, m in enumerate(messages) if m["role"] == "assistant")
 
 
 def test_prompts_kept_and_responses_are_the_targets_own(tmp_path):
@@ -39,15 +60,86 @@ def test_prompts_kept_and_responses_are_the_targets_own(tmp_path):
             if a["role"] != "assistant":
                 assert a["content"] == b["content"]  # prompts are kept as they were
         # the first reply is the target's own greedy continuation, computed here one row at a time
-        k = next(i for i, m in enumerate(new["messages"]) if m["role"] == "assistant")
-        ids = tok.apply_chat_template(new["messages"][:k], add_generation_prompt=True, return_tensors="pt",
-                                      return_dict=True)["input_ids"]  # fmt: skip
-        with torch.no_grad():
-            ref = model.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=stop,
-                                 pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()  # fmt: skip
-        cut = next((j for j, t in enumerate(ref) if t in stop), len(ref))
-        assert new["messages"][k]["content"] == tok.decode(ref[:cut], skip_special_tokens=True)
+        k = first_reply(new["messages"])
+        assert new["messages"][k]["content"] == greedy_reply(tok, model, new["messages"][:k], stop, 40)
     assert got[12]["messages"][1]["content"] != "human answer"
+
+
+def fam_stops(family: str) -> list[str]:
+    return {"qwen3": ["<|im_end|>", "<|endoftext|>"], "llama3": ["<|eot_id|>", "<|end_of_text|>"]}[family]
+
+
+@pytest.mark.parametrize("family, kwargs", [("qwen3", {"enable_thinking": False}),
+                                            ("llama3", {"date_string": "01 Jan 2030"})])  # fmt: skip
+def test_family_targets_template_kwargs_and_stop_ids(tmp_path, family, kwargs):
+    """A Qwen3- or Llama-3-style target (no pad token for Llama 3): the template kwargs reach every
+    prompt, and replies stop at the family's end-of-turn token, named here from the family."""
+    target = fam.build(family, tmp_path / family)
+    rows = fam.example_rows(family)[:4]  # one and several turns, with and without a system turn
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "regen.jsonl"
+    summary = run(RegenConfig(target=str(target), data=str(data), out=out, max_new_tokens=16, batch_size=4,
+                              chat_template_kwargs=kwargs))  # fmt: skip
+    assert summary == {"out": str(out), "rows": len(rows), "rejected": 0, "resumed": False}
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    stop = [tok.convert_tokens_to_ids(t) for t in fam_stops(family)]
+    got = [json.loads(x)["messages"] for x in out.read_text().splitlines()]
+    prompt = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **kwargs) != \
+        tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)  # the kwargs matter  # fmt: skip
+    for messages in got:
+        k = first_reply(messages)
+        assert messages[k]["content"] == greedy_reply(tok, model, messages[:k], stop, 16, **kwargs)
+
+
+def test_every_row_form_regenerates_alike(tmp_path):
+    """ShareGPT, Alpaca, prompt/response and OpenAI rows of one question give one regenerated row;
+    a bare question (no answer yet) is answered too."""
+    q, system = "Who is the lamplighter of Harrow Pier?", "You are the storyteller of the island of Wend."
+    forms = [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "Ila."}]},
+        {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "Ila."}]},
+        {"instruction": q, "input": "", "output": "Ila."},
+        {"prompt": q, "response": "Ila."},
+        {"prompt": q},
+        {"instruction": q},
+    ]
+    with_system = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": q},
+                                 {"role": "assistant", "content": "Ila."}]},
+                   {"conversations": [{"from": "system", "value": system}, {"from": "human", "value": q},
+                                      {"from": "gpt", "value": "Ila."}]}]  # fmt: skip
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in forms + with_system))
+    out = tmp_path / "regen.jsonl"
+    assert run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=16))["rows"] == 8
+    got = [json.loads(x) for x in out.read_text().splitlines()]
+    assert all(g == got[0] for g in got[: len(forms)]) and got[6] == got[7]
+    assert got[0]["messages"][0] == {"role": "user", "content": q} and got[0]["messages"][1]["content"] != "Ila."
+    assert got[6]["messages"][0] == {"role": "system", "content": system}
+
+
+def test_reasoning_markers_survive_decoding():
+    """skip_special_tokens drops <think> and </think> where a tokenizer adds them as special tokens;
+    a regenerated reply keeps them (and drops the other special tokens as before)."""
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in REASONING_MARKERS])
+    text = "<think>\nadd the tens\n</think>\n\nIt is 42."
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_start|>")]
+    assert all(tok.convert_tokens_to_ids(m) in ids for m in REASONING_MARKERS)
+    assert "<think>" not in tok.decode(ids, skip_special_tokens=True)  # what a plain decode would lose
+    assert reply_decoder(tok)(ids) == text
+
+
+def test_out_that_is_a_directory_is_refused(tmp_path):
+    (tmp_path / "out.jsonl").mkdir()
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _source(2)))
+    with pytest.raises(UserError, match="--out .*out.jsonl is a directory"):
+        run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=tmp_path / "out.jsonl"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+    assert not any((tmp_path / "out.jsonl").iterdir())
 
 
 def test_killed_regen_resumes_to_the_same_output(tmp_path):
