@@ -31,7 +31,7 @@ from .data import DataError, RowRejected, check_template_kwargs, conversation, r
 from .devices import Worker, launch
 from .paths import output_dir, output_file
 from .progress import ProgressSink, Reporter
-from .target import compute_dtype_for, load_tokenizer
+from .target import compute_dtype_for, load_config, load_tokenizer
 
 REJECTED = "rejected.jsonl"
 _ANSWER_FIELDS = (("prompt", "response"), ("instruction", "output"))
@@ -86,6 +86,7 @@ def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     if cfg.out.exists():
         return {"out": str(cfg.out), "rows": sum(1 for _ in open(cfg.out)), "resumed": True}
     rows = _read(cfg)
+    load_config(cfg.target, cfg.revision)  # a bad --target fails here, before the parts directory exists
     n_parts = -(-len(rows) // cfg.part_rows)
     parts = parts_dir(cfg.out)
     parts.mkdir(parents=True, exist_ok=True)

@@ -279,6 +279,7 @@ def suite(tmp_path_factory) -> Suite:
     wrong_kind = {
         "regen_out_is_a_dir": (*regen, "--out", a_dir),
         "regen_kwargs_not_object": (*regen, "--out", root / "paths" / "r.jsonl", "--chat-template-kwargs", "true"),
+        "regen_target_is_a_file": ("regen", "--target", a_file, "--data", small, "--out", root / "paths" / "r.jsonl"),
         "train_cache_is_a_file": ("train", "--cache", a_file, "--out", root / "paths" / "run", *TRAIN),
         "train_out_is_a_file": ("train", "--cache", cache, "--out", a_file, *TRAIN),
         "export_run_is_a_file": ("export", a_file, root / "paths" / "export"),
@@ -411,6 +412,7 @@ FILE_TEXT = "a file, not a directory\n"
 WRONG_KIND = {
     "extract_out_is_a_file": ("--out", "a-file", "is a file"),
     "regen_out_is_a_dir": ("--out", "a-dir", "is a directory"),
+    "regen_target_is_a_file": ("--target", "a-file", "not a model directory"),
     "train_cache_is_a_file": ("a-file", "is a file, not a dflash cache"),
     "train_out_is_a_file": ("--out", "a-file", "is a file"),
     "export_run_is_a_file": ("RUN", "a-file", "is a file"),
