@@ -39,7 +39,7 @@ EXTRACT = ("--max-length", "512", "--unit-mb", "4")
 TRAIN = ("--epochs", "1", "--token-budget", "2048", "--max-anchors", "16", "--draft-layers", "1", "--log-every", "1")
 GOOD_ROWS = 80  # about 8K tokens: two 4 MiB units, so one can be broken and the other trained on
 BAD_CACHE_CASES = [("info", "not_a_cache"), ("verify", "not_a_cache"), ("train", "not_a_cache"),
-                   ("train", "newer_version"), ("info", "corrupt_json")]
+                   ("train", "newer_version"), ("info", "corrupt_json")]  # fmt: skip
 _TRUNCATED = object()  # stands for the path of the cache with a truncated unit, made once the cache exists
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

@@ -31,7 +31,7 @@ def read_cache(cache):
             a, b = int(r.offsets[i]), int(r.offsets[i + 1])
             assert s not in out, f"sample {s} cached twice"
             out[s] = (r.read("hidden", a, b), r.read("input_ids", a, b), r.read("loss_mask", a, b),
-                      r.read("hidden_scale", a, b) if has_scale else None)
+                      r.read("hidden_scale", a, b) if has_scale else None)  # fmt: skip
     return out
 
 
@@ -52,14 +52,14 @@ def test_hidden_states_match_output_hidden_states(tiny_cache):
             want = ref[lid + 1][0]
             # bf16 keeps 8 significant bits: rounding moves a value by at most 2^-8 of itself,
             # plus float32 noise from running in a padded batch rather than alone
-            torch.testing.assert_close(got[:, k * H:(k + 1) * H], want, rtol=2**-8, atol=1e-5)
+            torch.testing.assert_close(got[:, k * H : (k + 1) * H], want, rtol=2**-8, atol=1e-5)
             assert want.abs().mean() > 1e-3
 
 
 def test_every_row_once_and_rejections_recorded(tmp_path):
     rows = [json.loads(line) for line in CHAT.read_text().splitlines()[:60]]
     bad = {3: {"messages": []}, 10: {"messages": [{"role": "wizard", "content": "hi"}]},
-           20: {"prompt": "x" * 5000, "response": "y"}}
+           20: {"prompt": "x" * 5000, "response": "y"}}  # fmt: skip
     lines = [json.dumps(bad.get(i, r)) for i, r in enumerate(rows)]
     lines.insert(30, "{not json")
     data = tmp_path / "rows.jsonl"
@@ -82,9 +82,10 @@ def test_every_row_once_and_rejections_recorded(tmp_path):
 
 def test_kill_and_resume_equals_uninterrupted(tmp_path):
     out = tmp_path / "cache"
+
     def cmd_for(out):
         return [sys.executable, "-m", "cli.main", "extract", "--target", str(TINY_TARGET), "--data", str(CHAT),
-                "--out", str(out), "--max-length", "512", "--unit-mb", "4", "--token-budget", "256"]
+                "--out", str(out), "--max-length", "512", "--unit-mb", "4", "--token-budget", "256"]  # fmt: skip
 
     cmd = cmd_for(out)
     env = {**os.environ, "PYTHONPATH": str(TINY_TARGET.parents[1])}
@@ -155,8 +156,8 @@ def test_bad_requests_refused(tmp_path, tiny_cache):
 def test_dry_run_writes_no_units(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(TINY_TARGET.parents[1])}
     out = tmp_path / "cache"
-    res = subprocess.run([sys.executable, "-m", "cli.main", "extract", "--target", str(TINY_TARGET), "--data",
-                          str(CHAT), "--out", str(out), "--dry-run"], env=env, capture_output=True, text=True)
+    argv = ["extract", "--target", str(TINY_TARGET), "--data", str(CHAT), "--out", str(out), "--dry-run"]
+    res = subprocess.run([sys.executable, "-m", "cli.main", *argv], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert plan["samples"] == 400 and plan["padding"] < 0.2 and plan["estimated_bytes_max"] > 0
