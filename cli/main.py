@@ -136,7 +136,7 @@ def extract(
             "padded_tokens": plan.padded_tokens, "padding": round(plan.padding_ratio, 4),
             "units": len(plan.units), "units_committed": len(prep.done),
             "batches": sum(len(u.batches) for u in plan.units),
-            "layers": spec.layers.ids, "storage": spec.storage.dtype,
+            "layers": spec.layers.ids, "storage": spec.storage.dtype, "mask_token_id": spec.tokenizer.mask_token_id,
             "estimated_bytes_max": ex.estimated_bytes(spec, plan.num_tokens),
         }, indent=2))  # fmt: skip
         return
