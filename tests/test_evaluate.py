@@ -1,10 +1,13 @@
 """Speculative decoding (dflash eval): greedy output identical to the target's own, full blocks
-accepted from an oracle drafter, the speculative-sampling rule's distribution, tau, the CLI."""
+accepted from an oracle drafter, the speculative-sampling rule's distribution, tau pooled and per
+prompt, prompts in every row form with chat-template kwargs, the CLI."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -215,6 +218,96 @@ def test_tau_and_histogram():
     assert ev.histogram([1, 3, 4, 2, 5, 1], 5) == [2, 1, 1, 1, 1]
 
 
+def test_tau_per_prompt():
+    per_prompt = [[1, 3, 4], [16, 16, 7], [], [2]]  # the empty one: the first token ended the generation
+    want = statistics.fmean(statistics.fmean(lengths) for lengths in per_prompt if lengths)
+    assert ev.tau_per_prompt(per_prompt) == pytest.approx(want)
+    assert ev.tau_per_prompt([[], []]) == 0.0
+
+
+def test_evaluate_reports_tau_per_prompt(tmp_path, monkeypatch):
+    """evaluate() on the tiny target with drafts that are right up to a slot that depends on the
+    prompt, so prompts differ in tau and in length: tau_per_prompt is the mean of the prompts'
+    own means of the acceptance lengths returned, tau the pooled mean, and the two differ."""
+    B = 8
+    drafter_dir = export_random_drafter(tmp_path / "d", B)
+    current = {}
+    real_generate = ev.speculative_generate
+
+    def spec_generate(model, drafter, dcfg, ids, **kw):
+        current["prompt"] = len(ids)
+        current["cont"] = ev.target_generate(model, ids, max_new_tokens=MAX_NEW + B, stop_ids=set())
+        return real_generate(model, drafter, dcfg, ids, **kw)
+
+    def wrong_at_one_slot(drafter, dcfg, context, last_token, position, *, block_size, **_):
+        at = position - current["prompt"]
+        drafts = list(current["cont"][at + 1 : at + block_size])
+        j = current["prompt"] % (block_size - 1)
+        drafts[j] = (drafts[j] + 1) % dcfg.vocab_size
+        return drafts, None
+
+    monkeypatch.setattr(ev, "speculative_generate", spec_generate)
+    monkeypatch.setattr(ev, "propose", wrong_at_one_slot)
+    r = ev.evaluate(str(TINY_TARGET), drafter_dir, PROMPTS, max_new_tokens=MAX_NEW, limit=6)
+    lengths = [s["acceptance_lengths"] for s in r.samples]
+    assert len(lengths) == 6 and all(s["same_as_target"] for s in r.samples)
+    assert r.tau_per_prompt == pytest.approx(statistics.fmean(statistics.fmean(n) for n in lengths if n))
+    assert r.tau == pytest.approx(statistics.fmean(n for sample in lengths for n in sample))
+    assert r.tau_per_prompt != pytest.approx(r.tau)
+    assert len({round(statistics.fmean(n), 6) for n in lengths if n}) > 1
+    assert r.to_dict()["tau_per_prompt"] == r.tau_per_prompt
+
+
+def _qwen3_tokenizer():
+    """The Qwen3-style fixture tokenizer (data/make_family_targets.py): no generation markers, and
+    a template that honours enable_thinking."""
+    families = sys.modules.get("make_family_targets")
+    if families is None:
+        spec = importlib.util.spec_from_file_location("make_family_targets", ROOT / "data" / "make_family_targets.py")
+        families = importlib.util.module_from_spec(spec)
+        sys.modules["make_family_targets"] = families  # its dataclasses look their module up there
+        spec.loader.exec_module(families)
+    return families.build_tokenizer("qwen3")
+
+
+def test_prompts_in_every_row_form_with_thinking_off(tmp_path):
+    """Every row form dflash extract reads gives the same prompt as the equivalent messages row,
+    rendered with the chat-template kwargs: with a Qwen3-style template, thinking off adds the
+    empty think block to the generation prompt."""
+    tok = _qwen3_tokenizer()
+    ask = "Add 2 and 3."
+    rows = [
+        {"messages": [{"role": "user", "content": ask}]},
+        {"messages": [{"role": "user", "content": ask}, {"role": "assistant", "content": "5"}]},
+        {"conversations": [{"from": "human", "value": ask}, {"from": "gpt", "value": "5"}]},
+        {"conversations": [{"from": "human", "value": ask}]},
+        {"instruction": ask, "output": "5"},
+        {"instruction": ask},
+        {"prompt": ask, "response": "5"},
+        {"prompt": ask},
+    ]
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    chat = [{"role": "user", "content": ask}]
+    off = ev.load_prompts(f, tok, chat_template_kwargs={"enable_thinking": False})
+    want = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False),
+               add_special_tokens=False)["input_ids"]  # fmt: skip
+    assert off == [want] * len(rows)
+    assert tok.decode(want).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    default = ev.load_prompts(f, tok)
+    assert default == [tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]] * 8
+    assert default[0] != off[0]
+
+
+def test_bad_prompt_rows_and_template_kwargs(tmp_path, tokenizer):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n" + '{"conversations": 3}\n')
+    with pytest.raises(ev.DataError, match=r"line 2: wrong type: conversations must be a list"):
+        ev.load_prompts(f, tokenizer)
+    with pytest.raises(ev.DataError, match="JSON object"):
+        ev.load_prompts(f, tokenizer, chat_template_kwargs=["enable_thinking"])
+
+
 def test_prompts_drop_the_reply(tmp_path, tokenizer):
     f = tmp_path / "p.jsonl"
     chat = [{"role": "user", "content": "Add 2 and 3."}]
@@ -238,15 +331,27 @@ def test_cli_end_to_end(tmp_path):
     out = tmp_path / "eval.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "cli.main", "eval", "--target", str(TINY_TARGET), "--drafter", str(drafter),
-           "--data", str(PROMPTS), "--limit", "2", "--max-new-tokens", "16", "--json", str(out)]  # fmt: skip
+           "--data", str(PROMPTS), "--limit", "2", "--max-new-tokens", "16", "--json", str(out),
+           "--chat-template-kwargs", '{"enable_thinking": false}']  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "tau" in proc.stdout and "speedup" in proc.stdout
+    assert "tau/prompt" in proc.stdout and "tau (pooled)" in proc.stdout and "speedup" in proc.stdout
     result = json.loads(out.read_text())
     assert result["settings"]["prompts"] == 2 and result["settings"]["block_size"] == 8
+    assert result["settings"]["chat_template_kwargs"] == {"enable_thinking": False}
     assert len(result["histogram"]) == 8 and sum(result["histogram"]) == result["steps"]
     assert result["tau"] == pytest.approx(sum((i + 1) * c for i, c in enumerate(result["histogram"])) / result["steps"])
+    taus = [statistics.fmean(s["acceptance_lengths"]) for s in result["samples"] if s["acceptance_lengths"]]
+    assert result["tau_per_prompt"] == pytest.approx(statistics.fmean(taus))
+    assert f"{result['tau_per_prompt']:.3f}" in proc.stdout
     assert all(s["same_as_target"] for s in result["samples"])
+
+    for bad in ("{enable_thinking: false}", "[1]"):  # not JSON; not an object
+        cmd[-1] = bad
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: --chat-template-kwargs")
+    cmd[-1] = "{}"
 
     cmd[cmd.index("--drafter") + 1] = str(tmp_path)  # a directory that is no exported drafter
     bad = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
