@@ -168,7 +168,7 @@ def train(
     lr: float = typer.Option(6e-4, help="Peak learning rate (AdamW, cosine schedule)."),
     warmup: float = typer.Option(0.04, help="Warmup fraction of the run's tokens."),
     clip: float = typer.Option(1.0, help="Gradient clipping norm."),
-    token_budget: int | None = typer.Option(None, help="Context tokens per batch per rank (4096 GPU, 2048 CPU)."),
+    token_budget: int | None = typer.Option(None, help="Context tokens per batch per rank (8192 GPU, 2048 CPU)."),
     grad_accum: int = typer.Option(1, help="Batches per optimizer step."),
     grad_reduce: str = typer.Option(
         "fp32", help="Dtype of the DDP gradient all-reduce: fp32, or bf16 (half the bytes)."
@@ -402,10 +402,11 @@ def bench_extract(
 def bench_train(
     cache: Path = typer.Option(..., help="A cache, e.g. the one `dflash bench extract` wrote."),
     steps: int = typer.Option(20, help="Measured steps per phase."),
-    token_budget: int = typer.Option(4096, help="Context tokens per batch."),
+    token_budget: int = typer.Option(8192, help="Context tokens per batch."),
     max_anchors: int = typer.Option(512, help="Anchors per sequence."),
 ) -> None:
-    """Drafter steps with the real loader vs the same steps on batches already on the GPU."""
+    """Drafter steps with the real loader vs the same steps on batches already on the GPU, with the
+    useful TFLOP/s and MFU of the step."""
     from dflash_cache import bench
 
     _print_json(bench.train(cache, steps=steps, token_budget=token_budget, max_anchors=max_anchors))

@@ -68,16 +68,18 @@ class ExtractBar:
 
 
 class TrainBar:
-    """Context tokens trained (what the schedule counts), loss, implied acceptance length,
-    tokens/s and loader wait for `dflash train`; while it follows an extraction, also units
-    committed/planned, units read and the time spent waiting for data."""
+    """Epoch and step, context tokens trained (what the schedule counts), loss, implied acceptance
+    length, tokens/s, useful TFLOP/s and MFU (on GPUs of known peak) and loader wait for `dflash
+    train`; while it follows an extraction, also units committed/planned, units read and the time
+    spent waiting for data."""
 
     def __init__(self) -> None:
         self.progress = Progress(
             TextColumn("[bold]train"),
             BarColumn(bar_width=12),
-            TextColumn("{task.fields[tokens]} loss {task.fields[loss]} accept {task.fields[accept]} "
-                       "{task.fields[rate]} wait {task.fields[wait]}{task.fields[follow]} eta"),  # fmt: skip
+            TextColumn("{task.fields[where]}{task.fields[tokens]} loss {task.fields[loss]} "
+                       "accept {task.fields[accept]} {task.fields[rate]}{task.fields[mfu]} "
+                       "wait {task.fields[wait]}{task.fields[follow]} eta"),  # fmt: skip
             TimeRemainingColumn(),
             console=console,
         )
@@ -85,8 +87,8 @@ class TrainBar:
 
     def start(self, total: int, done: int) -> None:
         self.progress.start()
-        self.task = self.progress.add_task("train", total=None, tokens="-", loss="-", accept="-", rate="-", wait="-",
-                                           follow="")  # fmt: skip
+        self.task = self.progress.add_task("train", total=None, where="", tokens="-", loss="-", accept="-", rate="-",
+                                           mfu="", wait="-", follow="")  # fmt: skip
 
     def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
         if "warning" in delta:
@@ -103,8 +105,10 @@ class TrainBar:
         total = bar.get("total", task.total)
         fields = {"tokens": f"{_count(bar.get('completed', 0))}/{_count(total or 0)} tok"}
         if "loss" in bar:
-            fields |= {"loss": f"{bar['loss']:.3f}", "accept": f"{bar['accept']:.2f}",
-                       "rate": f"{bar['tok_s']:,.0f} tok/s", "wait": f"{bar['wait']:.2f}s"}  # fmt: skip
+            mfu = f" {bar['tflops']:.0f} TFLOP/s" + (f" MFU {100 * bar['mfu']:.0f}%" if bar.get("mfu") else "")
+            fields |= {"where": f"epoch {bar['epoch'] + 1} step {bar['step']} ", "loss": f"{bar['loss']:.3f}",
+                       "accept": f"{bar['accept']:.2f}", "rate": f"{bar['tok_s']:,.0f} tok/s", "mfu": mfu,
+                       "wait": f"{bar['wait']:.2f}s"}  # fmt: skip
         self.progress.update(self.task, total=total, completed=bar.get("completed"), **fields)
 
     def close(self) -> None:

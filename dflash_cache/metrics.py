@@ -1,4 +1,5 @@
-"""Training metrics: summed across DDP ranks, appended to a JSONL file in the run directory."""
+"""Training metrics: summed across DDP ranks, appended to a JSONL file in the run directory; the
+useful FLOPs of a step, and the hardware peak they are measured against (MFU)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,44 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+# Dense bf16 peak FLOP/s by GPU name (vendor datasheets; SXM parts). MFU is left out elsewhere.
+PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "H800": 989.4e12, "A100": 312e12, "A800": 312e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak of `device`, or None where it is not known (CPUs, other GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16.items() if key in name), None)
+
+
+class StepFlops:
+    """Useful FLOPs of a training step, from the model's geometry and the batch's layout:
+
+    - draft layers, forward and backward: 6 * P_layers * blocks * B;
+    - frozen LM head, forward and input gradient: 4 * V * H * blocks * (B - 1);
+    - `fc` and the per-layer k/v projections of the context: 4 * P_ctx * context_tokens;
+    - attention: 14 * layers * (query heads * head_dim) * B * sum over blocks of (anchor + B).
+
+    Recomputation, padding and masked-out work are not useful, so MFU from this count is honest.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        cfg = model.config
+        self.block_size = cfg.block_size
+        self.p_layers = sum(p.numel() for p in model.layers.parameters())
+        attn = [layer.self_attn for layer in model.layers]
+        self.p_ctx = model.fc.weight.numel() + sum(a.k_proj.weight.numel() + a.v_proj.weight.numel() for a in attn)
+        self.head = cfg.vocab_size * cfg.hidden_size
+        self.attn = 14 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * cfg.block_size
+
+    def __call__(self, num_blocks: int, context_tokens: int, anchor_sum: int) -> float:
+        B = self.block_size
+        return (6 * self.p_layers * num_blocks * B + 4 * self.head * num_blocks * (B - 1)
+                + 4 * self.p_ctx * context_tokens + self.attn * (anchor_sum + num_blocks * B))  # fmt: skip
 
 
 def all_reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

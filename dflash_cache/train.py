@@ -27,7 +27,7 @@ from .drafter import DFlashDrafter, DrafterConfig, save_serving
 from .errors import UserError
 from .follow import wait_for_cache
 from .loader import Batch, CacheLoader
-from .metrics import MetricsLog, all_reduce_sums
+from .metrics import MetricsLog, StepFlops, all_reduce_sums, peak_flops
 from .objective import Blocks, block_metrics, chunked_loss, drafter_cost, make_blocks, summarize_metrics
 from .progress import ProgressSink, Reporter
 from .spec import CacheSpec, SpecError, check_drafter_fits, read_spec
@@ -121,13 +121,17 @@ def train_step(model, embed: torch.Tensor, head: torch.Tensor, batch: Batch, dcf
     ids, mask, offsets = batch.host
     blocks = make_blocks(ids, mask, offsets, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
                          max_anchors=cfg.max_anchors, generator=generator, gamma=cfg.gamma)  # fmt: skip
+    # Only weighted slots reach the LM head: never slot 0 (the given anchor), nor unsupervised ones.
+    scored = blocks.weights.flatten().nonzero().squeeze(1).to(embed.device, non_blocking=True)
     blocks = blocks.to(embed.device, non_blocking=True)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if embed.is_cuda else nullcontext()
     with autocast:
         block_embeds = torch.nn.functional.embedding(blocks.input_ids.flatten(), embed)
         hidden = model(block_embeds, batch.context.to(embed.dtype), blocks.layout)
-        loss, correct = chunked_loss(hidden, head, blocks.labels.flatten(), blocks.weights.flatten(), cfg.loss_chunk)
+        loss, hits = chunked_loss(hidden[scored], head, blocks.labels.flatten()[scored],
+                                  blocks.weights.flatten()[scored], cfg.loss_chunk)  # fmt: skip
     (loss / cfg.grad_accum).backward()
+    correct = torch.zeros(blocks.labels.numel(), dtype=torch.bool, device=hits.device).index_copy_(0, scored, hits)
     return loss.detach(), correct.view_as(blocks.labels), blocks
 
 
@@ -208,9 +212,10 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     loader = CacheLoader(
         cfg.cache,
         layer_ids=dcfg.target_layer_ids,
-        # 4096 context tokens x 512 anchors fills an H200 with the default 8B-shaped drafter
-        # (102 GB peak, BENCHMARKS.md); 8192 ran out of memory.
-        token_budget=cfg.token_budget or (4096 if cuda else 2048),
+        # 8192 context tokens x 512 anchors fits an H200 with the default 8B-shaped drafter, even
+        # for the batch of most blocks (short samples: 100.6 GB peak); 4096 ran at 51% MFU, 8192 at
+        # 53% (BENCHMARKS.md, session 6).
+        token_budget=cfg.token_budget or (8192 if cuda else 2048),
         seed=cfg.seed,
         rank=w.rank,
         world_size=w.world_size,
@@ -253,7 +258,8 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     trace = _Trace(cfg.out, w.rank, step) if cfg.trace else None
     throttle = GpuThrottle(cuda)
     sums: dict[str, torch.Tensor] = {}
-    window = {"loss": 0.0, "n": 0, "tokens": 0, "wait": loader.wait_seconds, "t": time.perf_counter()}
+    flops, peak = StepFlops(model), peak_flops(device)
+    window = _new_window(loader)
     warned = len(loader.dropped)
     position, step_start = (epoch, start_batch), tokens_done
     while epoch < cfg.epochs and not (cfg.max_steps and step >= cfg.max_steps):
@@ -269,6 +275,8 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
             window["loss"] += loss  # stays on the device: no host sync per step
             window["n"] += 1
             window["tokens"] += batch.num_tokens
+            window["blocks"] += blocks.layout.num_blocks
+            window["anchors"] += blocks.layout.block_anchor.sum()  # on the device: summed at log time
             samples_this_epoch += len(batch.sample_index)
             tokens_done += batch.step_tokens
             position = (epoch, i + 1)
@@ -283,17 +291,19 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
             if trace is not None:
                 trace.step(step, model)
             if step % cfg.log_every == 0:
-                record = _log_record(step, epoch, opt, sums, window, loader, w.world_size, device) | _clock(tokens_done)
+                record = _log_record(step, epoch, opt, sums, window, loader, w.world_size, device, flops, peak)
+                record |= _clock(tokens_done)
                 if w.rank == 0:
                     metrics.write(record)
                     bar = {"completed": tokens_done, "loss": record["loss"], "accept": record["accept_len"],
-                           "tok_s": record["tokens_per_s"], "wait": record["loader_wait_s"]}  # fmt: skip
+                           "tok_s": record["tokens_per_s"], "wait": record["loader_wait_s"], "epoch": epoch,
+                           "step": step, "tflops": record["tflops_per_gpu"], "mfu": record.get("mfu")}  # fmt: skip
                     channel.put({"bar": bar})
                     if len(loader.dropped) > warned:  # bad units found in a followed extraction
                         channel.put({"warning": f"skipping bad units: {'; '.join(loader.dropped[warned:])}"})
                         warned = len(loader.dropped)
                 sums = {}
-                window = {"loss": 0.0, "n": 0, "tokens": 0, "wait": loader.wait_seconds, "t": time.perf_counter()}
+                window = _new_window(loader)
             if step % cfg.save_every == 0:
                 _save(ckpt, w, model, opt, step, position, samples_this_epoch, tokens_done, loader.follow_state())
             if cfg.max_steps and step >= cfg.max_steps:
@@ -399,21 +409,33 @@ def _clock(tokens_done: int) -> dict[str, float]:
     return {"tokens": tokens_done, "time": time.time()}
 
 
-def _log_record(step, epoch, opt, sums, window, loader, world, device) -> dict[str, Any]:
+def _new_window(loader: CacheLoader) -> dict[str, Any]:
+    """Counters of the steps since the last metrics line."""
+    return {"loss": 0.0, "n": 0, "tokens": 0, "blocks": 0, "anchors": 0, "wait": loader.wait_seconds,
+            "t": time.perf_counter()}  # fmt: skip
+
+
+def _log_record(step, epoch, opt, sums, window, loader, world, device, flops: StepFlops,
+                peak: float | None) -> dict[str, Any]:  # fmt: skip
     sums = all_reduce_sums({k: v.clone() for k, v in sums.items()})
     stats = summarize_metrics(sums)
-    elapsed = time.perf_counter() - window["t"]
+    elapsed = max(time.perf_counter() - window["t"], 1e-9)
     loss = _sum_ranks(float(window["loss"]) / max(1, window["n"]), device) / world
-    return {
+    useful = _sum_ranks(flops(window["blocks"], window["tokens"], int(window["anchors"])), device)
+    record = {
         "step": step,
         "epoch": epoch,
         "loss": loss,
         "lr": opt.param_groups[0]["lr"],
         "slot_acc": stats["slot_acc"],
         "accept_len": stats["accept_len"],
-        "tokens_per_s": _sum_ranks(window["tokens"], device) / max(elapsed, 1e-9),  # all ranks' context tokens
+        "tokens_per_s": _sum_ranks(window["tokens"], device) / elapsed,  # all ranks' context tokens
+        "tflops_per_gpu": useful / elapsed / world / 1e12,  # useful FLOPs only (StepFlops)
         "loader_wait_s": loader.wait_seconds - window["wait"],
     }
+    if peak is not None:
+        record["mfu"] = useful / elapsed / world / peak
+    return record
 
 
 def _save(ckpt: Checkpointer, w: Worker, model, opt, step: int, position: tuple[int, int], samples: int,
