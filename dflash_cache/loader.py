@@ -7,7 +7,7 @@ The drafter GPU must never wait and host memory must not grow with the dataset, 
 - each epoch, `epoch_batches` shuffles the samples with a seeded generator, packs token-budget
   batches inside length buckets and shuffles the batches, then deals them to the DDP ranks so
   every rank gets the same number;
-- reader threads decode each sample of a batch straight into one of `prefetch + 1` host buffers
+- reader threads decode each sample of a batch (long ones in pieces) straight into one of `prefetch + 1` host buffers
   ("slots", pinned on CUDA hosts) that are allocated once and reused: a slot is only handed to the
   readers when it is free, so host memory is bounded by the slot count, not by the dataset;
 - the host-to-device copy runs on a side CUDA stream behind an event; the consumer's stream waits
@@ -39,6 +39,8 @@ from .follow import UnitFeed, Window, is_complete
 from .plan import default_bucket_edges
 from .spec import CacheSpec, SpecError, check_drafter_fits, read_spec
 from .store import CorruptUnit, UnitReader, committed_units
+
+PIECE_CHUNKS = 8  # chunks per reader task: about 32 MiB of hidden states
 
 
 @dataclass
@@ -328,6 +330,13 @@ class _Staged:
     event: torch.cuda.Event | None
 
 
+def _pieces(start: int, stop: int, piece: int) -> list[tuple[int, int]]:
+    """[start, stop) cut at the multiples of `piece` (whole chunks when piece is a multiple of the
+    chunk size, so no chunk is decoded by two readers)."""
+    cuts = [start, *range((start // piece + 1) * piece, stop, piece), stop]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
 class CacheLoader:
     """Streams a cache's batches to one rank's device with bounded host and device memory.
 
@@ -415,6 +424,8 @@ class CacheLoader:
         ]
         self.peak_slots_in_use = 0
         self.wait_seconds = 0.0
+        # a reader task decodes at most this many rows: a few of the cache's chunks (several MiB)
+        self.piece_rows = self.spec.storage.chunk_tokens * PIECE_CHUNKS
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="dflash-reader")
         self._batches: tuple[int, list[_Planned]] | None = None
         self._active: Iterator[Batch] | None = None
@@ -582,7 +593,9 @@ class CacheLoader:
                     event.synchronize()
 
     def _submit_reads(self, planned: _Planned, slot: _Slot) -> _Pending:
-        """One reader task per sample, each decoding into its own rows of the slot."""
+        """Reader tasks that decode the batch into the slot: one per sample, and a long sample cut
+        into pieces along the cache's chunks, so that the readers share it (one 24K-token sample
+        is about 1 GB of hidden states: one thread decoding it alone starved the GPU)."""
         batch = planned.samples
         lengths = batch.length
         offsets = np.zeros(len(batch) + 1, dtype=np.int64)
@@ -591,23 +604,17 @@ class CacheLoader:
         if n > self.slot_rows:
             raise RuntimeError(f"batch of {n} tokens exceeds the host slot of {self.slot_rows} rows")
         slot.offsets.numpy()[: len(offsets)] = offsets
-        futures = [
-            self._pool.submit(
-                self._read_sample,
-                slot,
-                int(batch.unit[i]),
-                int(batch.start[i]),
-                int(batch.length[i]),
-                int(offsets[i]),
-            )
-            for i in range(len(batch))
-        ]
+        futures = []
+        for i in range(len(batch)):
+            unit, start, length, dst = int(batch.unit[i]), int(batch.start[i]), int(batch.length[i]), int(offsets[i])
+            for lo, hi in _pieces(start, start + length, self.piece_rows):
+                futures.append(self._pool.submit(self._read_rows, slot, unit, lo, hi, dst + lo - start))
         return _Pending(batch, slot, futures, n, planned.step_tokens)
 
-    def _read_sample(self, slot: _Slot, unit: int, start: int, length: int, dst: int) -> None:
+    def _read_rows(self, slot: _Slot, unit: int, start: int, stop: int, dst: int) -> None:
         reader = self.readers[unit]
         for key in slot.np:  # hidden, input_ids, loss_mask (+ hidden_scale for fp8)
-            reader.read_into(key, start, start + length, out=slot.np[key][dst : dst + length])
+            reader.read_into(key, start, stop, out=slot.np[key][dst : dst + stop - start])
 
     def _copy_to_device(self, job: _Pending) -> _Staged:
         """Copy a decoded slot to the device (side stream on CUDA), then select layers and

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_cache import loader as loader_mod
 from dflash_cache.loader import CacheLoader, SampleTable, deal, epoch_batches, open_units
 from dflash_cache.spec import (
     CacheSpec,
@@ -195,6 +196,24 @@ def test_one_epoch_yields_every_sample_once_with_the_right_values(cache, truth):
             check_batch(b, truth)
         assert loader.wait_seconds > 0
         assert loader.dropped == []
+
+
+def test_long_samples_are_read_in_pieces_by_several_readers(cache, truth):
+    """A sample is cut along chunk multiples into reader tasks, and the pieces put together equal
+    the sample: the batches are those of an uncut read."""
+    for start, stop, piece in ((0, 1, 4), (3, 40, 8), (8, 16, 8), (5, 6, 64), (0, 300, 64)):
+        pieces = loader_mod._pieces(start, stop, piece)
+        assert pieces[0][0] == start and pieces[-1][1] == stop
+        assert all(a < b and b == c for (a, b), (c, _) in zip(pieces, pieces[1:], strict=False))
+        assert all(b % piece == 0 for _, b in pieces[:-1])  # never a chunk split between two tasks
+    with _loader(cache, seed=3, readers=3) as loader:
+        loader.piece_rows = 7
+        tasks = []
+        submit = loader._pool.submit
+        loader._pool.submit = lambda fn, *a: tasks.append(a) or submit(fn, *a)
+        for b in loader.epoch(0):
+            check_batch(b, truth)
+        assert len(tasks) > 2 * len(truth.where)  # samples up to 300 tokens, 7 rows a task
 
 
 def test_layer_subset_selects_the_right_columns(cache, truth):
