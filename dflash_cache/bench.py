@@ -34,6 +34,14 @@ QWEN3_8B = {
 }  # fmt: skip
 
 
+LONG_MAX = 32768
+
+
+def long_lengths(n: int, seed: int = 0) -> np.ndarray:
+    """Long-context samples: uniform from 16K to 32K tokens."""
+    return np.random.default_rng(seed).integers(LONG_MAX // 2, LONG_MAX, size=n)
+
+
 def lognormal_lengths(n: int, lo: int = 64, hi: int = 3072, seed: int = 0) -> np.ndarray:
     """A realistic chat length mix: log-normal, median about 600 tokens, clipped to [lo, hi]."""
     rng = np.random.default_rng(seed)
@@ -231,7 +239,8 @@ def bench_spec(config: dict, layer_ids: list[int], plan, storage: str, chunk_tok
                             chunk_tokens=chunk_tokens),
         tokenizer=TokenizerInfo(digest="random", chat_template_digest=None, mask_token_id=config["vocab_size"] - 1,
                                 pad_token_id=0, eos_token_ids=[]),
-        data=DataInfo(source="synthetic", fingerprint="synthetic", max_length=3072, truncate=False,
+        data=DataInfo(source="synthetic", fingerprint="synthetic", max_length=max(3072, *plan.bucket_edges),
+                      truncate=False,
                       num_rows=plan.num_samples, num_rejected=0),
         plan=PlanInfo(bucket_edges=list(plan.bucket_edges), token_budget=plan.token_budget,
                       unit_tokens=plan.unit_tokens, num_units=len(plan.units), num_samples=plan.num_samples,
@@ -270,8 +279,9 @@ def _steady_rate(plan, marks: dict) -> float:
 
 def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, token_budget: int = 16384,
             storage: str = "bf16", unit_mb: int = 512, writers: int = 6,
-            device: torch.device | None = None, target=None) -> dict[str, Any]:  # fmt: skip
-    """Full extract path vs the bare truncated forward, same model, same batches, one process."""
+            device: torch.device | None = None, target=None, long: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Full extract path vs the bare truncated forward, same model, same batches, one process.
+    `long`: samples of 16K to 32K tokens instead of the chat mix."""
     from .extract import _copy_out, extract_units, pack_hidden
     from .plan import default_bucket_edges, make_plan
     from .spec import default_layer_ids, write_spec
@@ -280,10 +290,11 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layer_ids = default_layer_ids(config["num_hidden_layers"])
     target = target or RandomTarget(config, layer_ids, device).build()
-    lengths = lognormal_lengths(max(8, int(num_tokens / 700)))
+    lengths = long_lengths(max(2, num_tokens // 24576)) if long else lognormal_lengths(max(8, int(num_tokens / 700)))
     dataset = synthetic_dataset(lengths, config["vocab_size"])
     row_bytes = len(layer_ids) * config["hidden_size"] * (1 if storage == "fp8" else 2)
-    plan = make_plan(lengths, bucket_edges=default_bucket_edges(3072), token_budget=token_budget,
+    plan = make_plan(lengths, bucket_edges=default_bucket_edges(LONG_MAX if long else 3072),
+                     token_budget=max(token_budget, int(lengths.max())),
                      unit_tokens=(unit_mb << 20) // row_bytes)  # fmt: skip
     spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row_bytes))
     out.mkdir(parents=True, exist_ok=True)
@@ -412,12 +423,15 @@ def write_random_frozen(cache: Path, config: dict) -> None:
                  torch.randn(shape, generator=g).mul_(0.02).bfloat16())  # fmt: skip
 
 
-def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int = 16384, max_anchors: int = 512,
-          block_size: int = 16, draft_layers: int = 5, device: torch.device | None = None) -> dict[str, Any]:
+def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int = 8192, max_anchors: int = 512,
+          block_size: int = 16, draft_layers: int = 5, readers: int | None = None,
+          device: torch.device | None = None) -> dict[str, Any]:  # fmt: skip
     """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
-    the device. Both phases run the same batches (the first `steps` of epoch 0, after warm-up)."""
+    the device. Both phases run the same batches (the first `steps` of epoch 0, after warm-up).
+    Also the useful TFLOP/s and MFU of the in-memory steps (metrics.StepFlops)."""
     from .drafter import DFlashDrafter
     from .loader import CacheLoader
+    from .metrics import StepFlops, peak_flops
     from .spec import read_spec
     from .store import read_frozen
     from .train import TrainConfig, _anchor_generator, drafter_config, train_step
@@ -432,12 +446,17 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int = 
     embed, head = (t.to(device, dtype) for t in read_frozen(cache))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
+    flops, useful = StepFlops(model), []
+
     def step(batch, i) -> None:
-        train_step(model, embed, head, batch, dcfg, cfg, _anchor_generator(0, 0, i, 0))
+        _, _, blocks = train_step(model, embed, head, batch, dcfg, cfg, _anchor_generator(0, 0, i, 0))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        useful.append((blocks.layout.num_blocks, batch.num_tokens, blocks.layout.block_anchor.sum()))
 
-    loader = CacheLoader(cache, token_budget=token_budget, device=device, layer_ids=dcfg.target_layer_ids)
+    readers = readers or cfg.readers or 4
+    loader = CacheLoader(cache, token_budget=token_budget, device=device, layer_ids=dcfg.target_layer_ids,
+                         readers=readers)  # fmt: skip
     n = min(steps + warmup, loader.num_batches(0))
     times: dict[str, float] = {}
     it = loader.epoch(0)
@@ -452,16 +471,20 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int = 
     wait = loader.wait_seconds - wait0
     peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     kept = list(itertools.islice(loader.epoch(0), warmup, n))
+    useful.clear()
     with _timer(device, times, "memory"):  # the very same batches, already on the device
         for j, batch in enumerate(kept):
             step(batch, warmup + j)
     measured = len(kept)
     context_tokens = sum(b.num_tokens for b in kept)
+    tflops = sum(flops(nb, ctx, int(anchors)) for nb, ctx, anchors in useful) / times["memory"] / 1e12
+    peak = peak_flops(device)
     return {
         "steps": measured, "token_budget": token_budget, "max_anchors": max_anchors,
         "loader_steps_s": measured / times["loader"], "memory_steps_s": measured / times["memory"],
         "ratio": times["memory"] / times["loader"], "loader_wait_per_step_s": wait / max(1, measured),
         "context_tok_s": context_tokens / times["loader"], "peak_gpu_GB": peak_gpu / 1e9, "peak_rss_GB": rss.peak / 1e9,
+        "readers": readers, "memory_tflops": tflops, "memory_mfu": tflops * 1e12 / peak if peak else None,
     }  # fmt: skip
 
 

@@ -1,0 +1,167 @@
+"""The drafter's training step alone, on a GPU: MFU by the useful-FLOPs count, and a kernel breakdown.
+
+Batches are synthetic and already in GPU memory (random context, random ids), packed to a token
+budget from a length mix, so only the step is timed: `dflash bench train` measures the loader
+against this in-memory rate on a real cache. It imports whichever `dflash_cache` is first on
+PYTHONPATH, so the same script times two versions of the code side by side (BENCHMARKS.md).
+
+    python data/bench_step.py --mix default --token-budget 4096 --steps 20 [--profile]
+    python data/bench_step.py --mix long --token-budget 32768
+    python data/bench_step.py --mix short --token-budget 8192   # the most blocks a batch can hold
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from dflash_cache.bench import QWEN3_8B, lognormal_lengths
+from dflash_cache.drafter import DFlashDrafter, DrafterConfig
+from dflash_cache.train import TrainConfig, train_step
+
+# The FLOPs count of this checkout, also when timing an older dflash_cache that lacks it.
+_spec = importlib.util.spec_from_file_location("_metrics", Path(__file__).parents[1] / "dflash_cache" / "metrics.py")
+_metrics = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_metrics)
+
+
+def lengths_for(mix: str, n: int, seed: int = 0) -> np.ndarray:
+    if mix == "default":
+        return lognormal_lengths(n, seed=seed)
+    lo, hi = {"long": (16384, 32768), "mid": (12288, 24576), "short": (64, 256)}[mix]
+    return np.random.default_rng(seed).integers(lo, hi, size=n)
+
+
+def pack(lengths: np.ndarray, budget: int, seed: int = 0) -> list[list[int]]:
+    """Token-budget batches of similar lengths (sorted, then cut), in shuffled order."""
+    batches, cur, used = [], [], 0
+    for n in sorted(lengths.tolist(), reverse=True):
+        if cur and used + n > budget:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(n)
+        used += n
+    batches.append(cur)
+    np.random.default_rng(seed).shuffle(batches)
+    return batches
+
+
+def make_batch(lens: list[int], width: int, vocab: int, g: torch.Generator) -> SimpleNamespace:
+    n = sum(lens)
+    offsets = torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int64)
+    ids = torch.randint(0, vocab - 1, (n,), generator=g)
+    mask = torch.ones(n, dtype=torch.bool)
+    for s, ln in zip(offsets[:-1].tolist(), lens, strict=True):
+        mask[s : s + ln // 5] = False  # the prompt: unsupervised
+    context = torch.randn(n, width, device="cuda", dtype=torch.bfloat16)
+    return SimpleNamespace(host=(ids, mask, offsets), context=context, num_tokens=n)
+
+
+def kernel_class(name: str) -> str:
+    n = name.lower()
+    if "flex" in n or "triton_tem" in n:
+        return "flex attention"
+    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")):
+        return "GEMM"
+    if "triton" in n:
+        return "fused (triton)"
+    if "softmax" in n or "cross_entropy" in n or "nll" in n or "logsumexp" in n:
+        return "softmax/CE"
+    if "copy" in n or "cast" in n or "memcpy" in n or "cat" in n:
+        return "copies/casts"
+    if "reduce" in n:
+        return "reductions"
+    return "elementwise/other"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mix", default="default", choices=["default", "short", "mid", "long"])
+    ap.add_argument("--token-budget", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--label", default="")
+    a = ap.parse_args()
+
+    dev = torch.device("cuda")
+    dcfg = DrafterConfig.from_target(QWEN3_8B, target_layer_ids=None, mask_token_id=QWEN3_8B["vocab_size"] - 1,
+                                     num_draft_layers=a.layers, block_size=16)  # fmt: skip
+    cfg = TrainConfig(cache=Path("."), out=Path("."), token_budget=a.token_budget)
+    torch.manual_seed(0)
+    model = DFlashDrafter(dcfg).to(dev)
+    flops = _metrics.StepFlops(model)
+    vocab, hidden = dcfg.vocab_size, dcfg.hidden_size
+    embed = torch.randn(vocab, hidden, device=dev, dtype=torch.bfloat16) * 0.02
+    head = torch.randn(vocab, hidden, device=dev, dtype=torch.bfloat16) * 0.02
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    n_samples = {"default": 4000, "short": 4000}.get(a.mix, 64)
+    batches = pack(lengths_for(a.mix, n_samples), a.token_budget)
+    need = a.warmup + a.steps
+    batches = (batches * (need // len(batches) + 1))[:need]
+    g = torch.Generator().manual_seed(0)
+    data = [make_batch(b, dcfg.num_context_layers * hidden, vocab, g) for b in batches]
+
+    def step(i: int) -> tuple[int, torch.Tensor, int]:
+        _, _, blocks = train_step(model, embed, head, data[i], dcfg, cfg, torch.Generator().manual_seed(i))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return blocks.layout.num_blocks, blocks.layout.block_anchor.sum(), data[i].num_tokens
+
+    t_compile = time.perf_counter()
+    for i in range(a.warmup):
+        step(i)
+    torch.cuda.synchronize()
+    t_compile = time.perf_counter() - t_compile
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    counts = []
+    start.record()
+    for i in range(a.warmup, need):
+        counts.append(step(i))
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    useful = sum(flops(nb, ctx, int(anchors)) for nb, anchors, ctx in counts)
+    peak = _metrics.peak_flops(dev)
+    result = {
+        "label": a.label, "mix": a.mix, "token_budget": a.token_budget, "steps": a.steps,
+        "steps_per_s": a.steps / seconds, "context_tok_s": sum(c[2] for c in counts) / seconds,
+        "blocks_per_step": sum(c[0] for c in counts) / a.steps, "ctx_per_step": sum(c[2] for c in counts) / a.steps,
+        "tflops": useful / seconds / 1e12, "mfu": useful / seconds / peak if peak else None,
+        "peak_gpu_GB": torch.cuda.max_memory_allocated() / 1e9, "warmup_s": t_compile,
+        "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+    }  # fmt: skip
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(a.warmup, min(need, a.warmup + 4)):
+                step(i)
+            torch.cuda.synchronize()
+        by_class: dict[str, float] = defaultdict(float)
+        kernels = []
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if t <= 0 or e.key.startswith("ProfilerStep") or e.key.startswith("aten::"):
+                continue
+            by_class[kernel_class(e.key)] += t
+            kernels.append((t, e.key[:110]))
+        total = sum(by_class.values())
+        result["profile"] = {k: round(v / total, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])}
+        result["top_kernels"] = [(round(t / total, 3), k) for t, k in sorted(kernels, reverse=True)[:12]]
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
