@@ -41,11 +41,13 @@ class Checkpointer:
             old.unlink(missing_ok=True)
         return path
 
-    def load(self, path: Path | None = None) -> dict[str, Any] | None:
+    def load(self, path: Path | None = None, *, mmap: bool = False) -> dict[str, Any] | None:
+        """The latest (or given) checkpoint, or None. `mmap` maps the tensors instead of reading
+        them: cheap when only the position is wanted (an 8B-shaped drafter's is several GB)."""
         path = path or self.latest()
         if path is None:
             return None
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
 
 
 def _atomic_write(path: Path, text: str) -> None:

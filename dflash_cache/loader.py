@@ -253,6 +253,63 @@ def epoch_batches(
                           batch_cost=batch_cost)[0]  # fmt: skip
 
 
+RESHARD_KEY = 0x5E5  # in the seed of a re-dealt remainder's generator, apart from (seed, epoch) and follow windows
+
+
+def rest_of_epoch(
+    table: SampleTable,
+    *,
+    epoch: int,
+    seed: int,
+    token_budget: int,
+    bucket_edges: list[int],
+    world_size: int,
+    parts: list[tuple[int, int]],
+    batch_cost: Callable[[np.ndarray], float] | None = None,
+    left: np.ndarray | None = None,
+    begin: int = 0,
+) -> list[list[np.ndarray]]:
+    """Every rank's batches (arrays of `table` rows) for the rest of an epoch that ran its first
+    batches on other world sizes (a run resumed on another number of processes).
+
+    `parts` are the epoch's earlier parts, each (world size, batches per rank done when it ended,
+    counted from the epoch's start). Part 0 ran the epoch's own plan (`epoch_batches`); each later
+    part, and the rest, is a plan of the samples that no earlier part consumed, packed and dealt the
+    same way with a generator seeded by (seed, epoch, RESHARD_KEY, part). So no sample of the epoch
+    is trained twice, and the few a deal leaves out (fewer than W) get another chance. A followed
+    first part has no such plan (its windows made it): the caller then passes the rows it `left`
+    and `begin` = 1.
+    """
+
+    def plan(k: int, size: int, rows: np.ndarray) -> list[list[np.ndarray]]:
+        rng = np.random.default_rng([seed, epoch] if k == 0 else [seed, epoch, RESHARD_KEY, k])
+        dealt, _ = _pack_and_deal(table.take(rows), rng, token_budget=token_budget, bucket_edges=bucket_edges,
+                                  world_size=size, batch_cost=batch_cost)  # fmt: skip
+        return [[rows[b] for b in mine] for mine in dealt]  # back to rows of `table`
+
+    left = np.arange(len(table), dtype=np.int64) if left is None else np.asarray(left, dtype=np.int64)
+    done = parts[begin - 1][1] if begin else 0
+    for k in range(begin, len(parts)):
+        per_rank = plan(k, parts[k][0], left)
+        n = parts[k][1] - done
+        if not 0 <= n <= len(per_rank[0]):
+            raise ValueError(f"part {k} of epoch {epoch} ends at batch {parts[k][1]}: outside its plan")
+        used = [b for mine in per_rank for b in mine[:n]]
+        left = np.setdiff1d(left, np.concatenate([np.zeros(0, np.int64), *used]))  # sorted: the table's order
+        done = parts[k][1]
+    return plan(len(parts), world_size, left)
+
+
+def _windows(follow_state: dict | None) -> list[Window]:
+    """The follow windows a checkpoint's `follow_state` records."""
+    return [Window(tuple(u), bool(f)) for u, f in (follow_state or {}).get("windows", [])]
+
+
+def _row_keys(table: SampleTable) -> np.ndarray:
+    """One int64 per sample, (unit, first row): sorted and unique over a `SampleTable.from_units` table."""
+    return table.unit * (1 << 40) + table.start
+
+
 @dataclass(frozen=True)
 class _Planned:
     """A batch's samples, and the context tokens of its step summed over all ranks."""
@@ -427,25 +484,58 @@ class CacheLoader:
         # a reader task decodes at most this many rows: a few of the cache's chunks (several MiB)
         self.piece_rows = self.spec.storage.chunk_tokens * PIECE_CHUNKS
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="dflash-reader")
-        self._batches: tuple[int, list[_Planned]] | None = None
+        self._batches: tuple[tuple, list[_Planned]] | None = None  # ((epoch, parts), this rank's plan)
         self._active: Iterator[Batch] | None = None
 
     # -- planning -----------------------------------------------------------------------------
 
-    def _rank_batches(self, epoch: int) -> list[_Planned]:
-        if self._batches is None or self._batches[0] != epoch:
+    def _rank_batches(self, epoch: int, parts: list[tuple[int, int]] = (), follow_state: dict | None = None
+                      ) -> list[_Planned]:  # fmt: skip
+        """This rank's batches of `epoch`; with `parts` (the epoch began on other world sizes), those
+        of the epoch's rest (`rest_of_epoch`), part 0 replayed from `follow_state` if it followed."""
+        key = (epoch, tuple(tuple(p) for p in parts))
+        if self._batches is None or self._batches[0] != key:
             self._refresh()
-            per_rank = epoch_batches(
-                self.table,
-                epoch=epoch,
-                seed=self.seed,
-                token_budget=self.token_budget,
-                bucket_edges=self.bucket_edges,
-                world_size=self.world_size,
-                batch_cost=self.batch_cost,
-            )
-            self._batches = (epoch, _rank_plan(self.table, per_rank, self.rank))
+            pack = {"token_budget": self.token_budget, "bucket_edges": self.bucket_edges,
+                    "world_size": self.world_size, "batch_cost": self.batch_cost}  # fmt: skip
+            if not parts:
+                per_rank = epoch_batches(self.table, epoch=epoch, seed=self.seed, **pack)
+            else:
+                left, begin = None, 0
+                if self.follows(epoch, follow_state):
+                    left, begin = self._followed_left(_windows(follow_state), *parts[0]), 1
+                per_rank = rest_of_epoch(self.table, epoch=epoch, seed=self.seed, parts=list(parts), left=left,
+                                         begin=begin, **pack)  # fmt: skip
+            self._batches = (key, _rank_plan(self.table, per_rank, self.rank))
         return self._batches[1]
+
+    def _window_plan(self, number: int, window: Window, carry: SampleTable, world_size: int
+                     ) -> tuple[SampleTable, list[list[np.ndarray]], SampleTable]:  # fmt: skip
+        """Follow window `number`'s table (the rows carried in, then its units), its batches dealt to
+        `world_size` ranks, and the rows it carries on: a pure function of its arguments."""
+        table = SampleTable.concat([carry, self.open_window(window.units)])
+        rng = np.random.default_rng([self.seed, 0, number])
+        per_rank, rest = _pack_and_deal(table, rng, token_budget=self.token_budget, bucket_edges=self.bucket_edges,
+                                        world_size=world_size, final=window.final,
+                                        batch_cost=self.batch_cost)  # fmt: skip
+        return table, per_rank, table.take(rest) if not window.final else SampleTable.concat([])
+
+    def _followed_left(self, windows: list[Window], world_size: int, batches: int) -> np.ndarray:
+        """Rows of the (complete) table that a followed epoch 0 had not consumed after `batches`
+        batches per rank on `world_size` ranks over `windows`: its windows replayed as it ran them."""
+        carry, used = SampleTable.concat([]), []
+        for number, window in enumerate(windows):
+            table, per_rank, carry = self._window_plan(number, window, carry, world_size)
+            n = min(batches, len(per_rank[0]))
+            used += [table.take(b) for mine in per_rank for b in mine[:n]]
+            batches -= n
+        if batches:
+            raise ValueError(f"{batches} batches per rank past the checkpoint's follow windows")
+        used_keys, keys = _row_keys(SampleTable.concat(used)), _row_keys(self.table)  # keys: sorted, unique
+        at = np.searchsorted(keys, used_keys)
+        if not np.array_equal(keys[np.minimum(at, len(keys) - 1)], used_keys):
+            raise ValueError("a followed sample is not in the cache's table")
+        return np.setdiff1d(np.arange(len(self.table), dtype=np.int64), at)
 
     def _open(self, units: Iterable[int]) -> None:
         """Open the given units that are not open yet (bad ones as `skip_bad_units` says)."""
@@ -490,25 +580,29 @@ class CacheLoader:
 
     # -- streaming ----------------------------------------------------------------------------
 
-    def epoch(self, epoch: int, start_batch: int = 0, follow_state: dict | None = None) -> Iterator[Batch]:
+    def epoch(self, epoch: int, start_batch: int = 0, follow_state: dict | None = None,
+              parts: list[tuple[int, int]] = ()) -> Iterator[Batch]:  # fmt: skip
         """This rank's batches of `epoch`, from `start_batch` on (a resumed run passes the number
         of batches it already trained, and gets exactly the rest: none repeated or skipped).
-        A followed epoch resumes from the checkpoint's `follow_state` as well.
+        A followed epoch resumes from the checkpoint's `follow_state` as well. `parts`: the
+        epoch's earlier parts on other world sizes (see `rest_of_epoch`); `start_batch` still
+        counts from the epoch's start, and the rest is planned over the complete cache.
 
         Starting a new epoch closes the previous iterator, as both would share the host slots.
         """
         if self._active is not None:
             self._active.close()
-        if self.follows(epoch, follow_state):
-            windows = [Window(tuple(u), bool(f)) for u, f in (follow_state or {}).get("windows", [])]
-            self._follow = _FollowSource(self, windows, start_batch)
+        if self.follows(epoch, follow_state) and not parts:
+            self._follow = _FollowSource(self, _windows(follow_state), start_batch)
             source: _Source = self._follow
         else:
             self._follow = None
-            batches = self._rank_batches(epoch)
-            if not 0 <= start_batch <= len(batches):
-                raise ValueError(f"start_batch {start_batch} is outside 0..{len(batches)} for epoch {epoch}")
-            source = _ListSource(batches[start_batch:])
+            batches = self._rank_batches(epoch, parts, follow_state)
+            begin = parts[-1][1] if parts else 0
+            if not begin <= start_batch <= begin + len(batches):
+                raise ValueError(f"start_batch {start_batch} is outside {begin}..{begin + len(batches)} "
+                                 f"for epoch {epoch}")  # fmt: skip
+            source = _ListSource(batches[start_batch - begin :])
         self._active = self._stream_batches(source)
         return self._active
 
@@ -741,11 +835,7 @@ class _FollowSource(_Source):
 
     def _add(self, w: Window) -> None:
         ld = self.loader
-        table = SampleTable.concat([self.carry, ld.open_window(w.units)])
-        rng = np.random.default_rng([ld.seed, 0, len(self.windows)])
-        per_rank, rest = _pack_and_deal(table, rng, token_budget=ld.token_budget, bucket_edges=ld.bucket_edges,
-                                        world_size=ld.world_size, final=w.final, batch_cost=ld.batch_cost)  # fmt: skip
-        self.carry = table.take(rest) if not w.final else SampleTable.concat([])
+        table, per_rank, self.carry = ld._window_plan(len(self.windows), w, self.carry, ld.world_size)
         mine = _rank_plan(table, per_rank, ld.rank)
         self.todo.extend((planned, len(self.windows)) for planned in mine)
         self.windows.append(w)

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .checkpoint import Checkpointer
-from .devices import GpuThrottle, Worker, launch, worker_threads
+from .devices import GpuThrottle, Worker, launch, torchrun_worker, worker_threads
 from .drafter import DFlashDrafter, DrafterConfig, save_serving
 from .errors import UserError
-from .follow import wait_for_cache
+from .follow import is_complete, wait_for_cache
 from .loader import Batch, CacheLoader
 from .metrics import MetricsLog, StepFlops, all_reduce_sums, peak_flops
 from .objective import Blocks, block_metrics, chunked_loss, drafter_cost, make_blocks, summarize_metrics
@@ -164,6 +164,8 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
             raise TrainError(f"the drafter does not fit the cache: {e}") from None
         cfg.out.mkdir(parents=True, exist_ok=True)
         _check_run_dir(cfg, spec)
+        if (state := Checkpointer(cfg.out).load(mmap=True)) is not None:  # refused here: one error line
+            _resume_parts(state, _world_size(cfg), is_complete(cfg.cache, spec.plan.num_units))
         launch(_worker, (cfg, reporter.channel), gpus=cfg.gpus, procs=cfg.procs)
     finally:
         totals = reporter.stop()
@@ -184,6 +186,33 @@ def _check_run_dir(cfg: TrainConfig, spec: CacheSpec) -> None:
         return
     record = {"identity": ident, "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}}
     path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _world_size(cfg: TrainConfig) -> int:
+    """The number of ranks `launch` will start for `cfg` (torchrun's, under torchrun)."""
+    worker = torchrun_worker()
+    return worker.world_size if worker is not None else len(cfg.gpus) if cfg.gpus else max(1, cfg.procs)
+
+
+def _resume_parts(state: dict[str, Any], world_size: int, cache_complete: bool) -> list[list[int]]:
+    """The earlier parts of the checkpoint's epoch that ran on other world sizes, as
+    [world size, batches per rank done at its end] (see `loader.rest_of_epoch`).
+
+    On the checkpoint's own world size they are the checkpoint's (none for a run that never
+    changed size: the epoch's own plan, bitwise as before). On another world size mid-epoch,
+    the part that ran so far is added, and the rest of the epoch is dealt to the new ranks. Only
+    a followed epoch 0 of a cache still being extracted cannot be re-dealt: its rest depends on
+    units not committed yet, and on the windows the old ranks would have taken.
+    """
+    parts = [list(p) for p in state.get("parts", [])]
+    saved = state.get("world_size", len(state["samples"]))  # older checkpoints: one samples entry a rank
+    if saved == world_size or state["batch"] == 0:
+        return parts
+    if state["epoch"] == 0 and state.get("follow") is not None and not parts and not cache_complete:
+        raise TrainError(f"the checkpoint is {state['batch']} batches into epoch 0, which follows an extraction "
+                         f"still in progress on {saved} processes: resume on {saved} (--gpus or --procs) until "
+                         "the extraction ends, then on any number")  # fmt: skip
+    return [*parts, [saved, state["batch"]]]
 
 
 def _worker(w: Worker, cfg: TrainConfig, channel) -> None:
@@ -233,6 +262,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=cuda)  # fmt: skip
     step, epoch, start_batch, samples_this_epoch, tokens_done, follow_state = 0, 0, 0, 0, 0, None
+    parts: list[list[int]] = []  # the current epoch's earlier parts on other world sizes
     if state is not None:
         if "tokens" not in state:
             raise TrainError(f"{cfg.out} holds a checkpoint from an older dflash-cache (a step-based schedule); "
@@ -243,6 +273,9 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
         step, epoch, start_batch, tokens_done = state["step"], state["epoch"], state["batch"], state["tokens"]
         samples_this_epoch = state["samples"][w.rank] if w.rank < len(state["samples"]) else 0
         follow_state = state.get("follow")
+        parts = _resume_parts(state, w.world_size, loader.complete)
+        if len(state["samples"]) != w.world_size:  # re-dealt: rank 0 carries the old ranks' count
+            samples_this_epoch = sum(state["samples"]) if w.rank == 0 else 0
     # The schedule runs over tokens, not steps: its length is known from cache.json before the
     # cache is complete, so a followed run and one on the finished cache get the same schedule.
     following = loader.follows(epoch, follow_state)
@@ -255,7 +288,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
                                     "so far (--no-follow)"})  # fmt: skip
         channel.put({"bar": {"total": total_tokens, "completed": tokens_done}})
     metrics = MetricsLog(cfg.out, state["step"] if state else None) if w.rank == 0 else None
-    trace = _Trace(cfg.out, w.rank, step) if cfg.trace else None
+    trace = _Trace(cfg.out, w.rank, w.world_size, step) if cfg.trace else None
     throttle = GpuThrottle(cuda)
     sums: dict[str, torch.Tensor] = {}
     flops, peak = StepFlops(model), peak_flops(device)
@@ -264,7 +297,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     position, step_start = (epoch, start_batch), tokens_done
     while epoch < cfg.epochs and not (cfg.max_steps and step >= cfg.max_steps):
         micro = 0
-        for i, batch in enumerate(loader.epoch(epoch, start_batch, follow_state), start=start_batch):
+        for i, batch in enumerate(loader.epoch(epoch, start_batch, follow_state, parts), start=start_batch):
             micro += 1
             last_micro = micro % cfg.grad_accum == 0
             with nullcontext() if last_micro or ddp is model else ddp.no_sync():
@@ -305,7 +338,8 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
                 sums = {}
                 window = _new_window(loader)
             if step % cfg.save_every == 0:
-                _save(ckpt, w, model, opt, step, position, samples_this_epoch, tokens_done, loader.follow_state())
+                _save(ckpt, w, model, opt, step, position, samples_this_epoch, tokens_done,
+                      follow_state if parts else loader.follow_state(), parts)  # fmt: skip
             if cfg.max_steps and step >= cfg.max_steps:
                 break
         else:  # the epoch ran out of batches
@@ -319,11 +353,11 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
                 if (followed := loader.follow_state()) is not None:
                     record |= {"followed_windows": len(followed["windows"]), "loader_wait_s": loader.wait_seconds}
                 metrics.write(record)
-            samples_this_epoch, start_batch, follow_state = 0, 0, None
+            samples_this_epoch, start_batch, follow_state, parts = 0, 0, None, []
             epoch += 1
             position = (epoch, 0)
     _save(ckpt, w, model, opt, step, position, samples_this_epoch, tokens_done,
-          loader.follow_state() if position[1] else None)  # fmt: skip
+          (follow_state if parts else loader.follow_state()) if position[1] else None, parts)  # fmt: skip
     loader.close()
     if w.rank == 0:
         save_serving(model, dcfg, cfg.out / EXPORT)
@@ -370,18 +404,17 @@ def _sync_grads(model: torch.nn.Module, ddp: torch.nn.Module) -> None:
 
 class _Trace:
     """`trace/rank{r}.jsonl`: which samples each batch held, and a checksum of the weights after
-    each step (replicas must agree). Lines past a resumed checkpoint are dropped."""
+    each step (replicas must agree). Lines past a resumed checkpoint are dropped, also (by rank 0)
+    from the files of ranks a run resumed on fewer ranks no longer has."""
 
-    def __init__(self, run_dir: Path, rank: int, resume_step: int):
+    def __init__(self, run_dir: Path, rank: int, world_size: int, resume_step: int):
         self.path = Path(run_dir) / "trace" / f"rank{rank}.jsonl"
         self.path.parent.mkdir(exist_ok=True)
-        lines = self.path.read_text().splitlines() if self.path.exists() and resume_step > 0 else []
-        kept = []
-        for line in lines:  # a step's batch lines are written together with its step line
-            kept.append(line)
-            if json.loads(line).get("step") == resume_step:
-                break
-        self.path.write_text("".join(x + "\n" for x in kept))
+        _trim_trace(self.path, resume_step)
+        if rank == 0:
+            for path in self.path.parent.glob("rank*.jsonl"):
+                if path.stem[4:].isdigit() and int(path.stem[4:]) >= world_size:
+                    _trim_trace(path, resume_step)
         self.pending: list[str] = []
 
     def batch(self, epoch: int, index: int, samples: list[int]) -> None:
@@ -393,6 +426,17 @@ class _Trace:
         with open(self.path, "a") as f:
             f.write("".join(x + "\n" for x in self.pending))
         self.pending = []
+
+
+def _trim_trace(path: Path, resume_step: int) -> None:
+    """Keep a trace's lines up to `resume_step`'s step line (none for a fresh run)."""
+    lines = path.read_text().splitlines() if path.exists() and resume_step > 0 else []
+    kept = []
+    for line in lines:  # a step's batch lines are written together with its step line
+        kept.append(line)
+        if json.loads(line).get("step") == resume_step:
+            break
+    path.write_text("".join(x + "\n" for x in kept))
 
 
 def _sum_ranks(x: float, device: torch.device) -> float:
@@ -439,9 +483,10 @@ def _log_record(step, epoch, opt, sums, window, loader, world, device, flops: St
 
 
 def _save(ckpt: Checkpointer, w: Worker, model, opt, step: int, position: tuple[int, int], samples: int,
-          tokens: int, follow: dict | None) -> None:  # fmt: skip
+          tokens: int, follow: dict | None, parts: list[list[int]]) -> None:  # fmt: skip
     """Everything to continue exactly: weights, optimizer, RNG, loader position (epoch, batches
-    done), samples per rank this epoch, tokens done (the schedule) and a followed epoch's windows."""
+    done), samples per rank this epoch, tokens done (the schedule), a followed epoch's windows,
+    and, to continue on another number of ranks, the world size and the epoch's earlier parts."""
     per_rank = [samples] * w.world_size
     if w.world_size > 1:
         dist.all_gather_object(per_rank, samples)
@@ -449,7 +494,7 @@ def _save(ckpt: Checkpointer, w: Worker, model, opt, step: int, position: tuple[
         ckpt.save(step, {
             "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": {"cpu": torch.get_rng_state()},
             "step": step, "epoch": position[0], "batch": position[1], "samples": per_rank, "tokens": tokens,
-            "follow": follow,
+            "follow": follow, "world_size": w.world_size, "parts": parts,
         })  # fmt: skip
     if w.world_size > 1:
         dist.barrier()
