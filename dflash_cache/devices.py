@@ -27,6 +27,12 @@ class Worker:
     world_size: int
     device: torch.device
     local_rank: int = 0
+    local_world_size: int | None = None  # processes on this machine; None: all of them (one machine)
+
+    @property
+    def on_this_machine(self) -> int:
+        """Processes sharing this machine's CPU cores (torchrun's other nodes have their own)."""
+        return self.local_world_size or self.world_size
 
 
 def parse_gpus(spec: str) -> list[int]:
@@ -54,13 +60,25 @@ def parse_gpus(spec: str) -> list[int]:
     return ids
 
 
-def torchrun_worker() -> Worker | None:
-    """The worker described by torchrun's environment, or None outside torchrun."""
+def torchrun_worker(gpus: list[int] | None = None) -> Worker | None:
+    """The worker described by torchrun's environment, or None outside torchrun.
+
+    torchrun starts `--nproc-per-node` processes on each node; LOCAL_RANK picks this one's GPU,
+    from `gpus` where given (`--gpus 5-7` beside an extraction on 0-4 must not take GPUs 0-2)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-    return Worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, local)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if gpus:
+        if len(gpus) != local_world:
+            raise DeviceError(
+                f"--gpus names {len(gpus)} GPUs but torchrun starts {local_world} processes on this "
+                f"node: give --nproc-per-node {len(gpus)}, or leave --gpus out (GPU = LOCAL_RANK)"
+            )
+        device = torch.device("cuda", gpus[local])
+    else:
+        device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    return Worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, local, local_world)
 
 
 def _free_port() -> int:
@@ -82,8 +100,10 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
     Under torchrun this process is one worker already. A single CPU process runs inline, so the
     simple case needs no subprocess. MASTER_ADDR/PORT are set for torch.distributed.
     """
-    worker = torchrun_worker()
+    worker = torchrun_worker(gpus)
     if worker is not None:
+        if procs > 1 and not gpus:
+            raise DeviceError(f"--procs {procs} under torchrun: torchrun's --nproc-per-node sets the processes")
         if worker.device.type == "cuda":
             torch.cuda.set_device(worker.device)
         fn(worker, *args)
@@ -101,12 +121,12 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
 def worker_threads(w: Worker, per_gpu: int | None = None) -> Iterator[None]:
     """torch's intra-op CPU threads for one worker while it runs, restored after (a one-process
     run works inside the caller's process). torch gives every process one thread per core, so
-    CPU workers split the cores between them, and a GPU worker takes at most `per_gpu`: where its
-    CPU work is small ops and copies, spinning OpenMP teams of several processes only fight over
-    the cores."""
+    CPU workers split the cores between them (the workers on this machine: torchrun's other nodes
+    have their own), and a GPU worker takes at most `per_gpu`: where its CPU work is small ops and
+    copies, spinning OpenMP teams of several processes only fight over the cores."""
     before = torch.get_num_threads()
-    if w.device.type == "cpu" and w.world_size > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.world_size))
+    if w.device.type == "cpu" and w.on_this_machine > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.on_this_machine))
     elif w.device.type == "cuda" and per_gpu is not None:
         torch.set_num_threads(min(per_gpu, before))
     try:
