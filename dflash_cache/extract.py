@@ -294,7 +294,10 @@ def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
         end = time.perf_counter()
         elapsed = end - start
     committed = committed_units(cfg.out)
-    missing = [u.id for u in prep.plan.units if u.id not in committed]
+    # under torchrun the ranks on other nodes may still be at work: this one answers for its own units
+    mine = (prep.plan.units_for_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+            if in_torchrun else prep.plan.units)  # fmt: skip
+    missing = [u.id for u in mine if u.id not in committed]
     return {
         "cache": str(cfg.out),
         "units": f"{len(committed)}/{len(prep.plan.units)}",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
@@ -185,7 +186,10 @@ def _check_run_dir(cfg: TrainConfig, spec: CacheSpec) -> None:
                              + "; ".join(diffs))  # fmt: skip
         return
     record = {"identity": ident, "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}}
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    # every torchrun rank gets here at once: never let one read another's half-written file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def _world_size(cfg: TrainConfig) -> int:

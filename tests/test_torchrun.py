@@ -101,9 +101,6 @@ def _files(cache: Path) -> dict[str, bytes]:
     return {str(p.relative_to(cache)): p.read_bytes() for p in files if p.relative_to(cache).parts[0][0] != "."}
 
 
-# A rank that ends before the others counts their units as missing and exits 1 (extract._run checks
-# every unit of the plan): the patch for dflash_cache/extract.py is in the issue 16 torchrun report.
-@pytest.mark.xfail(strict=True, reason="extract under torchrun: a rank answers for every rank's units")
 def test_extract_on_two_nodes_resumes_to_the_one_process_cache(rows, one_process, tmp_path):
     """Node 0 failed after node 1 committed its unit 1 (a copy of the reference's): the rerun on both
     nodes extracts units 0 and 2 on rank 0, none on rank 1, and the cache is bitwise the one-process
