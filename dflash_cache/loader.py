@@ -21,13 +21,14 @@ batch never aliases a slot that readers will overwrite).
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from .follow import UnitFeed, Window, is_complete
 from .plan import default_bucket_edges
 from .spec import CacheSpec, SpecError, check_drafter_fits, read_spec
-from .store import CorruptUnit, UnitReader, committed_units
+from .store import CorruptUnit, UnitReader, committed_units, expected_arrays
 
 PIECE_CHUNKS = 8  # chunks per reader task: about 32 MiB of hidden states
 
@@ -64,9 +65,10 @@ class SampleTable:
         if not ids:
             empty = np.zeros(0, dtype=np.int64)
             return cls(empty, empty.copy(), empty.copy(), empty.copy())
-        unit = np.concatenate([np.full(readers[u].n_samples, u, dtype=np.int64) for u in ids])
+        counts = np.array([readers[u].n_samples for u in ids], dtype=np.int64)
+        unit = np.repeat(np.asarray(ids, dtype=np.int64), counts)
         start = np.concatenate([readers[u].offsets[:-1] for u in ids]).astype(np.int64)
-        length = np.concatenate([np.diff(readers[u].offsets) for u in ids]).astype(np.int64)
+        length = np.concatenate([readers[u].lengths for u in ids]).astype(np.int64)
         sample_index = np.concatenate([readers[u].sample_index for u in ids]).astype(np.int64)
         return cls(unit, start, length, sample_index)
 
@@ -96,27 +98,18 @@ def _manifest_samples(path: Path) -> int | None:
         return None
 
 
-def _check_against_spec(reader: UnitReader, spec: CacheSpec) -> None:
-    """Refuse a unit whose arrays do not have the shapes and dtypes that cache.json promises."""
-    fp8 = spec.storage.dtype == "fp8"
+def _check_against_spec(reader: UnitReader, spec: CacheSpec, *, now: bool = False) -> None:
+    """Refuse a unit whose arrays do not have the shapes and dtypes that cache.json promises.
+
+    The storage dtype is checked at once, from the manifest. The arrays' shapes are checked when
+    the reader first opens its arrays, before its first decode (opening them all at start-up is
+    what made start-up grow by milliseconds a unit), or at once with `now`.
+    """
     if reader.storage != spec.storage.dtype:
         raise CorruptUnit(reader.name, f"stored as {reader.storage}, cache.json says {spec.storage.dtype}")
-    n = reader.n_tokens
-    expect = {
-        "hidden": (np.uint8 if fp8 else np.uint16, (n, spec.row_width)),
-        "input_ids": (np.int32, (n,)),
-        "loss_mask": (np.uint8, (n,)),
-    }
-    if fp8:
-        expect["hidden_scale"] = (np.float32, (n, len(spec.layers.ids)))
-    for key, (dtype, shape) in expect.items():
-        arr = reader.arrays.get(key)
-        if arr is None:
-            raise CorruptUnit(reader.name, f"array {key} is missing")
-        if np.dtype(arr.dtype) != np.dtype(dtype) or tuple(arr.shape) != shape:
-            raise CorruptUnit(
-                reader.name, f"{key} is {np.dtype(arr.dtype)}{tuple(arr.shape)}, expected {np.dtype(dtype)}{shape}"
-            )
+    reader.require(expected_arrays(reader.n_tokens, spec.row_width, len(spec.layers.ids), spec.storage.dtype))
+    if now:
+        reader.arrays  # noqa: B018 - opens and checks the arrays
 
 
 def open_units(
@@ -128,27 +121,45 @@ def open_units(
     it, unless `skip_bad_units`: then it is left out and described in the returned problems,
     with the number of samples lost when the manifest still says it, so the caller can report how
     much data a run trains without. `only` lets a follower open just the newly committed units.
+
+    Opening reads each unit's manifest and checks its file sizes; the Zarr arrays open when a
+    batch first reads from the unit, and their shapes are checked then, unless `skip_bad_units`,
+    which checks them here so that a bad unit stays out of the epoch's plan.
     """
     cache_dir = Path(cache_dir)
     spec = read_spec(cache_dir)
     wanted = None if only is None else set(only)
     readers: dict[int, UnitReader] = {}
     problems: list[str] = []
-    for uid, path in committed_units(cache_dir).items():
-        if wanted is not None and uid not in wanted:
-            continue
-        try:
-            reader = UnitReader(path)
-            _check_against_spec(reader, spec)
-        except CorruptUnit as e:
-            if not skip_bad_units:
-                raise
-            n = _manifest_samples(path)
-            lost = f"{n} samples dropped" if n is not None else "sample count unknown (manifest unreadable)"
-            problems.append(f"{e.unit}: {e.problem} ({lost})")
-            continue
-        readers[uid] = reader
+    with _gc_paused():
+        for uid, path in committed_units(cache_dir).items():
+            if wanted is not None and uid not in wanted:
+                continue
+            try:
+                reader = UnitReader(path)
+                _check_against_spec(reader, spec, now=skip_bad_units)
+            except CorruptUnit as e:
+                if not skip_bad_units:
+                    raise
+                n = _manifest_samples(path)
+                lost = f"{n} samples dropped" if n is not None else "sample count unknown (manifest unreadable)"
+                problems.append(f"{e.unit}: {e.problem} ({lost})")
+                continue
+            readers[uid] = reader
     return readers, problems
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while many long-lived readers are made: its full passes over
+    them were about a sixth of opening 100,000 units, and the loop makes no cycles to collect."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def pack_batches(
