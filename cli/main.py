@@ -233,15 +233,19 @@ def info(cache: Path = typer.Argument(..., help="Cache directory.")) -> None:
 
 @app.command()
 @friendly
-def verify(cache: Path = typer.Argument(..., help="Cache directory.")) -> None:
-    """Decode every unit of a cache and name any that is bad."""
+def verify(
+    cache: Path = typer.Argument(..., help="Cache directory."),
+    present_only: bool = typer.Option(False, "--present-only", help="Check only the committed units (a cache "
+                                      "still being extracted); by default a planned unit not committed fails."),
+) -> None:
+    """Decode every unit of a cache and name any that is bad or missing."""
     from dflash_cache.audit import verify as verify_cache
 
-    bad = verify_cache(cache)
+    bad = verify_cache(cache, present_only=present_only)
     if bad:
         for unit, problems in bad.items():
             console.print(f"[red]bad unit {unit}:[/red] " + "; ".join(problems))
-        console.print(f"[red]error:[/red] {len(bad)} bad unit(s) in {cache}: {', '.join(bad)}")
+        console.print(f"[red]error:[/red] {len(bad)} bad or missing unit(s) in {cache}: {', '.join(bad)}")
         raise typer.Exit(1)
     console.print("all units sound")
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from .spec import CacheSpec, read_spec
-from .store import PARTIAL, CorruptUnit, UnitReader, committed_units, verify_unit
+from .store import PARTIAL, CorruptUnit, UnitReader, committed_units, unit_name, verify_unit
 
 
 def info(cache_dir: Path) -> dict[str, Any]:
@@ -48,16 +48,22 @@ def raw_bytes_per_token(spec: CacheSpec) -> int:
     return spec.row_width * spec.storage.bytes_per_value + scale + 4 + 1
 
 
-def verify(cache_dir: Path) -> dict[str, list[str]]:
+def verify(cache_dir: Path, *, present_only: bool = False) -> dict[str, list[str]]:
     """Decode every committed unit; maps each bad unit's name to its problems (empty: all sound).
 
     Also checks that no sample appears in two units and that every unit holds what the plan
-    says, so a cache that lost or duplicated samples does not pass.
+    says, so a cache that lost or duplicated samples does not pass. A planned unit that is not
+    committed is a problem too (an incomplete cache would train on part of the data), unless
+    `present_only` asks about the committed units alone (a cache still being extracted).
     """
     spec = read_spec(cache_dir)
     bad: dict[str, list[str]] = {}
     seen: dict[int, str] = {}
-    for uid, path in committed_units(cache_dir).items():
+    units = committed_units(cache_dir)
+    if not present_only:
+        for uid in sorted(set(range(spec.plan.num_units)) - set(units)):
+            bad[unit_name(uid)] = [f"not committed (the plan has {spec.plan.num_units} units)"]
+    for uid, path in units.items():
         problems = verify_unit(path, spec.row_width, len(spec.layers.ids), spec.storage.dtype)
         if uid >= spec.plan.num_units:
             problems.append(f"unit id {uid} is beyond the plan's {spec.plan.num_units} units")

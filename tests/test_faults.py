@@ -42,7 +42,7 @@ from dflash_cache.checkpoint import Checkpointer
 from dflash_cache.extract import ExtractError, run
 from dflash_cache.regen import parts_dir
 from dflash_cache.spec import read_spec
-from dflash_cache.store import PARTIAL, UnitReader, committed_units, verify_unit
+from dflash_cache.store import PARTIAL, UnitReader, committed_units, unit_name, verify_unit
 
 KILLS_EXTRACT = 20
 KILLS_TRAIN = 20
@@ -304,7 +304,10 @@ def test_disk_full_fails_clearly_and_resumes(tmp_path, monkeypatch, how):
         spec = read_spec(out)
         for path in units.values():  # no torn unit: every committed one decodes completely
             assert verify_unit(path, spec.row_width, len(spec.layers.ids), spec.storage.dtype) == []
-        assert verify(out) == {}
+        assert verify(out, present_only=True) == {}
+        missing = verify(out)  # the cache is incomplete: its uncommitted units fail a full verify
+        assert sorted(missing) == sorted(unit_name(u) for u in set(range(spec.plan.num_units)) - set(units))
+        assert all(p == [f"not committed (the plan has {spec.plan.num_units} units)"] for p in missing.values())
         left = sorted(str(p.relative_to(out)) for p in (out / PARTIAL).rglob("*"))
         assert not left, f"a failed write should not leave its partial unit behind: {left}"
 

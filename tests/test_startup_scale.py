@@ -183,3 +183,4 @@ def test_units_without_the_index_still_load(cache, tmp_path):
     for b in batches:
         check_batch(b, truth)
     assert sorted(s for b in batches for s in b.sample_index.tolist()) == sorted(truth.where)
+

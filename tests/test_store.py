@@ -2,10 +2,13 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+from test_loader import build_cache
 
+from dflash_cache.audit import verify
 from dflash_cache.spec import StorageInfo
 from dflash_cache.store import (
     PARTIAL,
@@ -100,3 +103,19 @@ def test_sweep_removes_only_dead_writers(tmp_path):
     (tmp_path / PARTIAL / "u000003.otherhost.1.abc").mkdir()
     assert sweep_partial(tmp_path) == 1
     assert sorted(p.name.split(".")[0] for p in (tmp_path / PARTIAL).iterdir()) == ["u000002", "u000003"]
+
+
+def test_verify_fails_an_incomplete_cache_unless_asked_for_present_units(tmp_path):
+    """A cache missing a planned unit would train on part of the data: `dflash verify` names the
+    unit and exits 1; `--present-only` checks the committed units alone (a cache still growing)."""
+    out = build_cache(tmp_path / "cache")
+    shutil.rmtree(committed_units(out)[2])
+    assert verify(out) == {"u000002": ["not committed (the plan has 4 units)"]}
+    assert verify(out, present_only=True) == {}
+    root = Path(__file__).resolve().parents[1]
+    run = [sys.executable, "-m", "cli.main", "verify", str(out)]
+    full = subprocess.run(run, cwd=root, capture_output=True, text=True)
+    assert full.returncode == 1
+    assert "u000002: not committed" in full.stderr and full.stderr.strip().splitlines()[-1].startswith("error:")
+    present = subprocess.run([*run, "--present-only"], cwd=root, capture_output=True, text=True)
+    assert present.returncode == 0 and "all units sound" in present.stderr
