@@ -129,7 +129,7 @@ def extract(
         data_split=data_split, max_samples=max_samples,
     )  # fmt: skip
     if dry_run:
-        prep = ex.prepare(cfg)
+        prep = ex.prepare(cfg, write=False)
         plan, spec = prep.plan, prep.spec
         print(json.dumps({
             "samples": plan.num_samples, "rejected": len(prep.tokens.rejected), "tokens": plan.num_tokens,

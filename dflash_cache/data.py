@@ -511,6 +511,7 @@ def tokenize(
     num_proc: int = 1,
     work_dir: Path | None = None,
     *,
+    save: bool = True,
     template_kwargs: Mapping[str, Any] | None = None,
     split: str | None = None,
     max_samples: int | None = None,
@@ -521,7 +522,8 @@ def tokenize(
     directory and renamed into place, so a crash or a concurrent run never leaves half of it),
     where the key digests the source content and split, ``max_samples``, the tokenizer, the chat
     template and its kwargs, ``max_length`` and ``truncate``. A later call with the same inputs
-    memory-maps it instead of tokenizing again. Without ``work_dir`` everything stays in memory.
+    memory-maps it instead of tokenizing again. Without ``work_dir`` everything stays in memory;
+    with ``save=False`` a saved result is reused but nothing is written (``--dry-run``).
 
     Raises :class:`DataError` for a missing or unreadable source, a chat template that cannot
     give a trustworthy mask, or when every row is rejected (with the most common reasons).
@@ -559,6 +561,8 @@ def tokenize(
     if has_generation_markers(tokenizer):
         _check_generation_markers(tokenizer, kwargs)  # fail before touching any row
 
+    if not save:
+        final = None
     scratch = None
     if final is not None:
         scratch = final.with_name(f".scratch-{key[:24]}-{os.getpid()}")

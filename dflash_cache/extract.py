@@ -103,9 +103,10 @@ def _device_kind(cfg: ExtractConfig) -> torch.device:
     return torch.device("cuda") if cfg.gpus else torch.device("cpu")
 
 
-def prepare(cfg: ExtractConfig) -> Prepared:
+def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     """Tokenize, plan and describe the cache; check it against an existing one. Writes nothing
-    in the cache directory except the reusable tokenized dataset under `.work/`."""
+    in the cache directory except the reusable tokenized dataset under `.work/`, and with
+    `write=False` (`--dry-run`) not even that."""
     if cfg.storage not in ("bf16", "fp8"):
         raise ExtractError(f"--storage {cfg.storage!r}: expected bf16 or fp8")
     template_kwargs = data_mod.check_template_kwargs(cfg.chat_template_kwargs)
@@ -127,7 +128,7 @@ def prepare(cfg: ExtractConfig) -> Prepared:
     mask_id = mask_token_id(tokenizer, int(tc["vocab_size"]), cfg.mask_token_id)
     tokens = data_mod.tokenize(
         cfg.data, tokenizer, cfg.max_length, cfg.truncate, num_proc=cfg.tokenize_procs, work_dir=cfg.out / WORK,
-        template_kwargs=template_kwargs, split=cfg.data_split, max_samples=cfg.max_samples,
+        save=write, template_kwargs=template_kwargs, split=cfg.data_split, max_samples=cfg.max_samples,
     )  # fmt: skip
     device = _device_kind(cfg)
     row_bytes = len(layer_ids) * int(tc["hidden_size"]) * (1 if cfg.storage == "fp8" else 2)

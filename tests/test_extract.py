@@ -161,7 +161,7 @@ def test_dry_run_writes_no_units(tmp_path):
     assert res.returncode == 0, res.stderr
     plan = json.loads(res.stdout)
     assert plan["samples"] == 400 and plan["padding"] < 0.2 and plan["estimated_bytes_max"] > 0
-    assert not (out / "units").exists() and not (out / "cache.json").exists()
+    assert not out.exists(), sorted(p.name for p in out.rglob("*"))  # nothing at all, not even .work/
 
 
 def test_source_options_recorded_and_a_changed_one_refused(tmp_path):
