@@ -185,7 +185,9 @@ def _check_run_dir(cfg: TrainConfig, spec: CacheSpec) -> None:
             raise TrainError(f"{cfg.out} holds a run with other settings; use a new --out. Differences: "
                              + "; ".join(diffs))  # fmt: skip
         return
-    record = {"identity": ident, "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}}
+    record = {"identity": ident, "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+              # the drafter's geometry, so that `dflash export` needs the run directory only
+              "drafter": drafter_config(cfg, spec).to_serving_config()}  # fmt: skip
     # every torchrun rank gets here at once: never let one read another's half-written file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
@@ -505,12 +507,16 @@ def _save(ckpt: Checkpointer, w: Worker, model, opt, step: int, position: tuple[
 
 
 def export(run_dir: Path, out: Path) -> Path:
-    """Write the serving format of a run's latest checkpoint (what vLLM, SGLang and z-lab load)."""
+    """Write the serving format of a run's latest checkpoint (what vLLM, SGLang and z-lab load). It
+    needs the run directory only: the cache may have moved or been deleted."""
     record = json.loads((Path(run_dir) / RUN_JSON).read_text())
-    conf = record["config"]
-    cfg = TrainConfig(cache=Path(conf["cache"]), out=Path(run_dir), layers=conf["layers"],
-                      draft_layers=conf["draft_layers"], block_size=conf["block_size"])  # fmt: skip
-    dcfg = drafter_config(cfg, read_spec(cfg.cache))
+    if "drafter" in record:
+        dcfg = DrafterConfig.from_serving_config(record["drafter"])
+    else:  # a run directory from before train.json recorded the drafter: its geometry is in the cache
+        conf = record["config"]
+        cfg = TrainConfig(cache=Path(conf["cache"]), out=Path(run_dir), layers=conf["layers"],
+                          draft_layers=conf["draft_layers"], block_size=conf["block_size"])  # fmt: skip
+        dcfg = drafter_config(cfg, read_spec(cfg.cache))
     state = Checkpointer(run_dir).load()
     if state is None:
         raise TrainError(f"{run_dir} has no checkpoint yet")

@@ -143,7 +143,11 @@ def test_export_and_refusals(tiny_cache, tmp_path):
     out = tmp_path / "run"
     run(_cfg(tiny_cache, out, max_steps=3, max_anchors=8))
     model, dcfg = load_serving(out / "export")
-    again, _ = load_serving(export(out, tmp_path / "again"))
+    record = json.loads((out / "train.json").read_text())
+    record["config"]["cache"] = str(tmp_path / "moved-away")  # export needs only the run directory
+    (out / "train.json").write_text(json.dumps(record))
+    again, again_cfg = load_serving(export(out, tmp_path / "again"))
+    assert again_cfg == dcfg
     for (k, v), (k2, v2) in zip(model.state_dict().items(), again.state_dict().items(), strict=True):
         assert k == k2 and torch.equal(v, v2)
     config = json.loads((out / "export" / "config.json").read_text())
