@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .data import DataError, RowRejected, check_template_kwargs, conversation, read_rows, source_row
+from .data import DataError, RowRejected, check_template_kwargs, conversation, read_rows, source_fingerprint, source_row
 from .devices import Worker, launch
 from .paths import output_dir, output_file
 from .progress import ProgressSink, Reporter
@@ -60,6 +60,29 @@ def parts_dir(out: Path) -> Path:
     return out.with_name(out.name + ".parts")
 
 
+def settings_path(out: Path) -> Path:
+    """Beside the output: what it was regenerated from, so a rerun never passes off old rows."""
+    return out.with_name(f".{out.name}.regen.json")
+
+
+def _settings(cfg: RegenConfig) -> dict[str, Any]:
+    """Everything that decides the regenerated rows (not batch size or devices)."""
+    return {"target": cfg.target, "revision": cfg.revision, "data": source_fingerprint(cfg.data, cfg.data_split),
+            "data_split": cfg.data_split, "max_samples": cfg.max_samples, "max_new_tokens": cfg.max_new_tokens,
+            "temperature": cfg.temperature, "seed": cfg.seed, "part_rows": cfg.part_rows,
+            "chat_template_kwargs": check_template_kwargs(cfg.chat_template_kwargs)}  # fmt: skip
+
+
+def _check_settings(path: Path, settings: dict[str, Any], what: Path) -> None:
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    diffs = sorted(k for k in settings.keys() | old.keys() if old.get(k) != settings.get(k))
+    if diffs:
+        raise DataError(f"{what} was regenerated with other settings ({', '.join(diffs)} differ): "
+                        "use another --out, or delete it to regenerate")  # fmt: skip
+
+
 def _conversation(row: dict[str, Any]) -> list[dict[str, Any]] | str:
     """The source row as chat messages to regenerate (any row form extract reads), or the reason
     it cannot be."""
@@ -82,14 +105,17 @@ def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     """Regenerate every part not yet committed, then join the parts into `cfg.out`."""
     output_file(cfg.out, "--out")
     output_dir(parts_dir(cfg.out), "--out's parts directory")
-    check_template_kwargs(cfg.chat_template_kwargs)
+    settings = _settings(cfg)
+    _check_settings(settings_path(cfg.out), settings, cfg.out)
     if cfg.out.exists():
         return {"out": str(cfg.out), "rows": sum(1 for _ in open(cfg.out)), "resumed": True}
+    parts = parts_dir(cfg.out)
+    _check_settings(parts / "settings.json", settings, parts)
     rows = _read(cfg)
     load_config(cfg.target, cfg.revision)  # a bad --target fails here, before the parts directory exists
     n_parts = -(-len(rows) // cfg.part_rows)
-    parts = parts_dir(cfg.out)
     parts.mkdir(parents=True, exist_ok=True)
+    (parts / "settings.json").write_text(json.dumps(settings))
     done = {int(p.stem.split("-")[1]) for p in parts.glob("part-*.jsonl")}
     reporter = Reporter(sink)
     reporter.start(total=n_parts, done=len(done))
@@ -112,6 +138,7 @@ def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
                 else:
                     out.write(line)
                     kept += 1
+    os.replace(parts / "settings.json", settings_path(cfg.out))
     os.replace(tmp, cfg.out)
     shutil.rmtree(parts, ignore_errors=True)
     return {"out": str(cfg.out), "rows": kept, "rejected": rejected, "resumed": False}

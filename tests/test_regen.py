@@ -167,3 +167,22 @@ def test_killed_regen_resumes_to_the_same_output(tmp_path):
     subprocess.run(cmd(out), env=env, check=True, capture_output=True)
     assert out.read_text() == ref.read_text()
     assert not parts_dir(out).exists()
+
+
+def test_a_rerun_with_other_settings_never_reuses_the_output(tmp_path):
+    """The same --out with other data or options is refused, naming what differs, instead of
+    printing 'already complete' over rows made from something else; the same settings resume."""
+    data, other = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _source(3)))
+    other.write_text("".join(json.dumps(r) + "\n" for r in _source(4)))
+    out = tmp_path / "regen.jsonl"
+    first = run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=4))
+    assert first["resumed"] is False and first["rows"] == 3
+    before = out.read_bytes()
+    assert run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=4))["resumed"] is True
+    with pytest.raises(UserError, match=r"other settings \(data differ\)"):
+        run(RegenConfig(target=str(TINY_TARGET), data=str(other), out=out, max_new_tokens=4))
+    with pytest.raises(UserError, match=r"chat_template_kwargs, max_new_tokens differ"):
+        run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=8,
+                        chat_template_kwargs={"enable_thinking": False}))  # fmt: skip
+    assert out.read_bytes() == before
