@@ -12,11 +12,26 @@ import typer
 from cli.ui import ExtractBar, TrainBar, console, human_bytes
 from dflash_cache.errors import UserError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Decoupled hidden-state cache for DFlash drafters.")
+app = typer.Typer(no_args_is_help=True, help="Decoupled hidden-state cache for DFlash drafters.",
+                  context_settings={"help_option_names": ["-h", "--help"]})  # fmt: skip
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"dflash-cache {version('dflash-cache')}")
+        except PackageNotFoundError:  # run from a checkout that was never installed
+            print("dflash-cache (not installed)")
+        raise typer.Exit()
 
 
 @app.callback()
-def _quiet_libraries() -> None:
+def _quiet_libraries(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),  # fmt: skip
+) -> None:
     """One progress bar per job: silence the libraries' own bars and load logs."""
     import datasets
     import transformers

@@ -159,3 +159,17 @@ class GpuThrottle:
         self.events.append(event)
         while len(self.events) > self.depth:
             self.events.popleft().synchronize()
+
+
+@contextmanager
+def flush_denormals(device: torch.device) -> Iterator[None]:
+    """On a CPU, treat float denormals as zero while inference runs. Small models' activations
+    decay into them, and x86 arithmetic on denormals is slow: eval's target decoding ran at 10.8
+    tokens/s with them and 105 without (issue 17). Restored afterwards: the setting is global."""
+    if device.type != "cpu" or not torch.set_flush_denormal(True):
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from . import objective
 from .data import LINE, DataError, RowRejected, check_template_kwargs, conversation, read_rows, source_row
+from .devices import flush_denormals
 from .drafter import DFlashDrafter, DrafterConfig, load_serving
 from .objective import BlockLayout
 from .target import TargetError, _decoder_layers, _first_line, load_tokenizer, text_config
@@ -536,36 +537,37 @@ def evaluate(
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    warm = min(8, max_new_tokens)  # first calls pay for allocations and kernel selection
-    speculative_generate(model, drafter, dcfg, prompt_ids[0], max_new_tokens=warm, block_size=B,
-                         temperature=temperature, generator=gen(0), stop_ids=stop_ids)  # fmt: skip
-    target_generate(model, prompt_ids[0], max_new_tokens=warm, temperature=temperature, generator=gen(0),
-                    stop_ids=stop_ids)  # fmt: skip
+    with flush_denormals(device):  # a CPU slows down tenfold on denormal activations
+        warm = min(8, max_new_tokens)  # first calls pay for allocations and kernel selection
+        speculative_generate(model, drafter, dcfg, prompt_ids[0], max_new_tokens=warm, block_size=B,
+                             temperature=temperature, generator=gen(0), stop_ids=stop_ids)  # fmt: skip
+        target_generate(model, prompt_ids[0], max_new_tokens=warm, temperature=temperature, generator=gen(0),
+                        stop_ids=stop_ids)  # fmt: skip
 
-    samples, per_prompt = [], []
-    spec_time = target_time = 0.0
-    spec_tokens = target_tokens = 0
-    for i, ids in enumerate(prompt_ids):
-        sync()
-        t0 = time.perf_counter()
-        out, lengths = speculative_generate(
-            model, drafter, dcfg, ids, max_new_tokens=max_new_tokens, block_size=B,
-            temperature=temperature, generator=gen(i), stop_ids=stop_ids,
-        )  # fmt: skip
-        sync()
-        t1 = time.perf_counter()
-        ref = target_generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                              generator=gen(i), stop_ids=stop_ids)  # fmt: skip
-        sync()
-        t2 = time.perf_counter()
-        spec_time, target_time = spec_time + t1 - t0, target_time + t2 - t1
-        spec_tokens, target_tokens = spec_tokens + len(out), target_tokens + len(ref)
-        per_prompt.append(lengths)
-        samples.append({
-            "index": i, "prompt_tokens": len(ids), "new_tokens": len(out), "steps": len(lengths),
-            "tau": tau(lengths), "acceptance_lengths": lengths,
-            "same_as_target": out == ref, "output": tokenizer.decode(out),
-        })  # fmt: skip
+        samples, per_prompt = [], []
+        spec_time = target_time = 0.0
+        spec_tokens = target_tokens = 0
+        for i, ids in enumerate(prompt_ids):
+            sync()
+            t0 = time.perf_counter()
+            out, lengths = speculative_generate(
+                model, drafter, dcfg, ids, max_new_tokens=max_new_tokens, block_size=B,
+                temperature=temperature, generator=gen(i), stop_ids=stop_ids,
+            )  # fmt: skip
+            sync()
+            t1 = time.perf_counter()
+            ref = target_generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                  generator=gen(i), stop_ids=stop_ids)  # fmt: skip
+            sync()
+            t2 = time.perf_counter()
+            spec_time, target_time = spec_time + t1 - t0, target_time + t2 - t1
+            spec_tokens, target_tokens = spec_tokens + len(out), target_tokens + len(ref)
+            per_prompt.append(lengths)
+            samples.append({
+                "index": i, "prompt_tokens": len(ids), "new_tokens": len(out), "steps": len(lengths),
+                "tau": tau(lengths), "acceptance_lengths": lengths,
+                "same_as_target": out == ref, "output": tokenizer.decode(out),
+            })  # fmt: skip
     spec_tok_s = spec_tokens / spec_time if spec_time > 0 else 0.0
     target_tok_s = target_tokens / target_time if target_time > 0 else 0.0
     all_lengths = [n for lengths in per_prompt for n in lengths]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from conftest import ROOT
 
 from dflash_cache.checkpoint import Checkpointer
-from dflash_cache.devices import Worker, launch, worker_threads
+from dflash_cache.devices import Worker, flush_denormals, launch, worker_threads
 from dflash_cache.drafter import load_serving
 from dflash_cache.spec import read_spec
 from dflash_cache.train import TrainConfig, TrainError, _data_parallel, export, run
@@ -126,6 +126,18 @@ def test_ddp_gradient_is_the_mean_of_the_ranks(grad_reduce, tmp_path):
             assert ((reduced - mean).abs() <= 2**-8 * (got[0][0].abs() + got[1][0].abs())).all()
             assert torch.equal(reduced, reduced.bfloat16().float()) and not torch.equal(reduced, mean)
     assert torch.equal(got[0][1], got[1][1])
+
+
+def test_cpu_inference_flushes_denormals_and_restores_the_setting():
+    """eval and regen run their CPU decoding with denormals flushed to zero (x86 arithmetic on them
+    is about ten times slower), and the process-wide setting is back afterwards."""
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # a float32 denormal
+    assert (tiny * 1.0).item() != 0.0
+    with flush_denormals(torch.device("cpu")):
+        assert (tiny * 1.0).item() == 0.0
+    assert (tiny * 1.0).item() != 0.0
+    with flush_denormals(torch.device("meta")):  # not a CPU: untouched
+        assert (tiny * 1.0).item() != 0.0
 
 
 def test_worker_threads_split_the_cores_and_are_restored():
