@@ -42,7 +42,8 @@ def _quiet_libraries(
 
 
 def friendly(fn):
-    """Print user errors as one line and exit 1; a worker process's error likewise."""
+    """Print user errors as one line and exit 1; a worker process's error likewise; Ctrl-C as one
+    line that says how to resume, exit 130."""
 
     @wraps(fn)
     def run(*args, **kwargs):
@@ -53,6 +54,9 @@ def friendly(fn):
         except (UserError, FileNotFoundError) as e:
             console.print(f"[red]error:[/red] {e}")
             raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted:[/yellow] what was committed is kept; rerun the same command to resume")
+            raise typer.Exit(130) from None
         except ProcessRaisedException as e:
             last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
             console.print(f"[red]error in a worker process:[/red] {last}")

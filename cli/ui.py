@@ -105,7 +105,7 @@ class TrainBar:
         total = bar.get("total", task.total)
         fields = {"tokens": f"{_count(bar.get('completed', 0))}/{_count(total or 0)} tok"}
         if "loss" in bar:
-            mfu = f" {bar['tflops']:.0f} TFLOP/s" + (f" MFU {100 * bar['mfu']:.0f}%" if bar.get("mfu") else "")
+            mfu = f" {bar['tflops']:.3g} TFLOP/s" + (f" MFU {100 * bar['mfu']:.0f}%" if bar.get("mfu") else "")
             fields |= {"where": f"epoch {bar['epoch'] + 1} step {bar['step']} ", "loss": f"{bar['loss']:.3f}",
                        "accept": f"{bar['accept']:.2f}", "rate": f"{bar['tok_s']:,.0f} tok/s", "mfu": mfu,
                        "wait": f"{bar['wait']:.2f}s"}  # fmt: skip

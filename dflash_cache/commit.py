@@ -265,6 +265,9 @@ def _die_with(parent: int) -> None:
 
 def _writer_main(handle, out: str, storage: StorageInfo, jobs, results, parent: int) -> None:
     _die_with(parent)
+    # Ctrl-C reaches the whole process group: the extract process handles it, and a writer ends
+    # with it (above) instead of printing a traceback of its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     buffers = attach(handle)
     while True:
         try:

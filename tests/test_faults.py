@@ -116,6 +116,29 @@ def _extract_cmd(data: Path, out: Path) -> list[str]:
             "--out", str(out), "--max-length", "512", "--unit-mb", "1", "--token-budget", "512"]  # fmt: skip
 
 
+def test_ctrl_c_ends_with_one_line_and_resumes(tmp_path):
+    """Ctrl-C (SIGINT to the whole foreground process group, as a terminal sends it) mid-extract,
+    writer processes included, ends with one line that says how to resume and exit code 130, and
+    the same command then completes the cache. Before, each process printed a traceback."""
+    data = _rows(tmp_path / "rows.jsonl", 160)
+    out = tmp_path / "cache"
+    cmd = _extract_cmd(data, out)
+    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not committed_units(out) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.poll() is None, "the extract ended before a unit committed: nothing to interrupt"
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("extract ")]  # the bar's line
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("interrupted:") and "rerun the same command" in lines[0], err
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert verify(out) == {}
+
+
 @pytest.mark.slow
 def test_extract_killed_many_times(tmp_path):
     data = _rows(tmp_path / "rows.jsonl", 160)
