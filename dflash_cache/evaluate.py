@@ -48,7 +48,7 @@ from .data import LINE, DataError, RowRejected, check_template_kwargs, conversat
 from .devices import flush_denormals
 from .drafter import DFlashDrafter, DrafterConfig, load_serving
 from .objective import BlockLayout
-from .target import TargetError, _decoder_layers, _first_line, load_tokenizer, text_config
+from .target import TargetError, _decoder_layers, _first_line, load_tokenizer, stop_token_ids, text_config
 
 __all__ = [
     "EvalError",
@@ -358,24 +358,6 @@ def target_generate(
 
 
 # ----------------------------------------------------------------------------- prompts, loading
-
-
-def stop_token_ids(tokenizer, model: nn.Module | None = None) -> set[int]:
-    """The tokenizer's eos, the generation config's eos (one id or a list) and <|im_end|>."""
-    ids: set[int] = set()
-    candidates = [tokenizer.eos_token_id]
-    gen = getattr(model, "generation_config", None)
-    if gen is not None:
-        candidates.append(gen.eos_token_id)
-    for c in candidates:
-        if isinstance(c, int):
-            ids.add(c)
-        elif isinstance(c, (list, tuple)):
-            ids.update(int(i) for i in c)
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end >= 0:
-        ids.add(im_end)
-    return ids
 
 
 def load_prompts(

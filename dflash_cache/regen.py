@@ -31,7 +31,7 @@ from .data import DataError, RowRejected, check_template_kwargs, conversation, r
 from .devices import Worker, flush_denormals, launch
 from .paths import output_dir, output_file
 from .progress import ProgressSink, Reporter
-from .target import compute_dtype_for, load_config, load_tokenizer
+from .target import compute_dtype_for, load_config, load_tokenizer, stop_token_ids
 
 REJECTED = "rejected.jsonl"
 _ANSWER_FIELDS = (("prompt", "response"), ("instruction", "output"))
@@ -158,7 +158,7 @@ def _worker(w: Worker, cfg: RegenConfig, n_parts: int, channel) -> None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(cfg.target, revision=cfg.revision,
                                                  dtype=compute_dtype_for(w.device)).to(w.device).eval()  # fmt: skip
-    stop = stop_ids(model.generation_config, tokenizer)
+    stop = sorted(stop_token_ids(tokenizer, model))
     with flush_denormals(w.device):  # a CPU slows down tenfold on denormal activations
         for part in todo:
             torch.manual_seed(cfg.seed * 1_000_003 + part)  # a part samples the same on any rerun
@@ -172,14 +172,6 @@ def _worker(w: Worker, cfg: RegenConfig, n_parts: int, channel) -> None:
                     f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             os.replace(tmp, parts / f"part-{part:05d}.jsonl")
             channel.put({"parts": 1})
-
-
-def stop_ids(generation_config, tokenizer) -> list[int]:
-    """Where a reply ends: the generation config's eos ids (a chat model lists its end-of-turn
-    token there: <|im_end|>, <|eot_id|>, <end_of_turn>) and the tokenizer's eos."""
-    ids = generation_config.eos_token_id
-    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
-    return sorted({int(t) for t in [*ids, tokenizer.eos_token_id] if t is not None})
 
 
 def reply_decoder(tokenizer) -> Callable[[list[int]], str]:

@@ -185,3 +185,23 @@ def local_snapshot(path: str, revision: str | None = None) -> tuple[Path | None,
         return real, real.name
     except Exception:  # noqa: BLE001 - not in the local cache: no fingerprint, not an error here
         return None, revision
+
+
+def stop_token_ids(tokenizer, model: nn.Module | None = None) -> set[int]:
+    """Where a reply ends: the tokenizer's eos, the generation config's eos (one id or a list; a
+    chat model lists its end-of-turn token there: <|im_end|>, <|eot_id|>, <end_of_turn>) and
+    ChatML's <|im_end|> where the vocabulary has it."""
+    ids: set[int] = set()
+    candidates = [tokenizer.eos_token_id]
+    gen = getattr(model, "generation_config", None)
+    if gen is not None:
+        candidates.append(gen.eos_token_id)
+    for c in candidates:
+        if isinstance(c, int):
+            ids.add(c)
+        elif isinstance(c, (list, tuple)):
+            ids.update(int(i) for i in c)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id and im_end >= 0:
+        ids.add(im_end)
+    return ids

@@ -160,11 +160,11 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
                 {"warning": f"waiting for `dflash extract` to write {cfg.cache}/cache.json"}))  # fmt: skip
         spec = read_spec(cfg.cache)
         try:
-            drafter_config(cfg, spec)
+            dcfg = drafter_config(cfg, spec)
         except SpecError as e:
             raise TrainError(f"the drafter does not fit the cache: {e}") from None
         cfg.out.mkdir(parents=True, exist_ok=True)
-        _check_run_dir(cfg, spec)
+        _check_run_dir(cfg, spec, dcfg)
         if (state := Checkpointer(cfg.out).load(mmap=True)) is not None:  # refused here: one error line
             _resume_parts(state, _world_size(cfg), is_complete(cfg.cache, spec.plan.num_units))
         launch(_worker, (cfg, reporter.channel), gpus=cfg.gpus, procs=cfg.procs)
@@ -173,7 +173,7 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     return {"run": str(cfg.out), "export": str(cfg.out / EXPORT), **{k: v for k, v in totals.items() if k != "bar"}}
 
 
-def _check_run_dir(cfg: TrainConfig, spec: CacheSpec) -> None:
+def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: DrafterConfig) -> None:
     """A run directory belongs to one cache and one set of hyper-parameters: a rerun resumes it."""
     ident = {"cache_created": spec.created, "cache_target": spec.target.weights_fingerprint, **cfg.identity()}
     path = cfg.out / RUN_JSON
@@ -187,7 +187,7 @@ def _check_run_dir(cfg: TrainConfig, spec: CacheSpec) -> None:
         return
     record = {"identity": ident, "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
               # the drafter's geometry, so that `dflash export` needs the run directory only
-              "drafter": drafter_config(cfg, spec).to_serving_config()}  # fmt: skip
+              "drafter": dcfg.to_serving_config()}  # fmt: skip
     # every torchrun rank gets here at once: never let one read another's half-written file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
