@@ -64,6 +64,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
+NO_ASSISTANT = "no assistant turn: nothing to learn from this conversation"
 # ShareGPT's `from` values and the roles they stand for.
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -360,8 +361,12 @@ def _parse_raw(raw: bytes, line: int | None) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------
 
 
-def conversation(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+def conversation(row: dict[str, Any], *, reply_required: bool = True) -> list[dict[str, Any]] | None:
     """A row of any chat form as validated chat messages; ``None`` for a plain ``text`` row.
+
+    Training rows need a reply to learn from (``reply_required``). Prompt rows (eval, regen) need
+    not have one: a conversation may then hold no assistant turn, and an Alpaca or prompt row
+    without its answer gets an empty assistant turn, the one regen fills.
 
     Forms, the first present winning (a ``None`` value counts as absent, as in Arrow tables with
     optional columns):
@@ -381,12 +386,15 @@ def conversation(row: dict[str, Any]) -> list[dict[str, Any]] | None:
         raise RowRejected(f"malformed row: expected an object, got {_json_type(row)}")
     row = source_row(row)
     if row.get("messages") is not None:
-        return check_messages(row["messages"])
+        return check_messages(row["messages"], reply_required=reply_required)
     if row.get("conversations") is not None:
-        return check_messages(_sharegpt_messages(row["conversations"]), field="conversations")
+        return check_messages(_sharegpt_messages(row["conversations"]), field="conversations",
+                              reply_required=reply_required)  # fmt: skip
+    answer = {} if reply_required else {"output": "", "response": ""}  # an absent answer is an empty one
+    fields = {**answer, **_present(row)}
     if row.get("instruction") is not None or row.get("output") is not None:
         instruction, extra, output = (
-            _string_field(row, k, "instruction/output") for k in ("instruction", "input", "output")
+            _string_field(fields, k, "instruction/output") for k in ("instruction", "input", "output")
         )
         if instruction is None or output is None:
             missing = "instruction" if instruction is None else "output"
@@ -394,7 +402,7 @@ def conversation(row: dict[str, Any]) -> list[dict[str, Any]] | None:
         user = f"{instruction}\n\n{extra}" if extra else instruction
         return check_messages([{"role": "user", "content": user}, {"role": "assistant", "content": output}])
     if row.get("prompt") is not None or row.get("response") is not None:
-        prompt, response = (_string_field(row, k, "prompt/response") for k in ("prompt", "response"))
+        prompt, response = (_string_field(fields, k, "prompt/response") for k in ("prompt", "response"))
         for name, other, value in (("prompt", "response", prompt), ("response", "prompt", response)):
             if value is None:
                 raise RowRejected(f"missing field: a row with {other} needs {name} too")
@@ -406,6 +414,11 @@ def conversation(row: dict[str, Any]) -> list[dict[str, Any]] | None:
         "missing field: a row needs messages, conversations, instruction and output, prompt and response, or text"
         f" (it has {', '.join(present) if present else 'no fields'})"
     )
+
+
+def _present(row: dict[str, Any]) -> dict[str, Any]:
+    """The row without its None values (absent, as in Arrow tables with optional columns)."""
+    return {k: v for k, v in row.items() if v is not None}
 
 
 def _string_field(row: dict[str, Any], key: str, form: str) -> str | None:
@@ -473,7 +486,7 @@ def encode_row(
     return ids, mask
 
 
-def check_messages(messages: Any, field: str = "messages") -> list[dict[str, Any]]:
+def check_messages(messages: Any, field: str = "messages", reply_required: bool = True) -> list[dict[str, Any]]:
     """Validate a conversation; return its messages with ``None`` fields dropped, other fields kept."""
     if not isinstance(messages, list):
         raise RowRejected(f"wrong type: {field} must be a list, got {_json_type(messages)}")
@@ -493,8 +506,8 @@ def check_messages(messages: Any, field: str = "messages") -> list[dict[str, Any
         if m["role"] not in ROLES:
             raise RowRejected(f"unknown role: message {i} has role {m['role']!r} (expected {', '.join(ROLES)})")
         out.append(m)
-    if not any(m["role"] == "assistant" for m in out):
-        raise RowRejected("no assistant turn: nothing to learn from this conversation")
+    if reply_required and not any(m["role"] == "assistant" for m in out):
+        raise RowRejected(NO_ASSISTANT)
     return out
 
 

@@ -382,38 +382,13 @@ def load_prompts(
     for i, row in enumerate(rows):
         where = f"{path} row {i}" if row.get(LINE) is None else f"{path} line {row[LINE]}"
         try:
-            messages = _prompt_conversation(row)
+            messages = conversation(row, reply_required=False)
         except RowRejected as e:
             raise DataError(f"{where}: {e.reason}") from None
         prompts.append(_encode_prompt(row, messages, tokenizer, kwargs, where))
     if not prompts:
         raise DataError(f"{path}: no prompts")
     return prompts
-
-
-def _prompt_conversation(row: dict) -> list[dict] | None:
-    """conversation(row), for rows that may end before the reply. conversation() reads training
-    rows, which need a reply to learn from; a prompt row without one gets an empty reply in its
-    own form, which load_prompts drops again with the other trailing assistant turns."""
-    try:
-        return conversation(row)
-    except RowRejected as rejected:
-        try:
-            return conversation(_with_empty_reply(source_row(row)))
-        except RowRejected:
-            raise rejected from None
-
-
-def _with_empty_reply(row: dict) -> dict:
-    reply = {"role": "assistant", "content": ""}
-    for key in ("messages", "conversations"):
-        if isinstance(row.get(key), list):
-            return {**row, key: [*row[key], reply]}
-    if row.get("prompt") is not None and row.get("response") is None:
-        return {**row, "response": ""}
-    if row.get("instruction") is not None and row.get("output") is None:
-        return {**row, "output": ""}
-    return row
 
 
 def _encode_prompt(row: dict, messages: list[dict] | None, tokenizer, kwargs: dict, where: str) -> list[int]:

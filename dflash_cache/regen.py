@@ -27,14 +27,21 @@ from typing import Any
 
 import torch
 
-from .data import DataError, RowRejected, check_template_kwargs, conversation, read_rows, source_fingerprint, source_row
+from .data import (
+    NO_ASSISTANT,
+    DataError,
+    RowRejected,
+    check_template_kwargs,
+    conversation,
+    read_rows,
+    source_fingerprint,
+)
 from .devices import Worker, flush_denormals, launch
 from .paths import output_dir, output_file
 from .progress import ProgressSink, Reporter
 from .target import compute_dtype_for, load_config, load_tokenizer, stop_token_ids
 
 REJECTED = "rejected.jsonl"
-_ANSWER_FIELDS = (("prompt", "response"), ("instruction", "output"))
 REASONING_MARKERS = ("<think>", "</think>")  # kept in a reply even where the tokenizer calls them special
 
 
@@ -87,14 +94,12 @@ def _conversation(row: dict[str, Any]) -> list[dict[str, Any]] | str:
     """The source row as chat messages to regenerate (any row form extract reads), or the reason
     it cannot be."""
     try:
-        row = source_row(row)
-        for question, answer in _ANSWER_FIELDS:
-            if isinstance(row.get(question), str) and row.get(answer) is None:
-                row = {**row, answer: ""}  # a bare question is one for the target to answer
-        messages = conversation(row)
+        messages = conversation(row, reply_required=False)  # a bare question is one for the target to answer
     except RowRejected as e:
         return e.reason
-    return "plain text rows have no prompt to answer" if messages is None else messages
+    if messages is None:
+        return "plain text rows have no prompt to answer"
+    return messages if any(m["role"] == "assistant" for m in messages) else NO_ASSISTANT
 
 
 def _read(cfg: RegenConfig):
