@@ -82,7 +82,7 @@ def _layers(layers: str | None) -> list[int] | None:
 
 
 def _template_kwargs(text: str | None) -> dict | None:
-    from dflash_cache.data import DataError, check_template_kwargs
+    from dflash_cache.extract.data import DataError, check_template_kwargs
 
     try:
         return None if text is None else check_template_kwargs(text)
@@ -138,7 +138,7 @@ def extract(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the size estimate, write nothing."),
 ) -> None:
     """Run the target over a dataset and cache its tapped hidden states."""
-    from dflash_cache import extract as ex
+    from dflash_cache.extract import stage as ex
 
     cfg = ex.ExtractConfig(
         target=target, data=data, out=out, layers=_layers(layers), num_layers=num_layers, revision=revision,
@@ -213,7 +213,7 @@ def train(
 
     Start it together with `dflash extract` on the same cache: the first epoch trains on units as
     they commit and waits for more until the extraction is complete."""
-    from dflash_cache import train as tr
+    from dflash_cache.train import stage as tr
 
     _paths(("output_dir", out, "--out"))
     cfg = tr.TrainConfig(
@@ -235,7 +235,7 @@ def export(
     out: Path = typer.Argument(..., help="Where to write config.json + model.safetensors."),
 ) -> None:
     """Write a run's latest checkpoint in the serving format (z-lab, vLLM, SGLang)."""
-    from dflash_cache.train import export as export_run
+    from dflash_cache.train.stage import export as export_run
 
     _paths(("input_dir", run, "RUN"), ("output_dir", out, "OUT"))
     console.print(f"exported to {export_run(run, out)}")
@@ -245,7 +245,7 @@ def export(
 @friendly
 def info(cache: Path = typer.Argument(..., help="Cache directory.")) -> None:
     """Print a cache's spec, counts, bytes on disk and compression ratio."""
-    from dflash_cache.audit import info as cache_info
+    from dflash_cache.cache.audit import info as cache_info
 
     print(json.dumps(cache_info(cache), indent=2))
 
@@ -258,7 +258,7 @@ def verify(
                                       "still being extracted); by default a planned unit not committed fails."),
 ) -> None:
     """Decode every unit of a cache and name any that is bad or missing."""
-    from dflash_cache.audit import verify as verify_cache
+    from dflash_cache.cache.audit import verify as verify_cache
 
     bad = verify_cache(cache, present_only=present_only)
     if bad:

@@ -38,8 +38,8 @@ def build(cache: Path, units: int, *, legacy: bool = False, seed: int = 0) -> di
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
     from test_loader import _spec, build_cache
 
-    from dflash_cache import store
-    from dflash_cache.spec import write_spec
+    from dflash_cache.cache import store
+    from dflash_cache.cache.spec import write_spec
 
     t0 = time.perf_counter()
     if cache.exists():
@@ -84,7 +84,7 @@ def _copy_unit(src: Path, dst: Path, meta: dict, unit_id: int, sample_index: np.
     if legacy:
         manifest.pop("index", None)
     elif "index" in manifest:
-        from dflash_cache.store import index_crc
+        from dflash_cache.cache.store import index_crc
 
         offsets = np.asarray(manifest["index"]["offsets"], dtype=np.int64)
         manifest["index"].update(sample_index=sample_index.tolist(), crc32=index_crc(offsets, sample_index))
@@ -101,7 +101,7 @@ def _drop_index(unit: Path) -> None:
 
 def _check_copies(cache: Path, rows: np.ndarray, units: int) -> None:
     """Some copies, read back through Zarr, hold the samples they should, and verify clean."""
-    from dflash_cache.store import UnitReader, committed_units, verify_unit
+    from dflash_cache.cache.store import UnitReader, committed_units, verify_unit
 
     paths = committed_units(cache)
     assert len(paths) == units
@@ -118,8 +118,8 @@ def time_startup(cache: Path, token_budget: int = 600) -> dict:
     import torch
 
     import dflash_cache
-    from dflash_cache.audit import info
-    from dflash_cache.loader import CacheLoader
+    from dflash_cache.cache.audit import info
+    from dflash_cache.train.loader import CacheLoader
 
     t0 = time.perf_counter()
     loader = CacheLoader(cache, token_budget=token_budget, device=torch.device("cpu"), readers=2)

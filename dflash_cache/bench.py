@@ -148,9 +148,9 @@ def commit(out: Path, *, units: int = 8, rows: int = 3200, width: int = 5 * 4096
     Both write the same bf16-shaped units; the figures are raw MB/s committed."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .commit import BufferLayout, Committer, SharedBuffers
-    from .spec import StorageInfo
-    from .store import UnitArrays, chunk_tokens_for, write_unit
+    from dflash_cache.cache.spec import StorageInfo
+    from dflash_cache.cache.store import UnitArrays, chunk_tokens_for, write_unit
+    from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 
     out = Path(out) / f".dflash-bench-commit-{os.getpid()}"  # only this is written, and removed
     torch.manual_seed(0)
@@ -202,7 +202,7 @@ class RandomTarget:
     def build(self):
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from .target import TappedTarget
+        from dflash_cache.extract.target import TappedTarget
 
         cfg = AutoConfig.for_model(**self.config)
         cfg.num_hidden_layers = max(self.layer_ids) + 1  # the layers above never run
@@ -227,7 +227,7 @@ def synthetic_dataset(lengths: np.ndarray, vocab: int, seed: int = 0):
 
 def bench_spec(config: dict, layer_ids: list[int], plan, storage: str, chunk_tokens: int):
     """A cache spec for a synthetic benchmark cache."""
-    from .spec import CacheSpec, DataInfo, LayerInfo, PlanInfo, StorageInfo, TargetInfo, TokenizerInfo
+    from dflash_cache.cache.spec import CacheSpec, DataInfo, LayerInfo, PlanInfo, StorageInfo, TargetInfo, TokenizerInfo
 
     return CacheSpec(
         target=TargetInfo(path="random", revision=None, weights_fingerprint="random", config_digest="random",
@@ -259,7 +259,7 @@ def _timer(device: torch.device, out: dict, key: str):
 
 def _plan_batches(plan, dataset, device: torch.device):
     """(unit, batch, padded input ids, real-token index) for every forward batch of a plan."""
-    from .extract import _batch_inputs, _unit_tokens
+    from dflash_cache.extract.stage import _batch_inputs, _unit_tokens
 
     for unit in plan.units:
         ids, *_ = _unit_tokens(dataset, unit)
@@ -282,10 +282,10 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
             device: torch.device | None = None, target=None, long: bool = False) -> dict[str, Any]:  # fmt: skip
     """Full extract path vs the bare truncated forward, same model, same batches, one process.
     `long`: samples of 16K to 32K tokens instead of the chat mix."""
-    from .extract import _copy_out, extract_units, pack_hidden
-    from .plan import default_bucket_edges, make_plan
-    from .spec import default_layer_ids, write_spec
-    from .store import chunk_tokens_for, committed_units
+    from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids, write_spec
+    from dflash_cache.cache.store import chunk_tokens_for, committed_units
+    from dflash_cache.extract.plan import make_plan
+    from dflash_cache.extract.stage import _copy_out, extract_units, pack_hidden
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layer_ids = default_layer_ids(config["num_hidden_layers"])
@@ -355,9 +355,9 @@ def peer_baseline(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000
     tapped layers, then a loader that `torch.load`s the files one by one."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .extract import _batch_inputs
-    from .plan import default_bucket_edges, make_plan
-    from .spec import default_layer_ids
+    from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids
+    from dflash_cache.extract.plan import make_plan
+    from dflash_cache.extract.stage import _batch_inputs
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layer_ids = default_layer_ids(config["num_hidden_layers"])
@@ -400,7 +400,7 @@ def peer_baseline(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000
 def loader_rate(cache: Path, *, token_budget: int = 16384, device: torch.device | None = None,
                 max_batches: int = 50) -> dict[str, Any]:  # fmt: skip
     """Tokens/s of the streaming loader alone (decode, pinned staging, copy to the device)."""
-    from .loader import CacheLoader
+    from dflash_cache.train.loader import CacheLoader
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loader = CacheLoader(cache, token_budget=token_budget, device=device)
@@ -415,7 +415,7 @@ def loader_rate(cache: Path, *, token_budget: int = 16384, device: torch.device 
 
 
 def write_random_frozen(cache: Path, config: dict) -> None:
-    from .store import write_frozen
+    from dflash_cache.cache.store import write_frozen
 
     g = torch.Generator().manual_seed(0)
     shape = (config["vocab_size"], config["hidden_size"])
@@ -429,12 +429,12 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int = 
     """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
     the device. Both phases run the same batches (the first `steps` of epoch 0, after warm-up).
     Also the useful TFLOP/s and MFU of the in-memory steps (metrics.StepFlops)."""
-    from .drafter import DFlashDrafter
-    from .loader import CacheLoader
-    from .metrics import StepFlops, peak_flops
-    from .spec import read_spec
-    from .store import read_frozen
-    from .train import TrainConfig, _anchor_generator, drafter_config, train_step
+    from dflash_cache.cache.spec import read_spec
+    from dflash_cache.cache.store import read_frozen
+    from dflash_cache.train.drafter import DFlashDrafter
+    from dflash_cache.train.loader import CacheLoader
+    from dflash_cache.train.metrics import StepFlops, peak_flops
+    from dflash_cache.train.stage import TrainConfig, _anchor_generator, drafter_config, train_step
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
@@ -490,8 +490,8 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int = 
 
 def cache_lengths(cache: Path) -> tuple[np.ndarray, list[int] | None]:
     """A cache's sample lengths and its plan's bucket edges, for `rank_balance`."""
-    from .loader import SampleTable, open_units
-    from .spec import read_spec
+    from dflash_cache.cache.spec import read_spec
+    from dflash_cache.train.loader import SampleTable, open_units
 
     return SampleTable.from_units(open_units(cache)[0]).length, list(read_spec(cache).plan.bucket_edges) or None
 
@@ -502,9 +502,9 @@ def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: i
     """Predicted DDP speed-up over one rank, batches dealt as they come against dealt by cost (what
     `dflash train` does). A step lasts as long as its costliest rank's batch, with a batch's cost
     modelled by `objective.drafter_cost`; no timing, so it runs anywhere, on a cache's lengths."""
-    from .loader import SampleTable, _pack_and_deal
-    from .objective import drafter_cost
-    from .plan import default_bucket_edges
+    from dflash_cache.cache.spec import default_bucket_edges
+    from dflash_cache.train.loader import SampleTable, _pack_and_deal
+    from dflash_cache.train.objective import drafter_cost
 
     lengths = np.asarray(lengths, dtype=np.int64)
     table = SampleTable(np.zeros_like(lengths), np.zeros_like(lengths), lengths, np.arange(len(lengths)))

@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
-from . import evaluate, extract, regen, train
-from .drafter import DFlashDrafter, save_serving
-from .spec import read_spec
+from dflash_cache import evaluate, regen
+from dflash_cache.cache.spec import read_spec
+from dflash_cache.extract import stage as extract
+from dflash_cache.train import stage as train
+from dflash_cache.train.drafter import DFlashDrafter, save_serving
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.multiprocessing as mp
 
-from .errors import UserError
+from dflash_cache.errors import UserError
 
 
 class DeviceError(UserError, ValueError):

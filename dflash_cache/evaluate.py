@@ -43,12 +43,27 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from . import objective
-from .data import LINE, DataError, RowRejected, check_template_kwargs, conversation, read_rows, source_row
-from .devices import flush_denormals
-from .drafter import DFlashDrafter, DrafterConfig, load_serving
-from .objective import BlockLayout
-from .target import TargetError, _decoder_layers, _first_line, load_tokenizer, stop_token_ids, text_config
+from dflash_cache.devices import flush_denormals
+from dflash_cache.extract.data import (
+    LINE,
+    DataError,
+    RowRejected,
+    check_template_kwargs,
+    conversation,
+    read_rows,
+    source_row,
+)
+from dflash_cache.extract.target import (
+    TargetError,
+    _decoder_layers,
+    _first_line,
+    load_tokenizer,
+    stop_token_ids,
+    text_config,
+)
+from dflash_cache.train import objective
+from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, load_serving
+from dflash_cache.train.objective import BlockLayout
 
 __all__ = [
     "EvalError",
@@ -368,7 +383,7 @@ def load_prompts(
     split: str | None = None,
 ) -> list[list[int]]:
     """Prompt token ids from the rows `dflash extract` reads (a JSONL / JSON / Parquet file, a
-    saved dataset or a hub dataset name; any form :func:`dflash_cache.data.conversation` reads).
+    saved dataset or a hub dataset name; any form :func:`dflash_cache.extract.data.conversation` reads).
 
     A conversation goes through the chat template with the generation prompt, and with
     ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``); its trailing assistant turns

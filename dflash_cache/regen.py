@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from .data import (
+from dflash_cache.devices import Worker, flush_denormals, launch
+from dflash_cache.extract.data import (
     NO_ASSISTANT,
     DataError,
     RowRejected,
@@ -36,10 +37,9 @@ from .data import (
     read_rows,
     source_fingerprint,
 )
-from .devices import Worker, flush_denormals, launch
-from .paths import output_dir, output_file
-from .progress import ProgressSink, Reporter
-from .target import compute_dtype_for, load_config, load_tokenizer, stop_token_ids
+from dflash_cache.extract.target import compute_dtype_for, load_config, load_tokenizer, stop_token_ids
+from dflash_cache.paths import output_dir, output_file
+from dflash_cache.progress import ProgressSink, Reporter
 
 REJECTED = "rejected.jsonl"
 REASONING_MARKERS = ("<think>", "</think>")  # kept in a reply even where the tokenizer calls them special

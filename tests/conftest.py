@@ -12,7 +12,7 @@ CHAT = ROOT / "data" / "chat.jsonl"
 
 
 def extract_config(out: Path, **overrides):
-    from dflash_cache.extract import ExtractConfig
+    from dflash_cache.extract.stage import ExtractConfig
 
     kwargs = {"target": str(TINY_TARGET), "data": str(CHAT), "out": out, "max_length": 512, "unit_mb": 4,
               "token_budget": 2048, "tokenize_procs": 1}
@@ -23,7 +23,7 @@ def extract_config(out: Path, **overrides):
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory) -> Path:
     """A complete bf16 cache of the bundled chat data (several units), shared by the session."""
-    from dflash_cache.extract import run
+    from dflash_cache.extract.stage import run
 
     out = tmp_path_factory.mktemp("cache") / "cache"
     run(extract_config(out))

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 from dflash_cache import bench
-from dflash_cache.audit import verify
-from dflash_cache.spec import read_spec
-from dflash_cache.store import committed_units
+from dflash_cache.cache.audit import verify
+from dflash_cache.cache.spec import read_spec
+from dflash_cache.cache.store import committed_units
 
 TINY = dict(bench.QWEN3_8B, num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)  # fmt: skip

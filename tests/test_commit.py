@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_cache.commit import BufferLayout, Committer, SharedBuffers
-from dflash_cache.spec import StorageInfo
-from dflash_cache.store import UnitReader, chunk_tokens_for, committed_units
+from dflash_cache.cache.spec import StorageInfo
+from dflash_cache.cache.store import UnitReader, chunk_tokens_for, committed_units
+from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 
 ROWS, WIDTH = 300, 64
 

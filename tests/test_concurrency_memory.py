@@ -19,7 +19,7 @@ import pytest
 from conftest import CHAT, ROOT, TINY_TARGET
 from test_extract import read_cache
 
-from dflash_cache.store import committed_units
+from dflash_cache.cache.store import committed_units
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 # small units and batches: one extract of 100 rows is ~6 units and a few seconds on 2 CPU cores

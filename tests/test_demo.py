@@ -3,10 +3,10 @@
 import torch
 from conftest import ROOT, TINY_TARGET
 
-from dflash_cache.drafter import DFlashDrafter, save_serving
+from dflash_cache.cache.spec import read_spec
 from dflash_cache.evaluate import evaluate
-from dflash_cache.spec import read_spec
-from dflash_cache.train import TrainConfig, drafter_config, run
+from dflash_cache.train.drafter import DFlashDrafter, save_serving
+from dflash_cache.train.stage import TrainConfig, drafter_config, run
 
 
 def test_trained_drafter_beats_untrained(tiny_cache, tmp_path):

@@ -9,15 +9,15 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
-from dflash_cache import objective
-from dflash_cache.drafter import (
+from dflash_cache.cache.spec import default_layer_ids
+from dflash_cache.train import objective
+from dflash_cache.train.drafter import (
     DFlashDrafter,
     DrafterConfig,
     load_serving,
     save_serving,
 )
-from dflash_cache.objective import BlockLayout
-from dflash_cache.spec import default_layer_ids
+from dflash_cache.train.objective import BlockLayout
 
 B = 4
 LENGTHS = [13, 3, 29, 7]  # the 3-token sequence is shorter than a block: it gets no blocks

@@ -23,12 +23,12 @@ import pytest
 from conftest import CHAT, extract_config
 from test_follow import _committed_samples, _epoch_ends, _signal, _start, _trace, _wait_for
 
-from dflash_cache.checkpoint import Checkpointer
-from dflash_cache.extract import run as extract
-from dflash_cache.loader import SampleTable, epoch_batches, rest_of_epoch
-from dflash_cache.spec import read_spec
-from dflash_cache.store import UNITS, UnitReader, committed_units
-from dflash_cache.train import TrainError, _resume_parts
+from dflash_cache.cache.spec import read_spec
+from dflash_cache.cache.store import UNITS, UnitReader, committed_units
+from dflash_cache.extract.stage import run as extract
+from dflash_cache.train.checkpoint import Checkpointer
+from dflash_cache.train.loader import SampleTable, epoch_batches, rest_of_epoch
+from dflash_cache.train.stage import TrainError, _resume_parts
 
 EDGES = [64, 128, 256, 512]
 

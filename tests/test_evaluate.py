@@ -17,9 +17,9 @@ from conftest import ROOT, TINY_TARGET
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache import evaluate as ev
-from dflash_cache.drafter import DFlashDrafter, DrafterConfig, load_serving, save_serving
-from dflash_cache.objective import BlockLayout
-from dflash_cache.spec import default_layer_ids
+from dflash_cache.cache.spec import default_layer_ids
+from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, load_serving, save_serving
+from dflash_cache.train.objective import BlockLayout
 
 PROMPTS = ROOT / "data" / "prompts.jsonl"
 MASK_ID = 1535

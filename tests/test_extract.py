@@ -15,10 +15,10 @@ import torch
 from conftest import CHAT, TINY_TARGET, extract_config
 from transformers import AutoModelForCausalLM
 
+from dflash_cache.cache.spec import read_spec, write_spec
+from dflash_cache.cache.store import PARTIAL, REJECTED, UnitReader, committed_units
 from dflash_cache.errors import UserError
-from dflash_cache.extract import ExtractError, prepare, run, unpack_hidden
-from dflash_cache.spec import read_spec, write_spec
-from dflash_cache.store import PARTIAL, REJECTED, UnitReader, committed_units
+from dflash_cache.extract.stage import ExtractError, prepare, run, unpack_hidden
 
 
 def read_cache(cache):

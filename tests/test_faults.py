@@ -37,12 +37,12 @@ import pytest
 import torch
 from conftest import CHAT, ROOT, TINY_TARGET, extract_config
 
-from dflash_cache.audit import verify
-from dflash_cache.checkpoint import Checkpointer
-from dflash_cache.extract import ExtractError, run
+from dflash_cache.cache.audit import verify
+from dflash_cache.cache.spec import read_spec
+from dflash_cache.cache.store import PARTIAL, UnitReader, committed_units, unit_name, verify_unit
+from dflash_cache.extract.stage import ExtractError, run
 from dflash_cache.regen import parts_dir
-from dflash_cache.spec import read_spec
-from dflash_cache.store import PARTIAL, UnitReader, committed_units, unit_name, verify_unit
+from dflash_cache.train.checkpoint import Checkpointer
 
 KILLS_EXTRACT = 20
 KILLS_TRAIN = 20

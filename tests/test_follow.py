@@ -19,9 +19,9 @@ from pathlib import Path
 
 from conftest import CHAT, ROOT, TINY_TARGET
 
-from dflash_cache.checkpoint import Checkpointer
-from dflash_cache.spec import read_spec
-from dflash_cache.store import UnitReader, committed_units
+from dflash_cache.cache.spec import read_spec
+from dflash_cache.cache.store import UnitReader, committed_units
+from dflash_cache.train.checkpoint import Checkpointer
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 ROWS = 200

@@ -8,9 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_cache import loader as loader_mod
-from dflash_cache.loader import CacheLoader, SampleTable, deal, epoch_batches, open_units
-from dflash_cache.spec import (
+from dflash_cache.cache.spec import (
     CacheSpec,
     DataInfo,
     LayerInfo,
@@ -21,7 +19,9 @@ from dflash_cache.spec import (
     TokenizerInfo,
     write_spec,
 )
-from dflash_cache.store import CorruptUnit, UnitArrays, UnitReader, committed_units, write_unit
+from dflash_cache.cache.store import CorruptUnit, UnitArrays, UnitReader, committed_units, write_unit
+from dflash_cache.train import loader as loader_mod
+from dflash_cache.train.loader import CacheLoader, SampleTable, deal, epoch_batches, open_units
 
 H = 8
 LAYERS = [1, 3, 5]
@@ -313,9 +313,9 @@ def test_balanced_dealing_evens_out_each_steps_compute():
     drafter cost, within 1%. The balanced deal gives out the same batches, in a step order that
     stays shuffled, and changes nothing for one rank."""
     from dflash_cache.bench import lognormal_lengths, rank_balance
-    from dflash_cache.loader import pack_batches
-    from dflash_cache.objective import drafter_cost
-    from dflash_cache.plan import default_bucket_edges
+    from dflash_cache.cache.spec import default_bucket_edges
+    from dflash_cache.train.loader import pack_batches
+    from dflash_cache.train.objective import drafter_cost
 
     lengths = lognormal_lengths(4000).astype(np.int64)
     figures = rank_balance(lengths, ranks=(2, 4, 8))

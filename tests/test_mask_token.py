@@ -11,10 +11,10 @@ import pytest
 from conftest import CHAT, ROOT, TINY_TARGET, extract_config
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_cache import train as train_mod
+from dflash_cache.cache.spec import read_spec
 from dflash_cache.errors import UserError
-from dflash_cache.extract import mask_token_id, run
-from dflash_cache.spec import read_spec
+from dflash_cache.extract.stage import mask_token_id, run
+from dflash_cache.train import stage as train_mod
 
 sys.path.insert(0, str(ROOT / "data"))
 import make_family_targets as fam  # noqa: E402

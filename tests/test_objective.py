@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_cache import objective
-from dflash_cache.objective import (
+from dflash_cache.train import objective
+from dflash_cache.train.objective import (
     BlockLayout,
     block_attention,
     block_metrics,

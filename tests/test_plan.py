@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from dflash_cache.plan import default_bucket_edges, make_plan
+from dflash_cache.cache.spec import default_bucket_edges
+from dflash_cache.extract.plan import make_plan
 
 
 def _plan(lengths, budget=512, unit_tokens=2000, max_length=1024):

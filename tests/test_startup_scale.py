@@ -15,9 +15,9 @@ import zarr
 from test_loader import H, K, Truth, _hidden_shard, _loader, build_cache, check_batch
 from zarr.storage import LocalStore
 
-from dflash_cache.audit import info, verify
-from dflash_cache.loader import SampleTable, open_units
-from dflash_cache.store import CorruptUnit, UnitReader, committed_units, index_crc, verify_unit
+from dflash_cache.cache.audit import info, verify
+from dflash_cache.cache.store import CorruptUnit, UnitReader, committed_units, index_crc, verify_unit
+from dflash_cache.train.loader import SampleTable, open_units
 
 UNITS, PER_UNIT = 12, 6
 

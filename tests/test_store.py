@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from test_loader import build_cache
 
-from dflash_cache.audit import verify
-from dflash_cache.spec import StorageInfo
-from dflash_cache.store import (
+from dflash_cache.cache.audit import verify
+from dflash_cache.cache.spec import StorageInfo
+from dflash_cache.cache.store import (
     PARTIAL,
     CorruptUnit,
     UnitArrays,

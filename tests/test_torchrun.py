@@ -20,11 +20,11 @@ import pytest
 import torch
 from conftest import CHAT, ROOT, TINY_TARGET, extract_config
 
-from dflash_cache import train
+from dflash_cache.cache.spec import read_spec
+from dflash_cache.cache.store import UnitReader, committed_units
 from dflash_cache.devices import DeviceError, launch, torchrun_worker, worker_threads
-from dflash_cache.extract import run
-from dflash_cache.spec import read_spec
-from dflash_cache.store import UnitReader, committed_units
+from dflash_cache.extract.stage import run
+from dflash_cache.train import stage as train
 
 ROWS = 80  # 3 units at --unit-mb 1: rank 0 extracts two, rank 1 one
 EXTRACT = ["--max-length", "512", "--unit-mb", "1", "--token-budget", "2048"]

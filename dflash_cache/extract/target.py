@@ -16,8 +16,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from .errors import UserError
-from .spec import TargetInfo, digest
+from dflash_cache.cache.spec import TargetInfo, digest
+from dflash_cache.errors import UserError
 
 
 class TargetError(UserError, ValueError):

@@ -23,14 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import data as data_mod
-from .commit import BufferLayout, Committer, SharedBuffers
-from .devices import GpuThrottle, Worker, launch, worker_threads
-from .errors import ExtractError
-from .paths import output_dir
-from .plan import Plan, Unit, default_bucket_edges, make_plan
-from .progress import ProgressSink, Reporter
-from .spec import (
+from dflash_cache.cache.spec import (
     CacheSpec,
     DataInfo,
     LayerInfo,
@@ -39,11 +32,12 @@ from .spec import (
     StorageInfo,
     TokenizerInfo,
     check_layer_ids,
+    default_bucket_edges,
     default_layer_ids,
     read_spec,
     write_spec,
 )
-from .store import (
+from dflash_cache.cache.store import (
     FROZEN,
     REJECTED,
     cache_lock,
@@ -53,7 +47,12 @@ from .store import (
     write_frozen,
     write_rejected,
 )
-from .target import (
+from dflash_cache.devices import GpuThrottle, Worker, launch, worker_threads
+from dflash_cache.errors import ExtractError
+from dflash_cache.extract import data as data_mod
+from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
+from dflash_cache.extract.plan import Plan, Unit, make_plan
+from dflash_cache.extract.target import (
     compute_dtype_for,
     frozen_weights,
     load_config,
@@ -62,6 +61,8 @@ from .target import (
     target_info,
     text_config,
 )
+from dflash_cache.paths import output_dir
+from dflash_cache.progress import ProgressSink, Reporter
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 WORK = ".work"  # tokenized dataset, reused by reruns; safe to delete

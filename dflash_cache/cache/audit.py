@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .spec import CacheSpec, read_spec
-from .store import PARTIAL, CorruptUnit, UnitReader, committed_units, unit_name, verify_unit
+from dflash_cache.cache.spec import CacheSpec, read_spec
+from dflash_cache.cache.store import PARTIAL, CorruptUnit, UnitReader, committed_units, unit_name, verify_unit
 
 
 def info(cache_dir: Path) -> dict[str, Any]:

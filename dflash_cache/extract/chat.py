@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import UserError
+from dflash_cache.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

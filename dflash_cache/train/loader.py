@@ -36,10 +36,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .follow import UnitFeed, Window, is_complete
-from .plan import default_bucket_edges
-from .spec import CacheSpec, SpecError, check_drafter_fits, read_spec
-from .store import CorruptUnit, UnitReader, committed_units, expected_arrays
+from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, default_bucket_edges, read_spec
+from dflash_cache.cache.store import CorruptUnit, UnitReader, committed_units, expected_arrays
+from dflash_cache.train.follow import UnitFeed, Window, is_complete
 
 PIECE_CHUNKS = 8  # chunks per reader task: about 32 MiB of hidden states
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import UserError
+from dflash_cache.errors import UserError
 
 FORMAT_VERSION = 1
 CACHE_JSON = "cache.json"
@@ -40,6 +40,19 @@ def default_layer_ids(num_layers: int, k: int = 5) -> list[int]:
         return [num_layers // 2]
     span = num_layers - 4
     return sorted({min(max(int(round(1 + i * span / (k - 1))), 0), num_layers - 1) for i in range(k)})
+
+
+def default_bucket_edges(max_length: int) -> list[int]:
+    """Upper edges of the length buckets: powers of two, then steps of 512, up to max_length."""
+    edges, e = [], 64
+    while e < min(max_length, 1024):
+        edges.append(e)
+        e *= 2
+    e = 1024
+    while e < max_length:
+        edges.append(e)
+        e += 512
+    return [*edges, max_length]
 
 
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:

@@ -31,8 +31,8 @@ import zarr
 from zarr.codecs import BytesCodec, ZstdCodec
 from zarr.core.buffer.cpu import NDBuffer
 
-from .errors import UserError
-from .spec import StorageInfo
+from dflash_cache.cache.spec import StorageInfo
+from dflash_cache.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: unit writer processes never load it
     import torch

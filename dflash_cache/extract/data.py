@@ -4,7 +4,7 @@ Rows come in the forms users already have (OpenAI ``messages``, ShareGPT ``conve
 ``instruction``/``input``/``output``, ``prompt``/``response``, plain ``text``), from local files, a
 saved or downloaded dataset directory, or a hub dataset name. :func:`conversation` turns every chat
 form into one list of messages, so regen, extract and eval accept the same rows; the loss mask of a
-conversation comes from its chat template (see :mod:`dflash_cache.chat`).
+conversation comes from its chat template (see :mod:`dflash_cache.extract.chat`).
 
 Bad rows (malformed, empty, nothing to learn, too long) are rejected with a reason instead of
 crashing the run; problems that concern every row (no such file, no chat template, a template
@@ -30,7 +30,7 @@ from urllib.parse import urlparse
 
 import datasets
 
-from .chat import (
+from dflash_cache.extract.chat import (
     DataError,
     RowRejected,
     _check_generation_markers,

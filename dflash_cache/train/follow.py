@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .spec import CACHE_JSON
-from .store import FROZEN, committed_units, extract_running
+from dflash_cache.cache.spec import CACHE_JSON
+from dflash_cache.cache.store import FROZEN, committed_units, extract_running
 
 
 @dataclass(frozen=True)

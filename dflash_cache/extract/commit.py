@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ExtractError
-from .spec import StorageInfo
-from .store import UnitArrays, unit_name, write_unit
+from dflash_cache.cache.spec import StorageInfo
+from dflash_cache.cache.store import UnitArrays, unit_name, write_unit
+from dflash_cache.errors import ExtractError
 
 
 @dataclass(frozen=True)

@@ -27,8 +27,8 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from .objective import BlockLayout, block_attention, compile_for_cuda
-from .spec import default_layer_ids
+from dflash_cache.cache.spec import default_layer_ids
+from dflash_cache.train.objective import BlockLayout, block_attention, compile_for_cuda
 
 INITIALIZER_RANGE = 0.02  # Qwen3's initializer_range: std of the Linear weights at init
 # The remote-code modeling file every export carries, under the name z-lab's drafters use, so that

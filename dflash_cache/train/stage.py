@@ -22,17 +22,24 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .checkpoint import Checkpointer
-from .devices import GpuThrottle, Worker, launch, torchrun_worker, worker_threads
-from .drafter import DFlashDrafter, DrafterConfig, save_serving
-from .errors import UserError
-from .follow import is_complete, wait_for_cache
-from .loader import Batch, CacheLoader
-from .metrics import MetricsLog, StepFlops, all_reduce_sums, peak_flops
-from .objective import Blocks, block_metrics, chunked_loss, drafter_cost, make_blocks, summarize_metrics
-from .progress import ProgressSink, Reporter
-from .spec import CacheSpec, SpecError, check_drafter_fits, read_spec
-from .store import read_frozen
+from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, read_spec
+from dflash_cache.cache.store import read_frozen
+from dflash_cache.devices import GpuThrottle, Worker, launch, torchrun_worker, worker_threads
+from dflash_cache.errors import UserError
+from dflash_cache.progress import ProgressSink, Reporter
+from dflash_cache.train.checkpoint import Checkpointer
+from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, save_serving
+from dflash_cache.train.follow import is_complete, wait_for_cache
+from dflash_cache.train.loader import Batch, CacheLoader
+from dflash_cache.train.metrics import MetricsLog, StepFlops, all_reduce_sums, peak_flops
+from dflash_cache.train.objective import (
+    Blocks,
+    block_metrics,
+    chunked_loss,
+    drafter_cost,
+    make_blocks,
+    summarize_metrics,
+)
 
 RUN_JSON = "train.json"
 EXPORT = "export"

@@ -69,19 +69,6 @@ class Plan:
         return [u for u in self.units if u.id % world_size == rank]
 
 
-def default_bucket_edges(max_length: int) -> list[int]:
-    """Upper edges of the length buckets: powers of two, then steps of 512, up to max_length."""
-    edges, e = [], 64
-    while e < min(max_length, 1024):
-        edges.append(e)
-        e *= 2
-    e = 1024
-    while e < max_length:
-        edges.append(e)
-        e += 512
-    return [*edges, max_length]
-
-
 def make_plan(
     lengths: np.ndarray,
     *,
