@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from dflash_cache.bench import QWEN3_8B, lognormal_lengths
+from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig
-from dflash_cache.train.stage import TrainConfig, train_step
+from dflash_cache.train.stage import train_step
 
 # The FLOPs count of this checkout, also when timing an older dflash_cache that lacks it.
 _spec = importlib.util.spec_from_file_location("_metrics", Path(__file__).parents[1] / "dflash_cache" / "metrics.py")

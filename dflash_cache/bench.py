@@ -431,10 +431,11 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int = 
     Also the useful TFLOP/s and MFU of the in-memory steps (metrics.StepFlops)."""
     from dflash_cache.cache.spec import read_spec
     from dflash_cache.cache.store import read_frozen
+    from dflash_cache.train.config import TrainConfig, drafter_config
     from dflash_cache.train.drafter import DFlashDrafter
     from dflash_cache.train.loader import CacheLoader
     from dflash_cache.train.metrics import StepFlops, peak_flops
-    from dflash_cache.train.stage import TrainConfig, _anchor_generator, drafter_config, train_step
+    from dflash_cache.train.stage import _anchor_generator, train_step
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,

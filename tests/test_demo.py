@@ -5,8 +5,9 @@ from conftest import ROOT, TINY_TARGET
 
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.evaluate import evaluate
+from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.drafter import DFlashDrafter, save_serving
-from dflash_cache.train.stage import TrainConfig, drafter_config, run
+from dflash_cache.train.stage import run
 
 
 def test_trained_drafter_beats_untrained(tiny_cache, tmp_path):

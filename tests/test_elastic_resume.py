@@ -27,8 +27,9 @@ from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import UNITS, UnitReader, committed_units
 from dflash_cache.extract.stage import run as extract
 from dflash_cache.train.checkpoint import Checkpointer
+from dflash_cache.train.config import TrainError
 from dflash_cache.train.loader import SampleTable, epoch_batches, rest_of_epoch
-from dflash_cache.train.stage import TrainError, _resume_parts
+from dflash_cache.train.stage import _resume_parts
 
 EDGES = [64, 128, 256, 512]
 

@@ -8,9 +8,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_cache.bench import QWEN3_8B
+from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig
 from dflash_cache.train.metrics import StepFlops, peak_flops
-from dflash_cache.train.stage import TrainConfig, train_step
+from dflash_cache.train.stage import train_step
 
 
 def test_qwen3_8b_geometry_by_hand():

@@ -17,8 +17,9 @@ from conftest import ROOT
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.devices import Worker, flush_denormals, launch, worker_threads
 from dflash_cache.train.checkpoint import Checkpointer
+from dflash_cache.train.config import TrainConfig, TrainError
 from dflash_cache.train.drafter import load_serving
-from dflash_cache.train.stage import TrainConfig, TrainError, _data_parallel, export, run
+from dflash_cache.train.stage import _data_parallel, export, run
 
 
 def _cfg(cache, out, **kw):
