@@ -12,7 +12,7 @@ CHAT = ROOT / "data" / "chat.jsonl"
 
 
 def extract_config(out: Path, **overrides):
-    from dflash_cache.extract.stage import ExtractConfig
+    from dflash_cache.extract.config import ExtractConfig
 
     kwargs = {"target": str(TINY_TARGET), "data": str(CHAT), "out": out, "max_length": 512, "unit_mb": 4,
               "token_budget": 2048, "tokenize_procs": 1}
