@@ -1,32 +1,79 @@
-"""The extract stage's settings: one dataclass whose defaults are the CLI's, the config files' and bench's."""
+"""The extract stage's settings: one dataclass whose defaults and help texts are the CLI's, the
+config files' and bench's (see dflash_cache/settings.py). Light: importing it loads no torch."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from dflash_cache.settings import setting
+
+DATA_HELP = ("Rows: a JSONL / JSON / Parquet file, a saved `datasets` directory, or a hub dataset name; "
+             "messages, ShareGPT conversations, Alpaca instruction/output, prompt/response or text.")  # fmt: skip
+KWARGS_HELP = """Chat-template kwargs as a JSON object, e.g. '{"enable_thinking": false}'."""
+SPLIT_HELP = "Split of a hub dataset or saved DatasetDict (default: train)."
+MAX_SAMPLES_HELP = "Read only the first N rows."
+TARGET_HELP = "Target model: local directory or a hub id in the local cache."
+GPUS_HELP = "GPUs, one process each: 0-4 or 0,2,5."
+GPU_IDS = "GPU ids like 0-4 or 0,2,5"
 
 
 @dataclass
 class ExtractConfig:
-    target: str
-    data: str
-    out: Path
-    layers: list[int] | None = None
-    num_layers: int = 5  # K, used when `layers` is not given
-    revision: str | None = None
-    max_length: int = 3072
-    truncate: bool = False
-    storage: str = "bf16"
-    zstd_level: int = 3
-    token_budget: int | None = None  # padded tokens per forward; default by device
-    unit_mb: int = 512  # hidden-state MiB per unit
-    gpus: list[int] | None = None
-    procs: int = 1
-    tokenize_procs: int = field(default_factory=lambda: max(1, min(8, (os.cpu_count() or 2) - 1)))
-    writers: int | None = None  # writer processes (each holds one unit buffer); default 6 on GPU, 2 on CPU
-    mask_token_id: int | None = None  # default: the tokenizer's mask token, else len(tokenizer) (see `mask_token_id`)
-    chat_template_kwargs: dict[str, Any] | None = None  # passed to every apply_chat_template call
-    data_split: str | None = None  # split of a hub dataset or saved DatasetDict
-    max_samples: int | None = None  # read only the first N rows of the source
+    target: str = setting(help=TARGET_HELP)
+    data: str = setting(help=DATA_HELP)
+    out: Path = setting(help="Cache directory (created, or resumed if it exists).")
+    layers: list[int] | None = setting(None, "Tapped layer ids, e.g. 1,9,17,25,33 (default: DFlash's 5).",
+                                       expects="layer ids like 1,9,17")  # fmt: skip
+    num_layers: int = setting(5, "How many layers to tap when --layers is not given.", min=1)
+    revision: str | None = setting(None, "Hub revision of the target.")
+    max_length: int = setting(3072, "Longest sample in tokens; longer rows are rejected.", min=1)
+    truncate: bool = setting(False, "Cut rows over --max-length instead of rejecting them.")
+    storage: Literal["bf16", "fp8"] = setting(
+        "bf16", "bf16, or fp8 (float8_e4m3fn with a per-token, per-layer scale).")  # fmt: skip
+    zstd_level: int = setting(3, "zstd level for the shards.", tuning=True)
+    token_budget: int | None = setting(None, "Padded tokens per forward (default 16384 GPU, 4096 CPU).", min=1)
+    unit_mb: int = setting(512, "Hidden-state MiB per work unit.", min=1)
+    gpus: list[int] | None = setting(None, GPUS_HELP, expects=GPU_IDS)
+    procs: int = setting(1, "CPU processes when no --gpus.", min=1)
+    tokenize_procs: int = setting(factory=lambda: max(1, min(8, (os.cpu_count() or 2) - 1)), min=1, tuning=True,
+                                  help="Processes that tokenize the data (default: the cores less one, up to 8).")
+    writers: int | None = setting(None, "Writer processes: units compressed and written at once, one host buffer "
+                                  "each (default 6 with --gpus, else 2).", min=1, tuning=True)  # fmt: skip
+    mask_token_id: int | None = setting(None, "Id for the drafter's masked block slots (default: the tokenizer's "
+                                        "mask token, else len(tokenizer), a row no text produces).")  # fmt: skip
+    chat_template_kwargs: dict[str, Any] | None = setting(None, KWARGS_HELP)
+    data_split: str | None = setting(None, SPLIT_HELP)
+    max_samples: int | None = setting(None, MAX_SAMPLES_HELP, min=1)
+
+    def budget(self, cuda: bool) -> int:
+        """Padded tokens per forward: the setting, else 16384 on a GPU and 4096 on a CPU."""
+        return self.token_budget or (16384 if cuda else 4096)
+
+    @staticmethod
+    def record_path(path: Path) -> Path:
+        """`--config CACHE` reads the settings a cache was made with from its cache.json."""
+        return path / "cache.json" if path.is_dir() else path
+
+    @staticmethod
+    def from_record(data: dict[str, Any], path: Path) -> dict[str, Any]:
+        """A cache.json as the settings that made it (rerunning them resumes that cache); any other
+        mapping as it is."""
+        if "format_version" not in data or "plan" not in data:
+            return data
+        from dflash_cache.cache.format import RowFormat
+        from dflash_cache.cache.spec import CacheSpec
+
+        spec = CacheSpec.from_dict(data)
+        return {
+            "target": spec.target.path, "revision": spec.target.revision, "data": spec.data.source,
+            "out": str(path.parent), "layers": list(spec.layers.ids), "max_length": spec.data.max_length,
+            "truncate": spec.data.truncate, "storage": spec.storage.dtype,
+            "zstd_level": spec.storage.codec.get("level", 3), "token_budget": spec.plan.token_budget,
+            "unit_mb": round(spec.plan.unit_tokens * RowFormat.of(spec).hidden_bytes / (1 << 20)),
+            "mask_token_id": spec.tokenizer.mask_token_id,
+            "chat_template_kwargs": spec.tokenizer.chat_template_kwargs or None,
+            "data_split": spec.data.split, "max_samples": spec.data.max_samples,
+        }  # fmt: skip

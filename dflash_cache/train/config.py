@@ -1,15 +1,19 @@
-"""The train stage's settings: one dataclass whose defaults are the CLI's, the config files' and bench's,
-and the drafter geometry they imply for a given cache."""
+"""The train stage's settings: one dataclass whose defaults and help texts are the CLI's, the config
+files' and bench's (see dflash_cache/settings.py), and the drafter geometry they imply for a given
+cache. Light: importing it loads no torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from dflash_cache.cache.spec import CacheSpec, check_drafter_fits
 from dflash_cache.errors import UserError
-from dflash_cache.train.drafter import DrafterConfig
+from dflash_cache.settings import setting
+
+if TYPE_CHECKING:  # the drafter loads torch and transformers; the settings alone must not (the CLI reads them)
+    from dflash_cache.train.drafter import DrafterConfig
 
 
 class TrainError(UserError, RuntimeError):
@@ -18,33 +22,54 @@ class TrainError(UserError, RuntimeError):
 
 @dataclass
 class TrainConfig:
-    cache: Path
-    out: Path
-    epochs: int = 6
-    max_steps: int | None = None
-    lr: float = 6e-4
-    warmup: float = 0.04
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    token_budget: int | None = None  # packed context tokens per batch per rank; default by device
-    grad_accum: int = 1
-    grad_reduce: str = "fp32"  # dtype of the DDP gradient all-reduce: fp32, or bf16 for half the bytes
-    draft_layers: int = 5
-    block_size: int = 16
-    layers: list[int] | None = None  # subset of the cached layers; default all
-    max_anchors: int = 512
-    gamma: float | None = None
-    seed: int = 0
-    save_every: int = 200
-    log_every: int = 10
-    gpus: list[int] | None = None
-    procs: int = 1
-    prefetch: int = 2
-    readers: int = 4
-    skip_bad_units: bool = False
-    loss_chunk: int = 4096
-    trace: bool = False  # per-rank JSONL of the samples each step consumed, for audits and tests
-    follow: bool = True  # epoch 0 of a cache still being extracted follows it; False: committed units only
+    cache: Path = setting(help="Cache directory written by `dflash extract`.")
+    out: Path = setting(help="Run directory (created, or resumed if it exists).")
+    epochs: int = setting(6, "Passes over the cache.", min=1)
+    max_steps: int | None = setting(None, "Stop after this many optimizer steps (the schedule still spans all "
+                                    "epochs).", min=1)  # fmt: skip
+    lr: float = setting(6e-4, "Peak learning rate (AdamW, cosine schedule).", min=0)
+    warmup: float = setting(0.04, "Warmup fraction of the run's tokens.", min=0)
+    weight_decay: float = setting(0.0, "AdamW weight decay.", min=0, tuning=True)
+    clip: float = setting(1.0, "Gradient clipping norm.")
+    token_budget: int | None = setting(None, "Context tokens per batch per rank (default 8192 GPU, 2048 CPU).", min=1)
+    grad_accum: int = setting(1, "Batches per optimizer step.", min=1)
+    grad_reduce: Literal["fp32", "bf16"] = setting("fp32", "Dtype of the DDP gradient all-reduce: fp32, or bf16 "
+                                                   "(half the bytes, for slow links).")  # fmt: skip
+    draft_layers: int = setting(5, "Drafter decoder layers.", min=1)
+    block_size: int = setting(16, "Block size B.")
+    layers: list[int] | None = setting(None, "Subset of the cached layer ids (default: all cached).",
+                                       expects="layer ids like 1,9,17")  # fmt: skip
+    max_anchors: int = setting(512, "Anchors sampled per sequence.", min=1)
+    gamma: float | None = setting(None, "Loss decay over block slots, exp(-(k-1)/gamma) (default 7 for B=16).",
+                                  tuning=True)  # fmt: skip
+    seed: int = setting(0, "Seed for weights, shuffling and anchors.")
+    save_every: int = setting(200, "Checkpoint every N steps.", min=1)
+    log_every: int = setting(10, "Metrics every N steps.", min=1)
+    gpus: list[int] | None = setting(None, "GPUs, one DDP process each: 5-7.", expects="GPU ids like 0-4 or 0,2,5")
+    procs: int = setting(1, "CPU DDP processes (gloo) when no --gpus.", min=1)
+    prefetch: int = setting(2, "Batches the loader keeps ready ahead of the step.", min=1, tuning=True)
+    readers: int = setting(4, "Loader threads that decode batches.", min=1, tuning=True)
+    skip_bad_units: bool = setting(False, "Train without units that fail their checks.")
+    loss_chunk: int = setting(4096, "Block tokens per LM-head chunk of the loss.", min=1, tuning=True)
+    trace: bool = setting(False, "Log which samples every batch held to OUT/trace/rank<r>.jsonl.")
+    follow: bool = setting(True, "On a cache still being extracted, epoch 1 follows the extraction "
+                           "(--no-follow: train on the units committed so far).")  # fmt: skip
+
+    def budget(self, cuda: bool) -> int:
+        """Context tokens per batch per rank: the setting, else 8192 on a GPU and 2048 on a CPU.
+        8192 x 512 anchors fits an H200 with the default 8B-shaped drafter even for the batch of
+        most blocks (100.6 GB peak), and ran at 53% MFU against 51% at 4096 (BENCHMARKS.md)."""
+        return self.token_budget or (8192 if cuda else 2048)
+
+    @staticmethod
+    def record_path(path: Path) -> Path:
+        """`--config RUN` reads the settings a run directory recorded in its train.json."""
+        return path / "train.json" if path.is_dir() else path
+
+    @staticmethod
+    def from_record(data: dict[str, Any], path: Path) -> dict[str, Any]:
+        """A run's train.json as its settings; any other mapping as it is."""
+        return data["config"] if {"identity", "config"} <= data.keys() else data
 
     def identity(self) -> dict[str, Any]:
         """What a resume must match: everything that changes the math, not the run's length."""
@@ -56,6 +81,8 @@ class TrainConfig:
 
 def drafter_config(cfg: TrainConfig, spec: CacheSpec) -> DrafterConfig:
     """The drafter's geometry from the target's config recorded in the cache; refuses misfits."""
+    from dflash_cache.train.drafter import DrafterConfig
+
     layers = cfg.layers or list(spec.layers.ids)
     if not spec.target.config:
         raise TrainError("cache.json has no target config (target.config): re-extract with this version")
