@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dflash_cache.cache.format import RowFormat, UnitReader, chunk_tokens_for
 from dflash_cache.cache.spec import StorageInfo
-from dflash_cache.cache.store import UnitReader, chunk_tokens_for, committed_units
+from dflash_cache.cache.store import committed_units
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 
 ROWS, WIDTH = 300, 64
@@ -30,7 +31,7 @@ def _commit(committer: Committer, shared: SharedBuffers, unit: int, hidden: np.n
 
 
 def test_units_from_shared_buffers_read_back_exactly(tmp_path):
-    shared = SharedBuffers(BufferLayout(count=3, rows=ROWS, width=WIDTH, layers=1, fp8=False))
+    shared = SharedBuffers(BufferLayout(count=3, rows=ROWS, row=RowFormat("bf16", WIDTH, 1)))
     reports = []
     committer = Committer(tmp_path, _storage(), shared, 2, reports.append)
     rng = np.random.default_rng(0)
@@ -49,7 +50,7 @@ def test_units_from_shared_buffers_read_back_exactly(tmp_path):
 def test_a_failing_writer_is_an_error(tmp_path):
     out = tmp_path / "out"
     out.write_text("a file where the cache directory should be")
-    shared = SharedBuffers(BufferLayout(count=2, rows=ROWS, width=WIDTH, layers=1, fp8=False))
+    shared = SharedBuffers(BufferLayout(count=2, rows=ROWS, row=RowFormat("bf16", WIDTH, 1)))
     committer = Committer(out, _storage(), shared, 1, lambda _: None)
     _commit(committer, shared, 0, np.zeros((10, WIDTH), np.int16))
     with pytest.raises(RuntimeError, match="failed in a writer process"):
@@ -57,7 +58,7 @@ def test_a_failing_writer_is_an_error(tmp_path):
 
 
 def test_a_dead_writer_is_an_error_not_a_hang(tmp_path: Path):
-    shared = SharedBuffers(BufferLayout(count=2, rows=ROWS, width=WIDTH, layers=1, fp8=False))
+    shared = SharedBuffers(BufferLayout(count=2, rows=ROWS, row=RowFormat("bf16", WIDTH, 1)))
     committer = Committer(tmp_path, _storage(), shared, 1, lambda _: None)
     _commit(committer, shared, 0, np.zeros((10, WIDTH), np.int16))
     committer._procs[0].kill()  # as the OOM killer would, perhaps in the middle of that unit
@@ -73,7 +74,7 @@ def test_a_dead_writer_is_an_error_not_a_hang(tmp_path: Path):
 def test_buffers_are_prepared_once_each_before_use(tmp_path):
     """extract pins buffers in `prepare`, in the background: a buffer is never handed out before
     its turn has finished, each is prepared once, and the wait for it is counted."""
-    shared = SharedBuffers(BufferLayout(count=3, rows=ROWS, width=WIDTH, layers=1, fp8=False))
+    shared = SharedBuffers(BufferLayout(count=3, rows=ROWS, row=RowFormat("bf16", WIDTH, 1)))
     prepared: list[int] = []
 
     def prepare(i: int) -> None:
@@ -97,7 +98,7 @@ def test_buffers_are_prepared_once_each_before_use(tmp_path):
 
 
 def test_a_failing_prepare_is_an_error(tmp_path):
-    shared = SharedBuffers(BufferLayout(count=2, rows=ROWS, width=WIDTH, layers=1, fp8=False))
+    shared = SharedBuffers(BufferLayout(count=2, rows=ROWS, row=RowFormat("bf16", WIDTH, 1)))
 
     def prepare(i: int) -> None:
         raise OSError("cannot lock memory")

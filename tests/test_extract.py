@@ -15,10 +15,11 @@ import torch
 from conftest import CHAT, TINY_TARGET, extract_config
 from transformers import AutoModelForCausalLM
 
+from dflash_cache.cache.format import UnitReader, decode_hidden
 from dflash_cache.cache.spec import read_spec, write_spec
-from dflash_cache.cache.store import PARTIAL, REJECTED, UnitReader, committed_units
+from dflash_cache.cache.store import PARTIAL, REJECTED, committed_units
 from dflash_cache.errors import UserError
-from dflash_cache.extract.stage import ExtractError, prepare, run, unpack_hidden
+from dflash_cache.extract.stage import ExtractError, prepare, run
 
 
 def read_cache(cache):
@@ -132,7 +133,7 @@ def test_fp8_round_trip_error(tmp_path, tiny_cache):
     a, b = read_cache(out), read_cache(tiny_cache)
     for s in list(a)[:50]:
         bits, _, _, scale = a[s]
-        got = unpack_hidden(torch.from_numpy(bits), torch.from_numpy(scale), K).view(-1, K, H)
+        got = decode_hidden(torch.from_numpy(bits), torch.from_numpy(scale), K).view(-1, K, H)
         ref = torch.from_numpy(b[s][0].view(np.int16)).view(torch.bfloat16).float().view(-1, K, H)
         err = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
         assert err.max() < 0.07

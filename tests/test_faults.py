@@ -38,8 +38,9 @@ import torch
 from conftest import CHAT, ROOT, TINY_TARGET, extract_config
 
 from dflash_cache.cache.audit import verify
+from dflash_cache.cache.format import RowFormat, UnitReader, verify_unit
 from dflash_cache.cache.spec import read_spec
-from dflash_cache.cache.store import PARTIAL, UnitReader, committed_units, unit_name, verify_unit
+from dflash_cache.cache.store import PARTIAL, committed_units, unit_name
 from dflash_cache.extract.stage import ExtractError, run
 from dflash_cache.regen import parts_dir
 from dflash_cache.train.checkpoint import Checkpointer
@@ -326,7 +327,7 @@ def test_disk_full_fails_clearly_and_resumes(tmp_path, monkeypatch, how):
         assert 2 <= len(units) < total
         spec = read_spec(out)
         for path in units.values():  # no torn unit: every committed one decodes completely
-            assert verify_unit(path, spec.row_width, len(spec.layers.ids), spec.storage.dtype) == []
+            assert verify_unit(path, RowFormat.of(spec)) == []
         assert verify(out, present_only=True) == {}
         missing = verify(out)  # the cache is incomplete: its uncommitted units fail a full verify
         assert sorted(missing) == sorted(unit_name(u) for u in set(range(spec.plan.num_units)) - set(units))

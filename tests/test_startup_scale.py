@@ -16,7 +16,8 @@ from test_loader import H, K, Truth, _hidden_shard, _loader, build_cache, check_
 from zarr.storage import LocalStore
 
 from dflash_cache.cache.audit import info, verify
-from dflash_cache.cache.store import CorruptUnit, UnitReader, committed_units, index_crc, verify_unit
+from dflash_cache.cache.format import CorruptUnit, RowFormat, UnitReader, index_crc, verify_unit
+from dflash_cache.cache.store import committed_units
 from dflash_cache.train.loader import SampleTable, open_units
 
 UNITS, PER_UNIT = 12, 6
@@ -162,7 +163,7 @@ def test_manifest_index_is_checked(cache, tmp_path):
         m["index"]["crc32"] = index_crc(np.array(m["index"]["offsets"]), np.array(m["index"]["sample_index"]))
 
     _rewrite(units[5], forge)
-    assert verify_unit(units[5], K * H, K, "bf16") == ["sample_index differs from the manifest's index"]
+    assert verify_unit(units[5], RowFormat("bf16", K * H, K)) == ["sample_index differs from the manifest's index"]
     assert set(verify(copy)) == {"u000003", "u000005"}
 
 

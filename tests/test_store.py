@@ -9,17 +9,9 @@ import pytest
 from test_loader import build_cache
 
 from dflash_cache.cache.audit import verify
+from dflash_cache.cache.format import CorruptUnit, RowFormat, UnitArrays, UnitReader, verify_unit
 from dflash_cache.cache.spec import StorageInfo
-from dflash_cache.cache.store import (
-    PARTIAL,
-    CorruptUnit,
-    UnitArrays,
-    UnitReader,
-    committed_units,
-    sweep_partial,
-    verify_unit,
-    write_unit,
-)
+from dflash_cache.cache.store import PARTIAL, committed_units, sweep_partial, write_unit
 
 STORAGE = StorageInfo(dtype="bf16", codec={"name": "zstd", "level": 3, "checksum": True}, chunk_tokens=64)
 
@@ -50,7 +42,7 @@ def test_round_trip_and_partial_reads(tmp_path):
     r.read_into("hidden", 137, 387, out)
     np.testing.assert_array_equal(out, a.hidden[137:])
     np.testing.assert_array_equal(r.read("input_ids", 0, 387), a.input_ids)
-    assert verify_unit(r.path, 32, 1, "bf16") == []
+    assert verify_unit(r.path, RowFormat("bf16", 32, 1)) == []
 
 
 def test_second_writer_of_a_unit_is_discarded(tmp_path):
@@ -83,7 +75,7 @@ def test_damage_is_named(tmp_path, damage):
         shutil.rmtree(unit / "hidden")
     else:
         (unit / "zarr.json").unlink()
-    problems = verify_unit(unit, 32, 1, "bf16")
+    problems = verify_unit(unit, RowFormat("bf16", 32, 1))
     assert problems, damage
     if damage != "flip":
         with pytest.raises(CorruptUnit, match="u000001"):

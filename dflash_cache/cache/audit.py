@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.cache.spec import CacheSpec, read_spec
-from dflash_cache.cache.store import PARTIAL, CorruptUnit, UnitReader, committed_units, unit_name, verify_unit
+from dflash_cache.cache.format import CorruptUnit, RowFormat, UnitReader, verify_unit
+from dflash_cache.cache.spec import read_spec
+from dflash_cache.cache.store import PARTIAL, committed_units, unit_name
 
 
 def info(cache_dir: Path) -> dict[str, Any]:
@@ -24,7 +25,7 @@ def info(cache_dir: Path) -> dict[str, Any]:
         samples += r.n_samples
         tokens += r.n_tokens
         nbytes += r.nbytes
-    raw = tokens * raw_bytes_per_token(spec)
+    raw = tokens * RowFormat.of(spec).row_bytes
     partial = Path(cache_dir) / PARTIAL
     return {
         "spec": spec.to_dict(),
@@ -39,13 +40,6 @@ def info(cache_dir: Path) -> dict[str, Any]:
         "partial_entries": len(list(partial.iterdir())) if partial.is_dir() else 0,
         "unreadable_units": bad,
     }
-
-
-def raw_bytes_per_token(spec: CacheSpec) -> int:
-    """Uncompressed bytes of one cached token, all arrays included."""
-    k = len(spec.layers.ids)
-    scale = 4 * k if spec.storage.dtype == "fp8" else 0
-    return spec.row_width * spec.storage.bytes_per_value + scale + 4 + 1
 
 
 def verify(cache_dir: Path, *, present_only: bool = False) -> dict[str, list[str]]:
@@ -64,7 +58,7 @@ def verify(cache_dir: Path, *, present_only: bool = False) -> dict[str, list[str
         for uid in sorted(set(range(spec.plan.num_units)) - set(units)):
             bad[unit_name(uid)] = [f"not committed (the plan has {spec.plan.num_units} units)"]
     for uid, path in units.items():
-        problems = verify_unit(path, spec.row_width, len(spec.layers.ids), spec.storage.dtype)
+        problems = verify_unit(path, RowFormat.of(spec))
         if uid >= spec.plan.num_units:
             problems.append(f"unit id {uid} is beyond the plan's {spec.plan.num_units} units")
         if not problems:

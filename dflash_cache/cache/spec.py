@@ -100,10 +100,6 @@ class StorageInfo:
     codec: dict[str, Any]  # e.g. {"name": "zstd", "level": 3, "checksum": true}
     chunk_tokens: int
 
-    @property
-    def bytes_per_value(self) -> int:
-        return 1 if self.dtype == "fp8" else 2
-
 
 @dataclass
 class TokenizerInfo:

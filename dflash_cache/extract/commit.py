@@ -34,29 +34,27 @@ from typing import Any
 
 import numpy as np
 
+from dflash_cache.cache.format import RowFormat, UnitArrays
 from dflash_cache.cache.spec import StorageInfo
-from dflash_cache.cache.store import UnitArrays, unit_name, write_unit
+from dflash_cache.cache.store import unit_name, write_unit
 from dflash_cache.errors import ExtractError
 
 
 @dataclass(frozen=True)
 class BufferLayout:
-    """`count` unit buffers of `rows` tokens, one after another in one shared file."""
+    """`count` unit buffers of `rows` tokens in the format `row`, one after another in one shared file."""
 
     count: int
     rows: int
-    width: int  # K*H storage elements per token
-    layers: int  # K, for the fp8 scales
-    fp8: bool
+    row: RowFormat
 
     @property
     def hidden_bytes(self) -> int:
-        return self.rows * self.width * (1 if self.fp8 else 2)
+        return self.rows * self.row.hidden_bytes
 
     @property
     def stride(self) -> int:
-        scale = self.rows * self.layers * 4 if self.fp8 else 0
-        return -(-(self.hidden_bytes + scale) // 4096) * 4096  # page-aligned buffers
+        return -(-(self.hidden_bytes + self.rows * self.row.scale_bytes) // 4096) * 4096  # page-aligned buffers
 
     @property
     def total(self) -> int:
@@ -65,15 +63,17 @@ class BufferLayout:
     def views(self, buf) -> list[tuple[np.ndarray, np.ndarray | None]]:
         """(hidden, scale) arrays over each buffer: uint8 fp8 bits, or bf16 bits as int16 (what
         torch can view as bfloat16); scale is float32 [rows, K] for fp8, else None."""
+        width, layers = self.row.width, self.row.layers
+        hidden_dtype = np.uint8 if self.row.fp8 else np.int16
         out = []
         for i in range(self.count):
             base = i * self.stride
-            hidden = np.frombuffer(buf, np.uint8 if self.fp8 else np.int16, self.rows * self.width, base)
+            hidden = np.frombuffer(buf, hidden_dtype, self.rows * width, base).reshape(self.rows, width)
             scale = None
-            if self.fp8:
-                scale = np.frombuffer(buf, np.float32, self.rows * self.layers, base + self.hidden_bytes)
-                scale = scale.reshape(self.rows, self.layers)
-            out.append((hidden.reshape(self.rows, self.width), scale))
+            if self.row.fp8:
+                scale = np.frombuffer(buf, np.float32, self.rows * layers, base + self.hidden_bytes)
+                scale = scale.reshape(self.rows, layers)
+            out.append((hidden, scale))
         return out
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_cache.cache.format import STORAGES, RowFormat, chunk_tokens_for, encode_hidden
 from dflash_cache.cache.spec import (
     CacheSpec,
     DataInfo,
@@ -40,7 +41,6 @@ from dflash_cache.cache.store import (
     FROZEN,
     REJECTED,
     cache_lock,
-    chunk_tokens_for,
     committed_units,
     sweep_partial,
     write_frozen,
@@ -64,7 +64,6 @@ from dflash_cache.extract.target import (
 from dflash_cache.paths import output_dir
 from dflash_cache.progress import ProgressSink, Reporter
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 WORK = ".work"  # tokenized dataset, reused by reruns; safe to delete
 
 
@@ -84,7 +83,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     """Tokenize, plan and describe the cache; check it against an existing one. Writes nothing
     in the cache directory except the reusable tokenized dataset under `.work/`, and with
     `write=False` (`--dry-run`) not even that."""
-    if cfg.storage not in ("bf16", "fp8"):
+    if cfg.storage not in STORAGES:
         raise ExtractError(f"--storage {cfg.storage!r}: expected bf16 or fp8")
     template_kwargs = data_mod.check_template_kwargs(cfg.chat_template_kwargs)
     output_dir(cfg.out, "--out")
@@ -108,7 +107,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
         save=write, template_kwargs=template_kwargs, split=cfg.data_split, max_samples=cfg.max_samples,
     )  # fmt: skip
     device = _device_kind(cfg)
-    row_bytes = len(layer_ids) * int(tc["hidden_size"]) * (1 if cfg.storage == "fp8" else 2)
+    row_bytes = RowFormat(cfg.storage, len(layer_ids) * int(tc["hidden_size"]), len(layer_ids)).hidden_bytes
     budget = cfg.token_budget or (16384 if device.type == "cuda" else 4096)
     plan = make_plan(
         np.asarray(tokens.dataset["length"], dtype=np.int64),
@@ -223,10 +222,7 @@ def _tool_version() -> str:
 
 def estimated_bytes(spec: CacheSpec, num_tokens: int) -> int:
     """Bytes on disk for `num_tokens` cached tokens; assumes no compression (the safe bound)."""
-    row = spec.row_width * spec.storage.bytes_per_value + 5
-    if spec.storage.dtype == "fp8":
-        row += 4 * len(spec.layers.ids)
-    return num_tokens * row
+    return num_tokens * RowFormat.of(spec).row_bytes
 
 
 def run(cfg: ExtractConfig, sink: ProgressSink | None = None) -> dict:
@@ -299,29 +295,6 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def pack_hidden(taps: list[torch.Tensor], index: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gather the real (unpadded) rows of every tapped layer into [n, K*H] storage bits.
-
-    bf16: the bf16 bits as int16. fp8: float8_e4m3fn bits as uint8 with a float32 scale per
-    token and layer (amax / 448), computed on the device so the host copy is halved too.
-    """
-    rows = [t.reshape(-1, t.shape[-1]).index_select(0, index) for t in taps]
-    if not fp8:
-        return torch.cat(rows, dim=1).to(torch.bfloat16).view(torch.int16), None
-    h = torch.stack(rows, dim=1).float()  # [n, K, H]
-    scale = h.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
-    q = (h / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
-    return q.reshape(q.shape[0], -1), scale
-
-
-def unpack_hidden(bits: torch.Tensor, scale: torch.Tensor | None, num_layers: int) -> torch.Tensor:
-    """Inverse of `pack_hidden`: storage bits -> [n, K*H] (bf16, or float32 for fp8)."""
-    if scale is None:
-        return bits.view(torch.bfloat16)
-    q = bits.view(torch.float8_e4m3fn).float().view(bits.shape[0], num_layers, -1)
-    return (q * scale.unsqueeze(-1)).reshape(bits.shape[0], -1)
-
-
 def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset, channel) -> None:
     done = set(committed_units(cfg.out))
     todo = [u for u in plan.units_for_rank(w.rank, w.world_size) if u.id not in done]
@@ -355,13 +328,12 @@ def extract_units(
     """
     if not units:
         return
-    fp8 = spec.storage.dtype == "fp8"
+    row = RowFormat.of(spec)
     cuda = device.type == "cuda"
     writers = writers or (6 if cuda else 2)
     # One buffer fills while each writer holds one: the forward only waits when every writer is
     # busy, i.e. when compression or the disk bounds the run.
-    layout = BufferLayout(count=min(writers + 1, len(units)), rows=max(u.num_tokens for u in units),
-                          width=spec.row_width, layers=len(spec.layers.ids), fp8=fp8)  # fmt: skip
+    layout = BufferLayout(count=min(writers + 1, len(units)), rows=max(u.num_tokens for u in units), row=row)
     shared = SharedBuffers(layout)
     buffers = [(torch.from_numpy(h), None if sc is None else torch.from_numpy(sc)) for h, sc in shared.arrays]
     pinner = _Pinner(shared) if cuda else None
@@ -372,17 +344,17 @@ def extract_units(
     rate = _Rate()
     try:
         for unit in units:
-            ids, mask, sample_index = _unit_tokens(dataset, unit)
+            ids, mask, sample_index = unit_tokens(dataset, unit)
             index = None
             for batch in unit.batches:
                 lengths = unit.lengths[batch.start : batch.stop]
                 r0 = int(unit.offsets[batch.start])
                 r1 = int(unit.offsets[batch.stop])
-                inp, rows = _batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device)
-                bits, scale = pack_hidden(target(inp), rows, fp8)
+                inp, rows = batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device)
+                bits, scale = encode_hidden(target(inp), rows, row.fp8)
                 if index is None:  # taken this late, a wait for a free buffer overlaps the forward
                     index = committer.take()
-                _copy_out(copy_stream, buffers[index], r0, r1, bits, scale)
+                copy_out(copy_stream, buffers[index], r0, r1, bits, scale)
                 throttle.mark()
                 rate.add(r1 - r0)
                 report({"tokens": r1 - r0, "padded": len(lengths) * batch.max_len})
@@ -455,7 +427,7 @@ class _Pinner:
         self.pinned.clear()
 
 
-def _unit_tokens(dataset, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def unit_tokens(dataset, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A unit's packed input ids and loss mask, and the source row of each sample."""
     rows = dataset.select(unit.rows.tolist())
     ids = np.concatenate([np.asarray(x, dtype=np.int32) for x in rows["input_ids"]])
@@ -465,7 +437,7 @@ def _unit_tokens(dataset, unit: Unit) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return ids, mask, np.asarray(rows["sample_index"], dtype=np.int64)
 
 
-def _batch_inputs(
+def batch_inputs(
     ids: np.ndarray, lengths: np.ndarray, max_len: int, pad_id: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded [b, max_len] input ids and the flat indices of their real tokens."""
@@ -485,7 +457,7 @@ def _batch_inputs(
     return inp.to(device, non_blocking=True), idx.to(device, non_blocking=True)
 
 
-def _copy_out(stream, buf, r0: int, r1: int, bits: torch.Tensor, scale: torch.Tensor | None) -> None:
+def copy_out(stream, buf, r0: int, r1: int, bits: torch.Tensor, scale: torch.Tensor | None) -> None:
     """Device-to-host copy of one batch into the unit buffer, on the side stream when on CUDA."""
     hidden, hscale = buf
     if stream is None:
