@@ -29,17 +29,17 @@ def load_config(path: str, revision: str | None = None) -> dict:
     try:
         return AutoConfig.from_pretrained(path, revision=revision).to_dict()
     except (OSError, ValueError) as e:
-        raise TargetError(f"--target {path}: not a model directory or cached model id ({_first_line(e)})") from None
+        raise TargetError(f"--target {path}: not a model directory or cached model id ({first_line(e)})") from None
 
 
 def load_tokenizer(path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(path, revision=revision)
     except (OSError, ValueError) as e:
-        raise TargetError(f"--target {path}: cannot load its tokenizer ({_first_line(e)})") from None
+        raise TargetError(f"--target {path}: cannot load its tokenizer ({first_line(e)})") from None
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
@@ -91,7 +91,7 @@ def compute_dtype_for(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def _decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, str, nn.ModuleList]:
+def decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, str, nn.ModuleList]:
     """The module holding the decoder layer list, the attribute name, and the list itself."""
     for owner in model.modules():
         for name, child in owner.named_children():
@@ -106,27 +106,64 @@ def _decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, str, 
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+class LayerTaps:
+    """Forward hooks on the tapped decoder layers of `model` (a causal LM or its base model).
+
+    After a forward, `take()` returns layer `layer_ids[k]`'s output for each k: layer id l is the
+    output of decoder layer l, which is `hidden_states[l + 1]` of `output_hidden_states=True`
+    (index 0 there is the embedding). Extract caches these; eval feeds them to the drafter. Use as
+    a context manager to remove the hooks on exit.
+    """
+
+    def __init__(self, layers: nn.ModuleList, layer_ids: list[int]):
+        self.layer_ids = list(layer_ids)
+        self._outputs: list[torch.Tensor | None] = [None] * len(self.layer_ids)
+        self._handles = [layers[lid].register_forward_hook(self._hook(k)) for k, lid in enumerate(self.layer_ids)]
+
+    @classmethod
+    def of(cls, model: nn.Module, layer_ids: list[int]) -> LayerTaps:
+        """Taps on a whole (uncut) model's decoder layers."""
+        base = model.get_decoder() if hasattr(model, "get_decoder") else model
+        num_layers = int(text_config(model.config.to_dict())["num_hidden_layers"])
+        return cls(decoder_layers(base, num_layers)[2], layer_ids)
+
+    def _hook(self, k: int):
+        def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor | tuple) -> None:
+            self._outputs[k] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def take(self) -> list[torch.Tensor]:
+        """Each tapped layer's output [b, T, H] from the last forward, in `layer_ids` order."""
+        outputs, self._outputs = self._outputs, [None] * len(self.layer_ids)
+        if any(t is None for t in outputs):
+            raise RuntimeError("LayerTaps.take() before a forward through every tapped layer")
+        return outputs  # type: ignore[return-value]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __enter__(self) -> LayerTaps:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
 class TappedTarget:
-    """The target's base model cut after its last tapped layer, with hooks on the tapped layers."""
+    """The target's base model cut after its last tapped layer, with `LayerTaps` on the tapped layers."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], num_layers: int):
         self.layer_ids = list(layer_ids)
         base = model.get_decoder() if hasattr(model, "get_decoder") else model
-        owner, attr, layers = _decoder_layers(base, num_layers)
+        owner, attr, layers = decoder_layers(base, num_layers)
         setattr(owner, attr, nn.ModuleList(list(layers)[: max(layer_ids) + 1]))
         if hasattr(base, "norm"):
             base.norm = nn.Identity()
         self.base = base
-        self._taps: list[torch.Tensor | None] = [None] * len(layer_ids)
-        kept = getattr(owner, attr)
-        for k, lid in enumerate(self.layer_ids):
-            kept[lid].register_forward_hook(self._hook(k))
-
-    def _hook(self, k: int):
-        def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor | tuple) -> None:
-            self._taps[k] = output[0] if isinstance(output, tuple) else output
-
-        return hook
+        self.taps = LayerTaps(getattr(owner, attr), layer_ids)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -135,11 +172,9 @@ class TappedTarget:
         Right padding needs no attention mask: under the causal mask a real token never sees
         the padding after it, so its hidden states are those of the unpadded sequence.
         """
-        self._taps = [None] * len(self.layer_ids)
         with sdpa_kernel(_SDPA_BACKENDS):
             self.base(input_ids=input_ids, use_cache=False)
-        taps, self._taps = self._taps, [None] * len(self.layer_ids)
-        return taps  # type: ignore[return-value]
+        return self.taps.take()
 
 
 def load_target(
@@ -154,7 +189,7 @@ def load_target(
     try:
         model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype)
     except (OSError, ValueError) as e:
-        raise TargetError(f"--target {path}: cannot load the model ({_first_line(e)})") from None
+        raise TargetError(f"--target {path}: cannot load the model ({first_line(e)})") from None
     model.eval().requires_grad_(False)
     num_layers = int(text_config(model.config.to_dict())["num_hidden_layers"])
     tapped = TappedTarget(model, layer_ids, num_layers)

@@ -1,4 +1,4 @@
-"""The DFlash draft model and its serving export (DESIGN.md section 2).
+"""The DFlash draft model and its serving export (ARCHITECTURE.md, "Where each rule lives").
 
 The drafter fuses K tapped target layers into a context (fc, then hidden_norm, once) and runs a
 few Qwen3-style decoder layers over blocks of B tokens. In each layer the queries come only from
@@ -265,8 +265,9 @@ class Attention(nn.Module):
         rope_q: tuple[Tensor, Tensor],
         rope_k: tuple[Tensor, Tensor],
         layout: BlockLayout,
+        attention: str | None = None,
     ) -> Tensor:
-        out = block_attention(*self.project(x, ctx, rope_q, rope_k), layout, scale=self.head_dim**-0.5)
+        out = block_attention(*self.project(x, ctx, rope_q, rope_k), layout, self.head_dim**-0.5, attention)
         return self.o_proj(out.flatten(1))
 
 
@@ -278,14 +279,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_k, layout: BlockLayout) -> Tensor:
+    def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_k, layout: BlockLayout, attention: str | None = None
+                ) -> Tensor:
         if not (x.is_cuda and _attention_inputs_cuda is not None and _mlp_block_cuda is not None):
-            x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, layout)
+            x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, layout, attention)
             return x + self.mlp(self.post_attention_layernorm(x))
         # The same arithmetic, with everything around the attention kernel compiled: the norms,
         # RoPE, casts and SiLU fuse into a few kernels around the GEMMs (BENCHMARKS.md, session 6).
         attn = self.self_attn
-        out = block_attention(*_attention_inputs_cuda(self, x, ctx, rope_q, rope_k), layout, scale=attn.head_dim**-0.5)
+        out = block_attention(*_attention_inputs_cuda(self, x, ctx, rope_q, rope_k), layout, attn.head_dim**-0.5,
+                              attention)
         return _mlp_block_cuda(self, x, out)
 
 
@@ -345,19 +348,21 @@ class DFlashDrafter(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self._rope_scale).to(dtype), (emb.sin() * self._rope_scale).to(dtype)
 
-    def forward(self, block_embeds: Tensor, context: Tensor, layout: BlockLayout) -> Tensor:
+    def forward(self, block_embeds: Tensor, context: Tensor, layout: BlockLayout, attention: str | None = None
+                ) -> Tensor:
         """block_embeds [nb*B, H]: target embeddings of the block tokens; context [Nc, K*H]: the
         batch's packed tapped target hidden states. Returns the final-normed hidden [nb*B, H];
-        the caller applies the frozen LM head."""
+        the caller applies the frozen LM head. `attention`: the backend, "flex" or "sdpa"; None
+        picks flex on CUDA where it works (`objective.block_attention`)."""
         ctx = self.hidden_norm(self.fc(context))
         rope_q = self._rope(layout.query_positions(), block_embeds.dtype)
         rope_k = self._rope(layout.ctx_pos, block_embeds.dtype)
         x = block_embeds
         for layer in self.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, ctx, rope_q, rope_k, layout, use_reentrant=False)
+                x = checkpoint(layer, x, ctx, rope_q, rope_k, layout, attention, use_reentrant=False)
             else:
-                x = layer(x, ctx, rope_q, rope_k, layout)
+                x = layer(x, ctx, rope_q, rope_k, layout, attention)
         return self.norm(x)
 
 

@@ -1,5 +1,5 @@
 """The DFlash training objective: anchors, block layout, the block attention rule, and a chunked,
-slot-decayed cross-entropy (DESIGN.md section 2).
+slot-decayed cross-entropy (the rules: ARCHITECTURE.md, "Where each rule lives").
 
 A batch is packed: S sequences concatenated with `offsets [S+1]`. From it, `make_blocks` samples
 anchors and builds blocks of B tokens: slot 0 holds the anchor token, slots 1..B-1 the mask
