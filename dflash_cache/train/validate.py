@@ -1,0 +1,265 @@
+"""Validation: the drafter on samples it never trains on, every N steps, and the best export.
+
+Where the samples come from (`ValSet`):
+
+- `--val-fraction F` holds out units of the training cache, `held_out_units(plan units, F)`: the
+  units whose hashed ids rank lowest, round(F x units) of them (at least one when F > 0 and the
+  plan has two or more). The choice is a pure function of the plan, which cache.json fixes when
+  the cache is created, so it is known before any unit commits and never changes while a followed
+  extraction grows the cache: a unit is held out from the start or never. Hashing spreads the held-
+  out units over the plan, which orders units longest samples first, so they cover every length.
+  The training loader is given `ValSet.train_units`, which excludes them.
+- `--val-cache DIR`: every committed unit of a second cache, which must come from the same target
+  weights and tokenizer and hold the drafter's layers (`check_val_cache`, through cache/spec.py).
+
+`Validator` computes, over those samples, with the same blocks every time (anchors drawn by
+generators seeded with (seed, VAL_KEY, batch, rank), never the global RNG, so training after a
+validation is bitwise what it would have been without it):
+
+- `val_loss`: the training loss's slot-decayed cross-entropy, pooled over all validation blocks;
+- `val_slot_acc[k-1]`: how often slot k's argmax is the token at anchor + k;
+- `val_accept_len`: per block, 1 + the number of leading draft slots (1, 2, ...) whose argmax
+  equals the target token, averaged over blocks. This is what greedy speculative decoding would
+  commit per verification step given the cached context: the block's context is the target's own
+  hidden states before the anchor (exactly what the target hands the drafter at inference), the
+  anchor is the last verified token, the target accepts the drafted tokens up to the first one
+  that differs from its own greedy choice, and adds one token of its own (the 1). On data the
+  target regenerated greedily (`dflash regen`), the cached next tokens are its greedy choices, so
+  the figure is exact for those positions; on other data it measures agreement with the data.
+  A slot the loss mask leaves out ends the run, as `objective.block_metrics` counts it.
+
+`BestExport` keeps `export/` on the best validation acceptance and `export-last/` on the last weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, read_spec
+from dflash_cache.cache.store import committed_units
+from dflash_cache.train.loader import Batch, CacheLoader
+from dflash_cache.train.metrics import all_reduce_sums
+from dflash_cache.train.objective import Blocks, block_metrics, chunked_loss, make_blocks, summarize_metrics
+
+VAL_KEY = 0x7A1  # in the validation anchors' seed, apart from training's (seed, epoch, batch, rank)
+EXPORT, EXPORT_LAST = "export", "export-last"
+# what must be equal for a second cache's samples to be valid for a drafter of the training cache
+_SAME_TARGET = ("target.weights_fingerprint", "target.config_digest", "tokenizer.digest",
+                "tokenizer.chat_template_digest")  # fmt: skip
+
+
+def held_out_units(num_units: int, fraction: float) -> frozenset[int]:
+    """The plan's units held out for validation: round(fraction x num_units) of them, at least one
+    when fraction > 0 and num_units > 1, never all; those whose ids hash lowest (blake2b)."""
+    if not 0 <= fraction < 1:
+        raise SpecError(f"val_fraction: {fraction} is outside [0, 1)")
+    if fraction == 0 or num_units < 2:
+        return frozenset()
+    k = min(max(1, round(fraction * num_units)), num_units - 1)
+    rank = sorted(range(num_units), key=lambda u: hashlib.blake2b(b"dflash-val-%d" % u, digest_size=8).digest())
+    return frozenset(rank[:k])
+
+
+def check_val_cache(train_dir: Path, val_dir: Path, layer_ids: list[int]) -> CacheSpec:
+    """Refuse a validation cache that is the training cache, comes from other target weights or
+    another tokenizer, or lacks the drafter's layers, naming the field; returns its spec."""
+    train, val = read_spec(train_dir), read_spec(val_dir)
+    if Path(train_dir).resolve() == Path(val_dir).resolve() or (train.created, train.data.fingerprint) == (
+            val.created, val.data.fingerprint):  # fmt: skip
+        raise SpecError(f"--val-cache {val_dir} is the training cache; hold out part of it with --val-fraction")
+    diffs = [d for d in train.differences(val) if d.split(" ", 1)[0] in _SAME_TARGET]
+    if diffs:
+        raise SpecError(f"--val-cache {val_dir} does not fit the training cache: " + "; ".join(diffs))
+    try:
+        check_drafter_fits(val, layer_ids=layer_ids)
+    except SpecError as e:
+        raise SpecError(f"--val-cache {val_dir}: {e}") from None
+    return val
+
+
+@dataclass(frozen=True)
+class ValSet:
+    """The validation samples: the `units` of `cache` (None: every unit of a second cache)."""
+
+    cache: Path
+    units: frozenset[int] | None = None
+
+    @classmethod
+    def choose(cls, train_cache: Path, spec: CacheSpec, *, fraction: float = 0.0, val_cache: Path | None = None,
+               layer_ids: list[int]) -> ValSet | None:  # fmt: skip
+        """The set `--val-fraction`/`--val-cache` ask for, checked; None without validation, or when
+        the cache has a single unit to hold out from."""
+        if val_cache is not None and fraction > 0:
+            raise SpecError("--val-cache and --val-fraction: choose one")
+        if val_cache is not None:
+            check_val_cache(train_cache, val_cache, layer_ids)
+            return cls(Path(val_cache))
+        held = held_out_units(spec.plan.num_units, fraction)
+        return cls(Path(train_cache), held) if held else None
+
+    def includes(self, unit: int) -> bool:
+        return self.units is None or unit in self.units
+
+    @property
+    def train_units(self) -> Callable[[int], bool] | None:
+        """The training loader's unit filter: every unit but the held-out ones (None: all)."""
+        held = self.units
+        return None if held is None else (lambda u: u not in held)
+
+    def committed(self) -> frozenset[int]:
+        """The validation units committed so far (a cache may still be extracted)."""
+        return frozenset(u for u in committed_units(self.cache) if self.includes(u))
+
+
+def val_generator(seed: int, batch: int, rank: int) -> torch.Generator:
+    """The anchors' generator of validation batch `batch` on `rank`: the same blocks every time."""
+    key = 0
+    for part in (seed, VAL_KEY, batch, rank):
+        key = (key * 1_000_003 + part) % (1 << 63)
+    g = torch.Generator()
+    g.manual_seed(key)
+    return g
+
+
+def forward_blocks(model: torch.nn.Module, embed: torch.Tensor, head: torch.Tensor, batch: Batch, *, block_size: int,
+                   mask_token_id: int, max_anchors: int, gamma: float | None, loss_chunk: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, Blocks]:  # fmt: skip
+    """Blocks from anchors, frozen embedding, drafter, chunked decayed loss: the forward of a
+    training step. Returns the loss, which block tokens the argmax predicted right, and the blocks."""
+    ids, mask, offsets = batch.host
+    blocks = make_blocks(ids, mask, offsets, block_size=block_size, mask_token_id=mask_token_id,
+                         max_anchors=max_anchors, generator=generator, gamma=gamma)  # fmt: skip
+    # Only weighted slots reach the LM head: never slot 0 (the given anchor), nor unsupervised ones.
+    scored = blocks.weights.flatten().nonzero().squeeze(1).to(embed.device, non_blocking=True)
+    blocks = blocks.to(embed.device, non_blocking=True)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if embed.is_cuda else nullcontext()
+    with autocast:
+        block_embeds = torch.nn.functional.embedding(blocks.input_ids.flatten(), embed)
+        hidden = model(block_embeds, batch.context.to(embed.dtype), blocks.layout)
+        loss, hits = chunked_loss(hidden[scored], head, blocks.labels.flatten()[scored],
+                                  blocks.weights.flatten()[scored], loss_chunk)  # fmt: skip
+    correct = torch.zeros(blocks.labels.numel(), dtype=torch.bool, device=hits.device).index_copy_(0, scored, hits)
+    return loss, correct.view_as(blocks.labels), blocks
+
+
+class Validator:
+    """Validation every `every` steps over a `ValSet`, on every DDP rank (each takes its share of
+    the batches; the sums are reduced), returning a metrics record.
+
+    `loader(units)` opens a loader restricted to the given units (see `open_loader`). It is opened
+    once, and again only when more validation units have committed since (a followed cache)."""
+
+    def __init__(self, vset: ValSet, *, every: int, block_size: int, mask_token_id: int, max_anchors: int,
+                 gamma: float | None, loss_chunk: int, seed: int, rank: int,
+                 loader: Callable[[frozenset[int]], CacheLoader]):  # fmt: skip
+        self.vset, self.every, self.seed, self.rank = vset, every, seed, rank
+        self.objective = {"block_size": block_size, "mask_token_id": mask_token_id, "max_anchors": max_anchors,
+                          "gamma": gamma, "loss_chunk": loss_chunk}  # fmt: skip
+        self.open_loader = loader
+        self.loader: CacheLoader | None = None
+        self.units: frozenset[int] = frozenset()
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def _batches(self) -> Iterable[Batch]:
+        units = self.vset.committed()
+        if self.loader is None or units != self.units:
+            self.close()
+            self.loader, self.units = self.open_loader(units), units
+        return self.loader.epoch(0)
+
+    @torch.no_grad()
+    def run(self, model: torch.nn.Module, embed: torch.Tensor, head: torch.Tensor, step: int) -> dict[str, Any]:
+        """Validate `model` (the module itself, not its DDP wrapper) at `step`; every rank calls it."""
+        t0 = time.perf_counter()
+        B, device = self.objective["block_size"], embed.device
+        empty = torch.zeros(0, B, device=device)
+        sums = {k: v.clone() for k, v in block_metrics(empty.bool(), empty).items()}
+        pooled = torch.zeros(4, dtype=torch.float64, device=device)  # loss x weight, weight, samples, tokens
+        training = model.training
+        model.eval()
+        try:
+            for i, batch in enumerate(self._batches()):
+                loss, correct, blocks = forward_blocks(model, embed, head, batch, **self.objective,
+                                                       generator=val_generator(self.seed, i, self.rank))  # fmt: skip
+                weight = blocks.weights.sum().double()
+                counts = torch.tensor([len(batch.sample_index), batch.num_tokens], device=device)
+                pooled += torch.cat([torch.stack([loss.double() * weight, weight]), counts])
+                for k, v in block_metrics(correct, blocks.weights).items():
+                    sums[k] += v
+        finally:
+            model.train(training)
+        sums["pooled"] = pooled
+        sums = all_reduce_sums(sums)
+        stats = summarize_metrics(sums)
+        loss_w, weight, samples, tokens = sums["pooled"].tolist()
+        return {"step": step, "val_loss": loss_w / weight if weight > 0 else 0.0, "val_slot_acc": stats["slot_acc"],
+                "val_accept_len": stats["accept_len"], "val_blocks": stats["blocks"], "val_samples": int(samples),
+                "val_tokens": int(tokens), "val_units": len(self.units), "val_seconds": time.perf_counter() - t0,
+                "time": time.time()}  # fmt: skip
+
+    def close(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+            self.loader = None
+
+
+def open_loader(vset: ValSet, units: frozenset[int], *, layer_ids: list[int], token_budget: int, seed: int,
+                rank: int, world_size: int, device: torch.device, readers: int = 4) -> CacheLoader:  # fmt: skip
+    """A loader of the validation `units` only, not following: one host slot (validation is
+    short and rare), this rank's share of the batches."""
+    kwargs = {} if vset.units is None else {"units": lambda u: u in units}
+    return CacheLoader(vset.cache, layer_ids=layer_ids, token_budget=token_budget, seed=seed, rank=rank,
+                       world_size=world_size, device=device, prefetch=0, readers=readers, follow=False,
+                       **kwargs)  # fmt: skip
+
+
+class BestExport:
+    """`export/` holds the drafter of the best validation acceptance so far, `export-last/` the last
+    weights; without validation, `export/` is the last, as it always was.
+
+    Acceptance is compared only between validations of the same samples: while a followed
+    extraction is still committing held-out units the set grows, and the first validation on a
+    larger set starts the comparison again. `save(dir)` writes the serving format of the current
+    weights (rank 0 only; pass a no-op elsewhere). Its state goes into checkpoints, so a resumed run
+    compares against the best before the checkpoint; steps redone after it reach the same weights
+    and validations, so they decide export/ as the first attempt did."""
+
+    def __init__(self, run_dir: Path, save: Callable[[Path], None]):
+        self.best_dir, self.last_dir = Path(run_dir) / EXPORT, Path(run_dir) / EXPORT_LAST
+        self.save = save
+        self.best: dict[str, Any] | None = None  # {"step", "accept_len", "samples"}
+
+    def update(self, record: Mapping[str, Any]) -> bool:
+        """Take a validation record; export the current weights to export/ if they are the best."""
+        if not record.get("val_blocks"):
+            return False
+        same = self.best is not None and self.best["samples"] == [record["val_units"], record["val_samples"]]
+        if same and record["val_accept_len"] <= self.best["accept_len"]:
+            return False
+        self.save(self.best_dir)
+        self.best = {"step": record["step"], "accept_len": record["val_accept_len"],
+                     "samples": [record["val_units"], record["val_samples"]]}  # fmt: skip
+        return True
+
+    def finish(self) -> Path:
+        """At the end of the run: the last weights to export-last/ (export/ when there was no
+        validation). Returns where they went."""
+        where = self.last_dir if self.best is not None else self.best_dir
+        self.save(where)
+        return where
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best = state.get("best")
