@@ -2,13 +2,60 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "data" / "tiny-target"
 CHAT = ROOT / "data" / "chat.jsonl"
+
+
+def extract_cmd(data: Path, out: Path, *extra: str, target: Path = TINY_TARGET, max_length: int = 512,
+                unit_mb: int = 1, token_budget: int = 512) -> list[str]:
+    """The `dflash extract` command line of the CLI tests: small units and batches, so a run
+    commits several units and a kill can land between them."""
+    return [sys.executable, "-m", "cli.main", "extract", "--target", str(target), "--data", str(data),
+            "--out", str(out), "--max-length", str(max_length), "--unit-mb", str(unit_mb),
+            "--token-budget", str(token_budget), *extra]  # fmt: skip
+
+
+def read_cache(cache: Path) -> dict[int, tuple]:
+    """sample_index -> (hidden bits, input_ids, loss_mask, hidden_scale or None) of every committed
+    sample, decoded through the unit reader; a sample cached twice fails."""
+    from dflash_cache.cache.format import UnitReader
+    from dflash_cache.cache.store import committed_units
+
+    out: dict[int, tuple] = {}
+    for path in committed_units(cache).values():
+        r = UnitReader(path)
+        has_scale = "hidden_scale" in r.arrays
+        for i, s in enumerate(r.sample_index.tolist()):
+            a, b = int(r.offsets[i]), int(r.offsets[i + 1])
+            assert s not in out, f"sample {s} cached twice"
+            out[s] = (r.read("hidden", a, b), r.read("input_ids", a, b), r.read("loss_mask", a, b),
+                      r.read("hidden_scale", a, b) if has_scale else None)  # fmt: skip
+    return out
+
+
+def assert_same_cache(a_dir: Path, b_dir: Path) -> None:
+    """Two caches hold the same samples with bitwise the same arrays (units may be cut differently)."""
+    a, b = read_cache(a_dir), read_cache(b_dir)
+    assert sorted(a) == sorted(b)
+    for s in a:
+        for x, y in zip(a[s], b[s], strict=True):
+            assert (x is None) == (y is None)
+            if x is not None:
+                np.testing.assert_array_equal(x, y)
+                assert x.dtype == y.dtype
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict a line."""
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def extract_config(out: Path, **overrides):

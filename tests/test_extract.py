@@ -12,28 +12,14 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import CHAT, TINY_TARGET, extract_config
+from conftest import CHAT, TINY_TARGET, assert_same_cache, extract_cmd, extract_config, read_cache
 from transformers import AutoModelForCausalLM
 
-from dflash_cache.cache.format import UnitReader, decode_hidden
+from dflash_cache.cache.format import decode_hidden
 from dflash_cache.cache.spec import read_spec, write_spec
 from dflash_cache.cache.store import PARTIAL, REJECTED, committed_units
 from dflash_cache.errors import UserError
 from dflash_cache.extract.stage import ExtractError, prepare, run
-
-
-def read_cache(cache):
-    """sample_index -> (hidden bits, input_ids, loss_mask, scale) for every committed sample."""
-    out = {}
-    for path in committed_units(cache).values():
-        r = UnitReader(path)
-        has_scale = "hidden_scale" in r.arrays
-        for i, s in enumerate(r.sample_index.tolist()):
-            a, b = int(r.offsets[i]), int(r.offsets[i + 1])
-            assert s not in out, f"sample {s} cached twice"
-            out[s] = (r.read("hidden", a, b), r.read("input_ids", a, b), r.read("loss_mask", a, b),
-                      r.read("hidden_scale", a, b) if has_scale else None)  # fmt: skip
-    return out
 
 
 def test_hidden_states_match_output_hidden_states(tiny_cache):
@@ -83,12 +69,7 @@ def test_every_row_once_and_rejections_recorded(tmp_path):
 
 def test_kill_and_resume_equals_uninterrupted(tmp_path):
     out = tmp_path / "cache"
-
-    def cmd_for(out):
-        return [sys.executable, "-m", "cli.main", "extract", "--target", str(TINY_TARGET), "--data", str(CHAT),
-                "--out", str(out), "--max-length", "512", "--unit-mb", "4", "--token-budget", "256"]  # fmt: skip
-
-    cmd = cmd_for(out)
+    cmd = extract_cmd(CHAT, out, unit_mb=4, token_budget=256)
     env = {**os.environ, "PYTHONPATH": str(TINY_TARGET.parents[1])}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
@@ -105,12 +86,9 @@ def test_kill_and_resume_equals_uninterrupted(tmp_path):
     assert done.returncode == 0, done.stderr
     assert not any((out / PARTIAL).iterdir())
     ref = tmp_path / "uninterrupted"
-    assert subprocess.run(cmd_for(ref), env=env, capture_output=True).returncode == 0
-    a, b = read_cache(out), read_cache(ref)
-    assert sorted(a) == sorted(b)
-    for s in a:
-        for x, y in zip(a[s][:3], b[s][:3], strict=True):
-            np.testing.assert_array_equal(x, y)
+    done = subprocess.run(extract_cmd(CHAT, ref, unit_mb=4, token_budget=256), env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert_same_cache(out, ref)
 
 
 def test_two_processes_equal_one(tmp_path, tiny_cache):

@@ -32,13 +32,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from conftest import CHAT, ROOT, TINY_TARGET, extract_config
+from conftest import CHAT, ROOT, TINY_TARGET, assert_same_cache, extract_cmd, extract_config, read_cache, read_metrics
 
 from dflash_cache.cache.audit import verify
-from dflash_cache.cache.format import RowFormat, UnitReader, verify_unit
+from dflash_cache.cache.format import RowFormat, verify_unit
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import PARTIAL, committed_units, unit_name
 from dflash_cache.extract.stage import ExtractError, run
@@ -49,27 +48,6 @@ KILLS_EXTRACT = 20
 KILLS_TRAIN = 20
 KILLS_REGEN = 20
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-def read_cache(cache):
-    """sample_index -> (hidden bits, input_ids, loss_mask) for every committed sample (as in test_extract)."""
-    out = {}
-    for path in committed_units(cache).values():
-        r = UnitReader(path)
-        for i, s in enumerate(r.sample_index.tolist()):
-            a, b = int(r.offsets[i]), int(r.offsets[i + 1])
-            assert s not in out, f"sample {s} cached twice"
-            out[s] = (r.read("hidden", a, b), r.read("input_ids", a, b), r.read("loss_mask", a, b))
-    return out
-
-
-def assert_same_cache(a_dir, b_dir):
-    a, b = read_cache(a_dir), read_cache(b_dir)
-    assert sorted(a) == sorted(b)
-    for s in a:
-        for x, y in zip(a[s], b[s], strict=True):
-            np.testing.assert_array_equal(x, y)
-            assert x.dtype == y.dtype
 
 
 def _rows(path: Path, n: int) -> Path:
@@ -112,18 +90,13 @@ def kill_and_resume(cmd, rng, kills, progress, total, max_delay=3.0, timeout=180
 # ----------------------------------------------------------------------------------------- extract
 
 
-def _extract_cmd(data: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "cli.main", "extract", "--target", str(TINY_TARGET), "--data", str(data),
-            "--out", str(out), "--max-length", "512", "--unit-mb", "1", "--token-budget", "512"]  # fmt: skip
-
-
 def test_ctrl_c_ends_with_one_line_and_resumes(tmp_path):
     """Ctrl-C (SIGINT to the whole foreground process group, as a terminal sends it) mid-extract,
     writer processes included, ends with one line that says how to resume and exit code 130, and
     the same command then completes the cache. Before, each process printed a traceback."""
     data = _rows(tmp_path / "rows.jsonl", 160)
     out = tmp_path / "cache"
-    cmd = _extract_cmd(data, out)
+    cmd = extract_cmd(data, out)
     p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 120
@@ -144,13 +117,13 @@ def test_ctrl_c_ends_with_one_line_and_resumes(tmp_path):
 def test_extract_killed_many_times(tmp_path):
     data = _rows(tmp_path / "rows.jsonl", 160)
     ref = tmp_path / "ref"
-    done = subprocess.run(_extract_cmd(data, ref), env=ENV, capture_output=True, text=True)
+    done = subprocess.run(extract_cmd(data, ref), env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     total = len(committed_units(ref))
     assert total >= 6, total
 
     out = tmp_path / "killed"
-    cmd = _extract_cmd(data, out)
+    cmd = extract_cmd(data, out)
     landed = kill_and_resume(cmd, random.Random(20261130), KILLS_EXTRACT, lambda: len(committed_units(out)), total)
     assert landed >= 0.5 * KILLS_EXTRACT, f"only {landed} of {KILLS_EXTRACT} kills landed mid-run"
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
@@ -195,7 +168,7 @@ def test_train_killed_many_times(small_cache, tmp_path):
     final = Checkpointer(ref).load()
     total = final["step"]
     assert total == 16
-    ends = [json.loads(x) for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    ends = read_metrics(ref)
     assert any("epoch_end" in m for m in ends), "the run should cross an epoch boundary"
 
     out = tmp_path / "killed"
@@ -213,8 +186,7 @@ def test_train_killed_many_times(small_cache, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
     def losses(run_dir):
-        return [(m["step"], m["loss"]) for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-                if "loss" in m]  # fmt: skip
+        return [(m["step"], m["loss"]) for m in read_metrics(run_dir) if "loss" in m]
 
     assert losses(out) == losses(ref)
 
