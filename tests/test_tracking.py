@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dflash_cache.train.tracking import TrackingError, open_trackers, parse_report_to, scalars
@@ -86,3 +88,20 @@ def test_other_ranks_and_none_track_nothing(tmp_path):
         trackers.close()
         assert trackers.trackers == []
     assert not (tmp_path / "tensorboard").exists()
+
+
+def test_wandb_runs_offline_and_a_resume_continues_its_run(tmp_path, monkeypatch):
+    """Only where wandb is installed (it is not a dependency, not even of the tests)."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "unset")  # recorded, so the test leaves the environment as it found it
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for attempt in range(2):
+        with open_trackers("wandb", tmp_path, config={"cache": tmp_path, "lr": 1e-3}) as t:
+            t.log(_record(attempt + 1, loss=1.0))
+        if attempt == 0:
+            run_id = (tmp_path / "wandb_id").read_text().strip()
+    assert (tmp_path / "wandb_id").read_text().strip() == run_id  # the resume continued the same run
+    assert os.environ["WANDB_MODE"] == "offline"
+    runs = list((tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    assert len(runs) == 2 and all(r.stat().st_size > 0 for r in runs)  # offline: nothing left the machine
