@@ -24,7 +24,14 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 def compile_for_cuda(fn, **kwargs):
     """`torch.compile(fn)` for the CUDA path, or None where compiling is unsupported. Compiled
     lazily: nothing is compiled until the first call. Shapes vary from batch to batch, so the
-    kernels are built for dynamic sizes."""
+    kernels are built for dynamic sizes.
+
+    The compiled pieces are small stages that run inside a DDP module's forward. Dynamo's DDP
+    optimizer would split each of them at gradient-bucket boundaries, which only pays for a
+    whole-model compile; on two H200s it kept rank 0 compiling for minutes while rank 1 waited
+    in the first all-reduce (BENCHMARKS.md, session 7). DDP already overlaps the all-reduce with
+    the backward through its own bucket hooks, so it is turned off."""
+    torch._dynamo.config.optimize_ddp = False
     try:
         return torch.compile(fn, **{"dynamic": True, **kwargs})
     except Exception:  # pragma: no cover - torch.compile unsupported on this Python/platform
