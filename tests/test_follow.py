@@ -20,7 +20,7 @@ from pathlib import Path
 from conftest import CHAT, ROOT, TINY_TARGET
 
 from dflash_cache.cache.spec import read_spec
-from dflash_cache.cache.store import UnitReader, committed_units
+from dflash_cache.cache.store import UnitReader, committed_units, extract_running
 from dflash_cache.train.checkpoint import Checkpointer
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -42,6 +42,15 @@ def _start(*args: str) -> subprocess.Popen:
 def _extract(data: Path, cache: Path) -> subprocess.Popen:
     return _start("extract", "--target", str(TINY_TARGET), "--data", str(data), "--out", str(cache),
                   "--max-length", "512", "--unit-mb", "1", "--token-budget", "512")  # fmt: skip
+
+
+def _extract_started(data: Path, cache: Path) -> subprocess.Popen:
+    """The extraction, once it holds the cache directory: train refuses a --cache that does not
+    exist (a typo must not wait), and waits for one that an extract is preparing."""
+    proc = _extract(data, cache)
+    _wait_for(lambda: extract_running(cache) or (cache / "cache.json").exists() or proc.poll() is not None,
+              what="the extraction to start")  # fmt: skip
+    return proc
 
 
 def _train(cache: Path, run: Path, *extra: str) -> subprocess.Popen:
@@ -87,8 +96,8 @@ def _epoch_ends(run: Path) -> dict[int, dict]:
 
 def test_train_follows_a_paused_and_resumed_extraction(tmp_path):
     cache, run = tmp_path / "cache", tmp_path / "run"
-    trainer = _train(cache, run, "--epochs", "2")  # started first: it waits for the cache to appear
-    extract = _extract(_data(tmp_path), cache)
+    extract = _extract_started(_data(tmp_path), cache)
+    trainer = _train(cache, run, "--epochs", "2")  # it waits for cache.json if the extract has not written it
     try:
         _wait_for(lambda: len(committed_units(cache)) >= 1, what="a first unit")
         _signal(extract, signal.SIGSTOP)
@@ -131,8 +140,8 @@ def test_two_ranks_follow_through_extract_and_trainer_restarts(tmp_path):
     cache, run = tmp_path / "cache", tmp_path / "run"
     data = _data(tmp_path)
     args = ("--epochs", "1", "--procs", "2")
+    extract = _extract_started(data, cache)
     trainer = _train(cache, run, *args)
-    extract = _extract(data, cache)
     try:
         # The extraction dies part way; the trainer keeps following (and checkpoints meanwhile).
         _wait_for(lambda: len(committed_units(cache)) >= 2, what="two units")

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from dflash_cache.cache.spec import CACHE_JSON
 from dflash_cache.cache.store import FROZEN, committed_units, extract_running
+from dflash_cache.paths import PathKindError
 
 
 @dataclass(frozen=True)
@@ -41,19 +42,20 @@ def is_complete(cache_dir: Path, num_units: int) -> bool:
     return len(committed_units(cache_dir)) >= num_units
 
 
-def wait_for_cache(cache_dir: Path, *, grace: float = 20.0, poll: float = 0.5,
-                  on_wait: Callable[[], None] | None = None) -> None:  # fmt: skip
+def wait_for_cache(cache_dir: Path, *, poll: float = 0.5, on_wait: Callable[[], None] | None = None) -> None:
     """Wait for the cache.json and frozen weights of a cache that an extract is still preparing
     (tokenizing, planning and loading the target come first), as long as an extract holds the
-    cache's lock. A directory that does
-    not exist yet gets `grace` seconds for an extract started at the same moment to create it; an
-    existing one without cache.json or lock holder returns at once, so the caller's error can say
-    what is wrong with it."""
+    cache's lock. A path that does not exist is an error at once: a mistyped --cache must not
+    wait for an extract that will never come, so start `dflash extract` first (it creates the
+    directory and takes the lock before anything else). An existing directory without cache.json
+    and without a live extract returns at once, so the caller's error can say what is wrong with it."""
     cache_dir = Path(cache_dir)
-    deadline = time.monotonic() + grace
+    if not cache_dir.exists():
+        raise PathKindError(f"--cache {cache_dir} does not exist (to train beside an extraction, start "
+                            f"`dflash extract --out {cache_dir}` first)")  # fmt: skip
     told = False
     while not all((cache_dir / name).exists() for name in (CACHE_JSON, FROZEN)):
-        if not extract_running(cache_dir) and (cache_dir.exists() or time.monotonic() > deadline):
+        if not extract_running(cache_dir):
             return
         if not told and on_wait is not None:
             on_wait()
