@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dflash_cache.errors import UserError
+from dflash_cache.settings import int_list
 
 
 class DeviceError(UserError, ValueError):
@@ -36,27 +38,25 @@ class Worker:
 
 
 def parse_gpus(spec: str) -> list[int]:
-    """'0-4' -> [0..4]; '0,2,5-7' -> [0, 2, 5, 6, 7]."""
-    ids: list[int] = []
+    """'0-4' -> [0..4]; '0,2,5-7' -> [0, 2, 5, 6, 7]; each id a GPU of this machine."""
     try:
-        for part in spec.replace(" ", "").split(","):
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                if hi < lo:
-                    raise DeviceError(f"--gpus {spec!r}: the range {part} runs backwards (write {hi}-{lo})")
-                ids.extend(range(lo, hi + 1))
-            elif part:
-                ids.append(int(part))
-    except DeviceError:
-        raise
-    except ValueError:
-        raise DeviceError(f"--gpus {spec!r}: expected ids and ranges like 0-4 or 0,2,5-7") from None
+        ids = int_list(spec)
+    except ValueError as e:
+        why = str(e) if str(e).startswith("the range") else "expected ids and ranges like 0-4 or 0,2,5-7"
+        raise DeviceError(f"--gpus {spec!r}: {why}") from None
+    return check_gpus(ids)
+
+
+def check_gpus(ids: list[int] | None) -> list[int] | None:
+    """GPU ids (from a flag or a config file) that are distinct and exist on this machine."""
+    if ids is None:
+        return None
     if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
-        raise DeviceError(f"--gpus {spec!r}: expected distinct non-negative ids")
+        raise DeviceError(f"--gpus {ids}: expected distinct non-negative ids")
     available = torch.cuda.device_count()
     missing = [i for i in ids if i >= available]
     if missing:
-        raise DeviceError(f"--gpus {spec!r}: GPU {missing[0]} does not exist (this machine has {available})")
+        raise DeviceError(f"--gpus {ids}: GPU {missing[0]} does not exist (this machine has {available})")
     return ids
 
 
@@ -117,16 +117,50 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
     mp.start_processes(_entry, args=(fn, devices, args), nprocs=len(devices), join=True, start_method="spawn")
 
 
+def idle_cores(interval: float = 0.2) -> float:
+    """Cores this machine leaves idle right now (from /proc/stat over `interval` seconds); all of
+    them where that cannot be read."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        return ticks[3] + ticks[4], sum(ticks[:8])  # idle + iowait, all but guest time
+
+    cores = _cores()
+    try:
+        idle0, total0 = sample()
+        time.sleep(interval)
+        idle1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return float(cores)
+    return cores * (idle1 - idle0) / max(1, total1 - total0)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_threads(share: int, idle: Callable[[], float] = idle_cores) -> int:
+    """torch threads for a CPU worker: its share of the cores (`share` workers on this machine),
+    and no more than the cores that are idle when it starts, so that a run beside other busy
+    processes does not thrash. On 2 cores beside another busy process, a train with torch's
+    default of one thread per core ran at 62 tokens/s and with one thread at 1,273: OpenMP teams
+    spin while a member waits for a core (the CLI also makes them sleep instead on a machine
+    without GPUs: cli/__init__.py). Never more than the process has; OMP_NUM_THREADS, where
+    set, is kept."""
+    fair = max(1, min(_cores() // share, torch.get_num_threads()))
+    return fair if "OMP_NUM_THREADS" in os.environ else max(1, min(fair, int(idle() + 0.5)))
+
+
 @contextmanager
-def worker_threads(w: Worker, per_gpu: int | None = None) -> Iterator[None]:
+def worker_threads(w: Worker, per_gpu: int | None = None, idle: Callable[[], float] = idle_cores) -> Iterator[None]:
     """torch's intra-op CPU threads for one worker while it runs, restored after (a one-process
-    run works inside the caller's process). torch gives every process one thread per core, so
-    CPU workers split the cores between them (the workers on this machine: torchrun's other nodes
-    have their own), and a GPU worker takes at most `per_gpu`: where its CPU work is small ops and
-    copies, spinning OpenMP teams of several processes only fight over the cores."""
+    run works inside the caller's process). A CPU worker takes `cpu_threads` (the workers on this
+    machine split its cores: torchrun's other nodes have their own), and a GPU worker takes at
+    most `per_gpu`: where its CPU work is small ops and copies, spinning OpenMP teams of several
+    processes only fight over the cores."""
     before = torch.get_num_threads()
-    if w.device.type == "cpu" and w.on_this_machine > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // w.on_this_machine))
+    if w.device.type == "cpu":
+        torch.set_num_threads(cpu_threads(w.on_this_machine, idle))
     elif w.device.type == "cuda" and per_gpu is not None:
         torch.set_num_threads(min(per_gpu, before))
     try:
