@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from rich.console import Console
@@ -110,6 +111,51 @@ class TrainBar:
                        "accept": f"{bar['accept']:.2f}", "rate": f"{bar['tok_s']:,.0f} tok/s", "mfu": mfu,
                        "wait": f"{bar['wait']:.2f}s"}  # fmt: skip
         self.progress.update(self.task, total=total, completed=bar.get("completed"), **fields)
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+class RegenBar:
+    """Rows regenerated/total, generated tokens/s and ETA for `dflash regen` (rows count when their
+    part is committed)."""
+
+    def __init__(self) -> None:
+        self.progress = Progress(TextColumn("[bold]regen"), BarColumn(bar_width=12), MofNCompleteColumn(),
+                                 TextColumn("rows {task.fields[rate]} eta"), TimeRemainingColumn(),
+                                 console=console)  # fmt: skip
+        self.task = None
+        self.started = 0.0
+
+    def start(self, total: int, done: int) -> None:
+        self.progress.start()
+        self.started = time.perf_counter()
+        self.task = self.progress.add_task("regen", total=total, completed=done, rate="-")
+
+    def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
+        rate = totals.get("tokens", 0) / max(time.perf_counter() - self.started, 1e-9)
+        self.progress.update(self.task, advance=delta.get("rows", 0), rate=f"{rate:,.0f} tok/s")
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+class EvalBar:
+    """Prompts done/total, the running tau per prompt and ETA for `dflash eval` (each prompt is
+    decoded twice: speculatively, then by the target alone)."""
+
+    def __init__(self, label: str = "eval") -> None:
+        self.progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(bar_width=12), MofNCompleteColumn(),
+                                 TextColumn("prompts tau {task.fields[tau]} eta"), TimeRemainingColumn(),
+                                 console=console)  # fmt: skip
+        self.task = None
+
+    def start(self, total: int, done: int) -> None:
+        self.progress.start()
+        self.task = self.progress.add_task("eval", total=total, completed=done, tau="-")
+
+    def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
+        self.progress.update(self.task, advance=delta.get("prompts", 0), tau=f"{totals.get('tau', 0):.3f}")
 
     def close(self) -> None:
         self.progress.stop()

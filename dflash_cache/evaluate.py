@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from dflash_cache.devices import flush_denormals
+from dflash_cache.app_config import EvalConfig
+from dflash_cache.devices import Worker, flush_denormals, worker_threads
 from dflash_cache.extract.data import (
     LINE,
     DataError,
@@ -61,6 +62,7 @@ from dflash_cache.extract.target import (
     stop_token_ids,
     text_config,
 )
+from dflash_cache.progress import ProgressSink
 from dflash_cache.train import objective
 from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, load_serving
 from dflash_cache.train.objective import BlockLayout
@@ -457,13 +459,14 @@ def evaluate(
     drafter_dir: Path,
     prompts: str | Path,
     *,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    seed: int = 0,
-    block_size: int | None = None,
-    limit: int | None = None,
-    chat_template_kwargs: dict | None = None,
-    data_split: str | None = None,
+    max_new_tokens: int = EvalConfig.max_new_tokens,
+    temperature: float = EvalConfig.temperature,
+    seed: int = EvalConfig.seed,
+    block_size: int | None = EvalConfig.block_size,
+    limit: int | None = EvalConfig.limit,
+    chat_template_kwargs: dict | None = EvalConfig.chat_template_kwargs,
+    data_split: str | None = EvalConfig.data_split,
+    sink: ProgressSink | None = None,
 ) -> EvalResult:
     """Speculative decoding vs target-only decoding on the same prompts.
 
@@ -475,7 +478,8 @@ def evaluate(
     Generation stops at the tokenizer's and the generation config's eos and at ``<|im_end|>``.
 
     Both runs of a prompt draw from generators seeded with (seed, prompt index), so the result
-    does not depend on --limit. Timings include the prefill and follow a short warm-up.
+    does not depend on --limit. Timings include the prefill and follow a short warm-up. `sink`
+    sees the prompts done and the running tau per prompt.
     """
     if max_new_tokens < 1:
         raise EvalError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -509,7 +513,11 @@ def evaluate(
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    with flush_denormals(device):  # a CPU slows down tenfold on denormal activations
+    if sink is not None:
+        sink.start(len(prompt_ids), 0)
+    # a CPU slows down tenfold on denormal activations, and thrashes with more threads than idle cores
+    with flush_denormals(device), worker_threads(Worker(0, 1, device)):
+        threads = torch.get_num_threads()
         warm = min(8, max_new_tokens)  # first calls pay for allocations and kernel selection
         speculative_generate(model, drafter, dcfg, prompt_ids[0], max_new_tokens=warm, block_size=B,
                              temperature=temperature, generator=gen(0), stop_ids=stop_ids)  # fmt: skip
@@ -540,6 +548,10 @@ def evaluate(
                 "tau": tau(lengths), "acceptance_lengths": lengths,
                 "same_as_target": out == ref, "output": tokenizer.decode(out),
             })  # fmt: skip
+            if sink is not None:
+                sink.update({"prompts": i + 1, "tau": tau_per_prompt(per_prompt)}, {"prompts": 1})
+    if sink is not None:
+        sink.close()
     spec_tok_s = spec_tokens / spec_time if spec_time > 0 else 0.0
     target_tok_s = target_tokens / target_time if target_time > 0 else 0.0
     all_lengths = [n for lengths in per_prompt for n in lengths]
@@ -558,7 +570,7 @@ def evaluate(
             "block_size": B, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed,
             "limit": limit, "chat_template_kwargs": template_kwargs, "data_split": data_split,
             "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-            "cpu_threads": torch.get_num_threads(),
+            "cpu_threads": threads,
             "target_layer_ids": list(dcfg.target_layer_ids), "target_new_tokens": target_tokens,
         },
     )  # fmt: skip

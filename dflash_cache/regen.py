@@ -20,14 +20,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_cache.devices import Worker, flush_denormals, launch
+from dflash_cache.app_config import RegenConfig, regen_record
+from dflash_cache.devices import Worker, flush_denormals, launch, worker_threads
 from dflash_cache.extract.data import (
     NO_ASSISTANT,
     DataError,
@@ -40,36 +41,14 @@ from dflash_cache.extract.data import (
 from dflash_cache.extract.target import compute_dtype_for, load_config, load_tokenizer, stop_token_ids
 from dflash_cache.paths import output_dir, output_file
 from dflash_cache.progress import ProgressSink, Reporter
+from dflash_cache.settings import plain
 
 REJECTED = "rejected.jsonl"
 REASONING_MARKERS = ("<think>", "</think>")  # kept in a reply even where the tokenizer calls them special
 
 
-@dataclass
-class RegenConfig:
-    target: str
-    data: str
-    out: Path  # the output .jsonl; parts live in OUT.parts/ until the end
-    max_new_tokens: int = 512
-    temperature: float = 0.0
-    seed: int = 0
-    batch_size: int = 32
-    part_rows: int = 64
-    revision: str | None = None
-    gpus: list[int] | None = None
-    procs: int = 1
-    chat_template_kwargs: dict[str, Any] | None = None  # passed to every apply_chat_template call
-    data_split: str | None = None  # split of a hub dataset or saved DatasetDict
-    max_samples: int | None = None  # read only the first N rows of the source
-
-
 def parts_dir(out: Path) -> Path:
     return out.with_name(out.name + ".parts")
-
-
-def settings_path(out: Path) -> Path:
-    """Beside the output: what it was regenerated from, so a rerun never passes off old rows."""
-    return out.with_name(f".{out.name}.regen.json")
 
 
 def _settings(cfg: RegenConfig) -> dict[str, Any]:
@@ -84,6 +63,7 @@ def _check_settings(path: Path, settings: dict[str, Any], what: Path) -> None:
     if not path.is_file():
         return
     old = json.loads(path.read_text())
+    old.pop("config", None)  # how it was run, for `--config OUT.jsonl`; not what decides the rows
     diffs = sorted(k for k in settings.keys() | old.keys() if old.get(k) != settings.get(k))
     if diffs:
         raise DataError(f"{what} was regenerated with other settings ({', '.join(diffs)} differ): "
@@ -111,7 +91,7 @@ def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     output_file(cfg.out, "--out")
     output_dir(parts_dir(cfg.out), "--out's parts directory")
     settings = _settings(cfg)
-    _check_settings(settings_path(cfg.out), settings, cfg.out)
+    _check_settings(regen_record(cfg.out), settings, cfg.out)
     if cfg.out.exists():
         return {"out": str(cfg.out), "rows": sum(1 for _ in open(cfg.out)), "resumed": True}
     parts = parts_dir(cfg.out)
@@ -120,14 +100,15 @@ def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     load_config(cfg.target, cfg.revision)  # a bad --target fails here, before the parts directory exists
     n_parts = -(-len(rows) // cfg.part_rows)
     parts.mkdir(parents=True, exist_ok=True)
-    (parts / "settings.json").write_text(json.dumps(settings))
+    (parts / "settings.json").write_text(json.dumps({**settings, "config": plain(cfg)}))
     done = {int(p.stem.split("-")[1]) for p in parts.glob("part-*.jsonl")}
     reporter = Reporter(sink)
-    reporter.start(total=n_parts, done=len(done))
+    reporter.start(total=len(rows), done=sum(len(_part_rows(i, cfg, len(rows))) for i in done))
+    t0 = time.perf_counter()
     try:
         launch(_worker, (cfg, n_parts, reporter.channel), gpus=cfg.gpus, procs=cfg.procs)
     finally:
-        reporter.stop()
+        totals = reporter.stop()
     missing = [i for i in range(n_parts) if not (parts / f"part-{i:05d}.jsonl").exists()]
     if missing:
         raise DataError(f"regen: parts {missing[:5]} were not written; rerun to resume")
@@ -143,10 +124,15 @@ def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
                 else:
                     out.write(line)
                     kept += 1
-    os.replace(parts / "settings.json", settings_path(cfg.out))
+    os.replace(parts / "settings.json", regen_record(cfg.out))
     os.replace(tmp, cfg.out)
     shutil.rmtree(parts, ignore_errors=True)
-    return {"out": str(cfg.out), "rows": kept, "rejected": rejected, "resumed": False}
+    return {"out": str(cfg.out), "rows": kept, "rejected": rejected, "resumed": False,
+            "generated_tokens": totals.get("tokens", 0), "seconds": round(time.perf_counter() - t0, 3)}  # fmt: skip
+
+
+def _part_rows(part: int, cfg: RegenConfig, n_rows: int) -> range:
+    return range(part * cfg.part_rows, min(n_rows, (part + 1) * cfg.part_rows))
 
 
 def _worker(w: Worker, cfg: RegenConfig, n_parts: int, channel) -> None:
@@ -164,19 +150,20 @@ def _worker(w: Worker, cfg: RegenConfig, n_parts: int, channel) -> None:
     model = AutoModelForCausalLM.from_pretrained(cfg.target, revision=cfg.revision,
                                                  dtype=compute_dtype_for(w.device)).to(w.device).eval()  # fmt: skip
     stop = sorted(stop_token_ids(tokenizer, model))
-    with flush_denormals(w.device):  # a CPU slows down tenfold on denormal activations
+    # a CPU slows down tenfold on denormal activations, and thrashes with more threads than idle cores
+    with flush_denormals(w.device), worker_threads(w):
         for part in todo:
             torch.manual_seed(cfg.seed * 1_000_003 + part)  # a part samples the same on any rerun
-            lo, hi = part * cfg.part_rows, min(len(rows), (part + 1) * cfg.part_rows)
-            convs = {i: _conversation(rows[i]) for i in range(lo, hi)}
-            _regenerate(model, tokenizer, {i: c for i, c in convs.items() if isinstance(c, list)}, cfg, stop, w.device)
+            convs = {i: _conversation(rows[i]) for i in _part_rows(part, cfg, len(rows))}
+            _regenerate(model, tokenizer, {i: c for i, c in convs.items() if isinstance(c, list)}, cfg, stop, w.device,
+                        report=channel.put)  # fmt: skip
             tmp = parts / f".part-{part:05d}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 for i, c in convs.items():
                     rec = {"messages": c} if isinstance(c, list) else {"rejected": c, "row": i}
                     f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             os.replace(tmp, parts / f"part-{part:05d}.jsonl")
-            channel.put({"parts": 1})
+            channel.put({"parts": 1, "rows": len(convs)})
 
 
 def reply_decoder(tokenizer) -> Callable[[list[int]], str]:
@@ -191,8 +178,9 @@ def reply_decoder(tokenizer) -> Callable[[list[int]], str]:
 
 @torch.inference_mode()
 def _regenerate(model, tokenizer, convs: dict[int, list[dict]], cfg: RegenConfig, stop: list[int],
-                device: torch.device) -> None:  # fmt: skip
-    """Replace every assistant turn, turn by turn across the part, in length-sorted batches."""
+                device: torch.device, report: Callable[[dict], None] = lambda _: None) -> None:  # fmt: skip
+    """Replace every assistant turn, turn by turn across the part, in length-sorted batches;
+    `report` gets the tokens generated after each batch (the progress bar's rate)."""
     decode = reply_decoder(tokenizer)
     depth = 0
     while True:
@@ -216,7 +204,10 @@ def _regenerate(model, tokenizer, convs: dict[int, list[dict]], cfg: RegenConfig
                 temperature=cfg.temperature if cfg.temperature > 0 else None, top_p=None, top_k=None,
                 eos_token_id=stop, pad_token_id=tokenizer.pad_token_id,
             )  # fmt: skip
+            generated = 0
             for (i, k), ids in zip(batch, out[:, enc["input_ids"].shape[1] :].tolist(), strict=True):
                 cut = next((j for j, t in enumerate(ids) if t in stop), len(ids))
                 convs[i][k] = {"role": "assistant", "content": decode(ids[:cut])}
+                generated += cut
+            report({"tokens": generated})
         depth += 1

@@ -58,6 +58,7 @@ class Setting:
     kind: Any  # the field's type without None: int, float, bool, str, Path, list, dict, or a Literal
     optional: bool
     default: Any  # MISSING for a required setting
+    computed: bool  # the default is computed on this machine (a default_factory), not a constant
     help: str
     expects_text: str | None
     min: float | None
@@ -112,8 +113,8 @@ def describe(cls: type) -> dict[str, Setting]:
         default = f.default if f.default is not MISSING else (
             f.default_factory() if f.default_factory is not MISSING else MISSING)  # fmt: skip
         m = f.metadata
-        out[f.name] = Setting(f.name, kind, optional, default, m.get("help", ""), m.get("expects"), m.get("min"),
-                              m.get("tuning", False))  # fmt: skip
+        out[f.name] = Setting(f.name, kind, optional, default, f.default_factory is not MISSING, m.get("help", ""),
+                              m.get("expects"), m.get("min"), m.get("tuning", False))  # fmt: skip
     return out
 
 
@@ -217,12 +218,12 @@ def read_config(path: str | Path, cls: type) -> dict[str, Any]:
     """A config file as a mapping of settings: YAML or JSON, or a run's own record (a directory or
     output that `cls.record_path` knows, a train.json, a cache.json), translated by
     `cls.from_record`. Keys are not checked here (`resolve` does, naming the file)."""
-    path = Path(path)
-    if hasattr(cls, "record_path"):
-        path = cls.record_path(path)
+    given = Path(path)
+    path = cls.record_path(given) if hasattr(cls, "record_path") else given
     if not path.is_file():
-        raise SettingsError(f"--config {path}: " + ("is a directory with no recorded settings" if path.is_dir()
-                                                     else "no such file"))  # fmt: skip
+        why = ("no such file" if path == given else f"a directory without {path.name}" if given.is_dir()
+               else f"no {path.name} beside it")  # fmt: skip
+        raise SettingsError(f"--config {given}: {why}")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:

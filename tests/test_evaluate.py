@@ -331,7 +331,7 @@ def test_cli_end_to_end(tmp_path):
     out = tmp_path / "eval.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "cli.main", "eval", "--target", str(TINY_TARGET), "--drafter", str(drafter),
-           "--data", str(PROMPTS), "--limit", "2", "--max-new-tokens", "16", "--json", str(out),
+           "--data", str(PROMPTS), "--limit", "2", "--max-new-tokens", "16", "--json-out", str(out),
            "--chat-template-kwargs", '{"enable_thinking": false}']  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

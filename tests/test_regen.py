@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CHAT, ROOT, TINY_TARGET
+from test_config import RecordingSink
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache.errors import UserError
 from dflash_cache.regen import REASONING_MARKERS, RegenConfig, parts_dir, reply_decoder, run
+from dflash_cache.settings import resolve
 
 sys.path.insert(0, str(ROOT / "data"))
 import make_family_targets as fam  # noqa: E402
@@ -176,8 +178,13 @@ def test_a_rerun_with_other_settings_never_reuses_the_output(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in _source(3)))
     other.write_text("".join(json.dumps(r) + "\n" for r in _source(4)))
     out = tmp_path / "regen.jsonl"
-    first = run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=4))
+    cfg, sink = RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=4), RecordingSink()
+    first = run(cfg, sink)
     assert first["resumed"] is False and first["rows"] == 3
+    # the progress bar's view: rows out of the source's, generated tokens; the run reads back as a config
+    assert sink.started == (3, 0) and sink.totals["rows"] == 3
+    assert 0 < sink.totals["tokens"] == first["generated_tokens"]
+    assert resolve(RegenConfig, files=[out]) == cfg
     before = out.read_bytes()
     assert run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=4))["resumed"] is True
     with pytest.raises(UserError, match=r"other settings \(data differ\)"):
