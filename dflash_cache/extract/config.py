@@ -20,6 +20,11 @@ GPUS_HELP = "GPUs, one process each: 0-4 or 0,2,5."
 GPU_IDS = "GPU ids like 0-4 or 0,2,5"
 
 
+def resolve_token_budget(token_budget: int | None, cuda: bool) -> int:
+    """Padded tokens per forward: the setting, else 16384 on a GPU and 4096 on a CPU."""
+    return token_budget or (16384 if cuda else 4096)
+
+
 @dataclass
 class ExtractConfig:
     target: str = setting(help=TARGET_HELP)
@@ -47,10 +52,6 @@ class ExtractConfig:
     chat_template_kwargs: dict[str, Any] | None = setting(None, KWARGS_HELP)
     data_split: str | None = setting(None, SPLIT_HELP)
     max_samples: int | None = setting(None, MAX_SAMPLES_HELP, min=1)
-
-    def budget(self, cuda: bool) -> int:
-        """Padded tokens per forward: the setting, else 16384 on a GPU and 4096 on a CPU."""
-        return self.token_budget or (16384 if cuda else 4096)
 
     @staticmethod
     def record_path(path: Path) -> Path:

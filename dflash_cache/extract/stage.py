@@ -50,7 +50,7 @@ from dflash_cache.devices import GpuThrottle, Worker, launch, worker_threads
 from dflash_cache.errors import ExtractError
 from dflash_cache.extract import data as data_mod
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
-from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.config import ExtractConfig, resolve_token_budget
 from dflash_cache.extract.plan import Plan, Unit, make_plan
 from dflash_cache.extract.target import (
     compute_dtype_for,
@@ -108,11 +108,10 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     )  # fmt: skip
     device = _device_kind(cfg)
     row_bytes = RowFormat(cfg.storage, len(layer_ids) * int(tc["hidden_size"]), len(layer_ids)).hidden_bytes
-    budget = cfg.token_budget or (16384 if device.type == "cuda" else 4096)
     plan = make_plan(
         np.asarray(tokens.dataset["length"], dtype=np.int64),
         bucket_edges=default_bucket_edges(cfg.max_length),
-        token_budget=budget,
+        token_budget=resolve_token_budget(cfg.token_budget, device.type == "cuda"),
         unit_tokens=max(1, (cfg.unit_mb << 20) // row_bytes),
     )
     eos = tokenizer.eos_token_id

@@ -20,6 +20,13 @@ class TrainError(UserError, RuntimeError):
     """A training run that cannot start or resume; the message says why."""
 
 
+def resolve_token_budget(token_budget: int | None, cuda: bool) -> int:
+    """Context tokens per batch per rank: the setting, else 8192 on a GPU and 2048 on a CPU.
+    8192 x 512 anchors fits an H200 with the default 8B-shaped drafter even for the batch of most
+    blocks (100.6 GB peak), and ran at 53% MFU against 51% at 4096 (BENCHMARKS.md, session 6)."""
+    return token_budget or (8192 if cuda else 2048)
+
+
 @dataclass
 class TrainConfig:
     cache: Path = setting(help="Cache directory written by `dflash extract`.")
@@ -54,12 +61,6 @@ class TrainConfig:
     trace: bool = setting(False, "Log which samples every batch held to OUT/trace/rank<r>.jsonl.")
     follow: bool = setting(True, "On a cache still being extracted, epoch 1 follows the extraction "
                            "(--no-follow: train on the units committed so far).")  # fmt: skip
-
-    def budget(self, cuda: bool) -> int:
-        """Context tokens per batch per rank: the setting, else 8192 on a GPU and 2048 on a CPU.
-        8192 x 512 anchors fits an H200 with the default 8B-shaped drafter even for the batch of
-        most blocks (100.6 GB peak), and ran at 53% MFU against 51% at 4096 (BENCHMARKS.md)."""
-        return self.token_budget or (8192 if cuda else 2048)
 
     @staticmethod
     def record_path(path: Path) -> Path:
