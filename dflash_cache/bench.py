@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -105,8 +106,10 @@ def disk(path: Path, size_mb: int = 2048) -> dict[str, float]:
     return {"write_GBps": write / 1e9, "read_GBps": read / 1e9, "bytes": n * len(block)}
 
 
-def codec(hidden: torch.Tensor | None = None, level: int = 3, rows: int = 4096, width: int = 5 * 4096) -> dict:
-    """zstd on bf16 hidden-state bits: ratio and single-thread encode/decode GB/s."""
+def codec(hidden: torch.Tensor | None = None, level: int = 3, rows: int = 4096, width: int = 5 * 4096,
+          threads: int = 4) -> dict:
+    """zstd on bf16 hidden-state bits: ratio, single-thread encode/decode GB/s, and a unit's reads
+    through zarr and through `ShardRows` (`unit_reads`)."""
     from numcodecs import Zstd
 
     if hidden is None:  # activations are heavy-tailed: a Student-t stands in for real ones
@@ -120,8 +123,39 @@ def codec(hidden: torch.Tensor | None = None, level: int = 3, rows: int = 4096, 
     t = time.perf_counter()
     z.decode(enc)
     t_dec = time.perf_counter() - t
+    bits = hidden.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
     return {"ratio": len(raw) / len(enc), "encode_GBps": len(raw) / t_enc / 1e9, "decode_GBps": len(raw) / t_dec / 1e9,
-            "level": level}  # fmt: skip
+            "level": level, **unit_reads(bits, level=level, threads=threads)}  # fmt: skip
+
+
+def unit_reads(bits: np.ndarray, *, level: int = 3, threads: int = 4, repeats: int = 3) -> dict:
+    """The loader's reads of one unit's hidden rows, in pieces of 8 chunks over `threads` threads,
+    through zarr and through the zarr-free `ShardRows`, side by side on the same files (in the page
+    cache): decoded GB/s of each, best of `repeats`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dflash_cache.cache.format import UnitArrays, UnitReader, chunk_tokens_for, write_group
+    from dflash_cache.cache.spec import StorageInfo
+
+    n = bits.shape[0]
+    chunk = chunk_tokens_for(bits.shape[1] * 2)
+    storage = StorageInfo(dtype="bf16", codec={"name": "zstd", "level": level, "checksum": True}, chunk_tokens=chunk)
+    arrays = UnitArrays(hidden=bits, input_ids=np.zeros(n, np.int32), loss_mask=np.ones(n, np.uint8),
+                        offsets=np.array([0, n]), sample_index=np.array([0]))  # fmt: skip
+    out = np.empty_like(bits)
+    pieces = [(a, min(n, a + 8 * chunk)) for a in range(0, n, 8 * chunk)]
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(threads) as pool:
+        write_group(Path(tmp) / "u", 0, arrays, storage)
+        readers = {"zarr": UnitReader(Path(tmp) / "u", direct=False), "direct": UnitReader(Path(tmp) / "u")}
+        best = {}
+        for _ in range(repeats):
+            for name, reader in readers.items():
+                t = time.perf_counter()
+                list(pool.map(lambda p, r=reader: r.read_into("hidden", p[0], p[1], out[p[0] : p[1]]), pieces))
+                best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
+        assert np.array_equal(out, bits)
+    return {"read_threads": threads, "zarr_read_GBps": bits.nbytes / best["zarr"] / 1e9,
+            "direct_read_GBps": bits.nbytes / best["direct"] / 1e9, "direct_over_zarr": best["zarr"] / best["direct"]}
 
 
 @contextmanager

@@ -9,7 +9,7 @@ import pytest
 from test_loader import build_cache
 
 from dflash_cache.cache.audit import verify
-from dflash_cache.cache.format import CorruptUnit, RowFormat, UnitArrays, UnitReader, verify_unit
+from dflash_cache.cache.format import CorruptUnit, RowFormat, ShardRows, UnitArrays, UnitReader, verify_unit
 from dflash_cache.cache.spec import StorageInfo
 from dflash_cache.cache.store import PARTIAL, committed_units, sweep_partial, write_unit
 
@@ -43,6 +43,36 @@ def test_round_trip_and_partial_reads(tmp_path):
     np.testing.assert_array_equal(out, a.hidden[137:])
     np.testing.assert_array_equal(r.read("input_ids", 0, 387), a.input_ids)
     assert verify_unit(r.path, RowFormat("bf16", 32, 1)) == []
+
+
+def test_shard_reader_equals_zarr(tmp_path):
+    """The loader's zarr-free reader (ShardRows) against zarr's own decode of the same arrays: every
+    token-wise array, ranges inside, across and at the ends of chunks, a chunk zarr never stored
+    (all zeros), fp8 bits and scales; and a flipped byte in the shard index is refused."""
+    import zarr
+
+    rng = np.random.default_rng(5)
+    a = _arrays(rng, [100, 37, 250, 190])  # 577 rows, chunks of 64
+    a.hidden[128:192] = 0  # one whole chunk of fill values: zarr does not store it
+    a.hidden_scale = rng.random((577, 2), dtype=np.float32) + 0.5
+    a.hidden = a.hidden.view(np.uint8)[:, :32]  # fp8 bits, K=2 layers of 16
+    fp8 = StorageInfo(dtype="fp8", codec=STORAGE.codec, chunk_tokens=64)
+    write_unit(tmp_path, 0, a, fp8)
+    r = UnitReader(committed_units(tmp_path)[0])
+    assert ShardRows.open(r.path / "hidden").offset[2] == (1 << 64) - 1
+    for key in ("hidden", "hidden_scale", "input_ids", "loss_mask"):
+        assert r._shard(key) is not None, key
+        for start, stop in [(0, 577), (0, 1), (63, 65), (64, 128), (100, 300), (128, 192), (500, 577), (576, 577)]:
+            want = zarr.open_array(zarr.storage.LocalStore(r.path), path=key, mode="r")[start:stop]
+            got = np.full_like(want, 7)
+            r.read_into(key, start, stop, got)
+            np.testing.assert_array_equal(got, want, err_msg=f"{key}[{start}:{stop}]")
+    shard = _shard(r.path)
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0x01  # inside the index, before its crc32c
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptUnit, match="crc32c"):
+        UnitReader(r.path).read("hidden", 0, 10)
 
 
 def test_second_writer_of_a_unit_is_discarded(tmp_path):
