@@ -291,7 +291,18 @@ app.add_typer(bench_app, name="bench")
 
 
 def _print_json(d: dict) -> None:
+    """Bench results: always one JSON object on stdout (--json is accepted for uniformity)."""
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}, indent=2))
+
+
+BENCH_JSON = typer.Option(False, "--json", help="Accepted for scripts: bench prints one JSON object either way.")
+
+
+def _help(cls: type, name: str) -> str:
+    """A setting's help text, where a bench option means the same as the stage's."""
+    from dflash_cache.settings import describe
+
+    return describe(cls)[name].help
 
 
 @bench_app.command("disk")
@@ -299,6 +310,7 @@ def _print_json(d: dict) -> None:
 def bench_disk(
     path: Path = typer.Argument(..., help="A directory on the cache's filesystem."),
     size_mb: int = typer.Option(2048, help="Bytes to write and read back."),
+    as_json: bool = BENCH_JSON,
 ) -> None:
     """Sequential write and cold-read bandwidth."""
     from dflash_cache import bench
@@ -309,7 +321,7 @@ def bench_disk(
 
 @bench_app.command("codec")
 @friendly
-def bench_codec(level: int = typer.Option(3, help="zstd level.")) -> None:
+def bench_codec(level: int = typer.Option(3, help="zstd level."), as_json: bool = BENCH_JSON) -> None:
     """zstd ratio and single-thread speed on bf16 hidden-state-shaped data."""
     from dflash_cache import bench
 
@@ -322,6 +334,7 @@ def bench_commit(
     out: Path = typer.Argument(..., help="A directory on the cache's filesystem (a scratch folder in it is removed)."),
     units: int = typer.Option(8, help="Units to commit per variant."),
     writers: int = typer.Option(2, help="Writer threads / processes."),
+    as_json: bool = BENCH_JSON,
 ) -> None:
     """Unit commits while the process runs Python: writer threads against writer processes."""
     from dflash_cache import bench
@@ -335,10 +348,11 @@ def bench_commit(
 def bench_extract(
     out: Path = typer.Option(..., help="Where to write the benchmark cache."),
     tokens: int = typer.Option(1_000_000, help="Tokens of the synthetic log-normal length mix."),
-    storage: str = typer.Option("bf16", help="bf16 or fp8."),
-    token_budget: int = typer.Option(16384, help="Padded tokens per forward."),
+    storage: str = typer.Option(ExtractConfig.storage, help="bf16 or fp8."),
+    token_budget: int | None = typer.Option(None, help=_help(ExtractConfig, "token_budget")),
     writers: int = typer.Option(6, help="Unit writer processes."),
     peer: bool = typer.Option(False, help="Also run the one-torch.save-per-sample baseline and both loaders."),
+    as_json: bool = BENCH_JSON,
 ) -> None:
     """Full extract path vs the bare truncated forward of a random Qwen3-8B-shaped target."""
     from dflash_cache import bench
@@ -347,11 +361,11 @@ def bench_extract(
     result = bench.extract(out, num_tokens=tokens, storage=storage, token_budget=token_budget,
                            writers=writers)  # fmt: skip
     bench.write_random_frozen(out, bench.QWEN3_8B)
-    _print_json(result)
     if peer:
-        _print_json({f"loader_{k}": v for k, v in bench.loader_rate(out, token_budget=token_budget).items()})
-        _print_json({f"peer_{k}": v for k, v in bench.peer_baseline(out.with_name(out.name + "-peer"),
-                     num_tokens=tokens, token_budget=token_budget).items()})  # fmt: skip
+        result |= {f"loader_{k}": v for k, v in bench.loader_rate(out, token_budget=token_budget).items()}
+        result |= {f"peer_{k}": v for k, v in bench.peer_baseline(out.with_name(out.name + "-peer"),
+                   num_tokens=tokens, token_budget=token_budget).items()}  # fmt: skip
+    _print_json(result)
 
 
 @bench_app.command("train")
@@ -359,14 +373,16 @@ def bench_extract(
 def bench_train(
     cache: Path = typer.Option(..., help="A cache, e.g. the one `dflash bench extract` wrote."),
     steps: int = typer.Option(20, help="Measured steps per phase."),
-    token_budget: int = typer.Option(8192, help="Context tokens per batch."),
-    max_anchors: int = typer.Option(512, help="Anchors per sequence."),
+    token_budget: int | None = typer.Option(None, help=_help(TrainConfig, "token_budget")),
+    max_anchors: int | None = typer.Option(None, help=_help(TrainConfig, "max_anchors") + " (default: dflash train's)"),
+    as_json: bool = BENCH_JSON,
 ) -> None:
     """Drafter steps with the real loader vs the same steps on batches already on the GPU, with the
     useful TFLOP/s and MFU of the step."""
     from dflash_cache import bench
 
-    _print_json(bench.train(cache, steps=steps, token_budget=token_budget, max_anchors=max_anchors))
+    _print_json(bench.train(cache, steps=steps, token_budget=token_budget,
+                            **({"max_anchors": max_anchors} if max_anchors else {})))  # fmt: skip
 
 
 @bench_app.command("ranks")
@@ -375,17 +391,18 @@ def bench_ranks(
     cache: Path | None = typer.Option(None, help="Use this cache's sample lengths (default: the synthetic mix)."),
     samples: int = typer.Option(4000, help="Samples of the synthetic log-normal mix, without --cache."),
     token_budget: int = typer.Option(4096, help="Context tokens per batch."),
-    max_anchors: int = typer.Option(512, help="Anchors per sequence."),
-    block_size: int = typer.Option(16, help="Draft block size."),
+    max_anchors: int | None = typer.Option(None, help=_help(TrainConfig, "max_anchors") + " (default: dflash train's)"),
+    block_size: int | None = typer.Option(None, help=_help(TrainConfig, "block_size") + " (default: dflash train's)"),
     ranks: str = typer.Option("2,4,8", help="Rank counts to predict."),
+    as_json: bool = BENCH_JSON,
 ) -> None:
     """Predicted DDP speed-up over one GPU, batches dealt as they come vs by cost (no timing)."""
     from dflash_cache import bench
 
     lengths, edges = bench.cache_lengths(cache) if cache is not None else (bench.lognormal_lengths(samples), None)
     counts = tuple(int(r) for r in ranks.split(","))
-    _print_json(bench.rank_balance(lengths, token_budget=token_budget, block_size=block_size,
-                                   max_anchors=max_anchors, ranks=counts, bucket_edges=edges))  # fmt: skip
+    given = {k: v for k, v in (("max_anchors", max_anchors), ("block_size", block_size)) if v}
+    _print_json(bench.rank_balance(lengths, token_budget=token_budget, ranks=counts, bucket_edges=edges, **given))
 
 
 def main() -> None:

@@ -28,6 +28,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash_cache.extract.config import resolve_token_budget as extract_budget
+from dflash_cache.train.config import TrainConfig
+from dflash_cache.train.config import resolve_token_budget as train_budget
+
 QWEN3_8B = {
     "model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096, "intermediate_size": 12288,
     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
@@ -311,7 +315,7 @@ def _steady_rate(plan, marks: dict) -> float:
     return tokens / max(marks["last"] - marks["first"], 1e-9)
 
 
-def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, token_budget: int = 16384,
+def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, token_budget: int | None = None,
             storage: str = "bf16", unit_mb: int = 512, writers: int = 6,
             device: torch.device | None = None, target=None, long: bool = False) -> dict[str, Any]:  # fmt: skip
     """Full extract path vs the bare truncated forward, same model, same batches, one process.
@@ -322,6 +326,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     from dflash_cache.extract.stage import _copy_out, extract_units, pack_hidden
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
     layer_ids = default_layer_ids(config["num_hidden_layers"])
     target = target or RandomTarget(config, layer_ids, device).build()
     lengths = long_lengths(max(2, num_tokens // 24576)) if long else lognormal_lengths(max(8, int(num_tokens / 700)))
@@ -382,7 +387,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     }  # fmt: skip
 
 
-def peer_baseline(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, token_budget: int = 16384,
+def peer_baseline(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, token_budget: int | None = None,
                   device: torch.device | None = None, max_files: int = 2000) -> dict[str, Any]:  # fmt: skip
     """The common practice this project replaces, on the same length mix and batches: the full
     model with `output_hidden_states=True`, one `torch.save` file per sample holding the padded
@@ -394,6 +399,7 @@ def peer_baseline(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000
     from dflash_cache.extract.stage import _batch_inputs
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
     layer_ids = default_layer_ids(config["num_hidden_layers"])
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).eval()
@@ -431,12 +437,13 @@ def peer_baseline(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000
     }  # fmt: skip
 
 
-def loader_rate(cache: Path, *, token_budget: int = 16384, device: torch.device | None = None,
+def loader_rate(cache: Path, *, token_budget: int | None = None, device: torch.device | None = None,
                 max_batches: int = 50) -> dict[str, Any]:  # fmt: skip
     """Tokens/s of the streaming loader alone (decode, pinned staging, copy to the device)."""
     from dflash_cache.train.loader import CacheLoader
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
     loader = CacheLoader(cache, token_budget=token_budget, device=device)
     times: dict[str, float] = {}
     tokens = 0
@@ -457,8 +464,9 @@ def write_random_frozen(cache: Path, config: dict) -> None:
                  torch.randn(shape, generator=g).mul_(0.02).bfloat16())  # fmt: skip
 
 
-def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int = 8192, max_anchors: int = 512,
-          block_size: int = 16, draft_layers: int = 5, readers: int | None = None,
+def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | None = None,
+          max_anchors: int = TrainConfig.max_anchors, block_size: int = TrainConfig.block_size,
+          draft_layers: int = TrainConfig.draft_layers, readers: int | None = None,
           device: torch.device | None = None) -> dict[str, Any]:  # fmt: skip
     """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
     the device. Both phases run the same batches (the first `steps` of epoch 0, after warm-up).
@@ -472,6 +480,7 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int = 
     from dflash_cache.train.stage import _anchor_generator, train_step
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    token_budget = train_budget(token_budget, device.type == "cuda")  # the stage's default
     cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
                       block_size=block_size, draft_layers=draft_layers)  # fmt: skip
     dcfg = drafter_config(cfg, read_spec(cache))
@@ -531,7 +540,8 @@ def cache_lengths(cache: Path) -> tuple[np.ndarray, list[int] | None]:
     return SampleTable.from_units(open_units(cache)[0]).length, list(read_spec(cache).plan.bucket_edges) or None
 
 
-def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: int = 16, max_anchors: int = 512,
+def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: int = TrainConfig.block_size,
+                 max_anchors: int = TrainConfig.max_anchors,
                  ranks: tuple[int, ...] = (2, 4, 8), bucket_edges: list[int] | None = None,
                  seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Predicted DDP speed-up over one rank, batches dealt as they come against dealt by cost (what
