@@ -217,6 +217,8 @@ def eval_(
     as_json: bool,
     json_out: Path | None = typer.Option(None, "--json-out", help="Also write the full result as JSON here "
                                          "(`--config` reads its settings back)."),
+    histogram_png: Path | None = typer.Option(None, "--histogram-png", help="Also draw the acceptance histogram "
+                                              "as a PNG here (needs matplotlib: dflash-cache[report])."),
 ) -> None:
     """Speculative decoding with a drafter: tau, acceptance histogram, speedup over the target alone.
 
@@ -235,6 +237,11 @@ def eval_(
             bar.close()
     if json_out is not None:
         json_out.write_text(json.dumps(r, indent=2) + "\n")
+    if histogram_png is not None:
+        from dflash_cache.report import plot_histogram
+
+        plot_histogram(r["histogram"], histogram_png, title=f"{Path(cfg.drafter).name}: tau/prompt "
+                       f"{r['tau_per_prompt']:.3f}, {r['steps']} verification steps")  # fmt: skip
     _emit(r, as_json, _print_eval)
 
 
@@ -262,6 +269,21 @@ def regen(cfg: RegenConfig, *, as_json: bool) -> None:
     s = run(cfg, None if as_json else RegenBar())
     _emit(s, as_json, lambda s: console.print(f"{s['rows']} rows in {s['out']}" + (
         " (already complete)" if s["resumed"] else f"; {s['rejected']} rows could not be regenerated")))  # fmt: skip
+
+
+@app.command()
+@friendly
+def report(
+    run: Path = typer.Argument(..., help="Run directory of `dflash train`."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Plot a training run (loss, acceptance with validation, accuracy per slot, throughput and MFU,
+    loader wait) into RUN/report/ and summarize it in RUN/report.md (needs matplotlib)."""
+    from dflash_cache.report import report as report_run
+
+    _paths(("input_dir", run, "RUN"))
+    _emit(report_run(run), as_json, lambda r: console.print(f"wrote {r['report']} and {len(r['plots'])} plots in "
+                                                            f"{Path(r['report']).parent / 'report'}"))  # fmt: skip
 
 
 @app.command()

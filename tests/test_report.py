@@ -81,3 +81,31 @@ def test_report_refuses_a_directory_without_metrics(tmp_path):
 def test_histogram_png(tmp_path):
     path = plot_histogram([5, 3, 0, 2], tmp_path / "sub" / "hist.png", title="tau 2.1")
     assert png_size(path) == (750, 320)
+
+
+def test_cli_report_and_eval_histogram_png(tmp_path):
+    from conftest import TINY_TARGET
+    from test_evaluate import PROMPTS, export_random_drafter
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    runner = CliRunner()
+    (tmp_path / "run").mkdir()
+    _metrics(tmp_path / "run", val=True)
+    res = runner.invoke(app, ["report", str(tmp_path / "run"), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["best_val"]["step"] == 10 and (tmp_path / "run" / "report.md").is_file()
+    assert all(png_size(tmp_path / "run" / "report" / f"{name}.png")[0] == 750 for name in out["plots"])
+    res = runner.invoke(app, ["report", str(tmp_path / "nothing")])
+    assert res.exit_code == 1 and res.output.startswith("error: RUN") and "does not exist" in res.output
+
+    drafter = export_random_drafter(tmp_path / "export", 8)
+    png = tmp_path / "hist.png"
+    res = runner.invoke(app, ["eval", "--target", str(TINY_TARGET), "--drafter", str(drafter), "--data", str(PROMPTS),
+                              "--limit", "1", "--max-new-tokens", "8", "--histogram-png", str(png), "--json"])
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.stdout)
+    assert len(result["histogram"]) == 8 and sum(result["histogram"]) == result["steps"] > 0
+    assert png_size(png) == (750, 320)
