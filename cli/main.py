@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 
 from cli.options import configured
-from cli.ui import EvalBar, ExtractBar, RegenBar, TrainBar, console, human_bytes
+from cli.ui import EvalBar, ExtractBar, Quiet, RegenBar, TrainBar, console, human_bytes
 from dflash_cache.app_config import EvalConfig, RegenConfig
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import ExtractConfig
@@ -121,7 +121,7 @@ def extract(
             "estimated_bytes_max": ex.estimated_bytes(spec, plan.num_tokens),
         }, indent=2))  # fmt: skip
         return
-    summary = ex.run(cfg, None if as_json else ExtractBar())
+    summary = ex.run(cfg, Quiet() if as_json else ExtractBar())
 
     def human(s: dict) -> None:
         console.print(
@@ -153,7 +153,7 @@ def train(cfg: TrainConfig, *, as_json: bool) -> None:
 
     _paths(("output_dir", cfg.out, "--out"))
     _check_gpus(cfg)
-    summary = tr.run(cfg, None if as_json else TrainBar())
+    summary = tr.run(cfg, Quiet() if as_json else TrainBar())
     _emit(summary, as_json,
           lambda s: console.print(f"trained {s.get('steps', 0)} steps; serving export in {s['export']}"))  # fmt: skip
 
@@ -266,7 +266,7 @@ def regen(cfg: RegenConfig, *, as_json: bool) -> None:
     from dflash_cache.regen import run
 
     _check_gpus(cfg)
-    s = run(cfg, None if as_json else RegenBar())
+    s = run(cfg, Quiet() if as_json else RegenBar())
     _emit(s, as_json, lambda s: console.print(f"{s['rows']} rows in {s['out']}" + (
         " (already complete)" if s["resumed"] else f"; {s['rejected']} rows could not be regenerated")))  # fmt: skip
 

@@ -28,6 +28,27 @@ def _count(n: float) -> str:
     return f"{int(n)}"
 
 
+def say(delta: dict[str, Any], out: Console = console) -> None:
+    """A stage's warning or note (e.g. where a run resumed), as one line above the bar."""
+    if "warning" in delta:
+        out.print(f"[yellow]warning:[/yellow] {delta['warning']}")
+    if "info" in delta:
+        out.print(delta["info"])
+
+
+class Quiet:
+    """The sink of a --json run: no bar, but warnings and notes still reach stderr."""
+
+    def start(self, total: int, done: int) -> None:
+        pass
+
+    def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
+        say(delta)
+
+    def close(self) -> None:
+        pass
+
+
 class ExtractBar:
     """tokens/s, padding, units committed/planned, bytes written and ETA for `dflash extract`."""
 
@@ -92,8 +113,7 @@ class TrainBar:
                                            mfu="", wait="-", follow="")  # fmt: skip
 
     def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
-        if "warning" in delta:
-            self.progress.console.print(f"[yellow]warning:[/yellow] {delta['warning']}")
+        say(delta, self.progress.console)
         if "follow" in delta:
             f = delta["follow"]
             idle = "" if f["extract_running"] or f["committed"] >= f["planned"] else ", no extract running"
