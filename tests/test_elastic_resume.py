@@ -23,13 +23,14 @@ import pytest
 from conftest import CHAT, extract_config
 from test_follow import _committed_samples, _epoch_ends, _signal, _start, _trace, _wait_for
 
+from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.spec import read_spec
-from dflash_cache.cache.store import UNITS, UnitReader, committed_units
+from dflash_cache.cache.store import UNITS, committed_units
 from dflash_cache.extract.stage import run as extract
+from dflash_cache.train.batching import SampleTable, epoch_batches, rest_of_epoch, resume_parts
 from dflash_cache.train.checkpoint import Checkpointer
 from dflash_cache.train.config import TrainError
-from dflash_cache.train.loader import SampleTable, epoch_batches, rest_of_epoch
-from dflash_cache.train.stage import _resume_parts
+from dflash_cache.train.stage import check_resume
 
 EDGES = [64, 128, 256, 512]
 
@@ -75,6 +76,13 @@ def test_rest_of_epoch_trains_each_sample_once_across_world_sizes():
 
 def _state(**kw) -> dict:
     return {"epoch": 1, "batch": 6, "samples": [40, 41], "follow": None, **kw}
+
+
+def _resume_parts(state: dict, world_size: int, cache_complete: bool) -> list[list[int]]:
+    """What a resume does with a checkpoint: refuse it (the stage, before starting), or continue
+    from its position with these parts (the loader)."""
+    check_resume(state, world_size, cache_complete)
+    return resume_parts(state, world_size)
 
 
 def test_resume_parts_only_on_another_world_size():

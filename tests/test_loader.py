@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_cache.cache.format import CorruptUnit, UnitArrays, UnitReader
 from dflash_cache.cache.spec import (
     CacheSpec,
     DataInfo,
@@ -19,9 +20,10 @@ from dflash_cache.cache.spec import (
     TokenizerInfo,
     write_spec,
 )
-from dflash_cache.cache.store import CorruptUnit, UnitArrays, UnitReader, committed_units, write_unit
+from dflash_cache.cache.store import committed_units, write_unit
 from dflash_cache.train import loader as loader_mod
-from dflash_cache.train.loader import CacheLoader, SampleTable, deal, epoch_batches, open_units
+from dflash_cache.train.batching import SampleTable, epoch_batches
+from dflash_cache.train.loader import CacheLoader, open_units
 
 H = 8
 LAYERS = [1, 3, 5]
@@ -207,10 +209,10 @@ def test_long_samples_are_read_in_pieces_by_several_readers(cache, truth):
         assert all(a < b and b == c for (a, b), (c, _) in zip(pieces, pieces[1:], strict=False))
         assert all(b % piece == 0 for _, b in pieces[:-1])  # never a chunk split between two tasks
     with _loader(cache, seed=3, readers=3) as loader:
-        loader.piece_rows = 7
+        loader.stream.piece_rows = 7
         tasks = []
-        submit = loader._pool.submit
-        loader._pool.submit = lambda fn, *a: tasks.append(a) or submit(fn, *a)
+        submit = loader.stream._pool.submit
+        loader.stream._pool.submit = lambda fn, *a: tasks.append(a) or submit(fn, *a)
         for b in loader.epoch(0):
             check_batch(b, truth)
         assert len(tasks) > 2 * len(truth.where)  # samples up to 300 tokens, 7 rows a task
@@ -296,51 +298,6 @@ def test_ranks_get_equal_counts_of_disjoint_samples(cache, truth, world_size):
         assert all(table.length[b].sum() <= 600 or len(b) == 1 for r in plan for b in r)
 
 
-def test_deal_splits_leftovers_and_carries_when_not_final():
-    batches = [np.array([0, 1, 2, 3]), np.array([4, 5]), np.array([6, 7, 8])]
-    per_rank, rest = deal(batches, 2, final=False)
-    assert [[b.tolist() for b in r] for r in per_rank] == [[[0, 1, 2, 3]], [[4, 5]]] and rest.tolist() == [6, 7, 8]
-    per_rank, rest = deal(batches, 2, final=True)  # the leftover [6, 7, 8] is split in two
-    assert [[b.tolist() for b in r] for r in per_rank] == [[[0, 1, 2, 3], [6]], [[4, 5], [7, 8]]]
-    assert rest.tolist() == []
-    per_rank, rest = deal([np.array([0]), np.array([1])], 3, final=True)  # fewer samples than ranks
-    assert per_rank == [[], [], []] and rest.tolist() == [0, 1]
-
-
-def test_balanced_dealing_evens_out_each_steps_compute():
-    """DDP steps wait for their slowest rank. On the benchmarks' length mix, token-budget batches
-    dealt as they come cost 1.5x (2 ranks) to 1.8x (8 ranks) the mean rank's step; dealt by
-    drafter cost, within 1%. The balanced deal gives out the same batches, in a step order that
-    stays shuffled, and changes nothing for one rank."""
-    from dflash_cache.bench import lognormal_lengths, rank_balance
-    from dflash_cache.cache.spec import default_bucket_edges
-    from dflash_cache.train.loader import pack_batches
-    from dflash_cache.train.objective import drafter_cost
-
-    lengths = lognormal_lengths(4000).astype(np.int64)
-    figures = rank_balance(lengths, ranks=(2, 4, 8))
-    for w in (2, 4, 8):
-        assert figures[f"speedup_{w}_as_they_come"] < 0.8 * w
-        assert figures[f"speedup_{w}_by_cost"] > 0.99 * w
-
-    table = SampleTable(np.zeros_like(lengths), np.zeros_like(lengths), lengths, np.arange(len(lengths)))
-    batches = pack_batches(table, np.random.default_rng(0), token_budget=4096, bucket_edges=default_bucket_edges(3072))
-    cost = np.array([drafter_cost(lengths[b], 16, 512) for b in batches])
-    for w in (2, 8):
-        keep = len(batches) // w * w  # the rest is left over (carried or split), not balanced
-        order = np.argsort(np.argsort(cost[:keep], kind="stable"))
-        rank_of_cost = {id(b): r for r, b in zip(order, batches[:keep], strict=True)}
-        plain, _ = deal(batches, w, final=False)  # (a final deal would also split the leftovers)
-        balanced, _ = deal(batches, w, final=False, cost=cost)
-        assert sorted(id(b) for r in balanced for b in r) == sorted(id(b) for r in plain for b in r)
-        steps = np.array([[rank_of_cost[id(r[i])] for r in balanced] for i in range(len(balanced[0]))])
-        assert (steps.max(1) - steps.min(1) == w - 1).all()  # each step: w neighbours in cost order
-        rises = np.mean(np.diff(steps.min(1)) > 0)
-        assert 0.35 < rises < 0.65  # steps not sorted by cost: about half are dearer than the last
-    one, _ = deal(batches, 1, cost=cost)
-    assert [id(b) for b in one[0]] == [id(b) for b in batches]
-
-
 def test_start_batch_resumes_exactly(cache):
     with _loader(cache, seed=2) as loader:
         full = [(b.sample_index.tolist(), b.context.clone()) for b in loader.epoch(4)]
@@ -410,7 +367,7 @@ def test_host_memory_is_bounded_by_the_slots(tmp_path, truth, cache):
     with _loader(cache, token_budget=200, prefetch=2, readers=3) as loader:
         # Watch the slots: one is never handed to the readers again before its batch was copied out.
         owned, handed = set(), []
-        submit, copy = loader._submit_reads, loader._copy_to_device
+        submit, copy = loader.stream._submit_reads, loader.stream._copy_to_device
 
         def watched_submit(rows, slot):
             assert slot.index not in owned
@@ -423,7 +380,7 @@ def test_host_memory_is_bounded_by_the_slots(tmp_path, truth, cache):
             owned.remove(job.slot.index)
             return staged
 
-        loader._submit_reads, loader._copy_to_device = watched_submit, watched_copy
+        loader.stream._submit_reads, loader.stream._copy_to_device = watched_submit, watched_copy
         n = 0
         for b in loader.epoch(0):
             check_batch(b, truth)

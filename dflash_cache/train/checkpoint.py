@@ -2,23 +2,59 @@
 
 A checkpoint is one file written under a temporary name and renamed; `LATEST` names the newest
 and is itself replaced atomically, so a run killed at any instant resumes from a whole checkpoint.
+
+The checkpointer decides when to save (every `every` steps) and gathers the state itself from the
+components that own it (anything with `state_dict()` / `load_state_dict()`): the model, the
+optimizer and the RNG under their names, and the small counters of the loader's position and the
+schedule at the file's top level (epoch, batch, samples, step, tokens, ...), where checkpoints
+have always kept them, so older run directories still resume.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 LATEST = "LATEST"
 
 
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class CpuRng:
+    """torch's default CPU generator, as a checkpoint entry."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cpu": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["cpu"])
+
+
 class Checkpointer:
-    def __init__(self, run_dir: Path, keep: int = 2):
+    """The checkpoints of one run directory: `keep` newest kept, one saved every `every` steps.
+
+    `states` are saved under their names; the state dicts of `top` are merged into the file's top
+    level (they must not share keys). Under DDP every rank calls `maybe_save`/`save` (rank 0 writes,
+    all wait for it), since replicas are identical and a rank must not run ahead of a checkpoint.
+    """
+
+    def __init__(self, run_dir: Path, keep: int = 2, *, every: int = 0, states: Mapping[str, Stateful] | None = None,
+                 top: Sequence[Stateful] = ()):  # fmt: skip
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
         self.dir = Path(run_dir) / "checkpoints"
         self.keep = keep
+        self.every = every
+        self.states = dict(states or {})
+        self.top = list(top)
 
     def latest(self) -> Path | None:
         pointer = self.dir / LATEST
@@ -27,7 +63,44 @@ class Checkpointer:
         path = self.dir / pointer.read_text().strip()
         return path if path.is_file() else None
 
-    def save(self, step: int, state: dict[str, Any]) -> Path:
+    def load(self, path: Path | None = None, *, mmap: bool = False) -> dict[str, Any] | None:
+        """The latest (or given) checkpoint, or None. `mmap` maps the tensors instead of reading
+        them: cheap when only the position is wanted (an 8B-shaped drafter's is several GB)."""
+        path = path or self.latest()
+        if path is None:
+            return None
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+
+    def restore(self) -> dict[str, Any] | None:
+        """Load the latest checkpoint into the components; returns it, or None for a fresh run.
+        The counters go first: they refuse a checkpoint they cannot continue before any weights load."""
+        state = self.load()
+        if state is not None:
+            for part in self.top:
+                part.load_state_dict(state)
+            for name, part in self.states.items():
+                part.load_state_dict(state[name])
+        return state
+
+    def maybe_save(self, step: int) -> Path | None:
+        """Save when `step` is a multiple of `every` (never when `every` is 0)."""
+        return self.save(step) if self.every and step % self.every == 0 else None
+
+    def save(self, step: int) -> Path | None:
+        """Gather every component's state and write it as step `step`'s checkpoint (on rank 0)."""
+        distributed = dist.is_available() and dist.is_initialized()
+        path = None
+        if not distributed or dist.get_rank() == 0:
+            state: dict[str, Any] = {name: part.state_dict() for name, part in self.states.items()}
+            for part in self.top:
+                state |= part.state_dict()
+            path = self.write(step, state)
+        if distributed:
+            dist.barrier()
+        return path
+
+    def write(self, step: int, state: dict[str, Any]) -> Path:
+        """Write `state` atomically as step `step`'s checkpoint; drop all but the newest `keep`."""
         self.dir.mkdir(parents=True, exist_ok=True)
         path = self.dir / f"step_{step:08d}.pt"
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -40,14 +113,6 @@ class Checkpointer:
         for old in sorted(self.dir.glob("step_*.pt"))[: -self.keep]:
             old.unlink(missing_ok=True)
         return path
-
-    def load(self, path: Path | None = None, *, mmap: bool = False) -> dict[str, Any] | None:
-        """The latest (or given) checkpoint, or None. `mmap` maps the tensors instead of reading
-        them: cheap when only the position is wanted (an 8B-shaped drafter's is several GB)."""
-        path = path or self.latest()
-        if path is None:
-            return None
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -51,6 +51,7 @@ class TrainConfig:
                                   tuning=True)  # fmt: skip
     seed: int = setting(0, "Seed for weights, shuffling and anchors.")
     save_every: int = setting(200, "Checkpoint every N steps.", min=1)
+    keep_checkpoints: int = setting(2, "Checkpoints kept in OUT/checkpoints (the newest).", min=1)
     log_every: int = setting(10, "Metrics every N steps.", min=1)
     gpus: list[int] | None = setting(None, "GPUs, one DDP process each: 5-7.", expects="GPU ids like 0-4 or 0,2,5")
     procs: int = setting(1, "CPU DDP processes (gloo) when no --gpus.", min=1)

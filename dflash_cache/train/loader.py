@@ -4,16 +4,19 @@ The drafter GPU must never wait and host memory must not grow with the dataset, 
 
 - every committed unit is indexed once into a `SampleTable` (one row per sample; one cached
   `UnitReader` per unit);
-- each epoch, `epoch_batches` shuffles the samples with a seeded generator, packs token-budget
-  batches inside length buckets and shuffles the batches, then deals them to the DDP ranks so
-  every rank gets the same number;
-- reader threads decode each sample of a batch (long ones in pieces) straight into one of `prefetch + 1` host buffers
-  ("slots", pinned on CUDA hosts) that are allocated once and reused: a slot is only handed to the
-  readers when it is free, so host memory is bounded by the slot count, not by the dataset;
+- each epoch's batches are planned by `batching.py` (seeded shuffles, token-budget batches inside
+  length buckets, the same number for every DDP rank), a pure function of the table and the seed;
+- `BatchStream` moves them: reader threads decode each sample of a batch (long ones in pieces)
+  straight into one of `prefetch + 1` host buffers ("slots", pinned on CUDA hosts) that are
+  allocated once and reused: a slot is only handed to the readers when it is free, so host memory
+  is bounded by the slot count, not by the dataset;
 - the host-to-device copy runs on a side CUDA stream behind an event; the consumer's stream waits
   on that event (the host does not), and the slot goes back to the pool once the event has
   completed. Layer selection and fp8 dequantisation run on the device after the copy. The loader
   holds at most two batches on the device: the one it last yielded and the next one.
+
+`CacheLoader` owns its position (epoch, batch, the epoch's earlier parts on other world sizes, a
+followed epoch's windows): `state_dict()` / `load_state_dict()` are what a checkpoint keeps of it.
 
 On a CPU device the same code runs without streams or events (the "copy" is a plain copy, so a
 batch never aliases a slot that readers will overwrite).
@@ -22,93 +25,45 @@ batch never aliases a slot that readers will overwrite).
 from __future__ import annotations
 
 import gc
-import json
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from dflash_cache.cache.format import (
+    CorruptUnit,
+    RowFormat,
+    UnitReader,
+    check_unit,
+    decode_hidden,
+    host_rows,
+    manifest_samples,
+)
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, default_bucket_edges, read_spec
-from dflash_cache.cache.store import CorruptUnit, UnitReader, committed_units, expected_arrays
+from dflash_cache.cache.store import committed_units
+from dflash_cache.train.batching import (
+    BatchCost,
+    Planned,
+    SampleTable,
+    epoch_batches,
+    followed_rest,
+    rank_plan,
+    rest_of_epoch,
+    resume_parts,
+    window_batches,
+)
 from dflash_cache.train.follow import UnitFeed, Window, is_complete
 
 PIECE_CHUNKS = 8  # chunks per reader task: about 32 MiB of hidden states
-
-
-@dataclass
-class SampleTable:
-    """One row per cached sample over the committed units.
-
-    Rows are ordered by unit id, then by the sample's place in its unit, so the table (and every
-    epoch's batches) is a pure function of the set of committed units. `from_units` may be called
-    again on a larger dict of readers when a cache is still growing (follow mode).
-    """
-
-    unit: np.ndarray  # int64 unit id per sample
-    start: np.ndarray  # int64 first token row of the sample within its unit
-    length: np.ndarray  # int64 tokens
-    sample_index: np.ndarray  # int64 source row (from the unit's sample_index)
-
-    @classmethod
-    def from_units(cls, readers: dict[int, UnitReader]) -> SampleTable:
-        """Index the samples of every given unit (ids sorted, whatever the dict order)."""
-        ids = sorted(readers)
-        if not ids:
-            empty = np.zeros(0, dtype=np.int64)
-            return cls(empty, empty.copy(), empty.copy(), empty.copy())
-        counts = np.array([readers[u].n_samples for u in ids], dtype=np.int64)
-        unit = np.repeat(np.asarray(ids, dtype=np.int64), counts)
-        start = np.concatenate([readers[u].offsets[:-1] for u in ids]).astype(np.int64)
-        length = np.concatenate([readers[u].lengths for u in ids]).astype(np.int64)
-        sample_index = np.concatenate([readers[u].sample_index for u in ids]).astype(np.int64)
-        return cls(unit, start, length, sample_index)
-
-    def take(self, rows: np.ndarray) -> SampleTable:
-        """The given rows, in the given order."""
-        return SampleTable(self.unit[rows], self.start[rows], self.length[rows], self.sample_index[rows])
-
-    @classmethod
-    def concat(cls, tables: list[SampleTable]) -> SampleTable:
-        keys = ("unit", "start", "length", "sample_index")
-        return cls(*(np.concatenate([np.zeros(0, np.int64)] + [getattr(t, k) for t in tables]) for k in keys))
-
-    def __len__(self) -> int:
-        return len(self.unit)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.length.sum())
-
-
-def _manifest_samples(path: Path) -> int | None:
-    """The unit manifest's sample count, read without zarr, or None when unreadable."""
-    try:
-        meta = json.loads((path / "zarr.json").read_text())
-        return int(meta["attributes"]["dflash_unit"]["n_samples"])
-    except Exception:  # noqa: BLE001 - any failure just means "unknown"
-        return None
-
-
-def _check_against_spec(reader: UnitReader, spec: CacheSpec, *, now: bool = False) -> None:
-    """Refuse a unit whose arrays do not have the shapes and dtypes that cache.json promises.
-
-    The storage dtype is checked at once, from the manifest. The arrays' shapes are checked when
-    the reader first opens its arrays, before its first decode (opening them all at start-up is
-    what made start-up grow by milliseconds a unit), or at once with `now`.
-    """
-    if reader.storage != spec.storage.dtype:
-        raise CorruptUnit(reader.name, f"stored as {reader.storage}, cache.json says {spec.storage.dtype}")
-    reader.require(expected_arrays(reader.n_tokens, spec.row_width, len(spec.layers.ids), spec.storage.dtype))
-    if now:
-        reader.arrays  # noqa: B018 - opens and checks the arrays
 
 
 def open_units(
@@ -136,11 +91,11 @@ def open_units(
                 continue
             try:
                 reader = UnitReader(path)
-                _check_against_spec(reader, spec, now=skip_bad_units)
+                check_unit(reader, spec, now=skip_bad_units)
             except CorruptUnit as e:
                 if not skip_bad_units:
                     raise
-                n = _manifest_samples(path)
+                n = manifest_samples(path)
                 lost = f"{n} samples dropped" if n is not None else "sample count unknown (manifest unreadable)"
                 problems.append(f"{e.unit}: {e.problem} ({lost})")
                 continue
@@ -161,182 +116,6 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def pack_batches(
-    table: SampleTable, rng: np.random.Generator, *, token_budget: int, bucket_edges: list[int]
-) -> list[np.ndarray]:
-    """Token-budget batches (arrays of table rows) over all of `table`, in shuffled order.
-
-    Samples are shuffled, split into length buckets (`bucket_edges`, upper edges; longer samples
-    form one more bucket) and packed, in shuffled order, into batches of at most `token_budget`
-    tokens. Tokens are packed, not padded, so the budget counts real tokens; a sample longer than
-    the budget gets a batch of its own. The batch list is then shuffled, so lengths mix across
-    batches and not within them.
-    """
-    if token_budget < 1:
-        raise ValueError(f"token_budget must be positive, got {token_budget}")
-    perm = rng.permutation(len(table)).astype(np.int64)
-    lengths = table.length[perm]
-    bucket = np.searchsorted(np.asarray(bucket_edges, dtype=np.int64), lengths, side="left")
-    batches: list[np.ndarray] = []
-    for b in np.unique(bucket):
-        rows = perm[bucket == b]  # still in shuffled order
-        cum = np.concatenate([[0], np.cumsum(table.length[rows])])
-        s = 0
-        while s < len(rows):
-            # Longest prefix from s whose tokens fit the budget; at least one sample.
-            e = int(np.searchsorted(cum, cum[s] + token_budget, side="right")) - 1
-            e = max(e, s + 1)
-            batches.append(rows[s:e])
-            s = e
-    return [batches[i] for i in rng.permutation(len(batches))]
-
-
-def deal(
-    batches: list[np.ndarray], world_size: int, *, final: bool = True, cost: np.ndarray | None = None
-) -> tuple[list[list[np.ndarray]], np.ndarray]:
-    """Deal batches to ranks so that every rank gets the same number (DDP would hang otherwise).
-
-    Rank r gets batches r, r + W, r + 2W, ... The fewer than W batches left over are returned as
-    rows to carry into the next window when not `final`. When `final`, the leftover batches are
-    split (the one with most samples in two, again and again; parts stay within the budget) into
-    exactly W batches, one more per rank; only when they hold fewer than W samples are those
-    samples returned unused. So at most W - 1 samples per epoch go untrained, none with W = 1.
-
-    With `cost` (a figure per batch, such as its compute), the W batches of each step are ones
-    of similar cost; see `_balance`. With W = 1 the order is unchanged.
-    """
-    if world_size < 1:
-        raise ValueError(f"world_size must be positive, got {world_size}")
-    keep = len(batches) // world_size * world_size
-    dealt, left = list(batches[:keep]), list(batches[keep:])
-    if cost is not None and world_size > 1:
-        dealt = _balance(dealt, np.asarray(cost[:keep], dtype=np.float64), world_size)
-    if left and final:
-        while len(left) < world_size and max(len(b) for b in left) > 1:
-            i = max(range(len(left)), key=lambda j: len(left[j]))
-            half = len(left[i]) // 2
-            left[i : i + 1] = [left[i][:half], left[i][half:]]
-        if len(left) == world_size:
-            dealt, left = dealt + left, []
-    rest = np.concatenate(left) if left else np.zeros(0, dtype=np.int64)
-    return [dealt[r::world_size] for r in range(world_size)], rest
-
-
-def _balance(batches: list[np.ndarray], cost: np.ndarray, world_size: int) -> list[np.ndarray]:
-    """Reorder batches so each run of W (one step of W ranks) holds batches of similar cost.
-
-    A DDP step waits for its slowest rank. Token-budget batches differ several-fold in drafter
-    compute (a batch of short samples has many more anchors than one long sample), and dealt at
-    random two ranks lose about a quarter of each step to waiting, eight almost half (BENCHMARKS.md).
-    Sorting by cost and cutting into runs of W removes that; the steps then go in the order of
-    their earliest batch in the shuffled input, so the order of steps stays random.
-    """
-    steps = np.argsort(cost, kind="stable").reshape(-1, world_size)
-    steps = steps[np.argsort(steps.min(axis=1), kind="stable")]
-    return [batches[i] for i in steps.ravel()]
-
-
-def _pack_and_deal(table: SampleTable, rng: np.random.Generator, *, token_budget: int, bucket_edges: list[int],
-                   world_size: int, final: bool = True, batch_cost: Callable[[np.ndarray], float] | None = None
-                   ) -> tuple[list[list[np.ndarray]], np.ndarray]:  # fmt: skip
-    """`pack_batches` then `deal`, balanced by `batch_cost` (a batch's cost from its sample lengths)."""
-    batches = pack_batches(table, rng, token_budget=token_budget, bucket_edges=bucket_edges)
-    cost = None if batch_cost is None else np.array([batch_cost(table.length[b]) for b in batches])
-    return deal(batches, world_size, final=final, cost=cost)
-
-
-def epoch_batches(
-    table: SampleTable,
-    *,
-    epoch: int,
-    seed: int,
-    token_budget: int,
-    bucket_edges: list[int],
-    world_size: int,
-    batch_cost: Callable[[np.ndarray], float] | None = None,
-) -> list[list[np.ndarray]]:
-    """Every rank's batches (arrays of table rows) for one epoch; a pure function of the inputs,
-    shuffled by a generator seeded with (seed, epoch). See `pack_batches` and `deal`;
-    `batch_cost` maps a batch's sample lengths to its cost, to balance the ranks' steps."""
-    rng = np.random.default_rng([seed, epoch])
-    return _pack_and_deal(table, rng, token_budget=token_budget, bucket_edges=bucket_edges, world_size=world_size,
-                          batch_cost=batch_cost)[0]  # fmt: skip
-
-
-RESHARD_KEY = 0x5E5  # in the seed of a re-dealt remainder's generator, apart from (seed, epoch) and follow windows
-
-
-def rest_of_epoch(
-    table: SampleTable,
-    *,
-    epoch: int,
-    seed: int,
-    token_budget: int,
-    bucket_edges: list[int],
-    world_size: int,
-    parts: list[tuple[int, int]],
-    batch_cost: Callable[[np.ndarray], float] | None = None,
-    left: np.ndarray | None = None,
-    begin: int = 0,
-) -> list[list[np.ndarray]]:
-    """Every rank's batches (arrays of `table` rows) for the rest of an epoch that ran its first
-    batches on other world sizes (a run resumed on another number of processes).
-
-    `parts` are the epoch's earlier parts, each (world size, batches per rank done when it ended,
-    counted from the epoch's start). Part 0 ran the epoch's own plan (`epoch_batches`); each later
-    part, and the rest, is a plan of the samples that no earlier part consumed, packed and dealt the
-    same way with a generator seeded by (seed, epoch, RESHARD_KEY, part). So no sample of the epoch
-    is trained twice, and the few a deal leaves out (fewer than W) get another chance. A followed
-    first part has no such plan (its windows made it): the caller then passes the rows it `left`
-    and `begin` = 1.
-    """
-
-    def plan(k: int, size: int, rows: np.ndarray) -> list[list[np.ndarray]]:
-        rng = np.random.default_rng([seed, epoch] if k == 0 else [seed, epoch, RESHARD_KEY, k])
-        dealt, _ = _pack_and_deal(table.take(rows), rng, token_budget=token_budget, bucket_edges=bucket_edges,
-                                  world_size=size, batch_cost=batch_cost)  # fmt: skip
-        return [[rows[b] for b in mine] for mine in dealt]  # back to rows of `table`
-
-    left = np.arange(len(table), dtype=np.int64) if left is None else np.asarray(left, dtype=np.int64)
-    done = parts[begin - 1][1] if begin else 0
-    for k in range(begin, len(parts)):
-        per_rank = plan(k, parts[k][0], left)
-        n = parts[k][1] - done
-        if not 0 <= n <= len(per_rank[0]):
-            raise ValueError(f"part {k} of epoch {epoch} ends at batch {parts[k][1]}: outside its plan")
-        used = [b for mine in per_rank for b in mine[:n]]
-        left = np.setdiff1d(left, np.concatenate([np.zeros(0, np.int64), *used]))  # sorted: the table's order
-        done = parts[k][1]
-    return plan(len(parts), world_size, left)
-
-
-def _windows(follow_state: dict | None) -> list[Window]:
-    """The follow windows a checkpoint's `follow_state` records."""
-    return [Window(tuple(u), bool(f)) for u, f in (follow_state or {}).get("windows", [])]
-
-
-def _row_keys(table: SampleTable) -> np.ndarray:
-    """One int64 per sample, (unit, first row): sorted and unique over a `SampleTable.from_units` table."""
-    return table.unit * (1 << 40) + table.start
-
-
-@dataclass(frozen=True)
-class _Planned:
-    """A batch's samples, and the context tokens of its step summed over all ranks."""
-
-    samples: SampleTable
-    step_tokens: int
-
-
-def _rank_plan(table: SampleTable, per_rank: list[list[np.ndarray]], rank: int) -> list[_Planned]:
-    """One rank's batches; every rank computes the same per-rank plan, so each also knows what
-    every step consumes in total."""
-    return [
-        _Planned(table.take(rows), sum(int(table.length[other[i]].sum()) for other in per_rank))
-        for i, rows in enumerate(per_rank[rank])
-    ]
-
-
 @dataclass
 class Batch:
     """One packed batch, already on the target device (sample_index stays on the CPU)."""
@@ -349,22 +128,34 @@ class Batch:
     num_tokens: int
     step_tokens: int  # context tokens of this step summed over all ranks (for a token-based schedule)
     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # CPU copies of (input_ids, loss_mask, offsets)
+    step_samples: tuple[int, ...] = ()  # samples of this step, per rank
+    epoch: int = 0
+    index: int = 0  # the batch's place in this rank's epoch
+
+
+@dataclass
+class Position:
+    """Where a loader stands; what a checkpoint keeps of it (see `CacheLoader.state_dict`)."""
+
+    epoch: int = 0
+    batch: int = 0  # batches per rank done in the epoch: the same on every rank
+    samples: list[int] = field(default_factory=list)  # samples each rank consumed in the epoch
+    parts: list[list[int]] = field(default_factory=list)  # the epoch's earlier parts on other world sizes
+    follow: dict | None = None  # a checkpointed followed epoch's windows, replayed on resume
 
 
 class _Slot:
     """One reusable host buffer, big enough for the largest batch; pinned when the device is CUDA."""
 
-    def __init__(self, index: int, rows: int, width: int, layers: int, fp8: bool, pin: bool):
+    def __init__(self, index: int, rows: int, row: RowFormat, pin: bool):
         self.index = index
-        # bf16 bits live in int16 (torch has no full uint16 support); numpy views them as uint16.
-        self.hidden = torch.empty((rows, width), dtype=torch.uint8 if fp8 else torch.int16, pin_memory=pin)
-        self.scale = torch.empty((rows, layers), dtype=torch.float32, pin_memory=pin) if fp8 else None
+        self.hidden, self.scale = host_rows(rows, row, pin)
         self.input_ids = torch.empty(rows, dtype=torch.int32, pin_memory=pin)
         self.loss_mask = torch.empty(rows, dtype=torch.uint8, pin_memory=pin)
         self.offsets = torch.empty(rows + 1, dtype=torch.int64, pin_memory=pin)
         # numpy views over the same memory: what UnitReader.read_into decodes into.
         self.np = {
-            "hidden": self.hidden.numpy() if fp8 else self.hidden.numpy().view(np.uint16),
+            "hidden": self.hidden.numpy().view(row.hidden_dtype),
             "input_ids": self.input_ids.numpy(),
             "loss_mask": self.loss_mask.numpy(),
         }
@@ -381,11 +172,10 @@ class _Slot:
 class _Pending:
     """A batch whose samples the readers are decoding into `slot`, one future per sample."""
 
-    batch: SampleTable
+    planned: Planned
     slot: _Slot
     futures: list[Future]
     num_tokens: int
-    step_tokens: int
 
 
 @dataclass
@@ -404,223 +194,40 @@ def _pieces(start: int, stop: int, piece: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
-class CacheLoader:
-    """Streams a cache's batches to one rank's device with bounded host and device memory.
+class BatchStream:
+    """The loader's I/O: planned batches -> reader threads -> reused host slots -> the device.
 
-    Attributes the trainer reads: `wait_seconds` (cumulative time the consumer was blocked waiting
-    for data: the loader wait it reports), `dropped` (problems of bad units skipped with
-    `skip_bad_units`), `host_slots` (the reused host buffers, `prefetch + 1` of them, allocated
-    once) and `peak_slots_in_use` (instrumentation: never above `len(host_slots)`).
-
-    Follow mode: when epoch 0 starts on a cache that is still being extracted (not every unit of
-    the plan committed), it consumes units window by window as they commit (see `follow.py`),
-    shuffling within each window and waiting, without spinning, when it has consumed everything
-    committed so far; it ends once the extraction is complete. `follow_state()` is what a
-    checkpoint must keep to resume such an epoch; later epochs shuffle over the whole cache.
+    `readers` is the loader's dict of open units (it grows while a cache is followed). Attributes
+    the loader reports: `wait_seconds` (cumulative time the consumer was blocked waiting for data),
+    `host_slots` (the reused host buffers, `prefetch + 1` of them, allocated once) and
+    `peak_slots_in_use` (instrumentation: never above `len(host_slots)`).
     """
 
-    def __init__(
-        self,
-        cache_dir: Path,
-        *,
-        layer_ids: list[int] | None = None,
-        token_budget: int,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        device: torch.device,
-        prefetch: int = 2,
-        readers: int = 4,
-        skip_bad_units: bool = False,
-        follow: bool = True,
-        control_group: dist.ProcessGroup | None = None,
-        on_status: Callable[[dict], None] | None = None,
-        batch_cost: Callable[[np.ndarray], float] | None = None,
-    ):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        if prefetch < 0 or readers < 1 or token_budget < 1:
-            raise ValueError("prefetch must be >= 0, readers >= 1 and token_budget >= 1")
-        self.cache_dir = Path(cache_dir)
-        self.spec = read_spec(self.cache_dir)
-        cached = list(self.spec.layers.ids)
-        self.layer_ids = cached if layer_ids is None else list(layer_ids)
-        check_drafter_fits(self.spec, layer_ids=self.layer_ids)
-        positions = [cached.index(i) for i in self.layer_ids]
-        if len(set(positions)) != len(positions) or positions != sorted(positions):
-            raise SpecError(f"layers: {self.layer_ids} must be distinct and in the cache's order {cached}")
-        self.token_budget = token_budget
-        self.batch_cost = batch_cost  # a batch's compute from its sample lengths: balances DDP steps
-        self.seed = seed
-        self.rank = rank
-        self.world_size = world_size
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.fp8 = self.spec.storage.dtype == "fp8"
-        self.bucket_edges = list(self.spec.plan.bucket_edges) or default_bucket_edges(self.spec.data.max_length)
-
-        # One reader per unit, opened once; the table indexes their samples.
-        self.skip_bad_units = skip_bad_units
-        self.readers, self.dropped = open_units(self.cache_dir, skip_bad_units=skip_bad_units)
-        self.table = SampleTable.from_units(self.readers)
-        self.complete = is_complete(self.cache_dir, self.spec.plan.num_units)
-        self.follow = follow
-        self.control_group = control_group
-        self.on_status = on_status
-        self._follow: _FollowSource | None = None
-
-        self._cuda = self.device.type == "cuda"
-        self._num_layers = len(cached)
-        self._hidden_size = self.spec.target.hidden_size
-        self._all_layers = positions == list(range(len(cached)))
-        self._layer_index = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+    def __init__(self, readers: dict[int, UnitReader], *, row: RowFormat, slot_rows: int, device: torch.device,
+                 layer_index: list[int], prefetch: int, threads: int, piece_rows: int):  # fmt: skip
+        self.readers = readers
+        self.device = device
+        self._cuda = device.type == "cuda"
+        self._num_layers = row.layers
+        self._all_layers = list(layer_index) == list(range(row.layers))
+        self._layer_index = torch.tensor(layer_index, dtype=torch.int64, device=device)
+        self._stream = torch.cuda.Stream(device) if self._cuda else None
         if self._stream is not None:  # the side stream uses _layer_index, made on the current stream
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-
-        # prefetch + 1 host slots, allocated (and pinned) once. The largest batch is the token
-        # budget, or one sample longer than it (in units not committed yet, up to max_length).
-        longest = int(self.table.length.max()) if len(self.table) else 0
-        if not self.complete:
-            longest = max(longest, self.spec.data.max_length)
-        self.slot_rows = max(token_budget, longest)
-        self.host_slots = [
-            _Slot(i, self.slot_rows, self.spec.row_width, self._num_layers, self.fp8, self._cuda)
-            for i in range(prefetch + 1)
-        ]
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+        self.slot_rows = slot_rows
+        self.host_slots = [_Slot(i, slot_rows, row, self._cuda) for i in range(prefetch + 1)]
         self.peak_slots_in_use = 0
         self.wait_seconds = 0.0
         # a reader task decodes at most this many rows: a few of the cache's chunks (several MiB)
-        self.piece_rows = self.spec.storage.chunk_tokens * PIECE_CHUNKS
-        self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="dflash-reader")
-        self._batches: tuple[tuple, list[_Planned]] | None = None  # ((epoch, parts), this rank's plan)
-        self._active: Iterator[Batch] | None = None
+        self.piece_rows = piece_rows
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dflash-reader")
 
-    # -- planning -----------------------------------------------------------------------------
-
-    def _rank_batches(self, epoch: int, parts: list[tuple[int, int]] = (), follow_state: dict | None = None
-                      ) -> list[_Planned]:  # fmt: skip
-        """This rank's batches of `epoch`; with `parts` (the epoch began on other world sizes), those
-        of the epoch's rest (`rest_of_epoch`), part 0 replayed from `follow_state` if it followed."""
-        key = (epoch, tuple(tuple(p) for p in parts))
-        if self._batches is None or self._batches[0] != key:
-            self._refresh()
-            pack = {"token_budget": self.token_budget, "bucket_edges": self.bucket_edges,
-                    "world_size": self.world_size, "batch_cost": self.batch_cost}  # fmt: skip
-            if not parts:
-                per_rank = epoch_batches(self.table, epoch=epoch, seed=self.seed, **pack)
-            else:
-                left, begin = None, 0
-                if self.follows(epoch, follow_state):
-                    left, begin = self._followed_left(_windows(follow_state), *parts[0]), 1
-                per_rank = rest_of_epoch(self.table, epoch=epoch, seed=self.seed, parts=list(parts), left=left,
-                                         begin=begin, **pack)  # fmt: skip
-            self._batches = (key, _rank_plan(self.table, per_rank, self.rank))
-        return self._batches[1]
-
-    def _window_plan(self, number: int, window: Window, carry: SampleTable, world_size: int
-                     ) -> tuple[SampleTable, list[list[np.ndarray]], SampleTable]:  # fmt: skip
-        """Follow window `number`'s table (the rows carried in, then its units), its batches dealt to
-        `world_size` ranks, and the rows it carries on: a pure function of its arguments."""
-        table = SampleTable.concat([carry, self.open_window(window.units)])
-        rng = np.random.default_rng([self.seed, 0, number])
-        per_rank, rest = _pack_and_deal(table, rng, token_budget=self.token_budget, bucket_edges=self.bucket_edges,
-                                        world_size=world_size, final=window.final,
-                                        batch_cost=self.batch_cost)  # fmt: skip
-        return table, per_rank, table.take(rest) if not window.final else SampleTable.concat([])
-
-    def _followed_left(self, windows: list[Window], world_size: int, batches: int) -> np.ndarray:
-        """Rows of the (complete) table that a followed epoch 0 had not consumed after `batches`
-        batches per rank on `world_size` ranks over `windows`: its windows replayed as it ran them."""
-        carry, used = SampleTable.concat([]), []
-        for number, window in enumerate(windows):
-            table, per_rank, carry = self._window_plan(number, window, carry, world_size)
-            n = min(batches, len(per_rank[0]))
-            used += [table.take(b) for mine in per_rank for b in mine[:n]]
-            batches -= n
-        if batches:
-            raise ValueError(f"{batches} batches per rank past the checkpoint's follow windows")
-        used_keys, keys = _row_keys(SampleTable.concat(used)), _row_keys(self.table)  # keys: sorted, unique
-        at = np.searchsorted(keys, used_keys)
-        if not np.array_equal(keys[np.minimum(at, len(keys) - 1)], used_keys):
-            raise ValueError("a followed sample is not in the cache's table")
-        return np.setdiff1d(np.arange(len(self.table), dtype=np.int64), at)
-
-    def _open(self, units: Iterable[int]) -> None:
-        """Open the given units that are not open yet (bad ones as `skip_bad_units` says)."""
-        new = [u for u in units if u not in self.readers]
-        readers, problems = open_units(self.cache_dir, skip_bad_units=self.skip_bad_units, only=new)
-        self.readers.update(readers)
-        self.dropped += problems
-
-    def _refresh(self) -> None:
-        """Index units committed since the loader opened (after a followed epoch, all of them)."""
-        if self.complete or not self.follow:
-            return
-        committed = committed_units(self.cache_dir)
-        self._open(committed)
-        self.table = SampleTable.from_units(self.readers)
-        self.complete = len(committed) >= self.spec.plan.num_units
-
-    def open_window(self, units: tuple[int, ...]) -> SampleTable:
-        """Open a follow window's units (once) and index their samples, in unit order."""
-        self._open(units)
-        return SampleTable.from_units({u: self.readers[u] for u in units if u in self.readers})
-
-    def num_batches(self, epoch: int) -> int:
-        """Batches this rank gets in `epoch` of a complete cache: the same on every rank."""
-        return len(self._rank_batches(epoch))
-
-    def follows(self, epoch: int, state: dict | None = None) -> bool:
-        """Whether `epoch` follows the extraction: epoch 0 of an incomplete cache, or of a
-        checkpoint taken while following (`state`, from `follow_state`)."""
-        return epoch == 0 and (state is not None or (self.follow and not self.complete))
-
-    def follow_state(self) -> dict | None:
-        """The windows the current followed epoch has taken so far (all ranks agree), or None."""
-        if self._follow is None:
-            return None
-        return {"windows": [[list(w.units), w.final] for w in self._follow.windows]}
-
-    @property
-    def host_bytes(self) -> int:
-        """Host memory held by the slots: fixed at construction, whatever the dataset size."""
-        return sum(s.nbytes for s in self.host_slots)
-
-    # -- streaming ----------------------------------------------------------------------------
-
-    def epoch(self, epoch: int, start_batch: int = 0, follow_state: dict | None = None,
-              parts: list[tuple[int, int]] = ()) -> Iterator[Batch]:  # fmt: skip
-        """This rank's batches of `epoch`, from `start_batch` on (a resumed run passes the number
-        of batches it already trained, and gets exactly the rest: none repeated or skipped).
-        A followed epoch resumes from the checkpoint's `follow_state` as well. `parts`: the
-        epoch's earlier parts on other world sizes (see `rest_of_epoch`); `start_batch` still
-        counts from the epoch's start, and the rest is planned over the complete cache.
-
-        Starting a new epoch closes the previous iterator, as both would share the host slots.
-        """
-        if self._active is not None:
-            self._active.close()
-        if self.follows(epoch, follow_state) and not parts:
-            self._follow = _FollowSource(self, _windows(follow_state), start_batch)
-            source: _Source = self._follow
-        else:
-            self._follow = None
-            batches = self._rank_batches(epoch, parts, follow_state)
-            begin = parts[-1][1] if parts else 0
-            if not begin <= start_batch <= begin + len(batches):
-                raise ValueError(f"start_batch {start_batch} is outside {begin}..{begin + len(batches)} "
-                                 f"for epoch {epoch}")  # fmt: skip
-            source = _ListSource(batches[start_batch - begin :])
-        self._active = self._stream_batches(source)
-        return self._active
-
-    def _stream_batches(self, source: _Source) -> Iterator[Batch]:
+    def run(self, source: _Source, epoch: int, start: int) -> Iterator[Batch]:
+        """The source's batches on the device, in order; the first is batch `start` of `epoch`."""
         free: list[_Slot] = list(self.host_slots)
         pending: deque[_Pending] = deque()  # reads submitted, in batch order
         copying: deque[tuple[_Slot, torch.cuda.Event | None]] = deque()  # copies whose slot is not free yet
-        held: list[_Planned] = []  # the next batch, taken from the source, waiting for a slot
+        held: list[Planned] = []  # the next batch, taken from the source, waiting for a slot
 
         def reclaim(block: bool) -> None:
             # A slot is free again once the copy out of it has completed (event query). When
@@ -681,7 +288,8 @@ class CacheLoader:
                 # otherwise yield batch i now and stage i+1 when the trainer asks for it.
                 nxt = stage(block=False)
                 submit()
-                yield self._hand_over(current)
+                yield self._hand_over(current, epoch, start)
+                start += 1
                 current = None  # the loader's reference: at most this batch and the next on the device
                 if nxt is None:
                     submit(block=True)
@@ -696,7 +304,7 @@ class CacheLoader:
                 if event is not None:
                     event.synchronize()
 
-    def _submit_reads(self, planned: _Planned, slot: _Slot) -> _Pending:
+    def _submit_reads(self, planned: Planned, slot: _Slot) -> _Pending:
         """Reader tasks that decode the batch into the slot: one per sample, and a long sample cut
         into pieces along the cache's chunks, so that the readers share it (one 24K-token sample
         is about 1 GB of hidden states: one thread decoding it alone starved the GPU)."""
@@ -713,7 +321,7 @@ class CacheLoader:
             unit, start, length, dst = int(batch.unit[i]), int(batch.start[i]), int(batch.length[i]), int(offsets[i])
             for lo, hi in _pieces(start, start + length, self.piece_rows):
                 futures.append(self._pool.submit(self._read_rows, slot, unit, lo, hi, dst + lo - start))
-        return _Pending(batch, slot, futures, n, planned.step_tokens)
+        return _Pending(planned, slot, futures, n)
 
     def _read_rows(self, slot: _Slot, unit: int, start: int, stop: int, dst: int) -> None:
         reader = self.readers[unit]
@@ -723,7 +331,7 @@ class CacheLoader:
     def _copy_to_device(self, job: _Pending) -> _Staged:
         """Copy a decoded slot to the device (side stream on CUDA), then select layers and
         dequantise there; the event recorded after it tells both the consumer and the slot pool."""
-        n, s, slot = job.num_tokens, len(job.batch), job.slot
+        n, s, slot = job.num_tokens, len(job.planned.samples), job.slot
 
         def up(t: torch.Tensor) -> torch.Tensor:
             # An explicit copy, also on the CPU, where .to() would alias the reused slot.
@@ -747,9 +355,10 @@ class CacheLoader:
             input_ids=input_ids,
             loss_mask=loss_mask,
             offsets=offsets,
-            sample_index=torch.from_numpy(job.batch.sample_index.copy()),
+            sample_index=torch.from_numpy(job.planned.samples.sample_index.copy()),
             num_tokens=n,
-            step_tokens=job.step_tokens,
+            step_tokens=job.planned.step_tokens,
+            step_samples=job.planned.step_samples,
             # block building needs these on the host; reading them back from the device would
             # make the host wait for the GPU every step
             host=(slot.input_ids[:n].clone(), slot.loss_mask[:n].clone(), slot.offsets[: s + 1].clone()),
@@ -758,21 +367,13 @@ class CacheLoader:
 
     def _context(self, hidden: torch.Tensor, scale: torch.Tensor | None, n: int) -> torch.Tensor:
         """Storage bits on the device -> [n, K'*H] of the selected layers."""
-        k, h = self._num_layers, self._hidden_size
-        if scale is None:
-            bf16 = hidden.view(torch.bfloat16)
-            if self._all_layers:
-                return bf16
-            return bf16.view(n, k, h).index_select(1, self._layer_index).reshape(n, -1)
-        q = hidden.view(torch.float8_e4m3fn).view(n, k, h)
-        if not self._all_layers:
-            q, scale = q.index_select(1, self._layer_index), scale.index_select(1, self._layer_index)
-        return (q.float() * scale.unsqueeze(-1)).reshape(n, -1)
+        return decode_hidden(hidden, scale, self._num_layers, None if self._all_layers else self._layer_index)
 
-    def _hand_over(self, staged: _Staged) -> Batch:
+    def _hand_over(self, staged: _Staged, epoch: int, index: int) -> Batch:
         """Make the consumer's stream (not the host) wait for the copy, and tell the caching
         allocator that the consumer's stream uses tensors allocated on the side stream."""
         batch = staged.batch
+        batch.epoch, batch.index = epoch, index
         if staged.event is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(staged.event)
@@ -781,11 +382,234 @@ class CacheLoader:
         return batch
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class UnitIndex:
+    """The cache's committed units, each opened once (one `UnitReader` per unit), and the
+    `SampleTable` over them. While an extraction is followed it grows: `window` opens the units of
+    a follow window, `refresh` takes every unit committed since."""
+
+    def __init__(self, cache_dir: Path, num_units: int, *, skip_bad_units: bool, follow: bool,
+                 on_warning: Callable[[str], None] | None):  # fmt: skip
+        self.cache_dir, self.num_units = cache_dir, num_units
+        self.skip_bad_units, self.follow, self.on_warning = skip_bad_units, follow, on_warning
+        self.readers: dict[int, UnitReader] = {}
+        self.dropped: list[str] = []
+        self.open(None)
+        self.table = SampleTable.from_units(self.readers)
+        self.complete = is_complete(cache_dir, num_units)
+
+    def open(self, units: Iterable[int] | None) -> None:
+        """Open the given units (all committed ones: None) that are not open yet, bad ones as
+        `skip_bad_units` says; new problems go to `on_warning`."""
+        new = None if units is None else [u for u in units if u not in self.readers]
+        readers, problems = open_units(self.cache_dir, skip_bad_units=self.skip_bad_units, only=new)
+        self.readers.update(readers)
+        self.dropped += problems
+        if problems and self.on_warning is not None:
+            self.on_warning(f"skipping bad units: {'; '.join(problems)}")
+
+    def refresh(self) -> None:
+        """Index units committed since the loader opened (after a followed epoch, all of them)."""
+        if self.complete or not self.follow:
+            return
+        committed = committed_units(self.cache_dir)
+        self.open(committed)
+        self.table = SampleTable.from_units(self.readers)
+        self.complete = len(committed) >= self.num_units
+
+    def window(self, units: tuple[int, ...]) -> SampleTable:
+        """Open a follow window's units (once) and index their samples, in unit order."""
+        self.open(units)
+        return SampleTable.from_units({u: self.readers[u] for u in units if u in self.readers})
+
+
+class CacheLoader:
+    """Streams a cache's batches to one rank's device with bounded host and device memory.
+
+    Iterating the loader gives this rank's batches from its `position` to the end of that epoch;
+    `end_epoch()` moves on to the next. `epoch()` streams any epoch from any batch, position aside.
+    Attributes the trainer reads: `wait_seconds` (cumulative time the consumer was blocked waiting
+    for data: the loader wait it reports), `dropped` (problems of bad units skipped with
+    `skip_bad_units`; each new one also goes to `on_warning`), `host_slots` and `peak_slots_in_use`
+    (see `BatchStream`).
+
+    Follow mode: when epoch 0 starts on a cache that is still being extracted (not every unit of
+    the plan committed), it consumes units window by window as they commit (see `follow.py`),
+    shuffling within each window and waiting, without spinning, when it has consumed everything
+    committed so far; it ends once the extraction is complete. The windows taken are part of the
+    position; later epochs shuffle over the whole cache.
+    """
+
+    def __init__(self, cache_dir: Path, *, layer_ids: list[int] | None = None, token_budget: int, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, device: torch.device, prefetch: int = 2, readers: int = 4,
+                 skip_bad_units: bool = False, follow: bool = True, control_group: dist.ProcessGroup | None = None,
+                 on_status: Callable[[dict], None] | None = None, on_warning: Callable[[str], None] | None = None,
+                 batch_cost: BatchCost | None = None):  # fmt: skip
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if prefetch < 0 or readers < 1 or token_budget < 1:
+            raise ValueError("prefetch must be >= 0, readers >= 1 and token_budget >= 1")
+        self.cache_dir = Path(cache_dir)
+        self.spec = read_spec(self.cache_dir)
+        self.layer_ids = list(self.spec.layers.ids) if layer_ids is None else list(layer_ids)
+        positions = _layer_positions(self.spec, self.layer_ids)
+        self.rank, self.world_size = rank, world_size
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        bucket_edges = list(self.spec.plan.bucket_edges) or default_bucket_edges(self.spec.data.max_length)
+        # how batches are planned (batching.py): a batch's compute from its sample lengths balances DDP steps
+        self.packing = {"seed": seed, "token_budget": token_budget, "bucket_edges": bucket_edges,
+                        "batch_cost": batch_cost}  # fmt: skip
+
+        self.units = UnitIndex(self.cache_dir, self.spec.plan.num_units, skip_bad_units=skip_bad_units, follow=follow,
+                               on_warning=on_warning)  # fmt: skip
+        self.follow = follow
+        self.control_group = control_group
+        self.on_status = on_status
+        self.position = Position(samples=[0] * world_size)
+        self._follow: _FollowSource | None = None
+
+        # prefetch + 1 host slots, allocated (and pinned) once. The largest batch is the token
+        # budget, or one sample longer than it (in units not committed yet, up to max_length).
+        longest = int(self.table.length.max()) if len(self.table) else 0
+        if not self.complete:
+            longest = max(longest, self.spec.data.max_length)
+        self.slot_rows = max(token_budget, longest)
+        self.stream = BatchStream(self.units.readers, row=RowFormat.of(self.spec), slot_rows=self.slot_rows,
+                                  device=device, layer_index=positions, prefetch=prefetch, threads=readers,
+                                  piece_rows=self.spec.storage.chunk_tokens * PIECE_CHUNKS)  # fmt: skip
+        self._batches: tuple[tuple, list[Planned]] | None = None  # ((epoch, parts), this rank's plan)
+        self._active: Iterator[Batch] | None = None
+
+    table = property(lambda self: self.units.table)
+    complete = property(lambda self: self.units.complete)
+    dropped = property(lambda self: self.units.dropped)
+    wait_seconds = property(lambda self: self.stream.wait_seconds)
+    host_slots = property(lambda self: self.stream.host_slots)
+    peak_slots_in_use = property(lambda self: self.stream.peak_slots_in_use)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held by the slots: fixed at construction, whatever the dataset size."""
+        return sum(s.nbytes for s in self.host_slots)
+
+    # -- position -----------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Batch]:
+        """This rank's batches from the position to the end of its epoch. The position moves past
+        each batch as it is handed out, so a checkpoint taken after training on it resumes after it."""
+        p = self.position
+        for batch in self.epoch(p.epoch, p.batch, p.follow, p.parts):
+            p.batch += 1
+            p.samples = [a + b for a, b in zip(p.samples, batch.step_samples, strict=True)]
+            yield batch
+
+    def end_epoch(self) -> dict[str, Any]:
+        """Move to the start of the next epoch; returns what the ended one consumed: samples (all
+        ranks) and, had it followed an extraction, its windows and the loader's wait so far."""
+        summary: dict[str, Any] = {"samples": sum(self.position.samples)}
+        if self._follow is not None:
+            summary |= {"followed_windows": len(self._follow.windows), "loader_wait_s": self.wait_seconds}
+        self.position = Position(epoch=self.position.epoch + 1, samples=[0] * self.world_size)
+        return summary
+
+    @property
+    def epoch_tokens(self) -> int:
+        """Tokens of the position's epoch: from cache.json when it follows an extraction (known
+        before the cache is complete), else the table's."""
+        p = self.position
+        return self.spec.plan.num_tokens if self.follows(p.epoch, p.follow) else self.table.num_tokens
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, as checkpoints keep it: epoch, batches done (per rank), samples done per
+        rank, a followed epoch's windows, and, to continue on another number of ranks, the world
+        size and the epoch's earlier parts. The same on every rank, so no rank need send it."""
+        p = self.position
+        follow = None
+        if p.batch:  # the windows taken so far; the loaded ones until they are replayed (or re-dealt)
+            follow = self._follow.state() if self._follow is not None else p.follow
+        return {"epoch": p.epoch, "batch": p.batch, "samples": list(p.samples), "follow": follow,
+                "world_size": self.world_size, "parts": [list(x) for x in p.parts]}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's position, also one saved on another number of ranks: the
+        rest of its epoch is then dealt to these (`batching.resume_parts`), and rank 0 carries the
+        samples the old ranks consumed."""
+        saved = list(state["samples"])
+        samples = saved if len(saved) == self.world_size else [sum(saved)] + [0] * (self.world_size - 1)
+        self.position = Position(state["epoch"], state["batch"], samples, resume_parts(state, self.world_size),
+                                 state.get("follow"))  # fmt: skip
+
+    def follows(self, epoch: int, state: dict | None = None) -> bool:
+        """Whether `epoch` follows the extraction: epoch 0 of an incomplete cache, or of a
+        checkpoint taken while following (`state`: its windows)."""
+        return epoch == 0 and (state is not None or (self.follow and not self.complete))
+
+    # -- planning -----------------------------------------------------------------------------
+
+    def num_batches(self, epoch: int) -> int:
+        """Batches this rank gets in `epoch` of a complete cache: the same on every rank."""
+        return len(self._rank_batches(epoch))
+
+    def _rank_batches(self, epoch: int, parts: list[list[int]] = (), follow_state: dict | None = None
+                      ) -> list[Planned]:  # fmt: skip
+        """This rank's batches of `epoch`; with `parts` (the epoch began on other world sizes), those
+        of the epoch's rest (`rest_of_epoch`), part 0 replayed from `follow_state` if it followed."""
+        key = (epoch, tuple(tuple(p) for p in parts))
+        if self._batches is None or self._batches[0] != key:
+            self.units.refresh()
+            if not parts:
+                per_rank = epoch_batches(self.table, epoch=epoch, world_size=self.world_size, **self.packing)
+            else:
+                left, begin = None, 0
+                if self.follows(epoch, follow_state):  # the rows its windows left, as they ran
+                    windows = ((self.units.window(w.units), w.final) for w in _windows(follow_state))
+                    size, done = parts[0]
+                    left = followed_rest(self.table, windows, batches=done, world_size=size, **self.packing)
+                    begin = 1
+                per_rank = rest_of_epoch(self.table, epoch=epoch, world_size=self.world_size, parts=list(parts),
+                                         left=left, begin=begin, **self.packing)  # fmt: skip
+            self._batches = (key, rank_plan(self.table, per_rank, self.rank))
+        return self._batches[1]
+
+    # -- streaming ----------------------------------------------------------------------------
+
+    def epoch(self, epoch: int, start_batch: int = 0, follow_state: dict | None = None,
+              parts: list[list[int]] = ()) -> Iterator[Batch]:  # fmt: skip
+        """This rank's batches of `epoch`, from `start_batch` on (a resumed run passes the number
+        of batches it already trained, and gets exactly the rest: none repeated or skipped).
+        A followed epoch resumes from the checkpoint's `follow_state` as well. `parts`: the
+        epoch's earlier parts on other world sizes (see `rest_of_epoch`); `start_batch` still
+        counts from the epoch's start, and the rest is planned over the complete cache.
+
+        Starting a new epoch closes the previous iterator, as both would share the host slots.
+        """
+        if self._active is not None:
+            self._active.close()
+        if self.follows(epoch, follow_state) and not parts:
+            self._follow = _FollowSource(self, _windows(follow_state), start_batch)
+            source: _Source = self._follow
+        else:
+            self._follow = None
+            batches = self._rank_batches(epoch, parts, follow_state)
+            begin = parts[-1][1] if parts else 0
+            if not begin <= start_batch <= begin + len(batches):
+                raise ValueError(f"start_batch {start_batch} is outside {begin}..{begin + len(batches)} "
+                                 f"for epoch {epoch}")  # fmt: skip
+            source = _ListSource(batches[start_batch - begin :])
+        self._active = self.stream.run(source, epoch, start_batch)
+        return self._active
+
+    def close(self) -> None:
         """Stop the current epoch's reads (and following) and the reader threads."""
         if self._active is not None:
             self._active.close()
             self._active = None
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.stream.close()
 
     def __enter__(self) -> CacheLoader:
         return self
@@ -794,10 +618,25 @@ class CacheLoader:
         self.close()
 
 
-class _Source:
-    """Where `_stream_batches` takes this rank's batches from, in order."""
+def _layer_positions(spec: CacheSpec, layer_ids: list[int]) -> list[int]:
+    """Where the drafter's layers sit among the cached ones (a subset, in the cache's order)."""
+    cached = list(spec.layers.ids)
+    check_drafter_fits(spec, layer_ids=layer_ids)
+    positions = [cached.index(i) for i in layer_ids]
+    if len(set(positions)) != len(positions) or positions != sorted(positions):
+        raise SpecError(f"layers: {layer_ids} must be distinct and in the cache's order {cached}")
+    return positions
 
-    def next(self, block: bool) -> _Planned | None:
+
+def _windows(follow_state: dict | None) -> list[Window]:
+    """The follow windows a checkpoint's `follow_state` records."""
+    return [Window(tuple(u), bool(f)) for u, f in (follow_state or {}).get("windows", [])]
+
+
+class _Source:
+    """Where `BatchStream.run` takes this rank's batches from, in order."""
+
+    def next(self, block: bool) -> Planned | None:
         """The next batch; None when there is none yet (only if not `block`) or none left."""
         raise NotImplementedError
 
@@ -808,10 +647,10 @@ class _Source:
 class _ListSource(_Source):
     """An epoch whose batches are all known (a complete cache)."""
 
-    def __init__(self, batches: list[_Planned]):
+    def __init__(self, batches: list[Planned]):
         self.todo = deque(batches)
 
-    def next(self, block: bool) -> _Planned | None:
+    def next(self, block: bool) -> Planned | None:
         return self.todo.popleft() if self.todo else None
 
 
@@ -828,7 +667,7 @@ class _FollowSource(_Source):
         self.loader = loader
         self.windows: list[Window] = []
         self.carry = SampleTable.concat([])
-        self.todo: deque[tuple[_Planned, int]] = deque()  # (batch, window number)
+        self.todo: deque[tuple[Planned, int]] = deque()  # (batch, window number)
         self.final = False
         self.units_read = 0
         for w in windows:  # replay what a resumed run had taken
@@ -845,21 +684,22 @@ class _FollowSource(_Source):
 
     def _add(self, w: Window) -> None:
         ld = self.loader
-        table, per_rank, self.carry = ld._window_plan(len(self.windows), w, self.carry, ld.world_size)
-        mine = _rank_plan(table, per_rank, ld.rank)
+        table, per_rank, self.carry = window_batches(len(self.windows), ld.units.window(w.units), self.carry,
+                                                     final=w.final, world_size=ld.world_size, **ld.packing)
+        mine = rank_plan(table, per_rank, ld.rank)
         self.todo.extend((planned, len(self.windows)) for planned in mine)
         self.windows.append(w)
         self.final = w.final
         if not mine:
             self.units_read += len(w.units)  # nothing of this window for this rank to read
 
-    def _pop(self) -> _Planned:
+    def _pop(self) -> Planned:
         batch, window = self.todo.popleft()
         if not self.todo or self.todo[0][1] != window:
             self.units_read += len(self.windows[window].units)
         return batch
 
-    def next(self, block: bool) -> _Planned | None:
+    def next(self, block: bool) -> Planned | None:
         while not self.todo:
             if self.final:
                 return None
@@ -869,6 +709,10 @@ class _FollowSource(_Source):
                 return None
             self._add(window)
         return self._pop()
+
+    def state(self) -> dict:
+        """The windows taken so far (all ranks agree), as checkpoints keep them."""
+        return {"windows": [[list(w.units), w.final] for w in self.windows]}
 
     def _status(self, status: dict) -> None:
         self.loader.on_status({**status, "read": self.units_read, "wait_s": self.loader.wait_seconds})

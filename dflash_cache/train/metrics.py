@@ -1,15 +1,21 @@
-"""Training metrics: summed across DDP ranks, appended to a JSONL file in the run directory; the
-useful FLOPs of a step, and the hardware peak they are measured against (MFU)."""
+"""Training metrics: what the steps since the last line did (`StepWindow`, summed across DDP
+ranks), the records of a run (`MetricsLog`: metrics.jsonl and the progress bar), the per-rank
+audit trail of `--trace`, the useful FLOPs of a step and the hardware peak they are measured
+against (MFU)."""
 
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from dflash_cache.train.objective import Blocks, block_metrics, summarize_metrics
 
 # Dense bf16 peak FLOP/s by GPU name (vendor datasheets; SXM parts). MFU is left out elsewhere.
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "H800": 989.4e12, "A100": 312e12, "A800": 312e12}
@@ -57,21 +63,99 @@ def all_reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return sums
 
 
-class MetricsLog:
-    """`metrics.jsonl`: one JSON object per logged step. On resume the lines past the checkpoint's
-    step are dropped, so the file reads as if the run had never stopped."""
+def sum_ranks(x: float, device: torch.device) -> float:
+    """The sum of `x` over the ranks (float64: exact for counts)."""
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return float(t.item())
 
-    def __init__(self, run_dir: Path, resume_step: int | None):
+
+def clock(tokens: int) -> dict[str, float]:
+    """Where the run stands in tokens (all ranks, the schedule's count) and wall time, so rates over
+    any span of a run, resumed or not, follow from two lines."""
+    return {"tokens": tokens, "time": time.time()}
+
+
+class StepWindow:
+    """What the batches since the last metrics line did. Kept on the device as they come (no host
+    sync a step) and reduced over the ranks by `record`, which every rank calls at once."""
+
+    def __init__(self, model: nn.Module, device: torch.device, world_size: int, wait: Callable[[], float]):
+        self.flops, self.peak = StepFlops(model), peak_flops(device)
+        self.device, self.world_size = device, world_size
+        self.wait = wait  # the loader's cumulative wait, in seconds
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.loss, self.n, self.tokens, self.blocks, self.anchors = 0.0, 0, 0, 0, 0
+        self.wait_start, self.start = self.wait(), time.perf_counter()
+
+    def add(self, loss: torch.Tensor, correct: torch.Tensor, blocks: Blocks, num_tokens: int) -> None:
+        """One batch's loss, which of its block tokens were predicted right, its blocks and tokens."""
+        for k, v in block_metrics(correct, blocks.weights).items():
+            self.sums[k] = self.sums.get(k, 0) + v.detach()
+        self.loss += loss  # stays on the device
+        self.n += 1
+        self.tokens += num_tokens
+        self.blocks += blocks.layout.num_blocks
+        self.anchors += blocks.layout.block_anchor.sum()  # on the device: summed at log time
+
+    def record(self, step: int, epoch: int, lr: float) -> dict[str, Any]:
+        """The metrics line of the window (over all ranks); the window starts again."""
+        stats = summarize_metrics(all_reduce_sums({k: v.clone() for k, v in self.sums.items()}))
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        world, device = self.world_size, self.device
+        loss = sum_ranks(float(self.loss) / max(1, self.n), device) / world
+        useful = sum_ranks(self.flops(self.blocks, self.tokens, int(self.anchors)), device)
+        record = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "lr": lr,
+            "slot_acc": stats["slot_acc"],
+            "accept_len": stats["accept_len"],
+            "tokens_per_s": sum_ranks(self.tokens, device) / elapsed,  # all ranks' context tokens
+            "tflops_per_gpu": useful / elapsed / world / 1e12,  # useful FLOPs only (StepFlops)
+            "loader_wait_s": self.wait() - self.wait_start,
+        }
+        if self.peak is not None:
+            record["mfu"] = useful / elapsed / world / self.peak
+        self.reset()
+        return record
+
+
+class MetricsLog:
+    """`metrics.jsonl`: one JSON object per logged step or epoch end, written by rank 0, which also
+    shows each step's line on the progress bar (`on_progress`). On resume the lines past the
+    checkpoint's step are dropped, so the file reads as if the run had never stopped."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None, *, rank: int = 0,
+                 on_progress: Callable[[dict], None] | None = None):  # fmt: skip
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.rank = rank
+        self.on_progress = on_progress
+        if rank != 0:
+            return
         if resume_step is not None and self.path.exists():
             kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and _step(ln) <= resume_step]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         elif resume_step is None:
             self.path.write_text("")
 
-    def write(self, record: dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any]) -> None:
+        """Every record of the run goes through here (rank 0 keeps it; other ranks' calls do nothing)."""
+        if self.rank != 0:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.on_progress is not None and "loss" in record:
+            self.on_progress({"bar": {
+                "completed": record["tokens"], "loss": record["loss"], "accept": record["accept_len"],
+                "tok_s": record["tokens_per_s"], "wait": record["loader_wait_s"], "epoch": record["epoch"],
+                "step": record["step"], "tflops": record["tflops_per_gpu"], "mfu": record.get("mfu"),
+            }})  # fmt: skip
 
 
 def _step(line: str) -> int:
@@ -79,3 +163,47 @@ def _step(line: str) -> int:
         return int(json.loads(line).get("step", 0))
     except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
         return 1 << 62
+
+
+class Trace:
+    """`trace/rank{r}.jsonl` (`--trace`): which samples each batch held, and a checksum of the
+    weights after each step (replicas must agree). Lines past a resumed checkpoint are dropped, also
+    (by rank 0) from the files of ranks a run resumed on fewer ranks no longer has. Disabled, it
+    writes nothing."""
+
+    def __init__(self, run_dir: Path, rank: int, world_size: int, resume_step: int, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "trace" / f"rank{rank}.jsonl"
+        self.pending: list[str] = []
+        if not enabled:
+            return
+        self.path.parent.mkdir(exist_ok=True)
+        _trim_trace(self.path, resume_step)
+        if rank == 0:
+            for path in self.path.parent.glob("rank*.jsonl"):
+                if path.stem[4:].isdigit() and int(path.stem[4:]) >= world_size:
+                    _trim_trace(path, resume_step)
+
+    def batch(self, epoch: int, index: int, samples: torch.Tensor) -> None:
+        if self.enabled:
+            self.pending.append(json.dumps({"epoch": epoch, "batch": index, "samples": samples.tolist()}))
+
+    def step(self, step: int, model: nn.Module) -> None:
+        if not self.enabled:
+            return
+        checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
+        self.pending.append(json.dumps({"step": step, "checksum": checksum}))
+        with open(self.path, "a") as f:
+            f.write("".join(x + "\n" for x in self.pending))
+        self.pending = []
+
+
+def _trim_trace(path: Path, resume_step: int) -> None:
+    """Keep a trace's lines up to `resume_step`'s step line (none for a fresh run)."""
+    lines = path.read_text().splitlines() if path.exists() and resume_step > 0 else []
+    kept = []
+    for line in lines:  # a step's batch lines are written together with its step line
+        kept.append(line)
+        if json.loads(line).get("step") == resume_step:
+            break
+    path.write_text("".join(x + "\n" for x in kept))
