@@ -186,8 +186,9 @@ def commit(out: Path, *, units: int = 8, rows: int = 3200, width: int = 5 * 4096
     Both write the same bf16-shaped units; the figures are raw MB/s committed."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from dflash_cache.cache.format import RowFormat, UnitArrays, chunk_tokens_for
     from dflash_cache.cache.spec import StorageInfo
-    from dflash_cache.cache.store import UnitArrays, chunk_tokens_for, write_unit
+    from dflash_cache.cache.store import write_unit
     from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 
     out = Path(out) / f".dflash-bench-commit-{os.getpid()}"  # only this is written, and removed
@@ -204,7 +205,7 @@ def commit(out: Path, *, units: int = 8, rows: int = 3200, width: int = 5 * 4096
         for f in [pool.submit(write_unit, out / "threads", u, arrays, storage) for u in range(units)]:
             f.result()
         times["threads"] = time.perf_counter() - t
-    shared = SharedBuffers(BufferLayout(count=writers + 1, rows=rows, width=width, layers=1, fp8=False))
+    shared = SharedBuffers(BufferLayout(count=writers + 1, rows=rows, row=RowFormat("bf16", width, 1)))
     for hidden, _ in shared.arrays:
         hidden[:] = bits
     committed = threading.Semaphore(0)
@@ -297,13 +298,13 @@ def _timer(device: torch.device, out: dict, key: str):
 
 def _plan_batches(plan, dataset, device: torch.device):
     """(unit, batch, padded input ids, real-token index) for every forward batch of a plan."""
-    from dflash_cache.extract.stage import _batch_inputs, _unit_tokens
+    from dflash_cache.extract.stage import batch_inputs, unit_tokens
 
     for unit in plan.units:
-        ids, *_ = _unit_tokens(dataset, unit)
+        ids, *_ = unit_tokens(dataset, unit)
         for b in unit.batches:
             r0, r1 = int(unit.offsets[b.start]), int(unit.offsets[b.stop])
-            inp, index = _batch_inputs(ids[r0:r1], unit.lengths[b.start : b.stop], b.max_len, 0, device)
+            inp, index = batch_inputs(ids[r0:r1], unit.lengths[b.start : b.stop], b.max_len, 0, device)
             yield unit, b, inp, index
 
 
@@ -320,10 +321,11 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
             device: torch.device | None = None, target=None, long: bool = False) -> dict[str, Any]:  # fmt: skip
     """Full extract path vs the bare truncated forward, same model, same batches, one process.
     `long`: samples of 16K to 32K tokens instead of the chat mix."""
+    from dflash_cache.cache.format import RowFormat, chunk_tokens_for, encode_hidden, host_rows
     from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids, write_spec
-    from dflash_cache.cache.store import chunk_tokens_for, committed_units
+    from dflash_cache.cache.store import committed_units
     from dflash_cache.extract.plan import make_plan
-    from dflash_cache.extract.stage import _copy_out, extract_units, pack_hidden
+    from dflash_cache.extract.stage import copy_out, extract_units
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
@@ -331,7 +333,8 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     target = target or RandomTarget(config, layer_ids, device).build()
     lengths = long_lengths(max(2, num_tokens // 24576)) if long else lognormal_lengths(max(8, int(num_tokens / 700)))
     dataset = synthetic_dataset(lengths, config["vocab_size"])
-    row_bytes = len(layer_ids) * config["hidden_size"] * (1 if storage == "fp8" else 2)
+    row = RowFormat(storage, len(layer_ids) * config["hidden_size"], len(layer_ids))
+    row_bytes = row.hidden_bytes
     plan = make_plan(lengths, bucket_edges=default_bucket_edges(LONG_MAX if long else 3072),
                      token_budget=max(token_budget, int(lengths.max())),
                      unit_tokens=(unit_mb << 20) // row_bytes)  # fmt: skip
@@ -365,15 +368,12 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
             target(inp)
     # Forward, unpad and the device-to-host copy into one pinned buffer, without compression or
     # disk: separates what the copy-out costs from what the writers cost.
-    fp8 = storage == "fp8"
-    rows, pin = max(u.num_tokens for u in plan.units), device.type == "cuda"
-    buf = (torch.empty((rows, spec.row_width), dtype=torch.uint8 if fp8 else torch.int16, pin_memory=pin),
-           torch.empty((rows, len(layer_ids)), dtype=torch.float32, pin_memory=pin) if fp8 else None)  # fmt: skip
+    buf = host_rows(max(u.num_tokens for u in plan.units), row, pin=device.type == "cuda")
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     with _timer(device, times, "staged"):
         for unit, b, inp, index in _plan_batches(plan, dataset, device):
-            bits, scale = pack_hidden(target(inp), index, fp8)
-            _copy_out(stream, buf, int(unit.offsets[b.start]), int(unit.offsets[b.stop]), bits, scale)
+            bits, scale = encode_hidden(target(inp), index, row.fp8)
+            copy_out(stream, buf, int(unit.offsets[b.start]), int(unit.offsets[b.stop]), bits, scale)
     assert len(committed_units(out)) == len(plan.units)
     return {
         "tokens": plan.num_tokens, "samples": plan.num_samples, "units": len(plan.units),
@@ -396,7 +396,7 @@ def peer_baseline(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000
 
     from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids
     from dflash_cache.extract.plan import make_plan
-    from dflash_cache.extract.stage import _batch_inputs
+    from dflash_cache.extract.stage import batch_inputs
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
@@ -414,7 +414,7 @@ def peer_baseline(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000
             for b in unit.batches:
                 lens = unit.lengths[b.start : b.stop]
                 ids = rng.integers(0, config["vocab_size"], size=int(lens.sum()), dtype=np.int32)
-                inp, _ = _batch_inputs(ids, lens, b.max_len, 0, device)
+                inp, _ = batch_inputs(ids, lens, b.max_len, 0, device)
                 hs = model(input_ids=inp, output_hidden_states=True).hidden_states
                 padded = torch.stack([hs[i + 1] for i in layer_ids], dim=1).cpu()  # [b, K, T, H], padding kept
                 for j in range(len(lens)):
@@ -470,72 +470,64 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | 
           device: torch.device | None = None) -> dict[str, Any]:  # fmt: skip
     """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
     the device. Both phases run the same batches (the first `steps` of epoch 0, after warm-up).
-    Also the useful TFLOP/s and MFU of the in-memory steps (metrics.StepFlops)."""
-    from dflash_cache.cache.spec import read_spec
-    from dflash_cache.cache.store import read_frozen
-    from dflash_cache.train.config import TrainConfig, drafter_config
-    from dflash_cache.train.drafter import DFlashDrafter
-    from dflash_cache.train.loader import CacheLoader
+    Also the useful TFLOP/s and MFU of the in-memory steps (metrics.StepFlops). The drafter, its
+    optimizer and the loader are the train stage's own (`stage.setup`), on one rank."""
+    from dflash_cache.devices import Worker
     from dflash_cache.train.metrics import StepFlops, peak_flops
-    from dflash_cache.train.stage import _anchor_generator, train_step
+    from dflash_cache.train.stage import setup, train_step
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     token_budget = train_budget(token_budget, device.type == "cuda")  # the stage's default
     cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
-                      block_size=block_size, draft_layers=draft_layers)  # fmt: skip
-    dcfg = drafter_config(cfg, read_spec(cache))
-    torch.manual_seed(0)
-    model = DFlashDrafter(dcfg).to(device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    embed, head = (t.to(device, dtype) for t in read_frozen(cache))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+                      block_size=block_size, draft_layers=draft_layers,
+                      **({"readers": readers} if readers else {}))  # fmt: skip
+    s = setup(Worker(0, 1, device), cfg)  # writes nothing to `out`
+    flops, useful = StepFlops(s.model), []
 
-    flops, useful = StepFlops(model), []
-
-    def step(batch, i) -> None:
-        _, _, blocks = train_step(model, embed, head, batch, dcfg, cfg, _anchor_generator(0, 0, i, 0))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def step(batch) -> None:
+        _, _, blocks = train_step(s.model, s.embed, s.head, batch, s.dcfg, cfg, s.anchors(batch))
+        s.opt.step()
+        s.opt.zero_grad(set_to_none=True)
         useful.append((blocks.layout.num_blocks, batch.num_tokens, blocks.layout.block_anchor.sum()))
 
-    readers = readers or cfg.readers or 4
-    loader = CacheLoader(cache, token_budget=token_budget, device=device, layer_ids=dcfg.target_layer_ids,
-                         readers=readers)  # fmt: skip
+    loader = s.loader
     n = min(steps + warmup, loader.num_batches(0))
     times: dict[str, float] = {}
     it = loader.epoch(0)
-    for i in range(warmup):
-        step(next(it), i)
+    for _ in range(warmup):
+        step(next(it))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     wait0 = loader.wait_seconds
     with PeakRSS() as rss, _timer(device, times, "loader"):
-        for i in range(warmup, n):
-            step(next(it), i)
+        for _ in range(warmup, n):
+            step(next(it))
     wait = loader.wait_seconds - wait0
     peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     kept = list(itertools.islice(loader.epoch(0), warmup, n))
     useful.clear()
     with _timer(device, times, "memory"):  # the very same batches, already on the device
-        for j, batch in enumerate(kept):
-            step(batch, warmup + j)
+        for batch in kept:
+            step(batch)
     measured = len(kept)
     context_tokens = sum(b.num_tokens for b in kept)
     tflops = sum(flops(nb, ctx, int(anchors)) for nb, ctx, anchors in useful) / times["memory"] / 1e12
     peak = peak_flops(device)
+    loader.close()
     return {
         "steps": measured, "token_budget": token_budget, "max_anchors": max_anchors,
         "loader_steps_s": measured / times["loader"], "memory_steps_s": measured / times["memory"],
         "ratio": times["memory"] / times["loader"], "loader_wait_per_step_s": wait / max(1, measured),
         "context_tok_s": context_tokens / times["loader"], "peak_gpu_GB": peak_gpu / 1e9, "peak_rss_GB": rss.peak / 1e9,
-        "readers": readers, "memory_tflops": tflops, "memory_mfu": tflops * 1e12 / peak if peak else None,
+        "readers": cfg.readers, "memory_tflops": tflops, "memory_mfu": tflops * 1e12 / peak if peak else None,
     }  # fmt: skip
 
 
 def cache_lengths(cache: Path) -> tuple[np.ndarray, list[int] | None]:
     """A cache's sample lengths and its plan's bucket edges, for `rank_balance`."""
     from dflash_cache.cache.spec import read_spec
-    from dflash_cache.train.loader import SampleTable, open_units
+    from dflash_cache.train.batching import SampleTable
+    from dflash_cache.train.loader import open_units
 
     return SampleTable.from_units(open_units(cache)[0]).length, list(read_spec(cache).plan.bucket_edges) or None
 
@@ -548,7 +540,7 @@ def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: i
     `dflash train` does). A step lasts as long as its costliest rank's batch, with a batch's cost
     modelled by `objective.drafter_cost`; no timing, so it runs anywhere, on a cache's lengths."""
     from dflash_cache.cache.spec import default_bucket_edges
-    from dflash_cache.train.loader import SampleTable, _pack_and_deal
+    from dflash_cache.train.batching import SampleTable, pack_and_deal
     from dflash_cache.train.objective import drafter_cost
 
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -557,8 +549,8 @@ def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: i
     cost_of = partial(drafter_cost, block_size=block_size, max_anchors=max_anchors)
 
     def dealt(world: int, by_cost: bool) -> list[list[np.ndarray]]:  # the same packing every time (same seed)
-        return _pack_and_deal(table, np.random.default_rng(seed), token_budget=token_budget, bucket_edges=edges,
-                              world_size=world, final=False, batch_cost=cost_of if by_cost else None)[0]  # fmt: skip
+        return pack_and_deal(table, np.random.default_rng(seed), token_budget=token_budget, bucket_edges=edges,
+                             world_size=world, final=False, batch_cost=cost_of if by_cost else None)[0]  # fmt: skip
 
     cost = np.array([cost_of(lengths[b]) for b in dealt(1, False)[0]])
     out: dict[str, Any] = {"samples": len(lengths), "batches": len(cost),
