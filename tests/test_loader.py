@@ -200,6 +200,17 @@ def test_one_epoch_yields_every_sample_once_with_the_right_values(cache, truth):
         assert loader.dropped == []
 
 
+def test_a_unit_filter_keeps_units_out(cache, truth):
+    """Validation holds units out of training: a filtered loader opens, indexes and streams only the
+    units it keeps, also in a follow window (one of held-out units only is empty)."""
+    with _loader(cache, seed=3, units=lambda u: u != 2) as loader:
+        assert sorted(loader.units.readers) == [0, 1, 3]
+        seen = sorted(int(s) for b in loader.epoch(0) for s in b.sample_index)
+        assert seen == sorted(s for s, (u, _, _) in truth.where.items() if u != 2)
+        assert len(loader.units.window((2,))) == 0 and 2 not in loader.units.readers
+        assert loader.complete  # completeness is about the whole plan
+
+
 def test_long_samples_are_read_in_pieces_by_several_readers(cache, truth):
     """A sample is cut along chunk multiples into reader tasks, and the pieces put together equal
     the sample: the batches are those of an uncut read."""

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from dflash_cache.bench import QWEN3_8B
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig
-from dflash_cache.train.metrics import StepFlops, peak_flops
+from dflash_cache.train.metrics import MetricsLog, StepFlops, peak_flops
 from dflash_cache.train.stage import train_step
 
 
@@ -60,3 +60,33 @@ def test_linear_terms_match_the_matrix_products_of_a_step():
     attention = flops.attn * (anchors + nb * 4)
     linear = flops(nb, n, anchors) - attention - 6 * norms * nb * 4
     assert matmuls == linear + 2 * kv * n
+
+
+class _Sink:
+    def __init__(self):
+        self.records, self.closed = [], False
+
+    def log(self, record):
+        self.records.append(record)
+
+    def close(self):
+        self.closed = True
+
+
+def test_metrics_log_keeps_every_record_once_and_hands_it_to_the_sinks(tmp_path):
+    import json
+
+    sink, other, bars = _Sink(), _Sink(), []
+    line = {"step": 1, "epoch": 0, "loss": 2.5, "accept_len": 1.5, "tokens_per_s": 9.0, "loader_wait_s": 0.0,
+            "tflops_per_gpu": 0.1, "tokens": 100, "time": 1.0}  # fmt: skip
+    log = MetricsLog(tmp_path, None, on_progress=bars.append, sinks=[sink])
+    log.log(line)
+    log.log({**line, "step": 2})
+    log.log({"epoch_end": 0, "step": 2, "samples": 7})
+    MetricsLog(tmp_path, None, rank=1, sinks=[other]).log(line)  # other ranks keep nothing
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == sink.records and len(lines) == 3 and other.records == [] and sink.closed
+    assert [b["bar"]["step"] for b in bars] == [1, 2]  # step lines reach the bar, epoch ends do not
+    MetricsLog(tmp_path, 1)  # resumed at step 1: the lines past it go
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]

@@ -73,13 +73,15 @@ class Checkpointer:
 
     def restore(self) -> dict[str, Any] | None:
         """Load the latest checkpoint into the components; returns it, or None for a fresh run.
-        The counters go first: they refuse a checkpoint they cannot continue before any weights load."""
+        The counters go first: they refuse a checkpoint they cannot continue before any weights load.
+        A named component the checkpoint lacks (one added since it was written) keeps its state."""
         state = self.load()
         if state is not None:
             for part in self.top:
                 part.load_state_dict(state)
             for name, part in self.states.items():
-                part.load_state_dict(state[name])
+                if name in state:
+                    part.load_state_dict(state[name])
         return state
 
     def maybe_save(self, step: int) -> Path | None:

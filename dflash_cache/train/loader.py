@@ -387,13 +387,14 @@ class BatchStream:
 
 class UnitIndex:
     """The cache's committed units, each opened once (one `UnitReader` per unit), and the
-    `SampleTable` over them. While an extraction is followed it grows: `window` opens the units of
-    a follow window, `refresh` takes every unit committed since."""
+    `SampleTable` over them; only those `keep` accepts, when given (validation holds some out).
+    While an extraction is followed it grows: `window` opens the units of a follow window,
+    `refresh` takes every unit committed since. Completeness is about every unit of the plan."""
 
     def __init__(self, cache_dir: Path, num_units: int, *, skip_bad_units: bool, follow: bool,
-                 on_warning: Callable[[str], None] | None):  # fmt: skip
+                 on_warning: Callable[[str], None] | None, keep: Callable[[int], bool] | None = None):  # fmt: skip
         self.cache_dir, self.num_units = cache_dir, num_units
-        self.skip_bad_units, self.follow, self.on_warning = skip_bad_units, follow, on_warning
+        self.skip_bad_units, self.follow, self.on_warning, self.keep = skip_bad_units, follow, on_warning, keep
         self.readers: dict[int, UnitReader] = {}
         self.dropped: list[str] = []
         self.open(None)
@@ -401,8 +402,10 @@ class UnitIndex:
         self.complete = is_complete(cache_dir, num_units)
 
     def open(self, units: Iterable[int] | None) -> None:
-        """Open the given units (all committed ones: None) that are not open yet, bad ones as
-        `skip_bad_units` says; new problems go to `on_warning`."""
+        """Open the given units (all committed ones: None) that are not open yet and that `keep`
+        accepts, bad ones as `skip_bad_units` says; new problems go to `on_warning`."""
+        if self.keep is not None:
+            units = [u for u in (committed_units(self.cache_dir) if units is None else units) if self.keep(u)]
         new = None if units is None else [u for u in units if u not in self.readers]
         readers, problems = open_units(self.cache_dir, skip_bad_units=self.skip_bad_units, only=new)
         self.readers.update(readers)
@@ -446,7 +449,7 @@ class CacheLoader:
                  rank: int = 0, world_size: int = 1, device: torch.device, prefetch: int = 2, readers: int = 4,
                  skip_bad_units: bool = False, follow: bool = True, control_group: dist.ProcessGroup | None = None,
                  on_status: Callable[[dict], None] | None = None, on_warning: Callable[[str], None] | None = None,
-                 batch_cost: BatchCost | None = None):  # fmt: skip
+                 batch_cost: BatchCost | None = None, units: Callable[[int], bool] | None = None):  # fmt: skip
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if prefetch < 0 or readers < 1 or token_budget < 1:
@@ -466,7 +469,7 @@ class CacheLoader:
                         "batch_cost": batch_cost}  # fmt: skip
 
         self.units = UnitIndex(self.cache_dir, self.spec.plan.num_units, skip_bad_units=skip_bad_units, follow=follow,
-                               on_warning=on_warning)  # fmt: skip
+                               on_warning=on_warning, keep=units)  # fmt: skip
         self.follow = follow
         self.control_group = control_group
         self.on_status = on_status

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,14 +128,16 @@ class StepWindow:
 
 class MetricsLog:
     """`metrics.jsonl`: one JSON object per logged step or epoch end, written by rank 0, which also
-    shows each step's line on the progress bar (`on_progress`). On resume the lines past the
+    shows each step's line on the progress bar (`on_progress`) and hands every record to `sinks`
+    (experiment trackers: anything with `log(record)` and `close()`). On resume the lines past the
     checkpoint's step are dropped, so the file reads as if the run had never stopped."""
 
     def __init__(self, run_dir: Path, resume_step: int | None, *, rank: int = 0,
-                 on_progress: Callable[[dict], None] | None = None):  # fmt: skip
+                 on_progress: Callable[[dict], None] | None = None, sinks: Sequence[Any] = ()):  # fmt: skip
         self.path = Path(run_dir) / "metrics.jsonl"
         self.rank = rank
         self.on_progress = on_progress
+        self.sinks = list(sinks)
         if rank != 0:
             return
         if resume_step is not None and self.path.exists():
@@ -150,12 +152,18 @@ class MetricsLog:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.log(record)
         if self.on_progress is not None and "loss" in record:
             self.on_progress({"bar": {
                 "completed": record["tokens"], "loss": record["loss"], "accept": record["accept_len"],
                 "tok_s": record["tokens_per_s"], "wait": record["loader_wait_s"], "epoch": record["epoch"],
                 "step": record["step"], "tflops": record["tflops_per_gpu"], "mfu": record.get("mfu"),
             }})  # fmt: skip
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
 
 
 def _step(line: str) -> int:

@@ -269,6 +269,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
                         | clock(s.schedule.tokens) | ended)  # fmt: skip
     ckpt.save(s.schedule.step)
     s.loader.close()
+    metrics.close()
     if tell:
         save_serving(s.model, s.dcfg, cfg.out / EXPORT)
         tell({"steps": s.schedule.step})
