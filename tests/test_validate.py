@@ -16,13 +16,12 @@ from dflash_cache.cache.store import read_frozen
 from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.drafter import DFlashDrafter, load_serving, save_serving
 from dflash_cache.train.loader import CacheLoader
-from dflash_cache.train.objective import make_blocks
+from dflash_cache.train.objective import forward_blocks, make_blocks
 from dflash_cache.train.validate import (
     BestExport,
     Validator,
     ValSet,
     check_val_cache,
-    forward_blocks,
     held_out_units,
     open_loader,
     val_generator,
@@ -87,14 +86,14 @@ def test_val_cache_checks(tiny_cache, tmp_path):
     assert chosen.train_units(min(chosen.units)) is False and chosen.train_units(max(set(range(6)) - chosen.units))
 
 
-def _reference(model, embed, head, loader, B, mask_id) -> dict:
+def _reference(model, embed, head, loader, B, mask_id, seed=SEED, anchors=ANCHORS) -> dict:
     """Validation metrics the plain way: full logits, python loops over blocks and slots."""
     loss_w = weight = 0.0
     accepts, hits, counts = [], [0] * B, [0] * B
     for i, batch in enumerate(loader.epoch(0)):
         ids, mask, offsets = batch.host
-        blocks = make_blocks(ids, mask, offsets, block_size=B, mask_token_id=mask_id, max_anchors=ANCHORS,
-                             generator=val_generator(SEED, i, 0))  # fmt: skip
+        blocks = make_blocks(ids, mask, offsets, block_size=B, mask_token_id=mask_id, max_anchors=anchors,
+                             generator=val_generator(seed, i, 0))  # fmt: skip
         hidden = model(F.embedding(blocks.input_ids.flatten(), embed), batch.context.float(), blocks.layout)
         logits = hidden @ head.T
         ce = F.cross_entropy(logits, blocks.labels.flatten(), reduction="none").view_as(blocks.weights)
@@ -188,3 +187,146 @@ def test_best_export_keeps_the_best_and_the_last(tiny_cache, tmp_path):
     plain = BestExport(tmp_path / "plain", lambda where: save_serving(model, dcfg, where))
     assert plain.finish() == tmp_path / "plain" / "export"  # without validation, export/ is the last
     assert not (tmp_path / "plain" / "export-last").exists()
+
+
+# ----------------------------------------------------------------------------- in the training loop
+
+RUN = {"epochs": 1, "max_steps": 10, "save_every": 5, "log_every": 5, "val_fraction": 0.2, "token_budget": 1024,
+       "max_anchors": 32, "draft_layers": 1, "lr": 3e-3, "seed": 1}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_cache, tmp_path_factory):
+    """Two runs on the same held-out units: A validates at steps 5 and 10 (and reports to
+    TensorBoard, and traces its batches), B only at its end."""
+    from dflash_cache.train.stage import run
+
+    root = tmp_path_factory.mktemp("val-runs")
+    a = run(TrainConfig(cache=tiny_cache, out=root / "a", val_every=5, report_to="tensorboard", trace=True, **RUN))
+    b = run(TrainConfig(cache=tiny_cache, out=root / "b", val_every=1000, **RUN))
+    return Path(a["run"]), Path(b["run"])
+
+
+def _records(run_dir):
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in lines if "val_accept_len" in r], [r for r in lines if "loss" in r]
+
+
+def _same(a: dict, b: dict) -> bool:
+    skip = ("time", "val_seconds")
+    return {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
+
+
+def _weights(ckpt_state, dcfg, where):
+    model = DFlashDrafter(dcfg)
+    model.load_state_dict(ckpt_state["model"])
+    save_serving(model, dcfg, where)
+    return _safetensors(where)
+
+
+def _safetensors(export_dir):
+    from safetensors.torch import load_file
+
+    return load_file(str(export_dir / "model.safetensors"))
+
+
+def test_validation_never_changes_training_and_export_keeps_the_best(runs, tiny_cache, tmp_path):
+    from dflash_cache.train.checkpoint import Checkpointer
+
+    a, b = runs
+    val_a, _ = _records(a)
+    val_b, _ = _records(b)
+    assert [r["step"] for r in val_a] == [5, 10] and [r["step"] for r in val_b] == [10]
+    assert _same(val_a[1], val_b[0])  # the same blocks every time: equal weights give equal figures
+    spec = read_spec(tiny_cache)
+    held = held_out_units(spec.plan.num_units, 0.2)
+    assert val_a[0]["val_units"] == len(held) == 1 and val_a[0]["val_blocks"] > 100
+    # validating at step 5 changed nothing of the training: B (no validation until its end) ends bitwise equal
+    ckpt_a, ckpt_b = Checkpointer(a), Checkpointer(b)
+    final_a, final_b = ckpt_a.load(), ckpt_b.load()
+    assert final_a["step"] == final_b["step"] == 10
+    assert all(torch.equal(final_a["model"][k], final_b["model"][k]) for k in final_b["model"])
+
+    dcfg = drafter_config(TrainConfig(cache=tiny_cache, out=a, draft_layers=1), spec)
+    best = max(val_a, key=lambda r: r["val_accept_len"])  # the first of equals stays
+    at_best = ckpt_b.load(ckpt_b.dir / f"step_{best['step']:08d}.pt")  # B keeps steps 5 and 10
+    want = _weights(at_best, dcfg, tmp_path / "best")
+    got = _safetensors(a / "export")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    last = _weights(final_b, dcfg, tmp_path / "last")
+    got = _safetensors(a / "export-last")
+    assert all(torch.equal(got[k], last[k]) for k in last)
+    assert _safetensors(b / "export").keys() == last.keys()  # B's best is its only validation: the last weights
+
+    # the validation figures at step 10 equal a full-logits computation on the same weights
+    model = DFlashDrafter(dcfg)
+    model.load_state_dict(final_b["model"])
+    embed, head = (t.float() for t in read_frozen(tiny_cache))
+    loader = CacheLoader(tiny_cache, layer_ids=dcfg.target_layer_ids, token_budget=RUN["token_budget"],
+                         seed=RUN["seed"], device=torch.device("cpu"), prefetch=0, follow=False,
+                         units=lambda u: u in held)  # fmt: skip
+    with torch.no_grad():
+        want = _reference(model, embed, head, loader, dcfg.block_size, dcfg.mask_token_id, seed=RUN["seed"],
+                          anchors=RUN["max_anchors"])  # fmt: skip
+    loader.close()
+    assert val_b[0]["val_blocks"] == want["val_blocks"]
+    assert val_b[0]["val_accept_len"] == pytest.approx(want["val_accept_len"], abs=1e-9)
+    assert val_b[0]["val_slot_acc"] == pytest.approx(want["val_slot_acc"], abs=1e-9)
+    assert val_b[0]["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+
+
+def test_training_never_reads_held_out_units(runs, tiny_cache):
+    a, _ = runs
+    held = held_out_units(read_spec(tiny_cache).plan.num_units, 0.2)
+
+    def samples(unit: int) -> set[int]:
+        meta = json.loads((tiny_cache / "units" / f"u{unit:06d}" / "zarr.json").read_text())
+        return set(meta["attributes"]["dflash_unit"]["index"]["sample_index"])
+
+    held_rows = set().union(*(samples(u) for u in held))
+    trained = [s for line in (a / "trace" / "rank0.jsonl").read_text().splitlines()
+               for s in json.loads(line).get("samples", [])]  # fmt: skip
+    assert len(trained) > 50 and not held_rows & set(trained)
+    assert set(trained) <= set().union(*(samples(u) for u in range(6) if u not in held))
+
+
+def test_tensorboard_and_report_of_a_real_run(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from test_report import png_size
+
+    from dflash_cache.report import report
+
+    a, _ = runs
+    val, steps = _records(a)
+    acc = EventAccumulator(str(a / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in steps]
+    assert [(e.step, e.value) for e in acc.Scalars("val/accept_len")] == [
+        (r["step"], pytest.approx(r["val_accept_len"], rel=1e-6)) for r in val]
+    assert len(acc.Scalars("perf/tokens_per_s")) == len(steps) and "train/slot_acc/15" in acc.Tags()["scalars"]
+    r = report(a)
+    assert r["best_val"]["step"] == max(val, key=lambda x: x["val_accept_len"])["step"]
+    assert all(png_size(a / "report" / f"{name}.png")[0] == 750 for name in r["plots"])
+
+
+def test_rerun_of_a_finished_run_changes_nothing(runs, tiny_cache):
+    from dflash_cache.train.stage import run
+
+    a, _ = runs
+    before = (a / "metrics.jsonl").read_text(), _safetensors(a / "export")
+    run(TrainConfig(cache=tiny_cache, out=a, val_every=5, report_to="tensorboard", trace=True, **RUN))
+    assert (a / "metrics.jsonl").read_text() == before[0]  # no second validation of the last step
+    assert all(torch.equal(v, before[1][k]) for k, v in _safetensors(a / "export").items())
+
+
+def test_refusals_before_anything_is_written(tiny_cache, tmp_path):
+    from dflash_cache.train.stage import run
+    from dflash_cache.train.tracking import TrackingError
+
+    for bad, error, match in (({"val_cache": tiny_cache}, SpecError, "is the training cache"),
+                              ({"val_fraction": 1.0}, SpecError, "val_fraction"),
+                              ({"report_to": "mlflow"}, TrackingError, "unknown mlflow")):  # fmt: skip
+        with pytest.raises(error, match=match):
+            run(TrainConfig(cache=tiny_cache, out=tmp_path / "run", **bad))
+        assert not (tmp_path / "run").exists()

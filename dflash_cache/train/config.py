@@ -62,6 +62,15 @@ class TrainConfig:
     trace: bool = setting(False, "Log which samples every batch held to OUT/trace/rank<r>.jsonl.")
     follow: bool = setting(True, "On a cache still being extracted, epoch 1 follows the extraction "
                            "(--no-follow: train on the units committed so far).")  # fmt: skip
+    val_fraction: float = setting(0.0, "Hold out this fraction of the cache's units for validation, chosen by a hash "
+                                  "of the unit id (at least one unit when above 0).", min=0)  # fmt: skip
+    val_cache: Path | None = setting(None, "Validate on this second cache (same target and tokenizer) instead.")
+    val_every: int | None = setting(None, "Validate every N steps (default: every --save-every), and at the end; "
+                                    "export/ keeps the best by validation acceptance, export-last/ the last.",
+                                    min=1)  # fmt: skip
+    report_to: str = setting("none", "Also send the metrics to tensorboard (OUT/tensorboard), wandb (offline unless "
+                             "WANDB_MODE is set), both (tensorboard,wandb), or none.",
+                             expects="tensorboard, wandb, tensorboard,wandb or none")  # fmt: skip
 
     @staticmethod
     def record_path(path: Path) -> Path:
@@ -78,7 +87,8 @@ class TrainConfig:
         keep = ("lr", "warmup", "weight_decay", "clip", "token_budget", "grad_accum", "draft_layers", "block_size",
                 "layers", "max_anchors", "gamma", "seed")  # fmt: skip
         # how batches are dealt to ranks (DDP steps of similar cost) changes which samples share a step
-        return {**{k: getattr(self, k) for k in keep}, "dealing": "cost-balanced"}
+        held = {"val_fraction": self.val_fraction} if self.val_fraction else {}  # held-out units change the data
+        return {**{k: getattr(self, k) for k in keep}, "dealing": "cost-balanced", **held}
 
 
 def drafter_config(cfg: TrainConfig, spec: CacheSpec) -> DrafterConfig:

@@ -12,13 +12,18 @@ on GPU and with an exact chunked SDPA elsewhere.
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+if TYPE_CHECKING:  # the loader's batch; the objective needs only its host ids and its context
+    from dflash_cache.train.loader import Batch
 
 
 def compile_for_cuda(fn, **kwargs):
@@ -508,6 +513,28 @@ def chunked_loss(
     if hidden.shape[0] == 0:
         return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
     return _LinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights, chunk_size)
+
+
+def forward_blocks(model: torch.nn.Module, embed: Tensor, head: Tensor, batch: Batch, *, block_size: int,
+                   mask_token_id: int, max_anchors: int, gamma: float | None, loss_chunk: int,
+                   generator: torch.Generator) -> tuple[Tensor, Tensor, Blocks]:  # fmt: skip
+    """Blocks from anchors, frozen embedding, drafter, chunked decayed loss: the forward of a
+    training step (`stage.train_step` adds the backward) and of validation (`validate.Validator`).
+    Returns the loss, which block tokens the argmax predicted right, and the blocks."""
+    ids, mask, offsets = batch.host
+    blocks = make_blocks(ids, mask, offsets, block_size=block_size, mask_token_id=mask_token_id,
+                         max_anchors=max_anchors, generator=generator, gamma=gamma)  # fmt: skip
+    # Only weighted slots reach the LM head: never slot 0 (the given anchor), nor unsupervised ones.
+    scored = blocks.weights.flatten().nonzero().squeeze(1).to(embed.device, non_blocking=True)
+    blocks = blocks.to(embed.device, non_blocking=True)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if embed.is_cuda else nullcontext()
+    with autocast:
+        block_embeds = F.embedding(blocks.input_ids.flatten(), embed)
+        hidden = model(block_embeds, batch.context.to(embed.dtype), blocks.layout)
+        loss, hits = chunked_loss(hidden[scored], head, blocks.labels.flatten()[scored],
+                                  blocks.weights.flatten()[scored], loss_chunk)  # fmt: skip
+    correct = torch.zeros(blocks.labels.numel(), dtype=torch.bool, device=hits.device).index_copy_(0, scored, hits)
+    return loss, correct.view_as(blocks.labels), blocks
 
 
 def block_metrics(correct: Tensor, weights: Tensor) -> dict[str, Tensor]:

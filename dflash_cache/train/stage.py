@@ -7,7 +7,11 @@ The loop (`_train`) fits on one screen; its parts sit behind narrow interfaces:
 - the checkpointer restores them and decides when to save, gathering each one's `state_dict()`;
 - `train_step` is one forward and backward: blocks from anchors, frozen embedding, drafter,
   chunked decayed loss;
-- `StepWindow` sums what the steps did, `MetricsLog.log` takes every record of the run.
+- `StepWindow` sums what the steps did, `MetricsLog.log` takes every record of the run and hands
+  it to the experiment trackers (`tracking.py`, `--report-to`);
+- `Validator` (`validate.py`) validates every N steps on held-out units or a second cache, which the
+  loader never reads; `BestExport` keeps export/ on the best validation acceptance, export-last/
+  on the last weights.
 
 Everything needed to continue exactly (weights, optimizer, schedule, RNG, loader position) is in
 each checkpoint, and the anchors of a batch depend only on (seed, epoch, batch, rank), so a
@@ -38,32 +42,25 @@ from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, save_servin
 from dflash_cache.train.follow import is_complete, wait_for_cache
 from dflash_cache.train.loader import Batch, CacheLoader
 from dflash_cache.train.metrics import MetricsLog, StepWindow, Trace, clock
-from dflash_cache.train.objective import Blocks, chunked_loss, drafter_cost, make_blocks
+from dflash_cache.train.objective import Blocks, drafter_cost, forward_blocks
 from dflash_cache.train.schedule import Schedule
+from dflash_cache.train.tracking import check_available, open_trackers, parse_report_to
+from dflash_cache.train.validate import EXPORT_LAST, BestExport, Validator, ValSet
 
 RUN_JSON = "train.json"
-EXPORT = "export"
+EXPORT = "export"  # the best drafter by validation acceptance; without validation, the last (EXPORT_LAST)
 
 
 def train_step(model, embed: torch.Tensor, head: torch.Tensor, batch: Batch, dcfg: DrafterConfig, cfg: TrainConfig,
                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, Blocks]:
-    """One forward and backward: blocks from anchors, frozen embedding, drafter, chunked decayed
-    loss. Returns the loss, which block tokens were predicted right, and the blocks."""
-    ids, mask, offsets = batch.host
-    blocks = make_blocks(ids, mask, offsets, block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
-                         max_anchors=cfg.max_anchors, generator=generator, gamma=cfg.gamma)  # fmt: skip
-    # Only weighted slots reach the LM head: never slot 0 (the given anchor), nor unsupervised ones.
-    scored = blocks.weights.flatten().nonzero().squeeze(1).to(embed.device, non_blocking=True)
-    blocks = blocks.to(embed.device, non_blocking=True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if embed.is_cuda else nullcontext()
-    with autocast:
-        block_embeds = torch.nn.functional.embedding(blocks.input_ids.flatten(), embed)
-        hidden = model(block_embeds, batch.context.to(embed.dtype), blocks.layout)
-        loss, hits = chunked_loss(hidden[scored], head, blocks.labels.flatten()[scored],
-                                  blocks.weights.flatten()[scored], cfg.loss_chunk)  # fmt: skip
+    """One forward (`objective.forward_blocks`: blocks from anchors, frozen embedding, drafter,
+    chunked decayed loss) and backward. Returns the loss, which block tokens were predicted right,
+    and the blocks."""
+    loss, correct, blocks = forward_blocks(model, embed, head, batch, block_size=dcfg.block_size,
+                                           mask_token_id=dcfg.mask_token_id, max_anchors=cfg.max_anchors,
+                                           gamma=cfg.gamma, loss_chunk=cfg.loss_chunk, generator=generator)  # fmt: skip
     (loss / cfg.grad_accum).backward()
-    correct = torch.zeros(blocks.labels.numel(), dtype=torch.bool, device=hits.device).index_copy_(0, scored, hits)
-    return loss.detach(), correct.view_as(blocks.labels), blocks
+    return loss.detach(), correct, blocks
 
 
 def anchor_generator(seed: int, epoch: int, batch: int, rank: int) -> torch.Generator:
@@ -97,6 +94,8 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
             dcfg = drafter_config(cfg, spec)
         except SpecError as e:
             raise TrainError(f"the drafter does not fit the cache: {e}") from None
+        check_available(parse_report_to(cfg.report_to))  # refused before anything is written
+        vset = _val_set(cfg, spec, dcfg)
         cfg.out.mkdir(parents=True, exist_ok=True)
         _check_run_dir(cfg, spec, dcfg)
         if (state := Checkpointer(cfg.out).load(mmap=True)) is not None:  # refused here: one error line
@@ -104,7 +103,15 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
         launch(_worker, (cfg, reporter.channel), gpus=cfg.gpus, procs=cfg.procs)
     finally:
         totals = reporter.stop()
-    return {"run": str(cfg.out), "export": str(cfg.out / EXPORT), **{k: v for k, v in totals.items() if k != "bar"}}
+    last = {"export_last": str(cfg.out / EXPORT_LAST)} if vset is not None else {}
+    return {"run": str(cfg.out), "export": str(cfg.out / EXPORT), **last,
+            **{k: v for k, v in totals.items() if k != "bar"}}  # fmt: skip
+
+
+def _val_set(cfg: TrainConfig, spec: CacheSpec, dcfg: DrafterConfig) -> ValSet | None:
+    """The validation samples `--val-fraction`/`--val-cache` ask for (checked), or None."""
+    return ValSet.choose(cfg.cache, spec, fraction=cfg.val_fraction, val_cache=cfg.val_cache,
+                         layer_ids=dcfg.target_layer_ids)  # fmt: skip
 
 
 def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: DrafterConfig) -> None:
@@ -181,6 +188,7 @@ class Setup:
     opt: torch.optim.Optimizer
     loader: CacheLoader
     schedule: Schedule
+    vset: ValSet | None = None  # the validation samples; the loader never reads held-out units
 
     def done(self) -> bool:
         """Every epoch trained, or `max_steps` reached."""
@@ -196,7 +204,9 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
     """The drafter (the same initial weights on every rank), the frozen embedding and head, DDP,
     the optimizer, the loader of this rank's batches, and the schedule (its length is set once a
     checkpoint has told the loader where it stands). Nothing is written to the run directory."""
-    dcfg = drafter_config(cfg, read_spec(cfg.cache))
+    spec = read_spec(cfg.cache)
+    dcfg = drafter_config(cfg, spec)
+    vset = _val_set(cfg, spec, dcfg)
     device, cuda = w.device, w.device.type == "cuda"
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = DFlashDrafter(dcfg).to(device)
@@ -209,10 +219,10 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
                          else 2048), seed=cfg.seed, rank=w.rank, world_size=w.world_size, device=device,
                          prefetch=cfg.prefetch, readers=cfg.readers, skip_bad_units=cfg.skip_bad_units,
                          follow=cfg.follow, control_group=control_group, on_status=on_status, on_warning=on_warning,
-                         batch_cost=cost)  # fmt: skip
+                         batch_cost=cost, units=vset and vset.train_units)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=cuda)  # fmt: skip
-    return Setup(cfg, w, dcfg, model, ddp, embed, head, opt, loader, Schedule(cfg.lr, cfg.warmup))
+    return Setup(cfg, w, dcfg, model, ddp, embed, head, opt, loader, Schedule(cfg.lr, cfg.warmup), vset)
 
 
 def optimizer_step(s: Setup) -> None:
@@ -229,16 +239,28 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     tell = channel.put if w.rank == 0 else None  # progress, warnings and notes: rank 0 speaks for all
     s = setup(w, cfg, control_group=control_group, on_status=tell and (lambda st: tell({"follow": st})),
               on_warning=tell and (lambda text: tell({"warning": text})))  # fmt: skip
+    best = BestExport(cfg.out, partial(save_serving, s.model, s.dcfg) if tell else lambda where: None)
     ckpt = Checkpointer(cfg.out, cfg.keep_checkpoints, every=cfg.save_every, top=(s.schedule, s.loader),
-                        states={"model": s.model, "optimizer": s.opt, "rng": CpuRng()})  # fmt: skip
+                        states={"model": s.model, "optimizer": s.opt, "rng": CpuRng(),
+                                "best_export": best})  # fmt: skip
     state = ckpt.restore()
-    s.schedule.total = cfg.epochs * s.loader.epoch_tokens  # over tokens: see schedule.py
-    metrics = MetricsLog(cfg.out, state and state["step"], rank=w.rank, on_progress=channel.put)
+    s.schedule.total = cfg.epochs * _epoch_tokens(s)  # over tokens: see schedule.py
+    resume_step = state and state["step"]
+    trackers = open_trackers(cfg.report_to, cfg.out, rank=w.rank, resume_step=resume_step, config=asdict(cfg))
+    metrics = MetricsLog(cfg.out, resume_step, rank=w.rank, on_progress=channel.put, sinks=trackers.trackers)
+    validator = s.vset and Validator.of(s.vset, cfg, s.dcfg, rank=w.rank, world_size=w.world_size, device=w.device)
     trace = Trace(cfg.out, w.rank, w.world_size, s.schedule.step, enabled=cfg.trace)
     if tell:
         _announce(s, tell, ckpt.latest() if state else None)
     throttle = GpuThrottle(w.device.type == "cuda")
     window = StepWindow(s.model, w.device, w.world_size, wait=lambda: s.loader.wait_seconds)
+
+    def validate(step: int) -> None:  # every rank; export/ follows the best validation acceptance
+        record = validator.run(s.model, s.embed, s.head, step)
+        metrics.log(record)
+        best.update(record)
+        window.start += record["val_seconds"]  # the next step line's rates leave the validation out
+
     while not s.done():
         micro = 0  # batches since the last optimizer step
         for batch in s.loader:  # the rest of the epoch, from the loader's position
@@ -257,6 +279,8 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
             trace.step(step, s.model)
             if step % cfg.log_every == 0:
                 metrics.log(window.record(step, batch.epoch, s.opt.param_groups[0]["lr"]) | clock(s.schedule.tokens))
+            if validator and validator.due(step):
+                validate(step)
             ckpt.maybe_save(step)
             if s.done():
                 break
@@ -267,14 +291,30 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
             epoch, ended = s.loader.position.epoch, s.loader.end_epoch()
             metrics.log({"epoch_end": epoch, "step": s.schedule.step, "samples": ended.pop("samples")}
                         | clock(s.schedule.tokens) | ended)  # fmt: skip
+    if validator and best.validated != s.schedule.step:
+        validate(s.schedule.step)  # the last weights are validated too
     ckpt.save(s.schedule.step)
     s.loader.close()
     metrics.close()
+    if validator:
+        validator.close()
+    best.finish()  # export-last/ (export/ without validation)
     if tell:
-        save_serving(s.model, s.dcfg, cfg.out / EXPORT)
         tell({"steps": s.schedule.step})
     if w.world_size > 1:
         dist.barrier()
+
+
+def _epoch_tokens(s: Setup) -> int:
+    """An epoch's tokens for the schedule's length. With held-out units, the plan's tokens times the
+    share of units trained on, in a followed epoch and on the finished cache alike, so the schedule
+    never depends on when a run (or its resume) started; the held-out units' own token counts are
+    not known before they commit. The lr ends within a few thousandths of zero."""
+    held = s.vset.units if s.vset is not None else None
+    if not held:
+        return s.loader.epoch_tokens
+    plan = s.loader.spec.plan
+    return plan.num_tokens * (plan.num_units - len(held)) // plan.num_units
 
 
 def _announce(s: Setup, tell, resumed_from: Path | None) -> None:

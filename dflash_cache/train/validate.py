@@ -36,18 +36,23 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, read_spec
 from dflash_cache.cache.store import committed_units
+from dflash_cache.train.config import resolve_token_budget
 from dflash_cache.train.loader import Batch, CacheLoader
 from dflash_cache.train.metrics import all_reduce_sums
-from dflash_cache.train.objective import Blocks, block_metrics, chunked_loss, make_blocks, summarize_metrics
+from dflash_cache.train.objective import block_metrics, forward_blocks, summarize_metrics
+
+if TYPE_CHECKING:
+    from dflash_cache.train.config import TrainConfig
+    from dflash_cache.train.drafter import DrafterConfig
 
 VAL_KEY = 0x7A1  # in the validation anchors' seed, apart from training's (seed, epoch, batch, rank)
 EXPORT, EXPORT_LAST = "export", "export-last"
@@ -129,27 +134,6 @@ def val_generator(seed: int, batch: int, rank: int) -> torch.Generator:
     return g
 
 
-def forward_blocks(model: torch.nn.Module, embed: torch.Tensor, head: torch.Tensor, batch: Batch, *, block_size: int,
-                   mask_token_id: int, max_anchors: int, gamma: float | None, loss_chunk: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, Blocks]:  # fmt: skip
-    """Blocks from anchors, frozen embedding, drafter, chunked decayed loss: the forward of a
-    training step. Returns the loss, which block tokens the argmax predicted right, and the blocks."""
-    ids, mask, offsets = batch.host
-    blocks = make_blocks(ids, mask, offsets, block_size=block_size, mask_token_id=mask_token_id,
-                         max_anchors=max_anchors, generator=generator, gamma=gamma)  # fmt: skip
-    # Only weighted slots reach the LM head: never slot 0 (the given anchor), nor unsupervised ones.
-    scored = blocks.weights.flatten().nonzero().squeeze(1).to(embed.device, non_blocking=True)
-    blocks = blocks.to(embed.device, non_blocking=True)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if embed.is_cuda else nullcontext()
-    with autocast:
-        block_embeds = torch.nn.functional.embedding(blocks.input_ids.flatten(), embed)
-        hidden = model(block_embeds, batch.context.to(embed.dtype), blocks.layout)
-        loss, hits = chunked_loss(hidden[scored], head, blocks.labels.flatten()[scored],
-                                  blocks.weights.flatten()[scored], loss_chunk)  # fmt: skip
-    correct = torch.zeros(blocks.labels.numel(), dtype=torch.bool, device=hits.device).index_copy_(0, scored, hits)
-    return loss, correct.view_as(blocks.labels), blocks
-
-
 class Validator:
     """Validation every `every` steps over a `ValSet`, on every DDP rank (each takes its share of
     the batches; the sums are reduced), returning a metrics record.
@@ -166,6 +150,18 @@ class Validator:
         self.open_loader = loader
         self.loader: CacheLoader | None = None
         self.units: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, vset: ValSet, cfg: TrainConfig, dcfg: DrafterConfig, *, rank: int, world_size: int,
+           device: torch.device) -> Validator:  # fmt: skip
+        """The validator of a training run: its objective, seed, batch size and readers, every
+        `val_every` steps (default: every `save_every`, so each checkpoint follows a validation)."""
+        budget = resolve_token_budget(cfg.token_budget, device.type == "cuda")
+        loader = partial(open_loader, vset, layer_ids=dcfg.target_layer_ids, token_budget=budget, seed=cfg.seed,
+                         rank=rank, world_size=world_size, device=device, readers=cfg.readers)  # fmt: skip
+        return cls(vset, every=cfg.val_every or cfg.save_every, block_size=dcfg.block_size,
+                   mask_token_id=dcfg.mask_token_id, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
+                   loss_chunk=cfg.loss_chunk, seed=cfg.seed, rank=rank, loader=loader)  # fmt: skip
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -238,9 +234,11 @@ class BestExport:
         self.best_dir, self.last_dir = Path(run_dir) / EXPORT, Path(run_dir) / EXPORT_LAST
         self.save = save
         self.best: dict[str, Any] | None = None  # {"step", "accept_len", "samples"}
+        self.validated: int | None = None  # the step of the last validation
 
     def update(self, record: Mapping[str, Any]) -> bool:
         """Take a validation record; export the current weights to export/ if they are the best."""
+        self.validated = record["step"]
         if not record.get("val_blocks"):
             return False
         same = self.best is not None and self.best["samples"] == [record["val_units"], record["val_samples"]]
@@ -259,7 +257,7 @@ class BestExport:
         return where
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best": self.best}
+        return {"best": self.best, "validated": self.validated}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.best = state.get("best")
+        self.best, self.validated = state.get("best"), state.get("validated")
