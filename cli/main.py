@@ -154,8 +154,9 @@ def train(cfg: TrainConfig, *, as_json: bool) -> None:
     _paths(("output_dir", cfg.out, "--out"))
     _check_gpus(cfg)
     summary = tr.run(cfg, Quiet() if as_json else TrainBar())
-    _emit(summary, as_json,
-          lambda s: console.print(f"trained {s.get('steps', 0)} steps; serving export in {s['export']}"))  # fmt: skip
+    _emit(summary, as_json, lambda s: console.print(f"trained {s.get('steps', 0)} steps; serving export in "
+                                                    + (f"{s['export']} (best validation; the last weights in "
+                                                       f"{s['export_last']})" if "export_last" in s else s["export"])))
 
 
 @app.command()
