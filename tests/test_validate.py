@@ -156,6 +156,9 @@ def test_validator_matches_a_full_logits_computation(tiny_cache, tmp_path):
     assert {k: v for k, v in again.items() if k not in ("step", "time", "val_seconds")} == {
         k: v for k, v in got.items() if k not in ("step", "time", "val_seconds")}  # the same blocks each time
     assert validator.due(10) and not validator.due(11)
+    shutil.copytree(tiny_cache / "units" / "u000001", val_dir / "units" / "u000001")  # the cache grows
+    grown = validator.run(model, embed, head, step=15)
+    assert grown["val_units"] == 2 and grown["val_blocks"] > got["val_blocks"]  # the loader was opened anew
     validator.close()
     ref_loader.close()
 
@@ -330,3 +333,19 @@ def test_refusals_before_anything_is_written(tiny_cache, tmp_path):
         with pytest.raises(error, match=match):
             run(TrainConfig(cache=tiny_cache, out=tmp_path / "run", **bad))
         assert not (tmp_path / "run").exists()
+
+
+def test_validation_under_ddp(tiny_cache, tmp_path):
+    """Two gloo ranks share the validation batches and sum their figures: every held-out sample is
+    validated (at most one left out by the deal), and the run ends as usual."""
+    from dflash_cache.train.stage import run
+
+    out = tmp_path / "ddp"
+    run(TrainConfig(cache=tiny_cache, out=out, procs=2, val_every=2, **{**RUN, "max_steps": 4, "save_every": 4}))
+    val, _ = _records(out)
+    held = held_out_units(read_spec(tiny_cache).plan.num_units, 0.2)
+    n = sum(json.loads((tiny_cache / "units" / f"u{u:06d}" / "zarr.json").read_text())["attributes"]["dflash_unit"]
+            ["n_samples"] for u in held)  # fmt: skip
+    assert [r["step"] for r in val] == [2, 4] and all(n - 1 <= r["val_samples"] <= n for r in val)
+    assert val[0]["val_samples"] == val[1]["val_samples"] and val[1]["val_blocks"] > 100
+    assert (out / "export" / "model.safetensors").is_file() and (out / "export-last" / "model.safetensors").is_file()
