@@ -96,6 +96,9 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
             raise TrainError(f"the drafter does not fit the cache: {e}") from None
         check_available(parse_report_to(cfg.report_to))  # refused before anything is written
         vset = _val_set(cfg, spec, dcfg)
+        if cfg.val_fraction and vset is None:
+            reporter.channel.put({"warning": f"--val-fraction {cfg.val_fraction}: the cache plans a single unit, "
+                                             "none to hold out; training without validation"})  # fmt: skip
         cfg.out.mkdir(parents=True, exist_ok=True)
         _check_run_dir(cfg, spec, dcfg)
         if (state := Checkpointer(cfg.out).load(mmap=True)) is not None:  # refused here: one error line
