@@ -1,0 +1,71 @@
+"""The prompt-lookup baseline of the quality run (dflash_cache/lookup.py): its drafts follow the
+n-gram rule, and the acceptance it computes from a greedy output alone equals what the real
+speculative-decoding loop commits with that drafter plugged in, on a real target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ROOT, TINY_TARGET
+from test_evaluate import export_random_drafter
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_cache import evaluate as ev
+from dflash_cache import lookup
+from dflash_cache.train.drafter import load_serving
+
+
+def test_propose_takes_the_longest_most_recent_ngram():
+    #          0  1  2  3  4  5  6  7  8  9
+    context = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6]
+    # suffix (5, 6) last occurred at 4 (followed by 8, 2, ...); the 3-gram (2, 5, 6) never did
+    assert lookup.propose(context, 3) == [8, 2, 5]
+    assert lookup.propose(context, 3, max_ngram=1) == [8, 2, 5]  # unigram 6 last at 5, same follow-up
+    assert lookup.propose([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]  # the trigram wins over a later unigram
+    assert lookup.propose([1, 2, 3], 4) == []  # nothing repeats
+    assert lookup.propose([4, 4], 5) == [4]  # only what exists after the match
+    assert lookup.propose([7], 3) == []
+    with pytest.raises(ValueError):
+        lookup.propose([1, 2], 0)
+
+
+def test_acceptance_lengths_by_hand():
+    # Output repeats the prompt: after the prefill's first token (3) every step drafts the rest.
+    prompt, output = [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 6, 7]
+    # t=1: context ends ...7, 1 -> unigram 1 at 0 -> drafts 2..7 (B-1 = 3: 2, 3, 4): all right, +bonus 5
+    assert lookup.acceptance_lengths(prompt, output, block_size=4) == [4, 2]
+    assert lookup.acceptance_lengths([9], [1, 2, 3], block_size=16) == [1, 1]  # nothing to look up
+    assert lookup.acceptance_lengths([9], [1], block_size=16) == []  # the prefill's token only
+    lengths = lookup.acceptance_lengths(prompt, output, block_size=16)
+    assert sum(lengths) == len(output) - 1  # every token but the first is committed by a step
+
+
+def test_acceptance_equals_the_speculative_loop(tmp_path, monkeypatch):
+    """lookup.acceptance_lengths(prompt, greedy output) is what evaluate's loop commits per step
+    when lookup.propose is its drafter: the same accounting, checked on the tiny target's own
+    decoding (real verification forwards, stop tokens and the length limit)."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
+    target = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+    stop_ids = ev.stop_token_ids(tokenizer, target)
+    prompts = ev.load_prompts(ROOT / "data" / "prompts.jsonl", tokenizer, limit=6)
+    B = 8
+    drafter, dcfg = load_serving(export_random_drafter(tmp_path / "d", B), dtype=torch.float32)
+    drafted: list[int] = []
+    total_steps = 0
+    for p in prompts:
+        ref = ev.target_generate(target, p, max_new_tokens=40, stop_ids=stop_ids)
+
+        def lookup_drafter(drafter, dcfg, context, last_token, position, *, block_size, p=p, ref=ref, **_):
+            committed = ref[: position - len(p) + 1]  # the loop's output so far ends with last_token
+            assert committed[-1] == last_token
+            drafts = lookup.propose([*p, *committed], block_size - 1)
+            drafted.append(len(drafts))
+            return drafts, None
+
+        monkeypatch.setattr(ev, "propose", lookup_drafter)
+        out, lengths = ev.speculative_generate(target, drafter, dcfg, p, max_new_tokens=40, block_size=B,
+                                               stop_ids=stop_ids)  # fmt: skip
+        assert out == ref
+        assert lengths == lookup.acceptance_lengths(p, ref, block_size=B)
+        total_steps += len(lengths)
+    assert total_steps > 20 and max(drafted) == B - 1 and min(drafted) < B - 1  # full, short and empty drafts ran
