@@ -1,4 +1,4 @@
-"""Speculative decoding with the target and an exported drafter, and tau (DESIGN.md section 6).
+"""Speculative decoding with the target and an exported drafter, and tau (ARCHITECTURE.md).
 
 The loop follows the DFlash reference (z-lab/dflash), batch size 1:
 
@@ -33,10 +33,8 @@ serving engine would cache them.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,15 +53,14 @@ from dflash_cache.extract.data import (
     source_row,
 )
 from dflash_cache.extract.target import (
+    LayerTaps,
     TargetError,
-    _decoder_layers,
-    _first_line,
+    first_line,
     load_tokenizer,
     stop_token_ids,
     text_config,
 )
 from dflash_cache.progress import ProgressSink
-from dflash_cache.train import objective
 from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, load_serving
 from dflash_cache.train.objective import BlockLayout
 
@@ -167,33 +164,9 @@ def _forward(model: nn.Module, ids: list[int], cache, kwarg: str, keep: int = 0)
     return out.logits[0]
 
 
-@contextlib.contextmanager
-def _tap(model: nn.Module, layer_ids: list[int]) -> Iterator[list[Tensor | None]]:
-    """Forward hooks on the tapped decoder layers; yields a list that holds, after each forward,
-    every tapped layer's output [1, T, H] (in layer_ids order). Hooks are removed on exit, so the
-    target-only baseline runs without them."""
-    num_layers = int(text_config(model.config.to_dict())["num_hidden_layers"])
-    base = model.get_decoder() if hasattr(model, "get_decoder") else model
-    _, _, layers = _decoder_layers(base, num_layers)
-    taps: list[Tensor | None] = [None] * len(layer_ids)
-
-    def hook_for(k: int):
-        def hook(_m: nn.Module, _inputs: tuple, output: Tensor | tuple) -> None:
-            taps[k] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    handles = [layers[lid].register_forward_hook(hook_for(k)) for k, lid in enumerate(layer_ids)]
-    try:
-        yield taps
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _fused(taps: list[Tensor | None]) -> Tensor:
+def _fused(taps: LayerTaps) -> Tensor:
     """[T, K*H]: the tapped layers side by side, the layout the drafter's fc (and the cache) use."""
-    return torch.cat([t[0] for t in taps], dim=-1)  # type: ignore[index]
+    return torch.cat([t[0] for t in taps.take()], dim=-1)
 
 
 def _choose(logits: Tensor, temperature: float, generator: torch.Generator | None) -> Tensor:
@@ -240,25 +213,15 @@ def propose(
         torch.tensor([position], device=dev),
         block_size,
     )
-    hidden = drafter(embed(block).to(context.dtype), context, layout)
+    # The exact (SDPA) path: flex would build and compile a new block mask for every one-block
+    # step, which costs far more than it saves at this size.
+    hidden = drafter(embed(block).to(context.dtype), context, layout, attention="sdpa")
     logits = head(hidden[1:]).float()
     if temperature <= 0:
         return logits.argmax(-1).tolist(), None
     q = torch.softmax(logits / temperature, dim=-1)
     drafts = torch.multinomial(_sample_device(generator, q), 1, generator=generator).squeeze(-1)
     return drafts.tolist(), q
-
-
-@contextlib.contextmanager
-def _exact_attention() -> Iterator[None]:
-    """Force the drafter's exact (SDPA) attention path: flex would build and compile a new block
-    mask for every one-block step, which costs far more than it saves at this size."""
-    saved = objective._flex_broken
-    objective._flex_broken = True
-    try:
-        yield
-    finally:
-        objective._flex_broken = saved
 
 
 def _verify(
@@ -322,7 +285,7 @@ def speculative_generate(
     cache = _new_cache(target_model)
     out: list[int] = []
     lengths: list[int] = []
-    with _tap(target_model, dcfg.target_layer_ids) as taps, _exact_attention():
+    with LayerTaps.of(target_model, dcfg.target_layer_ids) as taps:
         logits = _forward(target_model, list(input_ids), cache, kwarg, keep=1)
         first = int(_choose(logits[-1:], temperature, generator)[0])
         rows = _fused(taps)  # [L, K*H]
@@ -417,7 +380,7 @@ def _encode_prompt(row: dict, messages: list[dict] | None, tokenizer, kwargs: di
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         except Exception as e:  # jinja2 raises many types
-            raise DataError(f"{where}: chat template failed ({_first_line(e)})") from None
+            raise DataError(f"{where}: chat template failed ({first_line(e)})") from None
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         text = source_row(row)["text"]
@@ -436,7 +399,7 @@ def _load_target_model(path: str, device: torch.device) -> nn.Module:
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as e:
-        raise TargetError(f"--target {path}: cannot load the model ({_first_line(e)})") from None
+        raise TargetError(f"--target {path}: cannot load the model ({first_line(e)})") from None
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -467,6 +430,7 @@ def evaluate(
     chat_template_kwargs: dict | None = EvalConfig.chat_template_kwargs,
     data_split: str | None = EvalConfig.data_split,
     sink: ProgressSink | None = None,
+    baseline: bool = True,
 ) -> EvalResult:
     """Speculative decoding vs target-only decoding on the same prompts.
 
@@ -479,7 +443,8 @@ def evaluate(
 
     Both runs of a prompt draw from generators seeded with (seed, prompt index), so the result
     does not depend on --limit. Timings include the prefill and follow a short warm-up. `sink`
-    sees the prompts done and the running tau per prompt.
+    sees the prompts done and the running tau per prompt. ``baseline=False`` skips the
+    target-only runs (no speed figures, ``same_as_target`` None): for tau alone, at half the cost.
     """
     if max_new_tokens < 1:
         raise EvalError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -498,7 +463,7 @@ def evaluate(
     try:
         drafter, dcfg = load_serving(drafter_dir, dtype=dtype, device=device)
     except (KeyError, ValueError, RuntimeError) as e:
-        raise EvalError(f"--drafter {drafter_dir}: cannot load it ({_first_line(e)})") from None
+        raise EvalError(f"--drafter {drafter_dir}: cannot load it ({first_line(e)})") from None
     drafter.eval().requires_grad_(False)
     check_fits(dcfg, model.config.to_dict())
     B = dcfg.block_size if block_size is None else block_size
@@ -521,8 +486,9 @@ def evaluate(
         warm = min(8, max_new_tokens)  # first calls pay for allocations and kernel selection
         speculative_generate(model, drafter, dcfg, prompt_ids[0], max_new_tokens=warm, block_size=B,
                              temperature=temperature, generator=gen(0), stop_ids=stop_ids)  # fmt: skip
-        target_generate(model, prompt_ids[0], max_new_tokens=warm, temperature=temperature, generator=gen(0),
-                        stop_ids=stop_ids)  # fmt: skip
+        if baseline:
+            target_generate(model, prompt_ids[0], max_new_tokens=warm, temperature=temperature,
+                            generator=gen(0), stop_ids=stop_ids)  # fmt: skip
 
         samples, per_prompt = [], []
         spec_time = target_time = 0.0
@@ -536,17 +502,20 @@ def evaluate(
             )  # fmt: skip
             sync()
             t1 = time.perf_counter()
-            ref = target_generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                  generator=gen(i), stop_ids=stop_ids)  # fmt: skip
+            ref = None
+            if baseline:
+                ref = target_generate(model, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      generator=gen(i), stop_ids=stop_ids)  # fmt: skip
             sync()
             t2 = time.perf_counter()
             spec_time, target_time = spec_time + t1 - t0, target_time + t2 - t1
-            spec_tokens, target_tokens = spec_tokens + len(out), target_tokens + len(ref)
+            spec_tokens, target_tokens = spec_tokens + len(out), target_tokens + len(ref or ())
             per_prompt.append(lengths)
             samples.append({
                 "index": i, "prompt_tokens": len(ids), "new_tokens": len(out), "steps": len(lengths),
                 "tau": tau(lengths), "acceptance_lengths": lengths,
-                "same_as_target": out == ref, "output": tokenizer.decode(out),
+                "same_as_target": None if ref is None else out == ref, "output": tokenizer.decode(out),
+                "output_ids": out,
             })  # fmt: skip
             if sink is not None:
                 sink.update({"prompts": i + 1, "tau": tau_per_prompt(per_prompt)}, {"prompts": 1})

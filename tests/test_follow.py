@@ -19,8 +19,9 @@ from pathlib import Path
 
 from conftest import CHAT, ROOT, TINY_TARGET
 
+from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.spec import read_spec
-from dflash_cache.cache.store import UnitReader, committed_units, extract_running
+from dflash_cache.cache.store import committed_units, extract_running
 from dflash_cache.train.checkpoint import Checkpointer
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
