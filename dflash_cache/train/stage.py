@@ -144,12 +144,6 @@ def _world_size(cfg: TrainConfig) -> int:
     return worker.world_size if worker is not None else len(cfg.gpus) if cfg.gpus else max(1, cfg.procs)
 
 
-def _world_size(cfg: TrainConfig) -> int:
-    """The number of ranks `launch` will start for `cfg` (torchrun's, under torchrun)."""
-    worker = torchrun_worker()
-    return worker.world_size if worker is not None else len(cfg.gpus) if cfg.gpus else max(1, cfg.procs)
-
-
 def check_resume(state: dict[str, Any], world_size: int, cache_complete: bool) -> None:
     """Refuse a resume on another number of ranks that cannot re-deal the rest of the checkpoint's
     epoch (see `batching.resume_parts`): a followed epoch 0 of a cache still being extracted, whose
