@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoTokenizer
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.errors import UserError
 from dflash_cache.extract.stage import mask_token_id, run
+from dflash_cache.train import objective
 from dflash_cache.train import stage as train_mod
 
 sys.path.insert(0, str(ROOT / "data"))
@@ -101,14 +102,14 @@ def test_mask_id_reaches_cache_blocks_and_export(tmp_path, targets, monkeypatch)
     assert json.loads((cache / "cache.json").read_text())["tokenizer"]["mask_token_id"] == len(tok)
 
     blocks = []
-    real = train_mod.make_blocks
+    real = objective.make_blocks
 
     def spy(*args, **kwargs):
         b = real(*args, **kwargs)
         blocks.append(b)
         return b
 
-    monkeypatch.setattr(train_mod, "make_blocks", spy)
+    monkeypatch.setattr(objective, "make_blocks", spy)  # forward_blocks builds every batch's blocks
     cfg = train_mod.TrainConfig(cache=cache, out=tmp_path / "run", epochs=1, max_steps=2, token_budget=1024,
                                 max_anchors=8, draft_layers=1, log_every=1)  # fmt: skip
     summary = train_mod.run(cfg)
