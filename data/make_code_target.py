@@ -1,0 +1,517 @@
+"""Build a code target: a small Qwen3 trained on the running interpreter's standard library, and its data.
+
+The drafter-quality run (``data/quality.py``) and the demo need a target whose text is real, and
+nothing can be downloaded here. Every machine has a real corpus nobody here wrote: the Python
+standard library's own ``**/*.py`` files. This script makes, deterministically from a seed:
+
+- a byte-level BPE tokenizer trained with ``tokenizers`` on the training modules, with three
+  special tokens appended: ``<|endoftext|>`` (pad), ``<|im_start|>`` and ``<|im_end|>`` (eos), and
+  **no mask token**. The model's embedding table is larger than the tokenizer (rounded up to a
+  multiple of 64 past it), as in Qwen3, so ``dflash extract`` takes the mask id from the rule
+  ``len(tokenizer) < vocab_size`` (the id ``len(tokenizer)``);
+- a ChatML chat template with ``{% generation %}`` markers around each assistant reply and its
+  ``<|im_end|>``;
+- the data, in the form prompts are asked: a **user turn holding a code prefix** (6 to 30 whole
+  lines, at most 1200 characters) and an **assistant turn holding its continuation** (the lines
+  after it up to the next blank line, 1 to 16 lines). Each module is walked front to back in
+  windows of prefix + continuation, so every line is trained on once an epoch;
+- a ``Qwen3ForCausalLM`` trained as a causal LM on those conversations rendered exactly as
+  ``dflash extract`` renders them (loss on every token), saved in bfloat16 as safetensors.
+
+Whole modules are held out (``HELD_OUT``: packages and single files that exist from Python 3.10
+to 3.13), with their test files; ``corpus.json`` beside the model records them, the interpreter
+version, the file counts and the token counts. Test suites (``test/``, ``tests/``,
+``idle_test/``), ``site-packages``, and the generated tables of ``encodings/`` and ``pydoc_data/``
+are not code anyone writes; the CPU size skips the test suites, the GPU size trains on them too
+(it needs the data more than the CPU size does).
+
+Two sizes (``--size``):
+
+- ``cpu``: 8 layers, hidden 96, tied embeddings, 2048 embedding rows (2,003 tokens). A few
+  minutes on 2 CPU cores; its output is committed as ``data/code-target`` with the data files
+  ``data/code_train.jsonl`` (regen input: training-module prefixes with their original
+  continuations) and ``data/code_prompts.jsonl`` (held-out-module prefixes, the eval prompts).
+- ``gpu``: 12 layers, hidden 768 (96M parameters), 8,003 tokens in 8,064 rows, batches of 64K
+  tokens in bf16 autocast on one GPU; ``--time-budget S`` fits the cosine schedule into S seconds.
+
+Training: AdamW (betas 0.9/0.95, weight decay 0.01), linear warmup 5%, cosine decay to 5% of the
+peak, gradients clipped to norm 1, a seeded order of length-sorted batches. On CPU it runs in
+float32 on one thread by default, with denormals flushed: on a CPU shared with other jobs two
+threads stalled for minutes between steps (each waits for the other), and unflushed denormals
+slow a step tenfold. Everything is seeded; the data files depend on the corpus and the seed only
+(``--data-only`` rewrites them byte for byte without training). On a GPU the kernels are not
+bitwise reproducible, so reruns agree only closely.
+
+Result, CPU size (Python 3.11.7, torch 2.13 CPU, transformers 5.24): 1.01M parameters, 2.0 MB;
+700 steps of 2048 tokens (0.48 epochs of 3.01M tokens), about 0.2 s a step on an idle core (829 s
+on the loaded 2-core machine this was made on); held-out loss 4.50 nats/token in bf16. Like any
+small model's, its greedy continuations fall into loops (``self._c = self._c`` line after line),
+which QUALITY.md weighs against a prompt-lookup drafter. GPU size on one H200: 0.46 s per 64K-token
+step in a 55 s budget, held-out loss 4.76 (QUALITY.md).
+
+Usage: ``python data/make_code_target.py --size cpu|gpu [--out DIR] [--data-dir DIR] [--steps N]
+[--time-budget S] [--data-only]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import shutil
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SEED = 0
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # no mask token, on purpose
+
+# Held out for evaluation: whole modules (a package is its directory). All exist in 3.10-3.13.
+HELD_OUT = ("argparse.py", "calendar.py", "configparser.py", "csv.py", "difflib.py", "fractions.py",
+            "ftplib.py", "gettext.py", "heapq.py", "json", "shlex.py", "statistics.py", "textwrap.py")  # fmt: skip
+SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "encodings", "pydoc_data", "__pycache__"}
+TEST_DIRS = {"test", "tests", "idle_test"}
+
+# Windows of the corpus: prefix lines, continuation lines, prefix characters.
+PREFIX_LINES = (6, 30)
+CONT_LINES = 16
+PREFIX_CHARS = 1200
+MAX_TOKENS = 1024  # longer conversations (a few, with very long lines) are not trained on
+
+# Same pre-tokenizer as Qwen2/Qwen3 (and data/make_tiny_target.py).
+PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
+    "{{- '\\n' }}"
+    "{%- elif message['role'] in ['system', 'user'] %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- raise_exception('Unknown role: ' + message['role']) }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@dataclass
+class Size:
+    bpe_vocab: int  # learned tokens; the specials come after
+    geometry: dict
+    steps: int
+    batch_tokens: int  # padded tokens a batch
+    lr: float
+    with_tests: bool  # train on the test suites too
+    threads: int = 1
+    train_rows: int = 400  # regen input rows written beside the model
+    prompt_rows: int = 64  # held-out prompts written beside the model
+    extra: dict = field(default_factory=dict)
+
+
+SIZES = {
+    "cpu": Size(
+        bpe_vocab=2000,
+        geometry=dict(hidden_size=96, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=24, tie_word_embeddings=True),  # fmt: skip
+        steps=700, batch_tokens=2048, lr=3e-3, with_tests=False, threads=1,
+    ),
+    "gpu": Size(
+        bpe_vocab=8000,
+        geometry=dict(hidden_size=768, intermediate_size=2560, num_hidden_layers=12, num_attention_heads=12,
+                      num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),  # fmt: skip
+        steps=1500, batch_tokens=65536, lr=1.5e-3, with_tests=True, train_rows=3000, prompt_rows=64,
+    ),
+}
+COMMON = dict(max_position_embeddings=2048, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def module_of(rel: Path) -> str:
+    """The top-level module a stdlib file belongs to ('json' for json/decoder.py, 'csv.py')."""
+    return rel.parts[0]
+
+
+def is_test(rel: Path) -> bool:
+    return any(p in TEST_DIRS for p in rel.parts[:-1]) or rel.name.startswith("test_")
+
+
+def tests_module(rel: Path) -> str | None:
+    """The held-out module a test file tests (test_json/..., test_csv.py), if any."""
+    for part in rel.parts:
+        stem = part.removesuffix(".py")
+        if stem.startswith("test_"):
+            name = stem.removeprefix("test_")
+            for h in HELD_OUT:
+                if name == h.removesuffix(".py"):
+                    return h
+    return None
+
+
+def stdlib_files(root: Path, with_tests: bool) -> list[tuple[str, str]]:
+    """(relative path, text) of every stdlib source file used, sorted by path."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "site-packages" or any(p in SKIP_DIRS - TEST_DIRS for p in rel.parts[:-1]):
+            continue
+        if is_test(rel) and (not with_tests or tests_module(rel) is not None):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        out.append((rel.as_posix(), text.replace("\r\n", "\n")))
+    return out
+
+
+def windows(text: str, rng: random.Random) -> list[tuple[str, str]]:
+    """(prefix, continuation) pairs walking a file front to back: a prefix of 6-30 whole lines (at
+    most PREFIX_CHARS, whole lines dropped from its start), then the lines up to the next blank line
+    (at most CONT_LINES). The next window starts where the continuation ended."""
+    lines = text.split("\n")
+    out, i = [], 0
+    while i < len(lines):
+        b = i + rng.randint(*PREFIX_LINES)
+        while b < len(lines) and not lines[b].strip():  # a continuation starts on a non-blank line
+            b += 1
+        if b >= len(lines):
+            break
+        j = b
+        while j < len(lines) and j - b < CONT_LINES and lines[j].strip():
+            j += 1
+        prefix = lines[i:b]
+        while len(prefix) > 1 and sum(len(s) + 1 for s in prefix) > PREFIX_CHARS:
+            prefix = prefix[1:]
+        if sum(len(s) + 1 for s in prefix) <= PREFIX_CHARS and any(s.strip() for s in prefix):
+            out.append(("\n".join(prefix), "\n".join(lines[b:j])))
+        i = j
+    return out
+
+
+def conversation(prefix: str, continuation: str | None) -> list[dict]:
+    msgs = [{"role": "user", "content": prefix}]
+    if continuation is not None:
+        msgs.append({"role": "assistant", "content": continuation})
+    return msgs
+
+
+def split_corpus(files: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    held = {h for h in HELD_OUT}
+    train = [(p, t) for p, t in files if module_of(Path(p)) not in held]
+    test = [(p, t) for p, t in files if module_of(Path(p)) in held]
+    return train, test
+
+
+def all_windows(files: list[tuple[str, str]], seed: int) -> list[tuple[str, str, str]]:
+    """(path, prefix, continuation) of every file, each file's windows from its own seeded RNG (so
+    one file's windows do not depend on which other files exist)."""
+    out = []
+    for path, text in files:
+        rng = random.Random(f"{seed}:{path}")
+        out.extend((path, p, c) for p, c in windows(text, rng))
+    return out
+
+
+# ----------------------------------------------------------------------------- tokenizer, model
+
+
+def build_tokenizer(texts: list[str], bpe_vocab: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=bpe_vocab, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])  # fmt: skip
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=COMMON["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_model(tokenizer, size: Size):
+    """The untrained model, float32, initialised from SEED. Its table has rows past the tokenizer,
+    so the mask id of a drafter is len(tokenizer), a row no text produces."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    vocab = -(-(len(tokenizer) + 1) // 64) * 64
+    config = Qwen3Config(vocab_size=vocab, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, dtype="bfloat16", **size.geometry, **COMMON)  # fmt: skip
+    torch.manual_seed(SEED)
+    return Qwen3ForCausalLM(config).float()
+
+
+def encode(convs: list[list[dict]], tokenizer) -> list[list[int]]:
+    """Each conversation as ``dflash extract`` renders it: the whole chat, no generation prompt."""
+    texts = tokenizer.apply_chat_template(convs, tokenize=False)
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def make_batches(seqs: list[list[int]], pad_id: int, batch_tokens: int):
+    """Sequences sorted by length, cut into batches of about batch_tokens padded tokens:
+    (input_ids, attention_mask, labels) with labels -100 on padding."""
+    import torch
+
+    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
+    groups, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * len(seqs[i]) > batch_tokens:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    groups.append(cur)
+    batches = []
+    for g in groups:
+        width = max(len(seqs[i]) for i in g)
+        ids = torch.full((len(g), width), pad_id, dtype=torch.long)
+        att = torch.zeros((len(g), width), dtype=torch.long)
+        for r, i in enumerate(g):
+            ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
+            att[r, : len(seqs[i])] = 1
+        batches.append((ids, att, ids.masked_fill(att == 0, -100)))
+    return batches
+
+
+def train(model, batches, size: Size, steps: int, device, time_budget: float | None = None,
+          log_every: int = 50) -> tuple[float, int]:
+    """AdamW, warmup then cosine; returns the token-weighted loss over the last epoch's worth of steps
+    and the steps taken. With a time budget (seconds), the step time of steps 5-25 decides how many
+    of the `steps` fit, and the cosine ends there (the warmup stays 5% of `steps`)."""
+    import torch
+
+    torch.manual_seed(SEED)
+    gen = torch.Generator().manual_seed(SEED)
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=size.lr, betas=(0.9, 0.95), weight_decay=0.01,
+                            fused=cuda)  # fmt: skip
+    warmup = max(1, int(0.05 * steps))
+
+    total = steps
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return size.lr * (step + 1) / warmup
+        t = (step - warmup) / max(1, total - warmup)
+        return size.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    model.train()
+    queue: list[int] = []
+    recent: list[tuple[float, int]] = []
+    start = time.perf_counter()
+    step = 0
+    while step < total:
+        if time_budget is not None and step in (5, 25):
+            if cuda:
+                torch.cuda.synchronize()
+            if step == 5:
+                probe = time.perf_counter()
+            else:
+                per_step = (time.perf_counter() - probe) / 20
+                total = max(26, min(steps, 25 + int((time_budget - (time.perf_counter() - start)) / per_step)))
+                print(f"time budget {time_budget:.0f}s at {per_step:.3f}s a step: {total} steps", flush=True)
+        if not queue:
+            queue = torch.randperm(len(batches), generator=gen).tolist()
+        ids, att, labels = (t.to(device, non_blocking=True) for t in batches[queue.pop()])
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        n = int((labels[:, 1:] != -100).sum())
+        recent = [*recent[-(len(batches) - 1) :], (loss.item() * n, n)]
+        if step % log_every == 0 or step == total - 1:
+            avg = sum(x for x, _ in recent) / sum(n for _, n in recent)
+            print(f"step {step:5d}/{total}  lr {lr_at(step):.2e}  loss {loss.item():.4f}  recent {avg:.4f}  "
+                  f"{time.perf_counter() - start:6.1f}s", flush=True)  # fmt: skip
+        step += 1
+    model.eval()
+    return sum(x for x, _ in recent) / sum(n for _, n in recent), total
+
+
+def eval_loss(model, batches, device) -> float:
+    """Token-weighted next-token loss of ``model`` as it is (e.g. bf16)."""
+    import torch
+
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for b in batches:
+            ids, att, labels = (t.to(device) for t in b)
+            n = int((labels[:, 1:] != -100).sum())
+            total += model(input_ids=ids, attention_mask=att, labels=labels).loss.float().item() * n
+            count += n
+    return total / count
+
+
+def sample(model, tokenizer, prefix: str, device, max_new_tokens: int = 80) -> str:
+    import torch
+
+    enc = tokenizer.apply_chat_template(conversation(prefix, None), tokenize=True, add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)  # fmt: skip
+    with torch.no_grad():
+        out = model.generate(**enc.to(device), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    return tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=False)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def pick(items: list, n: int, seed: str) -> list:
+    """n items in a seeded order (all of them if fewer)."""
+    idx = list(range(len(items)))
+    random.Random(seed).shuffle(idx)
+    return [items[i] for i in sorted(idx[:n])]
+
+
+def data_rows(train_w: list, test_w: list, size: Size) -> tuple[list[dict], list[dict]]:
+    """Regen input (training-module prefixes with their original continuations) and eval prompts
+    (held-out prefixes whose continuation has at least 3 lines, so there is something to draft)."""
+    train_rows = [{"messages": conversation(p, c), "source": path} for path, p, c in
+                  pick(train_w, size.train_rows, f"{SEED}:train-rows")]  # fmt: skip
+    long = [w for w in test_w if w[2].count("\n") >= 2]
+    prompt_rows = [{"messages": conversation(p, None), "reference": c, "source": path} for path, p, c in
+                   pick(long, size.prompt_rows, f"{SEED}:prompt-rows")]  # fmt: skip
+    return train_rows, prompt_rows
+
+
+def write_data(data_dir: Path, train_rows: list[dict], prompt_rows: list[dict]) -> None:
+    write_jsonl(data_dir / "code_train.jsonl", train_rows)
+    write_jsonl(data_dir / "code_prompts.jsonl", prompt_rows)
+    print(f"wrote {data_dir / 'code_train.jsonl'} ({len(train_rows)} rows), "
+          f"{data_dir / 'code_prompts.jsonl'} ({len(prompt_rows)} rows)")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="cpu")
+    ap.add_argument("--out", type=Path, help="model directory (default data/code-target for cpu)")
+    ap.add_argument("--data-dir", type=Path, help="where code_train.jsonl / code_prompts.jsonl go (default: "
+                    "data/ for cpu, the model directory for gpu)")  # fmt: skip
+    ap.add_argument("--steps", type=int, help="training steps (default: the size's)")
+    ap.add_argument("--batch-tokens", type=int, help="padded tokens a batch (default: the size's)")
+    ap.add_argument("--time-budget", type=float, help="seconds of training: fewer steps if they do not fit")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: the size's)")
+    ap.add_argument("--data-only", action="store_true", help="write the data files only (no tokenizer or model)")
+    ap.add_argument("--stdlib", type=Path, default=None, help="standard library root (default: this interpreter's)")
+    args = ap.parse_args()
+    size = SIZES[args.size]
+    if args.batch_tokens:
+        size = replace(size, batch_tokens=args.batch_tokens)
+    out = args.out or (HERE / "code-target" if args.size == "cpu" else Path(f"code-target-{args.size}"))
+    data_dir = args.data_dir or (HERE if args.size == "cpu" else out)
+    steps = args.steps or size.steps
+
+    import torch
+
+    device = torch.device("cuda" if args.size == "gpu" and torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(args.threads or size.threads)
+    torch.set_flush_denormal(True)  # tiny activations and Adam states turn denormal: a CPU slows down tenfold
+    root = args.stdlib or stdlib_root()
+    t0 = time.perf_counter()
+    files = stdlib_files(root, size.with_tests)
+    train_files, test_files = split_corpus(files)
+    train_w, test_w = all_windows(train_files, SEED), all_windows(test_files, SEED)
+    if args.data_only:  # the rows depend on the corpus and the seed only, not on the model
+        write_data(data_dir, *data_rows(train_w, test_w, size))
+        return
+    tokenizer = build_tokenizer([t for _, t in train_files], size.bpe_vocab)
+    seqs = [s for s in encode([conversation(p, c) for _, p, c in train_w], tokenizer) if len(s) <= MAX_TOKENS]
+    test_seqs = [s for s in encode([conversation(p, c) for _, p, c in test_w], tokenizer) if len(s) <= MAX_TOKENS]
+    batches = make_batches(seqs, tokenizer.pad_token_id, size.batch_tokens)
+    n_tokens = sum(map(len, seqs))
+    print(f"corpus: {len(train_files)} training files, {len(test_files)} held out; {len(seqs)} conversations, "
+          f"{n_tokens:,} tokens, {len(batches)} batches ({steps * size.batch_tokens / n_tokens:.2f} epochs); "
+          f"prepared in {time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+
+    model = build_model(tokenizer, size).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params:,} parameters, vocab {len(tokenizer)} in {model.config.vocab_size} rows, {device}")
+    start = time.perf_counter()
+    last, steps = train(model, batches, size, steps, device, args.time_budget)
+    took = time.perf_counter() - start
+    model = model.to(torch.bfloat16)
+    test_loss = eval_loss(model, make_batches(test_seqs, tokenizer.pad_token_id, size.batch_tokens), device)
+    print(f"trained in {took:.0f}s: recent training loss {last:.4f}; held-out loss in bf16 {test_loss:.4f}")
+
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer.save_pretrained(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    train_rows, prompt_rows = data_rows(train_w, test_w, size)
+    info = {
+        "python": sys.version.split()[0],
+        "stdlib": str(root),
+        "size": args.size,
+        "held_out_modules": list(HELD_OUT),
+        "files": {"train": len(train_files), "held_out": len(test_files),
+                  "held_out_paths": [p for p, _ in test_files],
+                  "digest": hashlib.sha256("".join(p + t for p, t in files).encode()).hexdigest()[:16]},
+        "with_tests": size.with_tests,
+        "conversations": {"train": len(seqs), "held_out": len(test_seqs)},
+        "tokens": {"train": n_tokens, "held_out": sum(map(len, test_seqs))},
+        "parameters": n_params,
+        "steps": steps,
+        "time_budget": args.time_budget,
+        "batch_tokens": size.batch_tokens,
+        "epochs": round(steps * size.batch_tokens / n_tokens, 3),
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "device": str(device),
+        "train_seconds": round(took, 1),
+        "loss": {"train_recent": round(last, 4), "held_out_bf16": round(test_loss, 4)},
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                     "tokenizers": __import__("tokenizers").__version__},
+        "data": {"train_rows": len(train_rows), "prompt_rows": len(prompt_rows)},
+    }  # fmt: skip
+    (tmp / "corpus.json").write_text(json.dumps(info, indent=1) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    write_data(data_dir, train_rows, prompt_rows)
+    size_b = sum(p.stat().st_size for p in out.iterdir())
+    print(f"wrote {out} ({size_b / 1024:.0f} KiB)")
+    print("greedy sample on a held-out prefix:\n" + prompt_rows[0]["messages"][0]["content"][-300:]
+          + "\n----- target:\n" + sample(model, tokenizer, prompt_rows[0]["messages"][0]["content"], device))
+
+
+if __name__ == "__main__":
+    main()
