@@ -291,16 +291,16 @@ def report(
 @friendly
 def demo(
     out: Path = typer.Option(Path("demo"), help="Directory for every stage's output."),
-    epochs: int = typer.Option(4, help="Training epochs."),
+    epochs: int | None = typer.Option(None, help="Training epochs (default: the demo's, 8)."),
     eval_prompts: int = typer.Option(10, help="Held-out prompts to evaluate on."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
-    """regen -> extract -> train -> eval on the bundled data and tiny target; tau trained vs untrained."""
+    """regen -> extract -> train -> eval on the bundled code target; tau trained vs untrained."""
     from dflash_cache.demo import DemoConfig, run
 
     _paths(("output_dir", out, "--out"))
-    results = run(DemoConfig(out=out, epochs=epochs, eval_prompts=eval_prompts),
-                  say=(lambda *_: None) if as_json else console.print)  # fmt: skip
+    cfg = DemoConfig(out=out, eval_prompts=eval_prompts, **({} if epochs is None else {"epochs": epochs}))
+    results = run(cfg, say=(lambda *_: None) if as_json else console.print)
     if as_json:
         print(json.dumps({name: r.to_dict() for name, r in results.items()}, indent=2))
         return

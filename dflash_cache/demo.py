@@ -1,9 +1,13 @@
-"""`dflash demo`: the whole pipeline on the bundled data and tiny target, in a few minutes on a CPU.
+"""`dflash demo`: the whole pipeline on the bundled code target and data, in a few minutes on a CPU.
 
-regen (the target rewrites the bundled conversations) -> extract -> train -> eval on held-out
-prompts, for the trained drafter and for an untrained one of the same shape, so the acceptance
-length the training bought is visible. Every stage is the library's own; each one resumes if the
-demo is run again.
+regen (the target continues code prefixes from the Python standard library's training modules)
+-> extract -> train -> eval on prefixes from modules the target never saw, for the trained
+drafter and for an untrained one of the same shape, so the acceptance length the training bought
+is visible. The target is ``data/code-target`` (``data/make_code_target.py``). Every stage is the
+library's own; each one resumes if the demo is run again.
+
+The steps are separate functions so that ``data/quality.py`` runs the same pipeline with other
+recipes and storage formats, and the demo's test runs it at the demo's settings.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import torch
 from dflash_cache import evaluate, regen
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.extract import stage as extract
+from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.train import stage as train
+from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.drafter import DFlashDrafter, save_serving
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -26,38 +32,79 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 @dataclass
 class DemoConfig:
     out: Path = Path("demo")
-    target: Path = DATA / "tiny-target"
-    data: Path = DATA / "chat.jsonl"
-    prompts: Path = DATA / "prompts.jsonl"
-    epochs: int = 4
+    target: Path = DATA / "code-target"
+    data: Path = DATA / "code_train.jsonl"  # training-module prefixes; regen writes the target's continuations
+    prompts: Path = DATA / "code_prompts.jsonl"  # held-out-module prefixes
+    rows: int | None = None  # regenerate (and train on) only the first N rows of `data`
+    regen_tokens: int = 96  # longest regenerated continuation
+    regen_batch: int = 64  # prompts per generate call (and per resumable part)
+    # Many small steps: on 400 samples the optimizer step count decides tau more than anchors or
+    # data do (QUALITY.md: 4 epochs of 2048-token batches with 64 anchors give 1.5, this 3.3).
+    epochs: int = 8
     draft_layers: int = 2  # a tiny target wants a tiny drafter: 2 layers against its 8
-    max_new_tokens: int = 48
+    lr: float = 3e-3
+    max_anchors: int = 16
+    token_budget: int | None = 512
+    max_new_tokens: int = 64
     eval_prompts: int = 10
     seed: int = 0
+    gpus: list[int] | None = None
+    baseline: bool = True  # time target-only decoding too (speedup); False: tau only, half the eval time
+
+
+def regenerate(cfg: DemoConfig) -> Path:
+    """The target's own greedy continuations of the training prefixes (DFlash trains on them)."""
+    path = cfg.out / "regen.jsonl"
+    regen.run(regen.RegenConfig(target=str(cfg.target), data=str(cfg.data), out=path,
+                                max_new_tokens=cfg.regen_tokens, batch_size=cfg.regen_batch,
+                                part_rows=max(64, cfg.regen_batch), seed=cfg.seed, gpus=cfg.gpus,
+                                max_samples=cfg.rows))  # fmt: skip
+    return path
+
+
+def extract_cache(cfg: DemoConfig, data: Path, storage: str = "bf16") -> tuple[Path, dict[str, Any]]:
+    cache = cfg.out / ("cache" if storage == "bf16" else f"cache-{storage}")
+    ex = extract.run(ExtractConfig(target=str(cfg.target), data=str(data), out=cache, max_length=2048,
+                                   storage=storage, gpus=cfg.gpus))  # type: ignore[arg-type]  # fmt: skip
+    return cache, ex
+
+
+def train_config(cfg: DemoConfig, cache: Path, run_dir: Path) -> TrainConfig:
+    return TrainConfig(cache=cache, out=run_dir, epochs=cfg.epochs, lr=cfg.lr, token_budget=cfg.token_budget,
+                       max_anchors=cfg.max_anchors, draft_layers=cfg.draft_layers, seed=cfg.seed,
+                       gpus=cfg.gpus)  # fmt: skip
+
+
+def train_drafter(tcfg: TrainConfig) -> Path:
+    """Train (or resume) and return the serving export."""
+    train.run(tcfg)
+    return tcfg.out / "export"
+
+
+def untrained_drafter(tcfg: TrainConfig, out: Path) -> Path:
+    """A drafter of the trained one's shape with its seeded initial weights: the tau of no training."""
+    if not (out / "config.json").exists():
+        torch.manual_seed(tcfg.seed)
+        dcfg = drafter_config(tcfg, read_spec(tcfg.cache))
+        save_serving(DFlashDrafter(dcfg), dcfg, out)
+    return out
+
+
+def evaluate_drafter(cfg: DemoConfig, drafter: Path) -> evaluate.EvalResult:
+    return evaluate.evaluate(str(cfg.target), drafter, cfg.prompts, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
+                             limit=cfg.eval_prompts, baseline=cfg.baseline)  # fmt: skip
 
 
 def run(cfg: DemoConfig, say=print) -> dict[str, Any]:
     """Run every stage into `cfg.out`; returns the two evaluations."""
-    out = cfg.out
-    say(f"[1/4] regen: the target rewrites the assistant turns of {cfg.data.name}")
-    regen.run(regen.RegenConfig(target=str(cfg.target), data=str(cfg.data), out=out / "regen.jsonl",
-                                max_new_tokens=160, batch_size=64, seed=cfg.seed))  # fmt: skip
+    say(f"[1/4] regen: the target continues the code prefixes of {cfg.data.name}")
+    data = regenerate(cfg)
     say("[2/4] extract: tapped hidden states -> cache")
-    ex = extract.run(extract.ExtractConfig(target=str(cfg.target), data=str(out / "regen.jsonl"), out=out / "cache",
-                                           max_length=1024))  # fmt: skip
+    cache, ex = extract_cache(cfg, data)
     say(f"      {ex['samples']} samples, {ex['tokens']:,} tokens, padding {100 * ex['padding']:.1f}%")
     say(f"[3/4] train: {cfg.epochs} epochs")
-    tcfg = train.TrainConfig(cache=out / "cache", out=out / "run", epochs=cfg.epochs, lr=3e-3, token_budget=2048,
-                             max_anchors=64, draft_layers=cfg.draft_layers, seed=cfg.seed)  # fmt: skip
-    train.run(tcfg)
-    untrained = out / "untrained"
-    if not (untrained / "config.json").exists():
-        torch.manual_seed(cfg.seed)
-        dcfg = train.drafter_config(tcfg, read_spec(out / "cache"))
-        save_serving(DFlashDrafter(dcfg), dcfg, untrained)
-    say(f"[4/4] eval: speculative decoding on {cfg.eval_prompts} held-out prompts")
-    results = {}
-    for name, drafter in (("untrained", untrained), ("trained", out / "run" / "export")):
-        results[name] = evaluate.evaluate(str(cfg.target), drafter, cfg.prompts, max_new_tokens=cfg.max_new_tokens,
-                                          seed=cfg.seed, limit=cfg.eval_prompts)  # fmt: skip
-    return results
+    tcfg = train_config(cfg, cache, cfg.out / "run")
+    trained = train_drafter(tcfg)
+    untrained = untrained_drafter(tcfg, cfg.out / "untrained")
+    say(f"[4/4] eval: speculative decoding on {cfg.eval_prompts} prefixes of held-out modules")
+    return {name: evaluate_drafter(cfg, drafter) for name, drafter in (("untrained", untrained), ("trained", trained))}

@@ -1,25 +1,29 @@
-"""The demo's promise: a drafter trained on the cache accepts clearly more than an untrained one."""
+"""The demo's promise, and the suite's guard on drafter quality: the whole pipeline on the bundled
+code target (regen -> extract -> train -> eval on prefixes of standard-library modules the target
+never saw) gives a drafter that accepts clearly more than an untrained one of the same shape.
+
+A regression in the objective, the loader, the drafter or the loss masks fails here: it is the one
+test that checks acceptance on held-out text, not agreement with a reference computation."""
+
+from __future__ import annotations
 
 import torch
-from conftest import ROOT, TINY_TARGET
 
-from dflash_cache.cache.spec import read_spec
-from dflash_cache.evaluate import evaluate
-from dflash_cache.train.config import TrainConfig, drafter_config
-from dflash_cache.train.drafter import DFlashDrafter, save_serving
-from dflash_cache.train.stage import run
+from dflash_cache.demo import DemoConfig, run
 
 
-def test_trained_drafter_beats_untrained(tiny_cache, tmp_path):
-    cfg = TrainConfig(cache=tiny_cache, out=tmp_path / "run", epochs=3, lr=3e-3, token_budget=2048, max_anchors=64,
-                      draft_layers=2, seed=0)  # fmt: skip
-    run(cfg)
-    torch.manual_seed(0)
-    dcfg = drafter_config(cfg, read_spec(tiny_cache))
-    save_serving(DFlashDrafter(dcfg), dcfg, tmp_path / "untrained")
-    prompts = ROOT / "data" / "prompts.jsonl"
-    trained = evaluate(str(TINY_TARGET), tmp_path / "run" / "export", prompts, max_new_tokens=32, limit=8)
-    untrained = evaluate(str(TINY_TARGET), tmp_path / "untrained", prompts, max_new_tokens=32, limit=8)
-    # measured with these seeds: untrained 1.000, trained 1.231
-    assert untrained.tau < 1.05
-    assert trained.tau > untrained.tau + 0.1, (trained.tau, untrained.tau)
+def test_demo_trained_drafter_beats_untrained(tmp_path):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)  # batch-1 decoding and a tiny drafter: one thread is fastest on a shared CPU
+    try:
+        cfg = DemoConfig(out=tmp_path / "demo", eval_prompts=8, max_new_tokens=48, baseline=False)
+        results = run(cfg, say=lambda *_: None)
+    finally:
+        torch.set_num_threads(saved)
+    untrained, trained = results["untrained"], results["trained"]
+    # measured with these settings (2 cores, torch 2.13): untrained 1.000; trained 3.19 per prompt,
+    # 2.65 pooled (the demo's earlier recipe, 4 epochs of 2048-token batches, gave 2.0 and 1.5)
+    assert untrained.tau_per_prompt < 1.1
+    assert trained.tau_per_prompt > 2.0, (trained.tau_per_prompt, untrained.tau_per_prompt)
+    # both decoded the target's own greedy continuation (speculative decoding changes no token)
+    assert [s["output_ids"] for s in trained.samples] == [s["output_ids"] for s in untrained.samples]
