@@ -300,7 +300,14 @@ def demo(
 
     _paths(("output_dir", out, "--out"))
     cfg = DemoConfig(out=out, eval_prompts=eval_prompts, **({} if epochs is None else {"epochs": epochs}))
-    results = run(cfg, say=(lambda *_: None) if as_json else console.print)
+    stage_bars = {"regen": RegenBar, "extract": ExtractBar, "train": TrainBar}
+
+    def bars(stage: str):
+        if as_json:
+            return Quiet()
+        return stage_bars[stage]() if stage in stage_bars else EvalBar(stage)
+
+    results = run(cfg, say=(lambda *_: None) if as_json else console.print, bars=bars)
     if as_json:
         print(json.dumps({name: r.to_dict() for name, r in results.items()}, indent=2))
         return

@@ -12,6 +12,7 @@ recipes and storage formats, and the demo's test runs it at the demo's settings.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from dflash_cache import evaluate, regen
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.progress import ProgressSink
 from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.drafter import DFlashDrafter, save_serving
@@ -52,20 +54,21 @@ class DemoConfig:
     baseline: bool = True  # time target-only decoding too (speedup); False: tau only, half the eval time
 
 
-def regenerate(cfg: DemoConfig) -> Path:
+def regenerate(cfg: DemoConfig, sink: ProgressSink | None = None) -> Path:
     """The target's own greedy continuations of the training prefixes (DFlash trains on them)."""
     path = cfg.out / "regen.jsonl"
     regen.run(regen.RegenConfig(target=str(cfg.target), data=str(cfg.data), out=path,
                                 max_new_tokens=cfg.regen_tokens, batch_size=cfg.regen_batch,
                                 part_rows=max(64, cfg.regen_batch), seed=cfg.seed, gpus=cfg.gpus,
-                                max_samples=cfg.rows))  # fmt: skip
+                                max_samples=cfg.rows), sink)  # fmt: skip
     return path
 
 
-def extract_cache(cfg: DemoConfig, data: Path, storage: str = "bf16") -> tuple[Path, dict[str, Any]]:
+def extract_cache(cfg: DemoConfig, data: Path, storage: str = "bf16", sink: ProgressSink | None = None
+                  ) -> tuple[Path, dict[str, Any]]:
     cache = cfg.out / ("cache" if storage == "bf16" else f"cache-{storage}")
     ex = extract.run(ExtractConfig(target=str(cfg.target), data=str(data), out=cache, max_length=2048,
-                                   storage=storage, gpus=cfg.gpus))  # type: ignore[arg-type]  # fmt: skip
+                                   storage=storage, gpus=cfg.gpus), sink)  # type: ignore[arg-type]  # fmt: skip
     return cache, ex
 
 
@@ -75,9 +78,9 @@ def train_config(cfg: DemoConfig, cache: Path, run_dir: Path) -> TrainConfig:
                        gpus=cfg.gpus)  # fmt: skip
 
 
-def train_drafter(tcfg: TrainConfig) -> Path:
+def train_drafter(tcfg: TrainConfig, sink: ProgressSink | None = None) -> Path:
     """Train (or resume) and return the serving export."""
-    train.run(tcfg)
+    train.run(tcfg, sink)
     return tcfg.out / "export"
 
 
@@ -90,21 +93,28 @@ def untrained_drafter(tcfg: TrainConfig, out: Path) -> Path:
     return out
 
 
-def evaluate_drafter(cfg: DemoConfig, drafter: Path) -> evaluate.EvalResult:
-    return evaluate.evaluate(str(cfg.target), drafter, cfg.prompts, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed,
-                             limit=cfg.eval_prompts, baseline=cfg.baseline)  # fmt: skip
+def evaluate_drafter(cfg: DemoConfig, drafter: Path, sink: ProgressSink | None = None) -> evaluate.EvalResult:
+    try:
+        return evaluate.evaluate(str(cfg.target), drafter, cfg.prompts, max_new_tokens=cfg.max_new_tokens,
+                                 seed=cfg.seed, limit=cfg.eval_prompts, baseline=cfg.baseline, sink=sink)  # fmt: skip
+    finally:  # evaluate leaves its sink open for the caller
+        if sink is not None:
+            sink.close()
 
 
-def run(cfg: DemoConfig, say=print) -> dict[str, Any]:
-    """Run every stage into `cfg.out`; returns the two evaluations."""
+def run(cfg: DemoConfig, say=print, bars: Callable[[str], ProgressSink | None] = lambda stage: None
+        ) -> dict[str, Any]:
+    """Run every stage into `cfg.out`; returns the two evaluations. `bars(stage)` gives each stage's
+    progress sink ("regen", "extract", "train", "eval untrained", "eval trained"), or None."""
     say(f"[1/4] regen: the target continues the code prefixes of {cfg.data.name}")
-    data = regenerate(cfg)
+    data = regenerate(cfg, bars("regen"))
     say("[2/4] extract: tapped hidden states -> cache")
-    cache, ex = extract_cache(cfg, data)
+    cache, ex = extract_cache(cfg, data, sink=bars("extract"))
     say(f"      {ex['samples']} samples, {ex['tokens']:,} tokens, padding {100 * ex['padding']:.1f}%")
     say(f"[3/4] train: {cfg.epochs} epochs")
     tcfg = train_config(cfg, cache, cfg.out / "run")
-    trained = train_drafter(tcfg)
+    trained = train_drafter(tcfg, bars("train"))
     untrained = untrained_drafter(tcfg, cfg.out / "untrained")
     say(f"[4/4] eval: speculative decoding on {cfg.eval_prompts} prefixes of held-out modules")
-    return {name: evaluate_drafter(cfg, drafter) for name, drafter in (("untrained", untrained), ("trained", trained))}
+    return {name: evaluate_drafter(cfg, drafter, bars(f"eval {name}"))
+            for name, drafter in (("untrained", untrained), ("trained", trained))}
