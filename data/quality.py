@@ -53,7 +53,7 @@ def demo_config(args: argparse.Namespace):
                      prompts=data_dir / "code_prompts.jsonl", regen_tokens=args.regen_tokens,
                      rows=args.rows, regen_batch=args.regen_batch or (512 if args.size == "gpu" else 64),
                      max_new_tokens=args.max_new_tokens, eval_prompts=args.prompts, gpus=[0] if cuda else None,
-                     baseline=False)  # fmt: skip
+                     baseline=False, seed=args.seed)  # fmt: skip
     if args.recipe == "default":
         d = TrainConfig(cache=Path(), out=Path())
         cfg = replace(cfg, epochs=d.epochs, lr=d.lr, draft_layers=d.draft_layers, max_anchors=d.max_anchors,
@@ -148,7 +148,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, help="regenerate and train on only the first N rows of code_train.jsonl")
     ap.add_argument("--regen-tokens", type=int, default=128, help="longest regenerated continuation")
     ap.add_argument("--recipe", choices=("default", "demo"), default="default",
-                    help="training recipe: dflash train's defaults, or the demo's (2 layers, 4 epochs, lr 3e-3)")
+                    help="training recipe: dflash train's defaults, or the demo's (2 layers, 8 epochs of "
+                    "512-token batches, 16 anchors, lr 3e-3)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the drafters' weights, shuffling and anchors")
     ap.add_argument("--jobs", type=int, default=1, choices=(1, 3),
                     help="3: the bf16, fp8 and untrained parts at once, as processes")
     ap.add_argument("--regen-batch", type=int, default=None, help="regen prompts per generate call (64 cpu, 512 gpu)")
