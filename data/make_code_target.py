@@ -43,8 +43,9 @@ slow a step tenfold. Everything is seeded; the data files depend on the corpus a
 bitwise reproducible, so reruns agree only closely.
 
 Result, CPU size (Python 3.11.7, torch 2.13 CPU, transformers 5.24): 1.01M parameters, 2.0 MB;
-700 steps of 2048 tokens (0.48 epochs of 3.01M tokens), about 0.2 s a step on an idle core (829 s
-on the loaded 2-core machine this was made on); held-out loss 4.50 nats/token in bf16. Like any
+700 steps of 2048 tokens (0.48 epochs of 3.01M tokens): 829 s on the 2-core machine it was made
+on, under a load average of 5-14 from other jobs (a 40-step trial at light load ran 0.25 s a
+step); held-out loss 4.50 nats/token in bf16. Like any
 small model's, its greedy continuations fall into loops (``self._c = self._c`` line after line),
 which QUALITY.md weighs against a prompt-lookup drafter. GPU size on one H200: 0.46 s per 64K-token
 step in a 55 s budget, held-out loss 4.76 (QUALITY.md).
