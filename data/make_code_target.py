@@ -68,6 +68,9 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from make_tiny_target import CHAT_TEMPLATE, PRETOKENIZE_REGEX  # noqa: E402 - the same ChatML and Qwen pre-tokenizer
+
 HERE = Path(__file__).resolve().parent
 SEED = 0
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # no mask token, on purpose
@@ -83,28 +86,6 @@ PREFIX_LINES = (6, 30)
 CONT_LINES = 16
 PREFIX_CHARS = 1200
 MAX_TOKENS = 1024  # longer conversations (a few, with very long lines) are not trained on
-
-# Same pre-tokenizer as Qwen2/Qwen3 (and data/make_tiny_target.py).
-PRETOKENIZE_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- generation %}{{- message['content'] + '<|im_end|>' }}{%- endgeneration %}"
-    "{{- '\\n' }}"
-    "{%- elif message['role'] in ['system', 'user'] %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}"
-    "{{- raise_exception('Unknown role: ' + message['role']) }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-
 
 @dataclass
 class Size:

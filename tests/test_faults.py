@@ -9,7 +9,8 @@ running when it was sent; the tests assert that enough of them landed (half for 
 two for regen, whose tiny runs can finish before a late kill), then let the command finish and
 compare with an uninterrupted run bit for bit.
 
-Kills per stage: 20 each for extract, train and regen. Every restart pays a few seconds of
+Kills per stage: 14 each for extract, train and regen (20 until the suite outgrew its time budget;
+the kill schedules are seeded, so the same moments replay). Every restart pays a few seconds of
 start-up (torch, transformers, the target). Measured on 2 CPU cores: 20 extract kills took about
 105-115 s, and 20 train plus 20 regen kills 134 s together. Most kills land; in one CI-like run
 only 3 of 8 regen kills did (its tiny runs can finish before a late kill), hence the bounds above.
@@ -44,9 +45,9 @@ from dflash_cache.extract.stage import ExtractError, run
 from dflash_cache.regen import parts_dir
 from dflash_cache.train.checkpoint import Checkpointer
 
-KILLS_EXTRACT = 20
-KILLS_TRAIN = 20
-KILLS_REGEN = 20
+KILLS_EXTRACT = 14
+KILLS_TRAIN = 14
+KILLS_REGEN = 14
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
