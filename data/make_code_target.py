@@ -69,7 +69,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_tiny_target import CHAT_TEMPLATE, PRETOKENIZE_REGEX  # noqa: E402 - the same ChatML and Qwen pre-tokenizer
+from make_tiny_target import CHAT_TEMPLATE, PRETOKENIZE_REGEX, make_batches  # noqa: E402 - the same ChatML, pre-tokenizer, batching
 
 HERE = Path(__file__).resolve().parent
 SEED = 0
@@ -258,31 +258,6 @@ def encode(convs: list[list[dict]], tokenizer) -> list[list[int]]:
     """Each conversation as ``dflash extract`` renders it: the whole chat, no generation prompt."""
     texts = tokenizer.apply_chat_template(convs, tokenize=False)
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-
-
-def make_batches(seqs: list[list[int]], pad_id: int, batch_tokens: int):
-    """Sequences sorted by length, cut into batches of about batch_tokens padded tokens:
-    (input_ids, attention_mask, labels) with labels -100 on padding."""
-    import torch
-
-    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]), i))
-    groups, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * len(seqs[i]) > batch_tokens:
-            groups.append(cur)
-            cur = []
-        cur.append(i)
-    groups.append(cur)
-    batches = []
-    for g in groups:
-        width = max(len(seqs[i]) for i in g)
-        ids = torch.full((len(g), width), pad_id, dtype=torch.long)
-        att = torch.zeros((len(g), width), dtype=torch.long)
-        for r, i in enumerate(g):
-            ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
-            att[r, : len(seqs[i])] = 1
-        batches.append((ids, att, ids.masked_fill(att == 0, -100)))
-    return batches
 
 
 def train(model, batches, size: Size, steps: int, device, time_budget: float | None = None,

@@ -188,8 +188,9 @@ def encode_conversations(convs: list[list[dict]], tokenizer) -> list[list[int]]:
     return [list(tokenizer.apply_chat_template(c, tokenize=True)["input_ids"]) for c in convs]
 
 
-def make_batches(convs: list[list[int]], pad_id: int):
-    """Whole conversations, sorted by length and cut into batches of about BATCH_TOKENS padded tokens.
+def make_batches(convs: list[list[int]], pad_id: int, batch_tokens: int = BATCH_TOKENS):
+    """Whole conversations, sorted by length and cut into batches of about `batch_tokens` padded tokens
+    (make_code_target.py batches the same way).
 
     Each batch is (input_ids, attention_mask, labels); labels are -100 on padding, so the loss is
     next-token cross-entropy on every real token. Returned in a fixed order.
@@ -199,7 +200,7 @@ def make_batches(convs: list[list[int]], pad_id: int):
     order = sorted(range(len(convs)), key=lambda i: (len(convs[i]), i))
     groups, cur = [], []
     for i in order:  # lengths ascend, so the longest row of a group is its last
-        if cur and (len(cur) + 1) * len(convs[i]) > BATCH_TOKENS:
+        if cur and (len(cur) + 1) * len(convs[i]) > batch_tokens:
             groups.append(cur)
             cur = []
         cur.append(i)
