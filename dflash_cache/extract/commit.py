@@ -27,7 +27,8 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -147,8 +148,9 @@ class Committer:
                                                    os.getpid()), daemon=True, name=f"dflash-writer-{i}")  # fmt: skip
             for i in range(writers)
         ]
-        for p in self._procs:
-            p.start()
+        with _sigint_ignored():
+            for p in self._procs:
+                p.start()
         self._feed: queue.Queue[tuple[Any, _Job] | None] = queue.Queue()
         self._in_flight = 0
         self._done = threading.Condition()
@@ -261,6 +263,21 @@ def _die_with(parent: int) -> None:
         pass
     if os.getppid() != parent:
         os._exit(0)
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """Processes spawned inside start with Ctrl-C ignored: Python keeps a SIGINT disposition that
+    its parent set, so a Ctrl-C while a writer is still importing (before `_writer_main` runs)
+    cannot print a traceback from it. Only the main thread may change signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
 
 
 def _writer_main(handle, out: str, storage: StorageInfo, jobs, results, parent: int) -> None:
