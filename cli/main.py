@@ -382,6 +382,7 @@ def bench_extract(
     token_budget: int | None = typer.Option(None, help=_help(ExtractConfig, "token_budget")),
     writers: int = typer.Option(6, help="Unit writer processes."),
     peer: bool = typer.Option(False, help="Also run the one-torch.save-per-sample baseline and both loaders."),
+    long: bool = typer.Option(False, "--long", help="Samples of 16K to 32K tokens instead of the chat mix."),
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Full extract path vs the bare truncated forward of a random Qwen3-8B-shaped target."""
@@ -389,7 +390,7 @@ def bench_extract(
 
     _paths(("output_dir", out, "--out"))
     result = bench.extract(out, num_tokens=tokens, storage=storage, token_budget=token_budget,
-                           writers=writers)  # fmt: skip
+                           writers=writers, long=long)  # fmt: skip
     bench.write_random_frozen(out, bench.QWEN3_8B)
     if peer:
         result |= {f"loader_{k}": v for k, v in bench.loader_rate(out, token_budget=token_budget).items()}
@@ -405,14 +406,16 @@ def bench_train(
     steps: int = typer.Option(20, help="Measured steps per phase."),
     token_budget: int | None = typer.Option(None, help=_help(TrainConfig, "token_budget")),
     max_anchors: int | None = typer.Option(None, help=_help(TrainConfig, "max_anchors") + " (default: dflash train's)"),
+    readers: int | None = typer.Option(None, help=_help(TrainConfig, "readers")),
+    cold: bool = typer.Option(False, "--cold", help="Drop the cache from the page cache: read the disk."),
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Drafter steps with the real loader vs the same steps on batches already on the GPU, with the
     useful TFLOP/s and MFU of the step."""
     from dflash_cache import bench
 
-    _print_json(bench.train(cache, steps=steps, token_budget=token_budget,
-                            **({"max_anchors": max_anchors} if max_anchors else {})))  # fmt: skip
+    given = {k: v for k, v in (("max_anchors", max_anchors), ("readers", readers)) if v}
+    _print_json(bench.train(cache, steps=steps, token_budget=token_budget, cold=cold, **given))
 
 
 @bench_app.command("ranks")

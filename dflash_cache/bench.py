@@ -81,6 +81,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def drop_page_cache(paths: list[Path]) -> None:
+    """Evict the files' pages from the page cache, so the next read comes from the disk."""
+    os.sync()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def disk(path: Path, size_mb: int = 2048) -> dict[str, float]:
     """Sequential write (with fsync) and cold read bandwidth of the filesystem holding `path`."""
     path.mkdir(parents=True, exist_ok=True)
@@ -95,11 +106,7 @@ def disk(path: Path, size_mb: int = 2048) -> dict[str, float]:
             fh.flush()
             os.fsync(fh.fileno())
         write = n * len(block) / (time.perf_counter() - t)
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_page_cache([f])
         t = time.perf_counter()
         with open(f, "rb", buffering=0) as fh:
             while fh.read(16 << 20):
@@ -466,12 +473,16 @@ def write_random_frozen(cache: Path, config: dict) -> None:
 
 def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | None = None,
           max_anchors: int = TrainConfig.max_anchors, block_size: int = TrainConfig.block_size,
-          draft_layers: int = TrainConfig.draft_layers, readers: int | None = None,
+          draft_layers: int = TrainConfig.draft_layers, readers: int | None = None, cold: bool = False,
           device: torch.device | None = None) -> dict[str, Any]:  # fmt: skip
     """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
     the device. Both phases run the same batches (the first `steps` of epoch 0, after warm-up).
     Also the useful TFLOP/s and MFU of the in-memory steps (metrics.StepFlops). The drafter, its
-    optimizer and the loader are the train stage's own (`stage.setup`), on one rank."""
+    optimizer and the loader are the train stage's own (`stage.setup`), on one rank.
+
+    `cold` evicts the cache's files from the page cache first, so the loader reads the disk.
+    `loader_GBps` (bytes on disk read per second by the loader) and `step_GBps` (what the
+    in-memory step would consume) set the loader against `bench disk`'s bandwidth."""
     from dflash_cache.devices import Worker
     from dflash_cache.train.metrics import StepFlops, peak_flops
     from dflash_cache.train.stage import setup, train_step
@@ -493,6 +504,10 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | 
     loader = s.loader
     n = min(steps + warmup, loader.num_batches(0))
     times: dict[str, float] = {}
+    files = [p for p in cache.glob("units/**/*") if p.is_file()]
+    disk_bytes_per_token = sum(p.stat().st_size for p in files) / max(1, loader.epoch_tokens)
+    if cold:
+        drop_page_cache(files)
     it = loader.epoch(0)
     for _ in range(warmup):
         step(next(it))
@@ -520,6 +535,8 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | 
         "ratio": times["memory"] / times["loader"], "loader_wait_per_step_s": wait / max(1, measured),
         "context_tok_s": context_tokens / times["loader"], "peak_gpu_GB": peak_gpu / 1e9, "peak_rss_GB": rss.peak / 1e9,
         "readers": cfg.readers, "memory_tflops": tflops, "memory_mfu": tflops * 1e12 / peak if peak else None,
+        "cold": cold, "loader_GBps": context_tokens * disk_bytes_per_token / times["loader"] / 1e9,
+        "step_GBps": context_tokens * disk_bytes_per_token / times["memory"] / 1e9,
     }  # fmt: skip
 
 

@@ -43,5 +43,16 @@ def test_extract_and_train_benchmarks(tmp_path):
     assert r["samples"] == spec.plan.num_samples
     assert r["speedup_2_as_they_come"] <= r["speedup_2_by_cost"] <= 2 and r["speedup_3_by_cost"] <= 3
     bench.write_random_frozen(out, TINY)
-    t = bench.train(out, steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=1)
+    t = bench.train(out, steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=1, cold=True)
     assert t["steps"] == 2 and t["ratio"] > 0 and t["loader_wait_per_step_s"] >= 0 and t["peak_rss_GB"] > 0
+    # bytes per token on disk are the cache's: loader_GBps / step_GBps is the ratio itself
+    assert t["cold"] and abs(t["loader_GBps"] / t["step_GBps"] - t["ratio"]) < 1e-6
+    assert t["loader_GBps"] * 1e9 < x["bytes_per_token"] * 1.2 * t["context_tok_s"]
+
+
+def test_long_extract_benchmark(tmp_path):
+    """`--long` builds samples of 16K to 32K tokens (the loader's hardest case)."""
+    out = tmp_path / "lx"
+    x = bench.extract(out, config=TINY, num_tokens=40000, unit_mb=1, writers=1, long=True)
+    assert x["samples"] >= 2 and verify(out) == {} and read_spec(out).plan.num_tokens == x["tokens"]
+    assert x["tokens"] / x["samples"] >= bench.LONG_MAX // 2
