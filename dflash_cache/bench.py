@@ -476,7 +476,8 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | 
           draft_layers: int = TrainConfig.draft_layers, readers: int | None = None, cold: bool = False,
           device: torch.device | None = None) -> dict[str, Any]:  # fmt: skip
     """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
-    the device. Both phases run the same batches (the first `steps` of epoch 0, after warm-up).
+    the device. Both phases run the same batches (the first `steps` of epoch 0 after `warmup`),
+    after every one of them has run once untimed, so neither phase pays for compiling.
     Also the useful TFLOP/s and MFU of the in-memory steps (metrics.StepFlops). The drafter, its
     optimizer and the loader are the train stage's own (`stage.setup`), on one rank.
 
@@ -506,14 +507,21 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | 
     times: dict[str, float] = {}
     files = [p for p in cache.glob("units/**/*") if p.is_file()]
     disk_bytes_per_token = sum(p.stat().st_size for p in files) / max(1, loader.epoch_tokens)
+    # Every batch's shapes are compiled before either phase is timed: the compiled stages meet
+    # a new shape now and then in the first tens of steps of a run, and a warm-up of a few steps
+    # left those compiles inside the loader phase (0.59x on an H200 where the run itself showed
+    # no loader wait).
+    for batch in itertools.islice(loader.epoch(0), n):
+        step(batch)
     if cold:
         drop_page_cache(files)
     it = loader.epoch(0)
     for _ in range(warmup):
-        step(next(it))
+        next(it)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     wait0 = loader.wait_seconds
+    useful.clear()
     with PeakRSS() as rss, _timer(device, times, "loader"):
         for _ in range(warmup, n):
             step(next(it))
