@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -87,7 +89,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Processes spawned inside start with Ctrl-C ignored: Python keeps a SIGINT disposition that
+    its parent set, so a Ctrl-C while a child is still importing cannot print a traceback from
+    it. Only the main thread may change signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 def _entry(index: int, fn: Callable, devices: list[torch.device], args: tuple) -> None:
+    # Spawned with Ctrl-C ignored (see launch); from here on a Ctrl-C ends this worker quietly:
+    # torch's spawn wrapper swallows the KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     worker = Worker(index, len(devices), devices[index], index)
     if worker.device.type == "cuda":
         torch.cuda.set_device(worker.device)
@@ -114,7 +134,21 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
     if len(devices) == 1:
         _entry(0, fn, devices, args)
         return
-    mp.start_processes(_entry, args=(fn, devices, args), nprocs=len(devices), join=True, start_method="spawn")
+    # The workers import torch, transformers and the stage before they run: a Ctrl-C then would
+    # print a traceback from each. They start with it ignored, and the interrupted parent ends
+    # any that are still starting.
+    with sigint_ignored():
+        context = mp.start_processes(_entry, args=(fn, devices, args), nprocs=len(devices), join=False,
+                                     start_method="spawn")  # fmt: skip
+    try:
+        while not context.join():
+            pass
+    except KeyboardInterrupt:
+        for p in context.processes:
+            p.terminate()
+        for p in context.processes:
+            p.join()
+        raise
 
 
 def idle_cores(interval: float = 0.2) -> float:

@@ -114,6 +114,42 @@ def test_ctrl_c_ends_with_one_line_and_resumes(tmp_path):
     assert verify(out) == {}
 
 
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(x) for x in f.read().split()]
+
+
+def test_ctrl_c_while_workers_start(tmp_path):
+    """Ctrl-C while `--procs 2`'s worker processes are still importing torch and the stage: one
+    line, exit code 130, and no process of the run left behind. Before, each worker printed the
+    traceback of the import it was in (the workers now start with SIGINT ignored and the parent
+    ends them)."""
+    data = _rows(tmp_path / "rows.jsonl", 80)
+    out = tmp_path / "cache"
+    cmd = [*extract_cmd(data, out), "--procs", "2"]
+    p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while len(_children(p.pid)) < 2 and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert p.poll() is None and len(_children(p.pid)) >= 2, "the workers never started"
+    time.sleep(0.5)  # inside their imports, which take seconds
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("extract ")]
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("interrupted:"), err
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(p.pid, 0)  # any process of the run still alive?
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("processes of the interrupted run are still alive")
+
+
 @pytest.mark.slow
 def test_extract_killed_many_times(tmp_path):
     data = _rows(tmp_path / "rows.jsonl", 160)

@@ -27,8 +27,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ import numpy as np
 from dflash_cache.cache.format import RowFormat, UnitArrays
 from dflash_cache.cache.spec import StorageInfo
 from dflash_cache.cache.store import unit_name, write_unit
+from dflash_cache.devices import sigint_ignored
 from dflash_cache.errors import ExtractError
 
 
@@ -148,7 +148,7 @@ class Committer:
                                                    os.getpid()), daemon=True, name=f"dflash-writer-{i}")  # fmt: skip
             for i in range(writers)
         ]
-        with _sigint_ignored():
+        with sigint_ignored():
             for p in self._procs:
                 p.start()
         self._feed: queue.Queue[tuple[Any, _Job] | None] = queue.Queue()
@@ -263,21 +263,6 @@ def _die_with(parent: int) -> None:
         pass
     if os.getppid() != parent:
         os._exit(0)
-
-
-@contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """Processes spawned inside start with Ctrl-C ignored: Python keeps a SIGINT disposition that
-    its parent set, so a Ctrl-C while a writer is still importing (before `_writer_main` runs)
-    cannot print a traceback from it. Only the main thread may change signal handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
 
 
 def _writer_main(handle, out: str, storage: StorageInfo, jobs, results, parent: int) -> None:
