@@ -106,6 +106,7 @@ class TrainBar:
             console=console,
         )
         self.task = None
+        self.shown = False
 
     def start(self, total: int, done: int) -> None:
         self.progress.start()
@@ -131,8 +132,11 @@ class TrainBar:
                        "accept": f"{bar['accept']:.2f}", "rate": f"{bar['tok_s']:,.0f} tok/s", "mfu": mfu,
                        "wait": f"{bar['wait']:.2f}s"}  # fmt: skip
         self.progress.update(self.task, total=total, completed=bar.get("completed"), **fields)
+        self.shown = True
 
     def close(self) -> None:
+        if not self.shown:  # a run refused before its first batch leaves no empty bar above the error
+            self.progress.live.transient = True
         self.progress.stop()
 
 
