@@ -104,10 +104,9 @@ def sigint_ignored() -> Iterator[None]:
         signal.signal(signal.SIGINT, old)
 
 
-def _entry(index: int, fn: Callable, devices: list[torch.device], args: tuple) -> None:
-    # Spawned with Ctrl-C ignored (see launch); from here on a Ctrl-C ends this worker quietly:
-    # torch's spawn wrapper swallows the KeyboardInterrupt.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+def _entry(index: int, fn: Callable, devices: list[torch.device], args: tuple, interruptible: bool = False) -> None:
+    if interruptible:  # spawned with Ctrl-C ignored (see launch); from here on it ends this worker
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # quietly: torch's spawn wrapper swallows it
     worker = Worker(index, len(devices), devices[index], index)
     if worker.device.type == "cuda":
         torch.cuda.set_device(worker.device)
@@ -137,9 +136,10 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
     # The workers import torch, transformers and the stage before they run: a Ctrl-C then would
     # print a traceback from each. They start with it ignored, and the interrupted parent ends
     # any that are still starting.
+    interruptible = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # not e.g. a `cmd &` of a script
     with sigint_ignored():
-        context = mp.start_processes(_entry, args=(fn, devices, args), nprocs=len(devices), join=False,
-                                     start_method="spawn")  # fmt: skip
+        context = mp.start_processes(_entry, args=(fn, devices, args, interruptible), nprocs=len(devices),
+                                     join=False, start_method="spawn")  # fmt: skip
     try:
         while not context.join():
             pass
