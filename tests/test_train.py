@@ -171,3 +171,40 @@ def test_export_and_refusals(tiny_cache, tmp_path):
         run(_cfg(tiny_cache, out, max_steps=3, lr=1e-3))
     with pytest.raises(TrainError, match="layers"):
         run(_cfg(tiny_cache, tmp_path / "bad", layers=[0, 7]))
+
+
+class _Warnings:
+    """A progress sink that keeps the run's warning lines."""
+
+    def __init__(self):
+        self.lines = []
+
+    def start(self, total, done):
+        pass
+
+    def update(self, totals, delta):
+        if "warning" in delta:
+            self.lines.append(delta["warning"])
+
+    def close(self):
+        pass
+
+
+def test_a_run_of_few_optimizer_steps_is_warned(tiny_cache, tmp_path):
+    """A fresh run whose epochs hold fewer than FEW_STEPS optimizer steps says so, with the step
+    count from the loader's own batches; a --max-steps run (asked to be short) and a resumed run
+    do not repeat it."""
+    from dflash_cache.train.stage import FEW_STEPS
+
+    cfg = _cfg(tiny_cache, tmp_path / "run", epochs=2, draft_layers=1, max_anchors=8, log_every=100)
+    sink = _Warnings()
+    summary = run(cfg, sink)
+    steps = summary["steps"]
+    assert steps < FEW_STEPS and steps == 2 * (steps // 2)
+    few = [w for w in sink.lines if "optimizer steps" in w]
+    assert few == [few[0]] and f"takes {steps} optimizer steps (2 epochs of {steps // 2})" in few[0], sink.lines
+    again = _Warnings()
+    run(_cfg(tiny_cache, tmp_path / "run", epochs=2, draft_layers=1, max_anchors=8, log_every=100), again)  # resumes
+    short = _Warnings()
+    run(_cfg(tiny_cache, tmp_path / "short", epochs=2, draft_layers=1, max_anchors=8, max_steps=2), short)
+    assert not [w for w in again.lines + short.lines if "optimizer steps" in w], again.lines + short.lines
