@@ -232,7 +232,10 @@ def test_json_output_is_one_object_on_stdout(tmp_path):
     r = _cli("train", "--cache", cache, "--out", run, "--epochs", "1", "--draft-layers", "1", "--block-size", "4",
              "--set", "max_anchors=4", "--set", "token_budget=512", "--json")  # fmt: skip
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["steps"] > 0 and r.stderr == ""
+    assert json.loads(r.stdout)["steps"] > 0
+    # warnings still reach stderr: here only that this tiny run is too short to generalise
+    assert [ln.split(" optimizer steps")[0] for ln in r.stderr.splitlines() if ln.strip()] == \
+        [f"warning: this run takes {json.loads(r.stdout)['steps']}"], r.stderr
     r = _cli("export", run, tmp_path / "export", "--json")
     assert json.loads(r.stdout) == {"export": str(tmp_path / "export")}
     r = _cli("verify", cache)
