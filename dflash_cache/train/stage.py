@@ -37,7 +37,7 @@ from dflash_cache.cache.store import read_frozen
 from dflash_cache.devices import GpuThrottle, Worker, launch, torchrun_worker, worker_threads
 from dflash_cache.progress import ProgressSink, Reporter
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
-from dflash_cache.train.config import TrainConfig, TrainError, drafter_config
+from dflash_cache.train.config import TrainConfig, TrainError, drafter_config, resolve_token_budget
 from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, save_serving
 from dflash_cache.train.follow import is_complete, wait_for_cache
 from dflash_cache.train.loader import Batch, CacheLoader
@@ -210,10 +210,9 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
     embed, head = (t.to(device, torch.bfloat16 if cuda else torch.float32) for t in read_frozen(cfg.cache))
     ddp = _data_parallel(model, device, cfg.grad_reduce) if w.world_size > 1 else model
     cost = partial(drafter_cost, block_size=dcfg.block_size, max_anchors=cfg.max_anchors)  # balances DDP steps
-    # 8192 context tokens x 512 anchors fits an H200 with the default 8B-shaped drafter, even for the
-    # batch of most blocks (short samples: 100.6 GB peak); 4096 ran at 51% MFU, 8192 at 53% (BENCHMARKS.md).
-    loader = CacheLoader(cfg.cache, layer_ids=dcfg.target_layer_ids, token_budget=cfg.token_budget or (8192 if cuda
-                         else 2048), seed=cfg.seed, rank=w.rank, world_size=w.world_size, device=device,
+    loader = CacheLoader(cfg.cache, layer_ids=dcfg.target_layer_ids,
+                         token_budget=resolve_token_budget(cfg.token_budget, cuda), seed=cfg.seed, rank=w.rank,
+                         world_size=w.world_size, device=device,
                          prefetch=cfg.prefetch, readers=cfg.readers, skip_bad_units=cfg.skip_bad_units,
                          follow=cfg.follow, control_group=control_group, on_status=on_status, on_warning=on_warning,
                          batch_cost=cost, units=vset and vset.train_units)  # fmt: skip
