@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import random
 import shutil
 import sys
@@ -69,7 +68,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_tiny_target import CHAT_TEMPLATE, PRETOKENIZE_REGEX, make_batches  # noqa: E402 - the same ChatML, pre-tokenizer, batching
+from make_tiny_target import (  # noqa: E402 - the same tokenizer, batching and training loop
+    byte_bpe_tokenizer,
+    corpus_loss,
+    make_batches,
+    train,
+)
 
 HERE = Path(__file__).resolve().parent
 SEED = 0
@@ -196,9 +200,9 @@ def conversation(prefix: str, continuation: str | None) -> list[dict]:
 
 def split_corpus(files: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     held = {h for h in HELD_OUT}
-    train = [(p, t) for p, t in files if module_of(Path(p)) not in held]
+    kept = [(p, t) for p, t in files if module_of(Path(p)) not in held]
     test = [(p, t) for p, t in files if module_of(Path(p)) in held]
-    return train, test
+    return kept, test
 
 
 def all_windows(files: list[tuple[str, str]], seed: int) -> list[tuple[str, str, str]]:
@@ -215,30 +219,9 @@ def all_windows(files: list[tuple[str, str]], seed: int) -> list[tuple[str, str,
 
 
 def build_tokenizer(texts: list[str], bpe_vocab: int):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=bpe_vocab, min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])  # fmt: skip
-    tok.train_from_iterator(texts, trainer=trainer)
-    tok.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=COMMON["max_position_embeddings"],
-        clean_up_tokenization_spaces=False,
-    )
+    """The tiny target's byte-level BPE (no mask token: the drafter's mask id is len(tokenizer))."""
+    return byte_bpe_tokenizer(texts, bpe_vocab, SPECIAL_TOKENS, mask_token=None,
+                              max_length=COMMON["max_position_embeddings"])  # fmt: skip
 
 
 def build_model(tokenizer, size: Size):
@@ -258,79 +241,6 @@ def encode(convs: list[list[dict]], tokenizer) -> list[list[int]]:
     """Each conversation as ``dflash extract`` renders it: the whole chat, no generation prompt."""
     texts = tokenizer.apply_chat_template(convs, tokenize=False)
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-
-
-def train(model, batches, size: Size, steps: int, device, time_budget: float | None = None,
-          log_every: int = 50) -> tuple[float, int]:
-    """AdamW, warmup then cosine; returns the token-weighted loss over the last epoch's worth of steps
-    and the steps taken. With a time budget (seconds), the step time of steps 5-25 decides how many
-    of the `steps` fit, and the cosine ends there (the warmup stays 5% of `steps`)."""
-    import torch
-
-    torch.manual_seed(SEED)
-    gen = torch.Generator().manual_seed(SEED)
-    cuda = device.type == "cuda"
-    opt = torch.optim.AdamW(model.parameters(), lr=size.lr, betas=(0.9, 0.95), weight_decay=0.01,
-                            fused=cuda)  # fmt: skip
-    warmup = max(1, int(0.05 * steps))
-
-    total = steps
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return size.lr * (step + 1) / warmup
-        t = (step - warmup) / max(1, total - warmup)
-        return size.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * t)))
-
-    model.train()
-    queue: list[int] = []
-    recent: list[tuple[float, int]] = []
-    start = time.perf_counter()
-    step = 0
-    while step < total:
-        if time_budget is not None and step in (5, 25):
-            if cuda:
-                torch.cuda.synchronize()
-            if step == 5:
-                probe = time.perf_counter()
-            else:
-                per_step = (time.perf_counter() - probe) / 20
-                total = max(26, min(steps, 25 + int((time_budget - (time.perf_counter() - start)) / per_step)))
-                print(f"time budget {time_budget:.0f}s at {per_step:.3f}s a step: {total} steps", flush=True)
-        if not queue:
-            queue = torch.randperm(len(batches), generator=gen).tolist()
-        ids, att, labels = (t.to(device, non_blocking=True) for t in batches[queue.pop()])
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        n = int((labels[:, 1:] != -100).sum())
-        recent = [*recent[-(len(batches) - 1) :], (loss.item() * n, n)]
-        if step % log_every == 0 or step == total - 1:
-            avg = sum(x for x, _ in recent) / sum(n for _, n in recent)
-            print(f"step {step:5d}/{total}  lr {lr_at(step):.2e}  loss {loss.item():.4f}  recent {avg:.4f}  "
-                  f"{time.perf_counter() - start:6.1f}s", flush=True)  # fmt: skip
-        step += 1
-    model.eval()
-    return sum(x for x, _ in recent) / sum(n for _, n in recent), total
-
-
-def eval_loss(model, batches, device) -> float:
-    """Token-weighted next-token loss of ``model`` as it is (e.g. bf16)."""
-    import torch
-
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for b in batches:
-            ids, att, labels = (t.to(device) for t in b)
-            n = int((labels[:, 1:] != -100).sum())
-            total += model(input_ids=ids, attention_mask=att, labels=labels).loss.float().item() * n
-            count += n
-    return total / count
 
 
 def sample(model, tokenizer, prefix: str, device, max_new_tokens: int = 80) -> str:
@@ -425,10 +335,10 @@ def main() -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters, vocab {len(tokenizer)} in {model.config.vocab_size} rows, {device}")
     start = time.perf_counter()
-    last, steps = train(model, batches, size, steps, device, args.time_budget)
+    last, steps = train(model, batches, steps, lr=size.lr, device=device, time_budget=args.time_budget)
     took = time.perf_counter() - start
     model = model.to(torch.bfloat16)
-    test_loss = eval_loss(model, make_batches(test_seqs, tokenizer.pad_token_id, size.batch_tokens), device)
+    test_loss = corpus_loss(model, make_batches(test_seqs, tokenizer.pad_token_id, size.batch_tokens), device)
     print(f"trained in {took:.0f}s: recent training loss {last:.4f}; held-out loss in bf16 {test_loss:.4f}")
 
     tmp = out.with_name(out.name + ".tmp")

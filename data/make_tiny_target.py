@@ -44,7 +44,7 @@ import argparse
 import json
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -109,6 +109,14 @@ def corpus(chat_path: Path) -> Iterator[str]:
 
 
 def build_tokenizer(chat_path: Path):
+    return byte_bpe_tokenizer(corpus(chat_path), BPE_VOCAB, SPECIAL_TOKENS, mask_token="<|mask|>",
+                              max_length=GEOMETRY["max_position_embeddings"])  # fmt: skip
+
+
+def byte_bpe_tokenizer(texts: Iterable[str], bpe_vocab: int, special_tokens: list[str], *, mask_token: str | None,
+                       max_length: int):  # fmt: skip
+    """A byte-level BPE tokenizer learned from `texts`, Qwen's pre-tokenizer and ChatML template;
+    the special tokens come after the learned vocabulary. Also make_code_target's."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -121,24 +129,24 @@ def build_tokenizer(chat_path: Path):
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=BPE_VOCAB,
+        vocab_size=bpe_vocab,
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         special_tokens=[],
     )
-    tok.train_from_iterator(corpus(chat_path), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     # Appended after the learned vocabulary, as in Qwen; special, so never split or merged.
-    tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_special_tokens(special_tokens)
 
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        mask_token="<|mask|>",
+        **({"mask_token": mask_token} if mask_token else {}),
         additional_special_tokens=["<|im_start|>"],
         chat_template=CHAT_TEMPLATE,
-        model_max_length=GEOMETRY["max_position_embeddings"],
+        model_max_length=max_length,
         clean_up_tokenization_spaces=False,
     )
 
@@ -217,61 +225,78 @@ def make_batches(convs: list[list[int]], pad_id: int, batch_tokens: int = BATCH_
     return batches
 
 
-def train(model, batches, steps: int, log_every: int = 50) -> float:
-    """AdamW with linear warmup and cosine decay, float32, a seeded fixed batch order; returns the
-    token-weighted mean loss over the last epoch's worth of steps."""
+def train(model, batches, steps: int, *, lr: float = LR, device=None, time_budget: float | None = None,
+          log_every: int = 50) -> tuple[float, int]:
+    """AdamW with linear warmup and cosine decay to MIN_LR_FRAC of `lr`, a seeded fixed batch order,
+    bf16 autocast on a GPU; returns the token-weighted mean loss over the last epoch's worth of
+    steps and the steps taken. With a time budget (seconds), the step time of steps 5-25 decides
+    how many of the `steps` fit, and the cosine ends there (the warmup stays a fraction of `steps`).
+    Also make_code_target's loop."""
     import math
     import time
 
     import torch
 
+    device = device or torch.device("cpu")
+    cuda = device.type == "cuda"
     torch.manual_seed(SEED)
     gen = torch.Generator().manual_seed(SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=WEIGHT_DECAY, fused=cuda)
     warmup = max(1, int(WARMUP_FRAC * steps))
+    total = steps
 
     def lr_at(step: int) -> float:
         if step < warmup:
-            return LR * (step + 1) / warmup
-        t = (step - warmup) / max(1, steps - warmup)
-        return LR * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * t)))
+            return lr * (step + 1) / warmup
+        t = (step - warmup) / max(1, total - warmup)
+        return lr * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * t)))
 
     model.train()
     queue: list[int] = []
     recent: list[tuple[float, int]] = []  # (summed loss, tokens) of the last len(batches) steps
     start = time.perf_counter()
-    for step in range(steps):
+    step = 0
+    while step < total:
+        if time_budget is not None and step in (5, 25):
+            if cuda:
+                torch.cuda.synchronize()
+            if step == 5:
+                probe = time.perf_counter()
+            else:
+                per_step = (time.perf_counter() - probe) / 20
+                total = max(26, min(steps, 25 + int((time_budget - (time.perf_counter() - start)) / per_step)))
+                print(f"time budget {time_budget:.0f}s at {per_step:.3f}s a step: {total} steps", flush=True)
         if not queue:  # a fresh seeded permutation of the batches each epoch
             queue = torch.randperm(len(batches), generator=gen).tolist()
-        ids, att, labels = batches[queue.pop()]
+        ids, att, labels = (t.to(device, non_blocking=True) for t in batches[queue.pop()])
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         # Mean over the batch's predicted tokens (the model shifts labels itself).
-        loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         n = int((labels[:, 1:] != -100).sum())
         recent = [*recent[-(len(batches) - 1) :], (loss.item() * n, n)]
-        if step % log_every == 0 or step == steps - 1:
+        if step % log_every == 0 or step == total - 1:
             avg = sum(x for x, _ in recent) / sum(n for _, n in recent)
-            print(
-                f"step {step:5d}/{steps}  lr {lr_at(step):.2e}  loss {loss.item():.4f}  "
-                f"epoch-avg {avg:.4f}  {time.perf_counter() - start:6.1f}s",
-                flush=True,
-            )
+            print(f"step {step:5d}/{total}  lr {lr_at(step):.2e}  loss {loss.item():.4f}  recent {avg:.4f}  "
+                  f"{time.perf_counter() - start:6.1f}s", flush=True)  # fmt: skip
+        step += 1
     model.eval()
-    return sum(x for x, _ in recent) / sum(n for _, n in recent)
+    return sum(x for x, _ in recent) / sum(n for _, n in recent), total
 
 
-def corpus_loss(model, batches) -> float:
-    """Token-weighted next-token loss of ``model`` (as it is, e.g. bf16) over the whole corpus."""
+def corpus_loss(model, batches, device=None) -> float:
+    """Token-weighted next-token loss of ``model`` (as it is, e.g. bf16) over `batches`."""
     import torch
 
     total, count = 0.0, 0
     with torch.no_grad():
-        for ids, att, labels in batches:
+        for b in batches:
+            ids, att, labels = (t.to(device) if device is not None else t for t in b)
             n = int((labels[:, 1:] != -100).sum())
             total += model(input_ids=ids, attention_mask=att, labels=labels).loss.float().item() * n
             count += n
@@ -320,7 +345,7 @@ def main() -> None:
     tokens = sum(int(att.sum()) for _, att, _ in batches)
     print(f"training: {len(batches)} batches, {tokens} tokens, {args.steps} steps, {args.threads} threads", flush=True)
     start = time.perf_counter()
-    last_epoch = train(model, batches, args.steps)
+    last_epoch, _ = train(model, batches, args.steps)
     took = time.perf_counter() - start
     model = model.to(torch.bfloat16)
     final = corpus_loss(model, make_batches(chat, tokenizer.pad_token_id))
