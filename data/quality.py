@@ -58,7 +58,7 @@ def demo_config(args: argparse.Namespace):
         d = TrainConfig(cache=Path(), out=Path())
         cfg = replace(cfg, epochs=d.epochs, lr=d.lr, draft_layers=d.draft_layers, max_anchors=d.max_anchors,
                       token_budget=d.token_budget)  # fmt: skip
-    return cfg
+    return replace(cfg, epochs=args.epochs or cfg.epochs)
 
 
 def task(cfg, name: str, regen_path: Path) -> dict:
@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--recipe", choices=("default", "demo"), default="default",
                     help="training recipe: dflash train's defaults, or the demo's (2 layers, 8 epochs of "
                     "512-token batches, 16 anchors, lr 3e-3)")
+    ap.add_argument("--epochs", type=int, help="training epochs instead of the recipe's (6 default, 8 demo)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the drafters' weights, shuffling and anchors")
     ap.add_argument("--jobs", type=int, default=1, choices=(1, 3),
                     help="3: the bf16, fp8 and untrained parts at once, as processes")
