@@ -47,8 +47,8 @@ Result, CPU size (Python 3.11.7, torch 2.13 CPU, transformers 5.24): 1.01M param
 on, under a load average of 5-14 from other jobs (a 40-step trial at light load ran 0.25 s a
 step); held-out loss 4.50 nats/token in bf16. Like any
 small model's, its greedy continuations fall into loops (``self._c = self._c`` line after line),
-which QUALITY.md weighs against a prompt-lookup drafter. GPU size on one H200: 0.46 s per 64K-token
-step in a 55 s budget, held-out loss 4.76 (QUALITY.md).
+which QUALITY.md weighs against a prompt-lookup drafter. GPU size on one H200: 0.31-0.46 s per 64K-token
+step in a 55 s budget, held-out loss 4.50-4.76 over three builds (QUALITY.md).
 
 Usage: ``python data/make_code_target.py --size cpu|gpu [--out DIR] [--data-dir DIR] [--steps N]
 [--time-budget S] [--data-only]``
