@@ -20,10 +20,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._inductor import config as inductor_config
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 if TYPE_CHECKING:  # the loader's batch; the objective needs only its host ids and its context
     from dflash_cache.train.loader import Batch
+
+
+_INDUCTOR_OPTIONS = ({"triton.mix_order_reduction_non_strict_mode": True}
+                     if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode") else {})
 
 
 def compile_for_cuda(fn, **kwargs):
@@ -35,10 +40,16 @@ def compile_for_cuda(fn, **kwargs):
     optimizer would split each of them at gradient-bucket boundaries, which only pays for a
     whole-model compile; on two H200s it kept rank 0 compiling for minutes while rank 1 waited
     in the first all-reduce (BENCHMARKS.md, session 7). DDP already overlaps the all-reduce with
-    the backward through its own bucket hooks, so it is turned off."""
+    the backward through its own bucket hooks, so it is turned off.
+
+    Inductor fuses two reductions of different loop orders only above a size it checks with a
+    guard on the token count, so the first batch on the other side of 5,120 context tokens
+    recompiled the layer stages mid-run (a 20 s stall on an H200). Its non-strict mode skips
+    those size checks: two recompiles fewer a process, at the same step time (BENCHMARKS.md,
+    session 9)."""
     torch._dynamo.config.optimize_ddp = False
     try:
-        return torch.compile(fn, **{"dynamic": True, **kwargs})
+        return torch.compile(fn, **{"dynamic": True, "options": _INDUCTOR_OPTIONS, **kwargs})
     except Exception:  # pragma: no cover - torch.compile unsupported on this Python/platform
         return None
 
