@@ -1,6 +1,7 @@
 """The train stage against independent computations: an uninterrupted run, replicas of each
 other, the cache's sample list, the pre-export model."""
 
+import gc
 import json
 import os
 import signal
@@ -112,6 +113,8 @@ def _reduce_grads(w, grad_reduce, out):
     ddp = _data_parallel(model, w.device, grad_reduce)  # held: its reducer does the all-reduce in backward
     ddp(x[w.rank]).square().sum().backward()
     torch.save((local, model.weight.grad), out / f"rank{w.rank}.pt")
+    del ddp  # the model before its process group, as stage._worker does (the comment there says why)
+    gc.collect()
     dist.destroy_process_group()
 
 

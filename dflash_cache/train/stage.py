@@ -20,8 +20,10 @@ resumed run sees exactly the batches and anchors an uninterrupted one would have
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import traceback
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -166,8 +168,17 @@ def _worker(w: Worker, cfg: TrainConfig, channel) -> None:
         # 4 threads a GPU: two H200s trained 1.77x one with 32 threads a process, 1.875x with 4 (BENCHMARKS.md)
         with worker_threads(w, per_gpu=4):
             _train(w, cfg, channel, control)
+    except BaseException as e:
+        if distributed:  # a failed run's frames hold the DDP model: see below
+            traceback.clear_frames(e.__traceback__)
+        raise
     finally:
         if distributed and dist.is_initialized():
+            # The DDP model goes before its process group. A reducer that outlives
+            # destroy_process_group ends the group itself when it is freed, holding the GIL, and
+            # ProcessGroupGloo's destructor then joins a thread that waits for the GIL: the worker
+            # hangs at exit (seen once in tests/test_train.py's DDP gradient test, torch 2.13 CPU).
+            gc.collect()
             dist.destroy_process_group()
 
 
