@@ -14,6 +14,23 @@ TINY_TARGET = ROOT / "data" / "tiny-target"
 CHAT = ROOT / "data" / "chat.jsonl"
 
 
+class RecordingSink:
+    """A progress sink that keeps what it was shown (the CLI's bars take the same calls)."""
+
+    def __init__(self) -> None:
+        self.started, self.deltas, self.totals, self.closed = None, [], {}, False
+
+    def start(self, total: int, done: int) -> None:
+        self.started = (total, done)
+
+    def update(self, totals: dict, delta: dict) -> None:
+        self.deltas.append(dict(delta))
+        self.totals = dict(totals)
+
+    def close(self) -> None:
+        self.closed = True
+
+
 def extract_cmd(data: Path, out: Path, *extra: str, target: Path = TINY_TARGET, max_length: int = 512,
                 unit_mb: int = 1, token_budget: int = 512) -> list[str]:
     """The `dflash extract` command line of the CLI tests: small units and batches, so a run

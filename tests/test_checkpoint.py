@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from conftest import RecordingSink
 
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
 from dflash_cache.train.config import TrainConfig
@@ -54,22 +55,6 @@ def test_saves_on_cadence_keeps_the_newest_and_restores_each_component(tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*.pt")) == ["step_00000012.pt"]
 
 
-class Sink:
-    """A progress sink that keeps what it was told."""
-
-    def __init__(self):
-        self.deltas: list[dict] = []
-
-    def start(self, total: int, done: int) -> None:
-        pass
-
-    def update(self, totals: dict, delta: dict) -> None:
-        self.deltas.append(delta)
-
-    def close(self) -> None:
-        pass
-
-
 def test_a_resumed_run_says_where_it_resumed_and_keeps_as_told(tiny_cache, tmp_path):
     out = tmp_path / "run"
 
@@ -77,12 +62,12 @@ def test_a_resumed_run_says_where_it_resumed_and_keeps_as_told(tiny_cache, tmp_p
         return TrainConfig(cache=tiny_cache, out=out, epochs=1, max_steps=max_steps, token_budget=1024,
                            max_anchors=8, draft_layers=1, save_every=1, log_every=1, keep_checkpoints=1)  # fmt: skip
 
-    first = Sink()
+    first = RecordingSink()
     run(cfg(2), first)
     assert not [d for d in first.deltas if "info" in d]  # a fresh run resumes nothing
     checkpoints = out / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step_*.pt")) == ["step_00000002.pt"]  # keep 1
-    second = Sink()
+    second = RecordingSink()
     run(cfg(3), second)
     notes = [d["info"] for d in second.deltas if "info" in d]
     assert notes == [f"resumed at epoch 1, batch 2 (step 2) from {Path(checkpoints / 'step_00000002.pt')}"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHAT, TINY_TARGET
+from conftest import CHAT, TINY_TARGET, RecordingSink
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -193,23 +193,6 @@ def test_gpu_ids():
     with pytest.raises(DeviceError, match=f"GPU {n} does not exist"):
         check_gpus([n])
     assert check_gpus(None) is None
-
-
-class RecordingSink:
-    """A progress sink that keeps what it was shown (the CLI's bars take the same calls)."""
-
-    def __init__(self) -> None:
-        self.started, self.deltas, self.totals, self.closed = None, [], {}, False
-
-    def start(self, total: int, done: int) -> None:
-        self.started = (total, done)
-
-    def update(self, totals: dict, delta: dict) -> None:
-        self.deltas.append(dict(delta))
-        self.totals = dict(totals)
-
-    def close(self) -> None:
-        self.closed = True
 
 
 def test_json_output_is_one_object_on_stdout(tmp_path):

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHAT, ROOT, TINY_TARGET
-from test_config import RecordingSink
+from conftest import CHAT, ROOT, TINY_TARGET, RecordingSink
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import ROOT
+from conftest import ROOT, RecordingSink
 
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.devices import Worker, flush_denormals, launch, worker_threads
@@ -176,21 +176,8 @@ def test_export_and_refusals(tiny_cache, tmp_path):
         run(_cfg(tiny_cache, tmp_path / "bad", layers=[0, 7]))
 
 
-class _Warnings:
-    """A progress sink that keeps the run's warning lines."""
-
-    def __init__(self):
-        self.lines = []
-
-    def start(self, total, done):
-        pass
-
-    def update(self, totals, delta):
-        if "warning" in delta:
-            self.lines.append(delta["warning"])
-
-    def close(self):
-        pass
+def _warnings(sink: RecordingSink) -> list[str]:
+    return [d["warning"] for d in sink.deltas if "warning" in d]
 
 
 def test_a_run_of_few_optimizer_steps_is_warned(tiny_cache, tmp_path):
@@ -200,14 +187,15 @@ def test_a_run_of_few_optimizer_steps_is_warned(tiny_cache, tmp_path):
     from dflash_cache.train.stage import FEW_STEPS
 
     cfg = _cfg(tiny_cache, tmp_path / "run", epochs=2, draft_layers=1, max_anchors=8, log_every=100)
-    sink = _Warnings()
+    sink = RecordingSink()
     summary = run(cfg, sink)
     steps = summary["steps"]
     assert steps < FEW_STEPS and steps == 2 * (steps // 2)
-    few = [w for w in sink.lines if "optimizer steps" in w]
-    assert few == [few[0]] and f"takes {steps} optimizer steps (2 epochs of {steps // 2})" in few[0], sink.lines
-    again = _Warnings()
+    few = [w for w in _warnings(sink) if "optimizer steps" in w]
+    assert few == [few[0]] and f"takes {steps} optimizer steps (2 epochs of {steps // 2})" in few[0], _warnings(sink)
+    again = RecordingSink()
     run(_cfg(tiny_cache, tmp_path / "run", epochs=2, draft_layers=1, max_anchors=8, log_every=100), again)  # resumes
-    short = _Warnings()
+    short = RecordingSink()
     run(_cfg(tiny_cache, tmp_path / "short", epochs=2, draft_layers=1, max_anchors=8, max_steps=2), short)
-    assert not [w for w in again.lines + short.lines if "optimizer steps" in w], again.lines + short.lines
+    later = _warnings(again) + _warnings(short)
+    assert not [w for w in later if "optimizer steps" in w], later
