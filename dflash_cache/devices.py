@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash_cache.errors import UserError
@@ -149,6 +152,32 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
         for p in context.processes:
             p.join()
         raise
+
+
+@contextmanager
+def process_group(w: Worker) -> Iterator[None]:
+    """The default process group of a run of several workers (NCCL on GPUs, gloo on CPUs), for
+    the block's duration; a single worker gets none.
+
+    Whatever holds the group, such as a DDP model, is freed before the group is destroyed. A
+    DDP reducer that outlives destroy_process_group ends the group itself when it is freed,
+    holding the GIL, and ProcessGroupGloo's destructor then joins a thread that waits for the
+    GIL: the worker hangs at exit (seen once in tests/test_train.py's DDP gradient test, torch
+    2.13 CPU). So cycles are collected first, and a failed block's frames, which the exception
+    keeps alive, are cleared."""
+    distributed = w.world_size > 1
+    if distributed and not dist.is_initialized():
+        dist.init_process_group("nccl" if w.device.type == "cuda" else "gloo", rank=w.rank, world_size=w.world_size)
+    try:
+        yield
+    except BaseException as e:
+        if distributed:
+            traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        if distributed and dist.is_initialized():
+            gc.collect()
+            dist.destroy_process_group()
 
 
 def idle_cores(interval: float = 0.2) -> float:

@@ -1,7 +1,6 @@
 """The train stage against independent computations: an uninterrupted run, replicas of each
 other, the cache's sample list, the pre-export model."""
 
-import gc
 import json
 import os
 import signal
@@ -12,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import ROOT, RecordingSink
 
 from dflash_cache.cache.spec import read_spec
-from dflash_cache.devices import Worker, flush_denormals, launch, worker_threads
+from dflash_cache.devices import Worker, flush_denormals, launch, process_group, worker_threads
 from dflash_cache.train.checkpoint import Checkpointer
 from dflash_cache.train.config import TrainConfig, TrainError
 from dflash_cache.train.drafter import load_serving
@@ -102,8 +100,12 @@ def test_ddp_two_processes(tiny_cache, tmp_path):
 
 
 def _reduce_grads(w, grad_reduce, out):
+    with process_group(w):  # gloo on CPU; destroyed after the DDP model below is freed
+        _save_grads(w, grad_reduce, out)
+
+
+def _save_grads(w, grad_reduce, out):
     """One DDP backward on rank-dependent inputs; reports the reduced gradient and both ranks' local ones."""
-    dist.init_process_group("gloo", rank=w.rank, world_size=w.world_size)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 32)
     x = torch.randn(w.world_size, 8, 64)
@@ -113,9 +115,6 @@ def _reduce_grads(w, grad_reduce, out):
     ddp = _data_parallel(model, w.device, grad_reduce)  # held: its reducer does the all-reduce in backward
     ddp(x[w.rank]).square().sum().backward()
     torch.save((local, model.weight.grad), out / f"rank{w.rank}.pt")
-    del ddp  # the model before its process group, as stage._worker does (the comment there says why)
-    gc.collect()
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("grad_reduce", ["fp32", "bf16"])

@@ -20,10 +20,8 @@ resumed run sees exactly the batches and anchors an uninterrupted one would have
 
 from __future__ import annotations
 
-import gc
 import json
 import os
-import traceback
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -36,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_cache.cache.spec import CacheSpec, SpecError, read_spec
 from dflash_cache.cache.store import read_frozen
-from dflash_cache.devices import GpuThrottle, Worker, launch, torchrun_worker, worker_threads
+from dflash_cache.devices import GpuThrottle, Worker, launch, process_group, torchrun_worker, worker_threads
 from dflash_cache.progress import ProgressSink, Reporter
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
 from dflash_cache.train.config import TrainConfig, TrainError, drafter_config, resolve_token_budget
@@ -159,27 +157,12 @@ def check_resume(state: dict[str, Any], world_size: int, cache_complete: bool) -
 
 
 def _worker(w: Worker, cfg: TrainConfig, channel) -> None:
-    distributed = w.world_size > 1
-    if distributed and not dist.is_initialized():
-        dist.init_process_group("nccl" if w.device.type == "cuda" else "gloo", rank=w.rank, world_size=w.world_size)
-    try:
+    with process_group(w):  # the DDP model (in _train) is freed before the group is destroyed
         # Follow mode's rank agreement runs in a thread on its own (CPU) group, apart from DDP's.
-        control = dist.new_group(backend="gloo") if distributed else None
+        control = dist.new_group(backend="gloo") if w.world_size > 1 else None
         # 4 threads a GPU: two H200s trained 1.77x one with 32 threads a process, 1.875x with 4 (BENCHMARKS.md)
         with worker_threads(w, per_gpu=4):
             _train(w, cfg, channel, control)
-    except BaseException as e:
-        if distributed:  # a failed run's frames hold the DDP model: see below
-            traceback.clear_frames(e.__traceback__)
-        raise
-    finally:
-        if distributed and dist.is_initialized():
-            # The DDP model goes before its process group. A reducer that outlives
-            # destroy_process_group ends the group itself when it is freed, holding the GIL, and
-            # ProcessGroupGloo's destructor then joins a thread that waits for the GIL: the worker
-            # hangs at exit (seen once in tests/test_train.py's DDP gradient test, torch 2.13 CPU).
-            gc.collect()
-            dist.destroy_process_group()
 
 
 @dataclass
