@@ -1,0 +1,79 @@
+"""Generation, the one seam that regen, eval and eval's target-alone baseline share.
+
+A backend takes requests (prompt ids, max new tokens, seed) and yields completions (ids, finish
+reason, per-step accepted counts where speculative, seconds): `requests.Backend`.
+
+- `engine.Engine` over `targets.SlotTarget`: the embedded target, many rows at once with
+  continuous batching and CUDA graphs, plainly or speculatively over a `proposer.BlockProposer`;
+- the same engine over `targets.CachedTarget`: one row at a time through transformers' own
+  cache, for the models the slot target does not run (hybrid linear-attention models);
+- `server.ServerBackend`: an OpenAI-compatible server (vLLM, SGLang, llama.cpp), token-id prompts.
+
+Stop-token cutting (`requests.StopRule`) and per-request seeding (`requests.Chooser`) live here once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash_cache.extract.target import text_config
+from dflash_cache.generate.engine import Engine
+from dflash_cache.generate.proposer import BlockProposer
+from dflash_cache.generate.requests import ERROR, LENGTH, STOP, Backend, Completion, Request, StopRule
+from dflash_cache.generate.slots import SlotCache
+from dflash_cache.generate.targets import CachedTarget, SlotTarget, Target, slot_support
+
+__all__ = [
+    "ERROR",
+    "LENGTH",
+    "STOP",
+    "Backend",
+    "BlockProposer",
+    "Completion",
+    "Engine",
+    "Request",
+    "StopRule",
+    "Target",
+    "fit_slots",
+    "load_model",
+    "make_target",
+]
+
+
+def load_model(path: str, device: torch.device, revision: str | None = None) -> nn.Module:
+    """The target for generation: bf16 on a GPU, float32 on a CPU, frozen, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_cache.extract.target import TargetError, compute_dtype_for, first_line
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=compute_dtype_for(device))
+    except (OSError, ValueError) as e:
+        raise TargetError(f"--target {path}: cannot load the model ({first_line(e)})") from None
+    return model.to(device).eval().requires_grad_(False)
+
+
+def slot_bytes(model: nn.Module, length: int) -> int:
+    """Bytes of the key/value buffers one row of `length` positions takes in a `SlotTarget`."""
+    tc = text_config(model.config.to_dict())
+    heads = tc["num_attention_heads"]
+    return SlotCache.bytes_per_slot(tc["num_hidden_layers"], length, tc.get("num_key_value_heads") or heads,
+                                    tc.get("head_dim") or tc["hidden_size"] // heads,
+                                    model.get_input_embeddings().weight.dtype)  # fmt: skip
+
+
+def fit_slots(wanted: int, per_slot: int, device: torch.device, *, share: float = 0.6) -> int:
+    """`wanted` rows, or as many as fit in `share` of the GPU's free memory (the rest is left for
+    the step's activations and logits). CPUs take what they are given."""
+    if device.type != "cuda":
+        return wanted
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(wanted, int(free * share) // max(1, per_slot)))
+
+
+def make_target(model: nn.Module, slots: int, length: int, layer_ids: list[int] | None = None) -> Target:
+    """A `SlotTarget` of `slots` rows where it can run the model, else a one-row `CachedTarget`."""
+    if slot_support(model) is None:
+        return SlotTarget(model, slots, length, layer_ids)
+    return CachedTarget(model, length, layer_ids)

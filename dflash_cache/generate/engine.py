@@ -1,0 +1,229 @@
+"""The embedded backends: continuous batching of requests over a target's rows, decoding plainly or
+speculatively with a block proposer.
+
+Every row of the target holds one request. A step advances every row at once: one token per row
+(plain decoding), or a drafted block verified in one target forward, of which each row commits its
+own accepted prefix and the target's next token (speculative decoding; rows accept different
+counts and stay apart, each at its own position). A row that ends frees its place, and the next
+waiting prompts are prefilled into the free rows in token-budget batches, so the GPU keeps a full
+batch while the requests' lengths differ. Which token a row commits depends only on its request
+(prompt, seed) and never on its neighbours (`requests.Chooser`), so the output equals one-row
+decoding token for token, and greedy speculative decoding equals plain greedy decoding.
+
+On a GPU the whole step (draft, verify, accept, context update) is captured once as a CUDA graph
+and replayed, which removes the per-layer launch overhead that dominates small models: only the
+bookkeeping of which rows ended runs in Python.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dflash_cache.generate.proposer import BlockProposer
+from dflash_cache.generate.requests import ERROR, LENGTH, STOP, Chooser, Completion, DraftChooser, Request, StopRule
+from dflash_cache.generate.requests import speculative_accept as accept
+from dflash_cache.generate.targets import Target
+
+_END = object()
+_ENDED = object()  # a row whose request ended in this step, freed after it
+
+
+@dataclass
+class _Row:
+    request: Request
+    out: list[int] = field(default_factory=list)
+    accepted: list[int] | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+class _Graph:
+    """`fn(*inputs)` captured as a CUDA graph on its first call, replayed after; the outputs are the
+    graph's own tensors, overwritten by the next replay. Falls back to eager once, with a warning,
+    if capture fails."""
+
+    def __init__(self, fn: Callable[..., tuple[Tensor, ...]]):
+        self.fn, self.graph, self.inputs, self.outputs, self.broken = fn, None, None, None, False
+
+    def __call__(self, *inputs: Tensor) -> tuple[Tensor, ...]:
+        if self.broken:
+            return self.fn(*inputs)
+        if self.graph is None:
+            try:
+                self._capture(inputs)
+            except Exception as e:  # noqa: BLE001 - any capture failure: run eagerly, loudly
+                self.broken = True
+                warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly", stacklevel=2)
+                return self.fn(*inputs)
+        for mine, given in zip(self.inputs, inputs, strict=True):
+            mine.copy_(given)
+        self.graph.replay()
+        return self.outputs
+
+    def _capture(self, inputs: tuple[Tensor, ...]) -> None:
+        self.inputs = tuple(t.clone() for t in inputs)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: the same writes a real step makes, so harmless
+            for _ in range(2):
+                self.fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.outputs = self.fn(*self.inputs)
+        self.graph = graph
+
+
+class Engine:
+    """Continuous batching over `target`'s rows; speculative when given a `proposer`.
+
+    `prefill_tokens` bounds a prefill batch (prompt rows times the longest prompt). `graphs`
+    captures the step as a CUDA graph (on CUDA only)."""
+
+    def __init__(self, target: Target, stop: StopRule, *, temperature: float = 0.0,
+                 proposer: BlockProposer | None = None, prefill_tokens: int = 16384,
+                 graphs: bool = True) -> None:  # fmt: skip
+        self.target, self.stop, self.proposer, self.temperature = target, stop, proposer, temperature
+        self.prefill_tokens = prefill_tokens
+        if proposer is not None and proposer.slots < target.slots:
+            raise ValueError("the proposer needs a place for every target row")
+        S, device = target.slots, target.device
+        self.last = torch.zeros(S, dtype=torch.long, device=device)
+        self.pos = torch.zeros(S, dtype=torch.long, device=device)
+        self.seed = torch.zeros(S, dtype=torch.long, device=device)
+        self.chooser = Chooser(temperature, self.seed)
+        step = self._speculative_step if proposer is not None else self._plain_step
+        self._step = _Graph(step) if graphs and device.type == "cuda" else step
+        self.rows: list[_Row | None] = [None] * S
+        self.steps = 0  # target forwards after the prefill, over the engine's life
+
+    @property
+    def room(self) -> int:
+        """Positions a row needs beyond its prompt and reply: the widest step."""
+        return 1 + (self.proposer.block_size if self.proposer is not None else 0)
+
+    # ------------------------------------------------------------------ the two steps
+    # Each returns (tokens [S, m], counts [S]): row r commits tokens[r, :counts[r]].
+
+    def _plain_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
+        logits, _ = self.target.step(last[:, None], pos[:, None])
+        token, _ = Chooser(self.temperature, seed).at(pos + 1)(logits[:, 0])
+        return token[:, None], torch.ones_like(pos)
+
+    def _speculative_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
+        chooser = Chooser(self.temperature, seed)
+        drafts, q = self.proposer.propose(last, pos, DraftChooser(chooser, pos))
+        ids = torch.cat([last[:, None], drafts], 1)
+        positions = pos[:, None] + torch.arange(ids.shape[1], device=pos.device)
+        logits, states = self.target.step(ids, positions)
+        a, bonus = accept(drafts, q, logits, chooser, pos)
+        self.proposer.add_context(states, positions)
+        tokens = torch.cat([drafts, torch.zeros_like(bonus)[:, None]], 1)
+        tokens.scatter_(1, a[:, None], bonus[:, None])  # drafts[:a], then the target's own token
+        return tokens, a + 1
+
+    # ------------------------------------------------------------------ scheduling
+
+    def stream(self, requests: Iterable[Request | None]) -> Iterator[Completion]:
+        """Generate `requests` (see `requests.Backend`), yielding completions as rows end."""
+        source = iter(requests)
+        waiting: deque[Request] = deque()
+        exhausted = False
+        while True:
+            while not exhausted and len(waiting) < 2 * self.target.slots:
+                r = next(source, _END)
+                if r is _END:
+                    exhausted = True
+                elif r is None:
+                    break
+                else:
+                    waiting.append(r)
+            live = self.target.slots - self.rows.count(None)
+            free = self.target.slots - live
+            if waiting and free and (free * 8 >= self.target.slots or live == 0 or exhausted):
+                yield from self._admit(waiting)
+                live = self.target.slots - self.rows.count(None)
+            if live == 0:
+                if exhausted and not waiting:
+                    return
+                if not waiting:
+                    raise RuntimeError("the request source is waiting on completions, but none is in flight")
+                continue
+            yield from self._advance()
+
+    def _admit(self, waiting: deque[Request]) -> Iterator[Completion]:
+        """Prefill waiting prompts into the free rows, in token-budget batches of similar length."""
+        free = [i for i, r in enumerate(self.rows) if r is None]
+        take = sorted((waiting.popleft() for _ in range(min(len(free), len(waiting)))), key=lambda r: len(r.prompt))
+        batch: list[Request] = []
+        for r in take:
+            if len(r.prompt) + r.max_new_tokens + self.room > self.target.length:
+                why = (f"prompt ({len(r.prompt)} tokens) and max_new_tokens ({r.max_new_tokens}) exceed the "
+                       f"{self.target.length} positions of a row")
+                yield Completion(r, [], ERROR, error=why)
+                continue
+            if batch and (len(batch) + 1) * len(r.prompt) > self.prefill_tokens:
+                yield from self._prefill(batch, free)
+                batch = []
+            batch.append(r)
+        if batch:
+            yield from self._prefill(batch, free)
+
+    def _prefill(self, batch: list[Request], free: list[int]) -> Iterator[Completion]:
+        rows = [free.pop(0) for _ in batch]
+        logits, states = self.target.prefill(rows, [r.prompt for r in batch])
+        index = torch.tensor(rows, device=self.pos.device)
+        lengths = torch.tensor([len(r.prompt) for r in batch], device=self.pos.device)
+        self.seed[index] = torch.tensor([r.seed for r in batch], device=self.pos.device)
+        first, _ = Chooser(self.temperature, self.seed[index]).at(lengths)(logits)
+        if self.proposer is not None:
+            positions = torch.arange(states.shape[1], device=states.device).expand(len(batch), -1)
+            self.proposer.add_context(states, positions, index)
+        self.last[index], self.pos[index] = first, lengths
+        done = []
+        for row, r, token in zip(rows, batch, first.tolist(), strict=True):
+            self.rows[row] = _Row(r, accepted=[] if self.proposer is not None else None)
+            if (c := self._commit(row, [token], step=False)) is not None:
+                done.append(c)
+        self._free()
+        yield from done
+
+    def _advance(self) -> Iterator[Completion]:
+        tokens, counts = self._step(self.last, self.pos, self.seed)
+        self.steps += 1
+        self.pos += counts
+        self.last = tokens.gather(1, (counts - 1)[:, None]).squeeze(1)
+        done = [c for i, (t, n) in enumerate(zip(tokens.tolist(), counts.tolist(), strict=True))
+                if self.rows[i] is not None and (c := self._commit(i, t[:n], step=True)) is not None]  # fmt: skip
+        self._free()
+        self.target.keep(self.pos)
+        yield from done
+
+    def _commit(self, i: int, tokens: list[int], *, step: bool) -> Completion | None:
+        """Row i commits `tokens` (cut at a stop token and the length limit); returns its
+        completion when that ended it."""
+        row = self.rows[i]
+        kept, stopped = self.stop.cut(tokens, row.request.max_new_tokens - len(row.out))
+        row.out.extend(kept)
+        if step and row.accepted is not None:
+            row.accepted.append(len(kept))
+        if not stopped and len(row.out) < row.request.max_new_tokens:
+            return None
+        self.rows[i] = _ENDED
+        return Completion(row.request, row.out, STOP if stopped else LENGTH, row.accepted,
+                          time.perf_counter() - row.started)  # fmt: skip
+
+    def _free(self) -> None:
+        """Rows that ended this step become free (position 0: what they write next is harmless)."""
+        ended = [i for i, r in enumerate(self.rows) if r is _ENDED]
+        if ended:
+            index = torch.tensor(ended, device=self.pos.device)
+            self.pos[index], self.last[index] = 0, 0
+            for i in ended:
+                self.rows[i] = None

@@ -1,0 +1,113 @@
+"""The drafter side of speculative decoding: a block drafter that keeps, per row, the keys and values
+of the context it has seen.
+
+The DFlash-family backbone (DFlash, DSpark) reads the target's tapped states of every committed
+position through each draft layer's k_proj/v_proj, once: `add_context` fuses the new positions'
+states (fc, hidden_norm) and writes their keys and values into the row's slots at those
+positions. `propose` runs the block [last token, mask x (B-1)] at positions p..p+B-1: its own keys
+and values are written at those positions too, and each block query sees every slot position
+below p + B, i.e. the context before the anchor and the whole block, bidirectionally: the
+attention rule of training (`train.objective.block_attention`). Entries past a row's committed
+length are never visible before they are rewritten with the committed tokens' context.
+
+The family decides the block's input and how drafts come out of the block's hidden states
+(`block_input`, `draft`): DFlash reads slots 1..B-1 through the LM head at once; DSpark runs its
+Markov head slot by slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflash_cache.generate.slots import SlotCache, slot_attention, visible
+from dflash_cache.train.drafter import _rotate
+
+
+def dflash_block_input(anchor: Tensor, block_size: int, mask_token_id: int) -> Tensor:
+    """DFlash's block: slot 0 the anchor (the last committed token), then the mask token."""
+    ids = torch.full((anchor.shape[0], block_size), mask_token_id, dtype=torch.long, device=anchor.device)
+    ids[:, 0] = anchor
+    return ids
+
+
+def dflash_draft(model: nn.Module, hidden: Tensor, block_ids: Tensor, head: Tensor, choose: Callable
+                 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """DFlash's drafts: slot k (1..B-1) predicts the token at anchor + k, through the LM head."""
+    tokens, probs = [], []
+    for k in range(1, hidden.shape[1]):
+        t, p = choose(F.linear(hidden[:, k], head).float())
+        tokens.append(t)
+        probs.append(p)
+    return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1)
+
+
+def proposer_slot_bytes(model: nn.Module, length: int) -> int:
+    """Bytes of the context keys and values one row of `length` positions takes."""
+    cfg = model.config
+    return SlotCache.bytes_per_slot(len(model.layers), length, cfg.num_key_value_heads, cfg.head_dim,
+                                    model.fc.weight.dtype)  # fmt: skip
+
+
+class BlockProposer:
+    """A DFlash-family drafter over `slots` rows of up to `length` positions (module docstring)."""
+
+    def __init__(self, model: nn.Module, *, embed: Tensor, head: Tensor, slots: int, length: int,
+                 block_size: int | None = None, block_input: Callable = dflash_block_input,
+                 draft: Callable = dflash_draft) -> None:  # fmt: skip
+        cfg = model.config
+        self.model, self.embed, self.head = model, embed, head
+        self.block_size, self.mask_token_id = block_size or cfg.block_size, cfg.mask_token_id
+        self.layer_ids = list(cfg.target_layer_ids)
+        self.block_input, self.draft = block_input, draft
+        weight = model.fc.weight
+        self.cache = SlotCache(len(model.layers), slots, -(-length // 16) * 16, cfg.num_key_value_heads, cfg.head_dim,
+                               dtype=weight.dtype, device=weight.device)  # fmt: skip
+        self.slots, self.length = slots, self.cache.length
+
+    def _kv(self, layer: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+        """A layer's keys and values [b, kv_heads, T, D] of x [b, T, H] (k_norm, RoPE on the keys)."""
+        attn, (b, T, _) = layer.self_attn, x.shape
+        k = _rotate(attn.k_norm(attn.k_proj(x).view(b * T, attn.n_kv, attn.head_dim)), *rope)
+        v = attn.v_proj(x).view(b, T, attn.n_kv, attn.head_dim)
+        return k.view(b, T, attn.n_kv, -1).transpose(1, 2).to(v.dtype), v.transpose(1, 2)
+
+    @torch.inference_mode()
+    def add_context(self, states: Tensor, positions: Tensor, rows: Tensor | None = None) -> None:
+        """Tapped target states [b, T, K*H] of the tokens at positions [b, T] of rows `rows` [b]
+        (all slots when None)."""
+        m = self.model
+        ctx = m.hidden_norm(m.fc(states.to(m.fc.weight.dtype)))
+        rope = m._rope(positions.flatten(), ctx.dtype)
+        for i, layer in enumerate(m.layers):
+            k, v = self._kv(layer, ctx, rope)
+            slot = torch.arange(k.shape[0], device=k.device) if rows is None else rows
+            index = (slot[:, None, None], torch.arange(k.shape[1], device=k.device)[None, :, None], positions[:, None])
+            self.cache.k[i].index_put_(index, k)
+            self.cache.v[i].index_put_(index, v)
+
+    @torch.inference_mode()
+    def propose(self, last: Tensor, positions: Tensor, choose: Callable) -> tuple[Tensor, Tensor | None]:
+        """Drafts [slots, n] for every row whose last committed token `last` [slots] sits at
+        `positions` [slots] (its context: every position before), and their probabilities
+        [slots, n, V] when `choose` samples."""
+        m, B = self.model, self.block_size
+        ids = self.block_input(last, B, self.mask_token_id)
+        x = F.embedding(ids, self.embed).to(m.fc.weight.dtype)
+        pos = positions[:, None] + torch.arange(B, device=positions.device)
+        rope = m._rope(pos.flatten(), x.dtype)
+        mask = visible(positions[:, None].expand(-1, B), self.length, extra=B - 1)
+        b = x.shape[0]
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = _rotate(attn.q_norm(attn.q_proj(h).view(b * B, attn.n_heads, attn.head_dim)), *rope)
+            q = q.view(b, B, attn.n_heads, -1).transpose(1, 2)
+            k, v = self._kv(layer, h, rope)
+            out = slot_attention(self.cache, i, q.to(v.dtype), k, v, pos, mask, attn.head_dim**-0.5)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, B, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.draft(m, m.norm(x), ids, self.head, choose)
