@@ -229,10 +229,7 @@ def eval_(
 
     bar = None if as_json else EvalBar()
     try:
-        r = evaluate(cfg.target, cfg.drafter, cfg.data, max_new_tokens=cfg.max_new_tokens,
-                     temperature=cfg.temperature, seed=cfg.seed, block_size=cfg.block_size, limit=cfg.limit,
-                     chat_template_kwargs=cfg.chat_template_kwargs, data_split=cfg.data_split,
-                     sink=bar).to_dict()  # fmt: skip
+        r = evaluate(cfg, sink=bar).to_dict()
     finally:
         if bar is not None:
             bar.close()

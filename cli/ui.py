@@ -165,12 +165,12 @@ class RegenBar:
 
 
 class EvalBar:
-    """Prompts done/total, the running tau per prompt and ETA for `dflash eval` (each prompt is
+    """Decodes done/total, the running tau per prompt and ETA for `dflash eval` (each prompt is
     decoded twice: speculatively, then by the target alone)."""
 
     def __init__(self, label: str = "eval") -> None:
         self.progress = Progress(TextColumn(f"[bold]{label}"), BarColumn(bar_width=12), MofNCompleteColumn(),
-                                 TextColumn("prompts tau {task.fields[tau]} eta"), TimeRemainingColumn(),
+                                 TextColumn("decodes tau {task.fields[tau]} eta"), TimeRemainingColumn(),
                                  console=console)  # fmt: skip
         self.task = None
 

@@ -36,8 +36,22 @@ class RegenConfig:
     max_new_tokens: int = setting(512, "Longest regenerated turn.", min=1)
     temperature: float = setting(0.0, "0: greedy.", min=0)
     seed: int = setting(0, "Sampling seed (each part is seeded by its id).")
-    batch_size: int = setting(32, "Prompts per generate call.", min=1)
+    batch_size: int | None = setting(None, "Rows decoded at once by the embedded engine (default 256 on a GPU, fewer "
+                                     "if its memory does not hold them; 32 on a CPU); the output does not depend "
+                                     "on it.", min=1)  # fmt: skip
     part_rows: int = setting(64, "Rows per part, the unit of resume.", min=1, tuning=True)
+    max_length: int | None = setting(None, "Positions a row may reach, prompt and replies (default: the longest "
+                                     "source conversation plus --max-new-tokens per reply).", min=2,
+                                     tuning=True)  # fmt: skip
+    drop_truncated: bool = setting(False, "Reject rows with a reply cut at --max-new-tokens (they are counted "
+                                   "either way).")  # fmt: skip
+    server: str | None = setting(None, "Generate with an OpenAI-compatible server (vLLM, SGLang, llama.cpp) at this "
+                                 "URL instead of loading the target; --target still gives the tokenizer and chat "
+                                 "template.")  # fmt: skip
+    server_model: str | None = setting(None, "The server's model name (default: the one it lists).")
+    concurrency: int = setting(16, "Requests in flight to --server.", min=1)
+    retries: int = setting(5, "Retries of a failed --server request, with backoff, before its part is left for a "
+                           "rerun.", min=0, tuning=True)  # fmt: skip
     revision: str | None = setting(None, "Hub revision of the target.")
     gpus: list[int] | None = setting(None, GPUS_HELP, expects=GPU_IDS)
     procs: int = setting(1, "CPU processes when no --gpus.", min=1)
@@ -69,6 +83,8 @@ class EvalConfig:
     seed: int = setting(0, "Seed of the sampling generators.")
     block_size: int | None = setting(None, "Block size B (default: the drafter's).", min=2)
     limit: int | None = setting(None, "Use only the first N prompts.", min=1)
+    batch_size: int | None = setting(None, "Prompts decoded at once (default 128 on a GPU, as many as fit; 16 on a "
+                                     "CPU). 1 gives the single-stream speedup.", min=1)  # fmt: skip
     chat_template_kwargs: dict[str, Any] | None = setting(
         None, KWARGS_HELP + " The DFlash reference benchmark runs Qwen3 with thinking off.")  # fmt: skip
     data_split: str | None = setting(None, SPLIT_HELP)

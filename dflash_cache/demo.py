@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dflash_cache import evaluate, regen
+from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
@@ -95,8 +96,9 @@ def untrained_drafter(tcfg: TrainConfig, out: Path) -> Path:
 
 def evaluate_drafter(cfg: DemoConfig, drafter: Path, sink: ProgressSink | None = None) -> evaluate.EvalResult:
     try:
-        return evaluate.evaluate(str(cfg.target), drafter, cfg.prompts, max_new_tokens=cfg.max_new_tokens,
-                                 seed=cfg.seed, limit=cfg.eval_prompts, baseline=cfg.baseline, sink=sink)  # fmt: skip
+        ecfg = EvalConfig(target=str(cfg.target), drafter=drafter, data=str(cfg.prompts),
+                          max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, limit=cfg.eval_prompts)  # fmt: skip
+        return evaluate.evaluate(ecfg, sink, baseline=cfg.baseline)
     finally:  # evaluate leaves its sink open for the caller
         if sink is not None:
             sink.close()

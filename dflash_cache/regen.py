@@ -3,16 +3,23 @@
 DFlash drafters train on what the target itself would say: a drafter fitted to human-written
 responses learns a distribution the target never produces. Prompts (system and user turns) are
 kept; each assistant turn is regenerated in order, given the conversation so far with the earlier
-turns already regenerated.
+turns already regenerated. A row that ends in a user turn (a dataset of prompts alone) gets the
+reply to it.
 
 Chat-template kwargs (e.g. `enable_thinking`) reach every prompt the target continues, and a
 generated reasoning block (`<think>...</think>`) stays in the written reply: it is what the
-target says, and the template decides what of it a later turn sees.
+target says, and the template decides what of it a later turn sees. Templating is always ours, so
+regenerated rows render exactly as `dflash extract` will render them.
 
-Rows are cut into fixed parts; a part is generated whole and committed by an atomic rename, so a
-killed run resumes without redoing finished parts, and each part's sampling is seeded by its id,
-so a resumed run writes what an uninterrupted one would. The parts are joined into one JSON Lines
-file at the end, which `dflash extract` reads directly.
+Generation runs through `dflash_cache.generate`: the embedded engine (continuous batching across
+the whole dataset, CUDA graphs) or, with `--server`, an OpenAI-compatible server that users
+already run (vLLM, SGLang, llama.cpp), sent token-id prompts. A request's tokens depend only on
+(seed, row, turn), never on the batch it ran in.
+
+Rows are cut into fixed parts; a part is committed by an atomic rename as soon as its last row is
+done, so a killed run resumes without redoing finished parts and writes what an uninterrupted one
+would. The parts are joined into one JSON Lines file at the end, which `dflash extract` reads. A
+reply cut at `--max-new-tokens` is counted as truncated (and dropped with `--drop-truncated`).
 """
 
 from __future__ import annotations
@@ -21,11 +28,10 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from dflash_cache.app_config import RegenConfig, regen_record
 from dflash_cache.devices import Worker, flush_denormals, launch, worker_threads
@@ -38,7 +44,19 @@ from dflash_cache.extract.data import (
     read_rows,
     source_fingerprint,
 )
-from dflash_cache.extract.target import compute_dtype_for, load_config, load_tokenizer, stop_token_ids
+from dflash_cache.extract.target import load_config, load_tokenizer, stop_token_ids
+from dflash_cache.generate import (
+    ERROR,
+    LENGTH,
+    Backend,
+    Engine,
+    Request,
+    StopRule,
+    fit_slots,
+    load_model,
+    make_target,
+    slot_bytes,
+)
 from dflash_cache.paths import output_dir, output_file
 from dflash_cache.progress import ProgressSink, Reporter
 from dflash_cache.settings import plain
@@ -56,7 +74,9 @@ def _settings(cfg: RegenConfig) -> dict[str, Any]:
     return {"target": cfg.target, "revision": cfg.revision, "data": source_fingerprint(cfg.data, cfg.data_split),
             "data_split": cfg.data_split, "max_samples": cfg.max_samples, "max_new_tokens": cfg.max_new_tokens,
             "temperature": cfg.temperature, "seed": cfg.seed, "part_rows": cfg.part_rows,
-            "chat_template_kwargs": check_template_kwargs(cfg.chat_template_kwargs)}  # fmt: skip
+            "chat_template_kwargs": check_template_kwargs(cfg.chat_template_kwargs),
+            "generator": f"server {cfg.server} {cfg.server_model or ''}".strip() if cfg.server else "embedded",
+            "drop_truncated": cfg.drop_truncated}  # fmt: skip
 
 
 def _check_settings(path: Path, settings: dict[str, Any], what: Path) -> None:
@@ -64,6 +84,8 @@ def _check_settings(path: Path, settings: dict[str, Any], what: Path) -> None:
         return
     old = json.loads(path.read_text())
     old.pop("config", None)  # how it was run, for `--config OUT.jsonl`; not what decides the rows
+    old.setdefault("generator", "embedded")  # runs from before the generation seam
+    old.setdefault("drop_truncated", False)
     diffs = sorted(k for k in settings.keys() | old.keys() if old.get(k) != settings.get(k))
     if diffs:
         raise DataError(f"{what} was regenerated with other settings ({', '.join(diffs)} differ): "
@@ -72,13 +94,15 @@ def _check_settings(path: Path, settings: dict[str, Any], what: Path) -> None:
 
 def _conversation(row: dict[str, Any]) -> list[dict[str, Any]] | str:
     """The source row as chat messages to regenerate (any row form extract reads), or the reason
-    it cannot be."""
+    it cannot be. A conversation that ends in a user turn gets an empty assistant turn to fill."""
     try:
         messages = conversation(row, reply_required=False)  # a bare question is one for the target to answer
     except RowRejected as e:
         return e.reason
     if messages is None:
         return "plain text rows have no prompt to answer"
+    if messages and messages[-1]["role"] == "user":
+        messages = [*messages, {"role": "assistant", "content": ""}]
     return messages if any(m["role"] == "assistant" for m in messages) else NO_ASSISTANT
 
 
@@ -98,6 +122,7 @@ def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     _check_settings(parts / "settings.json", settings, parts)
     rows = _read(cfg)
     load_config(cfg.target, cfg.revision)  # a bad --target fails here, before the parts directory exists
+    server = _server(cfg) if cfg.server else None  # an unreachable server too
     n_parts = -(-len(rows) // cfg.part_rows)
     parts.mkdir(parents=True, exist_ok=True)
     (parts / "settings.json").write_text(json.dumps({**settings, "config": plain(cfg)}))
@@ -106,64 +131,184 @@ def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     reporter.start(total=len(rows), done=sum(len(_part_rows(i, cfg, len(rows))) for i in done))
     t0 = time.perf_counter()
     try:
-        launch(_worker, (cfg, n_parts, reporter.channel), gpus=cfg.gpus, procs=cfg.procs)
+        if server is not None:
+            _regenerate(server, load_tokenizer(cfg.target, cfg.revision), rows, _todo(cfg, n_parts, 0, 1), cfg,
+                        reporter.channel.put)  # fmt: skip
+        else:
+            launch(_worker, (cfg, n_parts, reporter.channel), gpus=cfg.gpus, procs=cfg.procs)
     finally:
         totals = reporter.stop()
     missing = [i for i in range(n_parts) if not (parts / f"part-{i:05d}.jsonl").exists()]
     if missing:
-        raise DataError(f"regen: parts {missing[:5]} were not written; rerun to resume")
+        why = f" ({totals['failed']})" if totals.get("failed") else ""
+        raise DataError(f"regen: {len(missing)} parts ({missing[:5]}...) were not written{why}; rerun to resume")
+    return _join(cfg, n_parts, totals, time.perf_counter() - t0)
+
+
+def _join(cfg: RegenConfig, n_parts: int, totals: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """The parts, in order, as OUT.jsonl (and OUT.rejected.jsonl); nothing at all if no row was kept."""
+    parts = parts_dir(cfg.out)
     tmp = cfg.out.with_name(f".{cfg.out.name}.{os.getpid()}.tmp")
-    kept = rejected = 0
-    with open(tmp, "w") as out, open(cfg.out.with_name(cfg.out.stem + ".rejected.jsonl"), "w") as rej:
+    rejected_path = cfg.out.with_name(cfg.out.stem + ".rejected.jsonl")
+    kept = rejected = truncated = 0
+    with open(tmp, "w") as out, open(rejected_path, "w") as rej:
         for i in range(n_parts):
             for line in open(parts / f"part-{i:05d}.jsonl"):
                 rec = json.loads(line)
                 if "rejected" in rec:
                     rej.write(line)
                     rejected += 1
+                    truncated += rec.get("truncated", False)
                 else:
-                    out.write(line)
+                    truncated += rec.pop("truncated", False)
+                    out.write(json.dumps(rec, ensure_ascii=False) + "\n")
                     kept += 1
+    if not kept:  # nothing a later run could take for a finished output
+        tmp.unlink()
+        shutil.rmtree(parts, ignore_errors=True)
+        raise DataError(f"regen: no row could be regenerated ({rejected} rejected: see {rejected_path})")
     os.replace(parts / "settings.json", regen_record(cfg.out))
     os.replace(tmp, cfg.out)
     shutil.rmtree(parts, ignore_errors=True)
-    return {"out": str(cfg.out), "rows": kept, "rejected": rejected, "resumed": False,
-            "generated_tokens": totals.get("tokens", 0), "seconds": round(time.perf_counter() - t0, 3)}  # fmt: skip
+    return {"out": str(cfg.out), "rows": kept, "rejected": rejected, "truncated": truncated, "resumed": False,
+            "generated_tokens": totals.get("tokens", 0), "seconds": round(seconds, 3)}  # fmt: skip
 
 
 def _part_rows(part: int, cfg: RegenConfig, n_rows: int) -> range:
     return range(part * cfg.part_rows, min(n_rows, (part + 1) * cfg.part_rows))
 
 
-def _worker(w: Worker, cfg: RegenConfig, n_parts: int, channel) -> None:
-    from transformers import AutoModelForCausalLM
-
+def _todo(cfg: RegenConfig, n_parts: int, rank: int, world_size: int) -> list[int]:
     parts = parts_dir(cfg.out)
-    todo = [i for i in range(n_parts) if i % w.world_size == w.rank and not (parts / f"part-{i:05d}.jsonl").exists()]
+    return [i for i in range(n_parts) if i % world_size == rank and not (parts / f"part-{i:05d}.jsonl").exists()]
+
+
+def _server(cfg: RegenConfig) -> Backend:
+    from dflash_cache.generate.server import ServerBackend
+
+    return ServerBackend(cfg.server, tokenizer=load_tokenizer(cfg.target, cfg.revision), model=cfg.server_model,
+                         temperature=cfg.temperature, concurrency=cfg.concurrency, retries=cfg.retries)  # fmt: skip
+
+
+def _worker(w: Worker, cfg: RegenConfig, n_parts: int, channel) -> None:
+    todo = _todo(cfg, n_parts, w.rank, w.world_size)
     if not todo:
         return
     rows = _read(cfg)
     tokenizer = load_tokenizer(cfg.target, cfg.revision)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:  # e.g. Llama 3: batched prompts need a pad, which the mask hides
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(cfg.target, revision=cfg.revision,
-                                                 dtype=compute_dtype_for(w.device)).to(w.device).eval()  # fmt: skip
-    stop = sorted(stop_token_ids(tokenizer, model))
+    model = load_model(cfg.target, w.device, cfg.revision)
+    length = cfg.max_length or _row_length(tokenizer, rows, todo, cfg)
+    slots = fit_slots(cfg.batch_size or (256 if w.device.type == "cuda" else 32), slot_bytes(model, length), w.device)
+    engine = Engine(make_target(model, slots, length), StopRule(stop_token_ids(tokenizer, model)),
+                    temperature=cfg.temperature)  # fmt: skip
     # a CPU slows down tenfold on denormal activations, and thrashes with more threads than idle cores
     with flush_denormals(w.device), worker_threads(w):
-        for part in todo:
-            torch.manual_seed(cfg.seed * 1_000_003 + part)  # a part samples the same on any rerun
-            convs = {i: _conversation(rows[i]) for i in _part_rows(part, cfg, len(rows))}
-            _regenerate(model, tokenizer, {i: c for i, c in convs.items() if isinstance(c, list)}, cfg, stop, w.device,
-                        report=channel.put)  # fmt: skip
-            tmp = parts / f".part-{part:05d}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                for i, c in convs.items():
-                    rec = {"messages": c} if isinstance(c, list) else {"rejected": c, "row": i}
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            os.replace(tmp, parts / f"part-{part:05d}.jsonl")
-            channel.put({"parts": 1, "rows": len(convs)})
+        _regenerate(engine, tokenizer, rows, todo, cfg, channel.put)
+
+
+def _row_length(tokenizer, rows: list[dict], todo: list[int], cfg: RegenConfig) -> int:
+    """Positions a row of the engine needs: the longest source conversation as rendered, plus
+    max_new_tokens for each of its assistant turns (a generous bound: replies may outgrow the
+    source's)."""
+    kwargs = check_template_kwargs(cfg.chat_template_kwargs)
+    longest = 0
+    for part in todo:
+        for i in _part_rows(part, cfg, len(rows)):
+            messages = _conversation(rows[i])
+            if isinstance(messages, list):
+                text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+                turns = sum(m["role"] == "assistant" for m in messages)
+                longest = max(longest, len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                              + turns * cfg.max_new_tokens)  # fmt: skip
+    return longest + 16
+
+
+def _seed(seed: int, row: int, turn: int) -> int:
+    """A request's sampling seed: its row and turn, never its batch or part."""
+    return (seed * 1_000_003 + row) * 1_009 + turn
+
+
+def _regenerate(backend: Backend, tokenizer, rows: list[dict], todo: list[int], cfg: RegenConfig,
+                report: Callable[[dict], None]) -> None:  # fmt: skip
+    """Regenerate the rows of parts `todo`, turn by turn, committing each part when its last row is
+    done. A conversation's next turn goes to the front of the queue, so parts finish in order."""
+    kwargs = check_template_kwargs(cfg.chat_template_kwargs)
+    decode = reply_decoder(tokenizer)
+    convs = {i: _conversation(rows[i]) for part in todo for i in _part_rows(part, cfg, len(rows))}
+    part_of = {i: part for part in todo for i in _part_rows(part, cfg, len(rows))}
+    remaining = {part: 0 for part in todo}
+    truncated: dict[int, bool] = {}
+    failed: dict[int, str] = {}
+    queue: deque[Request] = deque()
+
+    def request(i: int, k: int) -> Request:
+        text = tokenizer.apply_chat_template(convs[i][:k], add_generation_prompt=True, tokenize=False, **kwargs)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return Request(ids, cfg.max_new_tokens, seed=_seed(cfg.seed, i, k), key=(i, k))
+
+    def next_turn(i: int, after: int) -> int | None:
+        return next((k for k, m in enumerate(convs[i]) if k > after and m["role"] == "assistant"), None)
+
+    for i, messages in convs.items():
+        if isinstance(messages, list):
+            queue.append(request(i, next_turn(i, -1)))
+            remaining[part_of[i]] += 1
+    for part in todo:
+        if not remaining[part]:
+            _write_part(part, cfg, convs, truncated, len(rows), report)
+    in_flight = 0
+
+    def feed() -> Iterator[Request | None]:
+        nonlocal in_flight
+        while queue or in_flight:
+            if not queue:
+                yield None
+            elif part_of[queue[0].key[0]] in failed:
+                queue.popleft()
+            else:
+                in_flight += 1
+                yield queue.popleft()
+
+    for c in backend.stream(feed()):
+        in_flight -= 1
+        i, k = c.request.key
+        part = part_of[i]
+        if c.finish == ERROR and c.retry:
+            failed.setdefault(part, c.error)
+            report({"failed": c.error})
+            continue
+        if c.finish == ERROR:
+            convs[i] = c.error
+        else:
+            convs[i][k] = {"role": "assistant", "content": c.text if c.text is not None else decode(c.reply_ids)}
+            truncated[i] = truncated.get(i, False) or c.finish == LENGTH
+            report({"tokens": len(c.reply_ids)})
+            if (k := next_turn(i, k)) is not None:
+                queue.appendleft(request(i, k))
+                continue
+        remaining[part] -= 1
+        if not remaining[part] and part not in failed:
+            _write_part(part, cfg, convs, truncated, len(rows), report)
+
+
+def _write_part(part: int, cfg: RegenConfig, convs: dict, truncated: dict[int, bool], n_rows: int,
+                report: Callable[[dict], None]) -> None:  # fmt: skip
+    parts = parts_dir(cfg.out)
+    tmp = parts / f".part-{part:05d}.{os.getpid()}.tmp"
+    rows = _part_rows(part, cfg, n_rows)
+    with open(tmp, "w") as f:
+        for i in rows:
+            c = convs[i]
+            if isinstance(c, str):
+                rec = {"rejected": c, "row": i}
+            elif truncated.get(i) and cfg.drop_truncated:
+                rec = {"rejected": f"a reply was cut at --max-new-tokens {cfg.max_new_tokens}", "row": i,
+                       "truncated": True}  # fmt: skip
+            else:
+                rec = {"messages": c, **({"truncated": True} if truncated.get(i) else {})}
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    os.replace(tmp, parts / f"part-{part:05d}.jsonl")
+    report({"parts": 1, "rows": len(rows)})
 
 
 def reply_decoder(tokenizer) -> Callable[[list[int]], str]:
@@ -174,40 +319,3 @@ def reply_decoder(tokenizer) -> Callable[[list[int]], str]:
         i for i, t in added.items() if t.content in REASONING_MARKERS
     }
     return lambda ids: tokenizer.decode([t for t in ids if t not in drop], skip_special_tokens=False)
-
-
-@torch.inference_mode()
-def _regenerate(model, tokenizer, convs: dict[int, list[dict]], cfg: RegenConfig, stop: list[int],
-                device: torch.device, report: Callable[[dict], None] = lambda _: None) -> None:  # fmt: skip
-    """Replace every assistant turn, turn by turn across the part, in length-sorted batches;
-    `report` gets the tokens generated after each batch (the progress bar's rate)."""
-    decode = reply_decoder(tokenizer)
-    depth = 0
-    while True:
-        # requests: (row, message index) of the depth-th assistant turn of each conversation
-        requests = []
-        for i, msgs in convs.items():
-            turns = [k for k, m in enumerate(msgs) if m["role"] == "assistant"]
-            if depth < len(turns):
-                requests.append((i, turns[depth]))
-        if not requests:
-            return
-        kwargs = check_template_kwargs(cfg.chat_template_kwargs)
-        prompts = {r: tokenizer.apply_chat_template(convs[r[0]][: r[1]], add_generation_prompt=True, tokenize=False,
-                                                    **kwargs) for r in requests}  # fmt: skip
-        requests.sort(key=lambda r: (len(prompts[r]), r))
-        for b in range(0, len(requests), cfg.batch_size):
-            batch = requests[b : b + cfg.batch_size]
-            enc = tokenizer([prompts[r] for r in batch], return_tensors="pt", padding=True, add_special_tokens=False)
-            out = model.generate(
-                **enc.to(device), max_new_tokens=cfg.max_new_tokens, do_sample=cfg.temperature > 0,
-                temperature=cfg.temperature if cfg.temperature > 0 else None, top_p=None, top_k=None,
-                eos_token_id=stop, pad_token_id=tokenizer.pad_token_id,
-            )  # fmt: skip
-            generated = 0
-            for (i, k), ids in zip(batch, out[:, enc["input_ids"].shape[1] :].tolist(), strict=True):
-                cut = next((j for j, t in enumerate(ids) if t in stop), len(ids))
-                convs[i][k] = {"role": "assistant", "content": decode(ids[:cut])}
-                generated += cut
-            report({"tokens": generated})
-        depth += 1

@@ -31,6 +31,18 @@ class RecordingSink:
         self.closed = True
 
 
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids) -> list[int]:
+    """transformers' own greedy continuation of one prompt (no padding, its own cache): the
+    reference the generation engine is checked against. The stop token is kept, as ours keeps it."""
+    import torch
+
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(stop_ids),
+                             pad_token_id=min(stop_ids), top_p=None, top_k=None, temperature=None)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
 def extract_cmd(data: Path, out: Path, *extra: str, target: Path = TINY_TARGET, max_length: int = 512,
                 unit_mb: int = 1, token_budget: int = 512) -> list[str]:
     """The `dflash extract` command line of the CLI tests: small units and batches, so a run

@@ -228,17 +228,19 @@ def test_json_output_is_one_object_on_stdout(tmp_path):
 def test_eval_shows_progress_and_prints_json(tmp_path):
     from test_evaluate import PROMPTS, export_random_drafter
 
+    from dflash_cache.app_config import EvalConfig
     from dflash_cache.evaluate import evaluate
 
     drafter = export_random_drafter(tmp_path / "export", 4)
     sink = RecordingSink()
-    result = evaluate(str(TINY_TARGET), drafter, PROMPTS, max_new_tokens=6, limit=3, sink=sink)
-    assert sink.started == (3, 0) and [d["prompts"] for d in sink.deltas] == [1, 1, 1] and sink.closed
-    assert sink.totals["prompts"] == 3 and sink.totals["tau"] == pytest.approx(result.tau_per_prompt)
+    result = evaluate(EvalConfig(target=str(TINY_TARGET), drafter=drafter, data=str(PROMPTS), max_new_tokens=6,
+                                 limit=3), sink)  # fmt: skip
+    assert sink.started == (6, 0) and [d["prompts"] for d in sink.deltas] == [1] * 6 and sink.closed
+    assert sink.totals["prompts"] == 6 and sink.totals["tau"] == pytest.approx(result.tau_per_prompt)
     args = ("eval", "--target", TINY_TARGET, "--drafter", drafter, "--data", PROMPTS, "--limit", "1",
             "--max-new-tokens", "4")  # fmt: skip
     r = _cli(*args, "--json")
     assert r.exit_code == 0 and r.stderr == ""
     assert json.loads(r.stdout)["settings"]["prompts"] == 1
     r = _cli(*args)
-    assert "tau/prompt" in r.stdout and "1/1 prompts tau" in r.stderr
+    assert "tau/prompt" in r.stdout and "2/2 decodes tau" in r.stderr

@@ -1,6 +1,8 @@
-"""Speculative decoding (dflash eval): greedy output identical to the target's own, full blocks
-accepted from an oracle drafter, the speculative-sampling rule's distribution, tau pooled and per
-prompt, prompts in every row form with chat-template kwargs, the CLI."""
+"""Speculative decoding and the generation engine (dflash eval) against independent computations:
+transformers' own greedy `generate`, one prompt at a time; the one-row engine through transformers'
+cache; the drafter's training forward over a whole sequence; `output_hidden_states`; and an oracle
+drafter that knows the target's continuation. Also the speculative-sampling rule's distribution,
+tau pooled and per prompt, prompts in every row form with chat-template kwargs, and the CLI."""
 
 from __future__ import annotations
 
@@ -13,23 +15,28 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TARGET
+from conftest import ROOT, TINY_TARGET, hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache import evaluate as ev
+from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import default_layer_ids
+from dflash_cache.generate import BlockProposer, Engine, Request, StopRule
+from dflash_cache.generate.requests import Chooser, speculative_accept
+from dflash_cache.generate.targets import CachedTarget, SlotTarget
 from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, load_serving, save_serving
 from dflash_cache.train.objective import BlockLayout
 
 PROMPTS = ROOT / "data" / "prompts.jsonl"
 MASK_ID = 1535
 MAX_NEW = 48
+LENGTH = 256
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Batch-1 decoding of a tiny model is op-overhead bound: one thread is fastest, and it keeps
-    this file's time steady on a shared machine (two threads stall whenever a core is busy)."""
+    """Decoding a tiny model is op-overhead bound: one thread is fastest, and it keeps this file's
+    time steady on a shared machine (two threads stall whenever a core is busy)."""
     saved = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -61,7 +68,8 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def references(target, prompts, stop_ids):
-    return [ev.target_generate(target, p, max_new_tokens=MAX_NEW, stop_ids=stop_ids) for p in prompts]
+    """transformers' greedy generate, one prompt at a time: the independent reference."""
+    return [hf_greedy(target, p, MAX_NEW, stop_ids) for p in prompts]
 
 
 def export_random_drafter(out, block_size: int, seed: int = 0):
@@ -75,94 +83,181 @@ def export_random_drafter(out, block_size: int, seed: int = 0):
     return out
 
 
+def make_target(model, slots: int, layer_ids=None):
+    """The slot target of `slots` rows, or (slots 0) the one-row target through transformers' cache."""
+    return SlotTarget(model, slots, LENGTH, layer_ids) if slots else CachedTarget(model, LENGTH, layer_ids)
+
+
+def drafter_proposer(model, drafter, slots: int, block_size: int | None = None) -> BlockProposer:
+    return BlockProposer(drafter, embed=model.get_input_embeddings().weight, head=model.get_output_embeddings().weight,
+                         slots=max(slots, 1), length=LENGTH, block_size=block_size)  # fmt: skip
+
+
+def decode(engine: Engine, prompts, max_new=MAX_NEW, seed: int = 0):
+    """{prompt index: completion} of every prompt through `engine`."""
+    done = {c.request.key: c for c in engine.stream(
+        Request(p, max_new, seed=seed * 1000 + i, key=i) for i, p in enumerate(prompts))}  # fmt: skip
+    return [done[i] for i in range(len(prompts))]
+
+
+class ScriptedProposer:
+    """A proposer whose drafts are a function of each row's request and committed tokens (the tests'
+    oracle drafters). It records the context states the engine hands it, by request and position."""
+
+    def __init__(self, block_size: int, slots: int, drafts_for):
+        self.block_size, self.slots, self.drafts_for = block_size, slots, drafts_for
+        self.engine: Engine | None = None
+        self.contexts: dict = {}
+        self.calls: list = []
+
+    def _request(self, slot: int):
+        row = self.engine.rows[slot]
+        return getattr(row, "request", None), row
+
+    def add_context(self, states, positions, rows=None):
+        for j, slot in enumerate(range(states.shape[0]) if rows is None else rows.tolist()):
+            request, _ = self._request(slot)
+            if request is not None:
+                ctx = self.contexts.setdefault(request.key, {})
+                for t, pos in enumerate(positions[j].tolist()):
+                    ctx[pos] = states[j, t].clone()
+
+    def propose(self, last, positions, choose):
+        drafts = torch.full((last.shape[0], self.block_size - 1), -1, dtype=torch.long)
+        for slot in range(last.shape[0]):
+            request, row = self._request(slot)
+            if request is not None:
+                assert int(last[slot]) == row.out[-1] and int(positions[slot]) == len(request.prompt) + len(row.out) - 1
+                self.calls.append((request.key, int(positions[slot])))
+                d = list(self.drafts_for(request, row.out))[: self.block_size - 1]
+                drafts[slot, : len(d)] = torch.tensor(d, dtype=torch.long)
+        return drafts, None
+
+
+def scripted_engine(model, slots: int, stop_ids, block_size: int, drafts_for, layer_ids):
+    proposer = ScriptedProposer(block_size, max(slots, 1), drafts_for)
+    engine = Engine(make_target(model, slots, layer_ids), StopRule(stop_ids), proposer=proposer)
+    proposer.engine = engine
+    return engine, proposer
+
+
+@pytest.fixture(scope="module")
+def continuations(target, prompts):
+    """The target's greedy continuation past every stop token, so that every block can be filled."""
+    return [c.ids for c in decode(Engine(make_target(target, 4), StopRule([])), prompts, MAX_NEW + 16)]
+
+
 def test_stops_and_references(references, stop_ids):
     stopped = [r[-1] in stop_ids and len(r) < MAX_NEW for r in references]
     assert stopped == [len(r) != MAX_NEW for r in references]
     assert 0 < sum(stopped) < len(references)
 
 
+@pytest.mark.parametrize("slots", [0, 1, 3, 8])
+def test_target_decoding_equals_transformers_generate(target, prompts, references, stop_ids, slots):
+    """Plain greedy decoding, many rows at once (rows end and are refilled at different steps) or one
+    row through transformers' cache: transformers' own generate, token for token."""
+    got = decode(Engine(make_target(target, slots), StopRule(stop_ids)), prompts)
+    assert [c.ids for c in got] == references
+    assert [c.finish for c in got] == ["stop" if r[-1] in stop_ids else "length" for r in references]
+
+
 @pytest.mark.parametrize("block_size", [4, 8, 16])
-def test_greedy_matches_target_with_random_drafter(tmp_path, target, prompts, references, stop_ids, block_size):
+def test_greedy_speculative_equals_target_in_any_batch(tmp_path, target, prompts, references, stop_ids, block_size):
+    """With a random drafter: the target's greedy output, and the same tau whether the prompts share
+    a batch of 3 rows, run one at a time, or run through transformers' cache."""
     drafter, dcfg = load_serving(export_random_drafter(tmp_path / "d", block_size), dtype=torch.float32)
-    for p, ref in zip(prompts, references, strict=True):
-        out, lengths = ev.speculative_generate(
-            target, drafter, dcfg, p, max_new_tokens=MAX_NEW, block_size=block_size, stop_ids=stop_ids
-        )
-        assert out == ref
-        assert all(1 <= n <= block_size for n in lengths)
-        assert sum(lengths) == len(out) - 1  # the prefill gives the first token, each step the rest
+    runs = {}
+    for slots in (3, 1, 0):
+        engine = Engine(make_target(target, slots, dcfg.target_layer_ids), StopRule(stop_ids),
+                        proposer=drafter_proposer(target, drafter, slots))  # fmt: skip
+        runs[slots] = decode(engine, prompts)
+    for got in runs.values():
+        assert [c.ids for c in got] == references
+        for c in got:
+            assert all(1 <= n <= block_size for n in c.accepted) and sum(c.accepted) == len(c.ids) - 1
+    assert [c.accepted for c in runs[3]] == [c.accepted for c in runs[1]] == [c.accepted for c in runs[0]]
+
+
+def test_sampling_is_the_same_in_any_batch(tmp_path, target, prompts, stop_ids):
+    """At temperature 0.8 a prompt's tokens depend on its seed alone, not on its batch or on the
+    target's cache: plain and speculative sampling give the same output in 4 rows, 1 row and the
+    cached one-row target; another seed gives another output."""
+    drafter, dcfg = load_serving(export_random_drafter(tmp_path / "d", 8), dtype=torch.float32)
+    for with_drafter in (False, True):
+        runs = []
+        for slots in (4, 1, 0):
+            proposer = drafter_proposer(target, drafter, slots) if with_drafter else None
+            engine = Engine(make_target(target, slots, dcfg.target_layer_ids), StopRule(stop_ids), temperature=0.8,
+                            proposer=proposer)  # fmt: skip
+            runs.append([(c.ids, c.accepted) for c in decode(engine, prompts, 24, seed=1)])
+        assert runs[0] == runs[1] == runs[2]
+        other = Engine(make_target(target, 4, dcfg.target_layer_ids), StopRule(stop_ids), temperature=0.8,
+                       proposer=drafter_proposer(target, drafter, 4) if with_drafter else None)  # fmt: skip
+        assert [c.ids for c in decode(other, prompts, 24, seed=2)] != [ids for ids, _ in runs[0]]
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_oracle_drafter_accepts_whole_blocks(tmp_path, monkeypatch, target, prompts, references, stop_ids, block_size):
+def test_oracle_drafter_accepts_whole_blocks(target, prompts, references, continuations, stop_ids, block_size):
     """A drafter that proposes the target's own greedy continuation: every step commits B tokens
     (the last one fewer, where max_new_tokens or <|im_end|> cuts it) and the output is unchanged."""
-    drafter, dcfg = load_serving(export_random_drafter(tmp_path / "d", block_size), dtype=torch.float32)
-    for p, ref in zip(prompts, references, strict=True):
-        # The continuation past any stop token, so that every block can be filled.
-        cont = ev.target_generate(target, p, max_new_tokens=MAX_NEW + block_size, stop_ids=set())
-        calls = []
+    index = {tuple(p): i for i, p in enumerate(prompts)}
 
-        def oracle(drafter, dcfg, context, last_token, position, *, block_size, p=p, cont=cont, calls=calls, **_):
-            assert context.shape[0] == position  # the context is every position before the block
-            assert last_token == cont[position - len(p)]
-            calls.append(position)
-            return cont[position - len(p) + 1 : position - len(p) + block_size], None
+    def oracle(request, out):
+        return continuations[index[request.prompt]][len(out) : len(out) + block_size - 1]
 
-        monkeypatch.setattr(ev, "propose", oracle)
-        out, lengths = ev.speculative_generate(
-            target, drafter, dcfg, p, max_new_tokens=MAX_NEW, block_size=block_size, stop_ids=stop_ids
-        )
-        assert out == ref
-        assert lengths[:-1] == [block_size] * (len(lengths) - 1)
-        assert 1 <= lengths[-1] <= block_size
-        assert len(lengths) == -(-(len(ref) - 1) // block_size)  # ceil: as few steps as possible
-        assert calls == [len(p) + k * block_size for k in range(len(lengths))]
+    engine, proposer = scripted_engine(target, 3, stop_ids, block_size, oracle, default_layer_ids(8))
+    for c, ref in zip(decode(engine, prompts), references, strict=True):
+        assert c.ids == ref
+        assert c.accepted[:-1] == [block_size] * (len(c.accepted) - 1) and 1 <= c.accepted[-1] <= block_size
+        assert len(c.accepted) == -(-(len(ref) - 1) // block_size)  # ceil: as few steps as possible
+        p = len(c.request.prompt)
+        assert [pos for key, pos in proposer.calls if key == c.request.key] == \
+            [p + k * block_size for k in range(len(c.accepted))]  # fmt: skip
         if (len(ref) - 1) % block_size == 0:
-            assert ev.tau(lengths) == block_size
+            assert ev.tau(c.accepted) == block_size
 
 
-def test_partly_wrong_drafts_accept_their_correct_prefix(tmp_path, monkeypatch, target, prompts, references,
-                                                         stop_ids):  # fmt: skip
+@pytest.mark.parametrize("slots", [3, 0])
+def test_partly_wrong_drafts_accept_their_correct_prefix(target, prompts, references, continuations, stop_ids, slots):
     """Drafts right up to a wrong slot that moves from step to step: each step commits exactly the
-    right prefix plus the bonus, so the cache crop and context bookkeeping are exercised at every
-    cut point, and the output is still the target's. The context handed to the drafter is the
-    target's hidden_states[l+1] of every committed position, as one full forward computes it."""
-    B = 8
-    drafter, dcfg = load_serving(export_random_drafter(tmp_path / "d", B), dtype=torch.float32)
-    for p, ref in zip(prompts, references, strict=True):
-        cont = ev.target_generate(target, p, max_new_tokens=MAX_NEW + B, stop_ids=set())
-        wrong_at, contexts = [], []
+    right prefix plus the bonus, so every cut point of the rows' caches is exercised, and the output
+    is still the target's. The context handed to the drafter is the target's hidden_states[l+1] of
+    every committed position, as one full forward over the final sequence computes it."""
+    B, layers = 8, default_layer_ids(8)
+    index = {tuple(p): i for i, p in enumerate(prompts)}
+    wrong_at: dict[int, list[int]] = {}
 
-        def half_oracle(drafter, dcfg, context, last_token, position, *, block_size, p=p, cont=cont,
-                        wrong_at=wrong_at, contexts=contexts, **_):  # fmt: skip
-            contexts.append(context.clone())
-            drafts = list(cont[position - len(p) + 1 : position - len(p) + block_size])
-            j = len(wrong_at) % (block_size - 1)
-            drafts[j] = (drafts[j] + 1) % dcfg.vocab_size
-            wrong_at.append(j)
-            return drafts, None
+    def half_oracle(request, out):
+        drafts = list(continuations[index[request.prompt]][len(out) : len(out) + B - 1])
+        marks = wrong_at.setdefault(request.key, [])
+        j = (len(marks) + request.key) % (B - 1)
+        drafts[j] = (drafts[j] + 1) % 2048
+        marks.append(j)
+        return drafts
 
-        monkeypatch.setattr(ev, "propose", half_oracle)
-        out, lengths = ev.speculative_generate(
-            target, drafter, dcfg, p, max_new_tokens=MAX_NEW, block_size=B, stop_ids=stop_ids
-        )
-        assert out == ref
-        assert lengths[:-1] == [j + 1 for j in wrong_at[:-1]]
-        assert 1 <= lengths[-1] <= wrong_at[-1] + 1
+    engine, proposer = scripted_engine(target, slots, stop_ids, B, half_oracle, layers)
+    for c, ref in zip(decode(engine, prompts), references, strict=True):
+        marks = wrong_at[c.request.key]
+        assert c.ids == ref
+        assert c.accepted[:-1] == [j + 1 for j in marks[:-1]] and 1 <= c.accepted[-1] <= marks[-1] + 1
+        seq = list(c.request.prompt) + c.ids
         with torch.inference_mode():
-            hs = target(torch.tensor([p + out]), output_hidden_states=True).hidden_states
-        expected = torch.cat([hs[lid + 1][0] for lid in dcfg.target_layer_ids], dim=-1)
-        for ctx in contexts:
-            torch.testing.assert_close(ctx, expected[: ctx.shape[0]], rtol=1e-4, atol=1e-4)
+            hs = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
+        expected = torch.cat([hs[lid + 1][0] for lid in layers], dim=-1)
+        ctx = proposer.contexts[c.request.key]
+        got = torch.stack([ctx[pos] for pos in range(len(seq) - 1)])  # the last token is never fed
+        torch.testing.assert_close(got, expected[: len(seq) - 1], rtol=1e-4, atol=1e-4)
 
 
 def test_proposals_match_the_training_forward(tmp_path, target, prompts, references):
-    """propose() (one block, the context cut at the anchor) gives the argmax of the drafter's
-    training-time forward over the whole sequence's context with several blocks at once."""
+    """BlockProposer, with each row's context written position by position as decoding would, gives
+    the argmax of the drafter's training-time forward over the whole sequence's context with several
+    blocks at once (the block attention rule of training)."""
     B = 8
     drafter, dcfg = load_serving(export_random_drafter(tmp_path / "d", B), dtype=torch.float32)
     seq = prompts[0] + references[0]
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     with torch.inference_mode():
         hs = target(torch.tensor([seq]), output_hidden_states=True).hidden_states
         context = torch.cat([hs[lid + 1][0] for lid in dcfg.target_layer_ids], dim=-1)
@@ -171,44 +266,38 @@ def test_proposals_match_the_training_forward(tmp_path, target, prompts, referen
         ids[:, 0] = torch.tensor([seq[a] for a in anchors])
         layout = BlockLayout.build(torch.tensor([0, len(seq)]), torch.zeros(len(anchors), dtype=torch.long),
                                    torch.tensor(anchors), B)  # fmt: skip
-        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
         hidden = drafter(embed(ids.flatten()), context, layout).view(len(anchors), B, -1)
-        want = head(hidden[:, 1:]).argmax(-1).tolist()
-        got = [ev.propose(drafter, dcfg, context[:a], seq[a], a, block_size=B, embed=embed, head=head)
-               for a in anchors]  # fmt: skip
-    assert [g[0] for g in got] == want and all(g[1] is None for g in got)
-
-
-def test_sampling_is_seeded_and_bounded(tmp_path, target, prompts, stop_ids):
-    drafter, dcfg = load_serving(export_random_drafter(tmp_path / "d", 8), dtype=torch.float32)
-
-    def run(seed):
-        return ev.speculative_generate(target, drafter, dcfg, prompts[0], max_new_tokens=24, block_size=8,
-                                       temperature=0.8, generator=torch.Generator().manual_seed(seed),
-                                       stop_ids=stop_ids)  # fmt: skip
-
-    out, lengths = run(1)
-    assert (out, lengths) == run(1)
-    assert 1 <= len(out) <= 24 and sum(lengths) == len(out) - 1
+        want = head(hidden[:, 1:]).argmax(-1)
+        proposer = drafter_proposer(target, drafter, len(anchors))
+        for row, a in enumerate(anchors):  # the prompt in one go, then the rest in uneven steps with stale tails
+            cuts = [0, len(prompts[0]), *range(len(prompts[0]) + 3, a, 5), a]
+            for lo, hi in zip(cuts, cuts[1:], strict=False):
+                positions = torch.arange(lo, hi + B)[None].clamp(max=len(seq) - 1)
+                stale = context[positions[0]].clone()
+                stale[hi - lo :] = torch.randn_like(stale[hi - lo :])  # what rejected drafts leave behind
+                proposer.add_context(stale[None], positions, torch.tensor([row]))
+        got, _ = proposer.propose(torch.tensor([seq[a] for a in anchors]), torch.tensor(anchors),
+                                  Chooser(0.0))  # fmt: skip
+    assert torch.equal(got, want)
 
 
 def test_speculative_sampling_rule_keeps_target_distribution():
-    """The first committed token of a step is distributed as the target's p, whatever q is."""
+    """The first committed token of a step is distributed as the target's p, whatever q is; drafts
+    are accepted with probability sum_x min(p, q). 20,000 rows in one call, each with its own seed."""
     g = torch.Generator().manual_seed(0)
     V, T, n = 5, 0.7, 20000
-    logits = torch.randn(2, V, generator=g) * 2
-    q = torch.softmax(torch.randn(1, V, generator=g) * 2, dim=-1)
-    p0 = torch.softmax(logits[0] / T, dim=-1)
-    counts = torch.zeros(V)
-    accepted = 0
-    drafts = torch.multinomial(q[0], n, replacement=True, generator=g).tolist()
-    for d in drafts:
-        a, bonus = ev._verify([d], q, logits, T, g)
-        counts[d if a == 1 else bonus] += 1
-        accepted += a
-    assert torch.allclose(counts / n, p0, atol=0.015)
-    expected_accept = torch.minimum(p0, q[0]).sum()  # P(accept) = sum_x min(p, q)
-    assert abs(accepted / n - float(expected_accept)) < 0.015
+    logits = (torch.randn(2, V, generator=g) * 2).expand(n, -1, -1)
+    q = torch.softmax(torch.randn(V, generator=g) * 2, dim=-1)
+    p0 = torch.softmax(logits[0, 0] / T, dim=-1)
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)[:, None]
+    chooser = Chooser(T, torch.arange(n))
+    a, token = speculative_accept(drafts, q.expand(n, 1, V), logits, chooser, torch.zeros(n, dtype=torch.long))
+    first = torch.where(a == 1, drafts[:, 0], token)
+    assert torch.allclose(torch.bincount(first, minlength=V) / n, p0, atol=0.015)
+    assert abs(a.float().mean() - torch.minimum(p0, q).sum()) < 0.015
+    none = torch.full_like(drafts, -1)  # no draft: never accepted, and the token is a sample of p itself
+    a, token = speculative_accept(none, q.expand(n, 1, V), logits, chooser, torch.zeros(n, dtype=torch.long))
+    assert not a.any() and torch.allclose(torch.bincount(token, minlength=V) / n, p0, atol=0.015)
 
 
 def test_tau_and_histogram():
@@ -225,37 +314,24 @@ def test_tau_per_prompt():
     assert ev.tau_per_prompt([[], []]) == 0.0
 
 
-def test_evaluate_reports_tau_per_prompt(tmp_path, monkeypatch):
-    """evaluate() on the tiny target with drafts that are right up to a slot that depends on the
-    prompt, so prompts differ in tau and in length: tau_per_prompt is the mean of the prompts'
-    own means of the acceptance lengths returned, tau the pooled mean, and the two differ."""
-    B = 8
-    drafter_dir = export_random_drafter(tmp_path / "d", B)
-    current = {}
-    real_generate = ev.speculative_generate
-
-    def spec_generate(model, drafter, dcfg, ids, **kw):
-        current["prompt"] = len(ids)
-        current["cont"] = ev.target_generate(model, ids, max_new_tokens=MAX_NEW + B, stop_ids=set())
-        return real_generate(model, drafter, dcfg, ids, **kw)
-
-    def wrong_at_one_slot(drafter, dcfg, context, last_token, position, *, block_size, **_):
-        at = position - current["prompt"]
-        drafts = list(current["cont"][at + 1 : at + block_size])
-        j = current["prompt"] % (block_size - 1)
-        drafts[j] = (drafts[j] + 1) % dcfg.vocab_size
-        return drafts, None
-
-    monkeypatch.setattr(ev, "speculative_generate", spec_generate)
-    monkeypatch.setattr(ev, "propose", wrong_at_one_slot)
-    r = ev.evaluate(str(TINY_TARGET), drafter_dir, PROMPTS, max_new_tokens=MAX_NEW, limit=6)
+def test_evaluate_reports_taus_speed_and_equality(tmp_path):
+    """evaluate() end to end: tau per prompt is the mean of the prompts' own means of the acceptance
+    lengths it returns, tau the pooled mean; every output is the target's; a batch of 1 gives the
+    same outputs and taus as the default batch."""
+    drafter = export_random_drafter(tmp_path / "d", 8)
+    cfg = EvalConfig(target=str(TINY_TARGET), drafter=drafter, data=str(PROMPTS), max_new_tokens=24, limit=6)
+    r = ev.evaluate(cfg)
     lengths = [s["acceptance_lengths"] for s in r.samples]
     assert len(lengths) == 6 and all(s["same_as_target"] for s in r.samples)
     assert r.tau_per_prompt == pytest.approx(statistics.fmean(statistics.fmean(n) for n in lengths if n))
     assert r.tau == pytest.approx(statistics.fmean(n for sample in lengths for n in sample))
-    assert r.tau_per_prompt != pytest.approx(r.tau)
-    assert len({round(statistics.fmean(n), 6) for n in lengths if n}) > 1
-    assert r.to_dict()["tau_per_prompt"] == r.tau_per_prompt
+    assert r.new_tokens == sum(s["new_tokens"] for s in r.samples) == r.settings["target_new_tokens"]
+    assert r.spec_tok_s > 0 and r.target_tok_s > 0 and r.speedup == pytest.approx(r.spec_tok_s / r.target_tok_s)
+    assert r.settings["batch_size"] == 6 and r.settings["engine"] == "SlotTarget"
+    one = ev.evaluate(EvalConfig(**{**cfg.__dict__, "batch_size": 1}), baseline=False)
+    assert [s["output_ids"] for s in one.samples] == [s["output_ids"] for s in r.samples]
+    assert one.tau_per_prompt == r.tau_per_prompt and one.settings["batch_size"] == 1
+    assert all(s["same_as_target"] is None for s in one.samples) and one.target_tok_s == 0.0
 
 
 def _qwen3_tokenizer():

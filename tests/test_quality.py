@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TARGET
-from test_evaluate import export_random_drafter
+from conftest import ROOT, TINY_TARGET, hf_greedy
+from test_evaluate import decode, scripted_engine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache import evaluate as ev
 from dflash_cache import lookup
-from dflash_cache.train.drafter import load_serving
 
 
 def test_propose_takes_the_longest_most_recent_ngram():
@@ -40,32 +39,26 @@ def test_acceptance_lengths_by_hand():
     assert sum(lengths) == len(output) - 1  # every token but the first is committed by a step
 
 
-def test_acceptance_equals_the_speculative_loop(tmp_path, monkeypatch):
-    """lookup.acceptance_lengths(prompt, greedy output) is what evaluate's loop commits per step
-    when lookup.propose is its drafter: the same accounting, checked on the tiny target's own
-    decoding (real verification forwards, stop tokens and the length limit)."""
+def test_acceptance_equals_the_speculative_loop():
+    """lookup.acceptance_lengths(prompt, greedy output) is what the engine's speculative loop commits
+    per step when lookup.propose is its drafter: the same accounting, checked on the tiny target's
+    own decoding (real verification forwards, stop tokens and the length limit), 3 rows at once."""
     tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
     target = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
     stop_ids = ev.stop_token_ids(tokenizer, target)
     prompts = ev.load_prompts(ROOT / "data" / "prompts.jsonl", tokenizer, limit=6)
     B = 8
-    drafter, dcfg = load_serving(export_random_drafter(tmp_path / "d", B), dtype=torch.float32)
     drafted: list[int] = []
+
+    def lookup_drafter(request, out):
+        drafts = lookup.propose([*request.prompt, *out], B - 1)
+        drafted.append(len(drafts))
+        return drafts
+
+    engine, _ = scripted_engine(target, 3, stop_ids, B, lookup_drafter, None)
     total_steps = 0
-    for p in prompts:
-        ref = ev.target_generate(target, p, max_new_tokens=40, stop_ids=stop_ids)
-
-        def lookup_drafter(drafter, dcfg, context, last_token, position, *, block_size, p=p, ref=ref, **_):
-            committed = ref[: position - len(p) + 1]  # the loop's output so far ends with last_token
-            assert committed[-1] == last_token
-            drafts = lookup.propose([*p, *committed], block_size - 1)
-            drafted.append(len(drafts))
-            return drafts, None
-
-        monkeypatch.setattr(ev, "propose", lookup_drafter)
-        out, lengths = ev.speculative_generate(target, drafter, dcfg, p, max_new_tokens=40, block_size=B,
-                                               stop_ids=stop_ids)  # fmt: skip
-        assert out == ref
-        assert lengths == lookup.acceptance_lengths(p, ref, block_size=B)
-        total_steps += len(lengths)
+    for c in decode(engine, prompts, 40):
+        assert c.ids == hf_greedy(target, list(c.request.prompt), 40, stop_ids)
+        assert c.accepted == lookup.acceptance_lengths(list(c.request.prompt), c.ids, block_size=B)
+        total_steps += len(c.accepted)
     assert total_steps > 20 and max(drafted) == B - 1 and min(drafted) < B - 1  # full, short and empty drafts ran

@@ -84,6 +84,7 @@ def test_family_targets_template_kwargs_and_stop_ids(tmp_path, family, kwargs):
                               chat_template_kwargs=kwargs))  # fmt: skip
     replies = sum(m["role"] == "assistant" for r in rows for m in r["messages"])  # each regenerated, <= 16 tokens
     assert summary.pop("seconds") >= 0 and 0 < summary.pop("generated_tokens") <= 16 * replies
+    assert 0 <= summary.pop("truncated") <= len(rows)
     assert summary == {"out": str(out), "rows": len(rows), "rejected": 0, "resumed": False}
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TARGET
+from conftest import ROOT, TINY_TARGET, hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache import evaluate as ev
@@ -119,7 +119,7 @@ def remote(tmp_path_factory):
     proc = subprocess.run([sys.executable, "-c", REMOTE, json.dumps(job)], cwd=tmp, env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    reference = ev.target_generate(target, inputs["prompt"], max_new_tokens=MAX_NEW, stop_ids=stops)
+    reference = hf_greedy(target, inputs["prompt"], MAX_NEW, stops)
     return models, inputs, torch.load(tmp / "results.pt"), reference
 
 

@@ -118,12 +118,13 @@ class Engine:
 
     def _speculative_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
         chooser = Chooser(self.temperature, seed)
-        drafts, q = self.proposer.propose(last, pos, DraftChooser(chooser, pos))
-        ids = torch.cat([last[:, None], drafts], 1)
+        drafts, q = self.proposer.propose(last, pos, DraftChooser(chooser, pos))  # -1: no draft there
+        ids = torch.cat([last[:, None], drafts.clamp_min(0)], 1)
         positions = pos[:, None] + torch.arange(ids.shape[1], device=pos.device)
         logits, states = self.target.step(ids, positions)
         a, bonus = accept(drafts, q, logits, chooser, pos)
-        self.proposer.add_context(states, positions)
+        if states is not None:
+            self.proposer.add_context(states, positions)
         tokens = torch.cat([drafts, torch.zeros_like(bonus)[:, None]], 1)
         tokens.scatter_(1, a[:, None], bonus[:, None])  # drafts[:a], then the target's own token
         return tokens, a + 1
@@ -182,13 +183,14 @@ class Engine:
         lengths = torch.tensor([len(r.prompt) for r in batch], device=self.pos.device)
         self.seed[index] = torch.tensor([r.seed for r in batch], device=self.pos.device)
         first, _ = Chooser(self.temperature, self.seed[index]).at(lengths)(logits)
-        if self.proposer is not None:
+        for row, r in zip(rows, batch, strict=True):
+            self.rows[row] = _Row(r, accepted=[] if self.proposer is not None else None)
+        if states is not None:  # a proposer that reads the target's states
             positions = torch.arange(states.shape[1], device=states.device).expand(len(batch), -1)
             self.proposer.add_context(states, positions, index)
         self.last[index], self.pos[index] = first, lengths
         done = []
-        for row, r, token in zip(rows, batch, first.tolist(), strict=True):
-            self.rows[row] = _Row(r, accepted=[] if self.proposer is not None else None)
+        for row, token in zip(rows, first.tolist(), strict=True):
             if (c := self._commit(row, [token], step=False)) is not None:
                 done.append(c)
         self._free()

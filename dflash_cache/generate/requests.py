@@ -160,7 +160,8 @@ def speculative_accept(drafts: Tensor, q: Tensor | None, logits: Tensor, chooser
     Greedy: the longest prefix of drafts equal to the target's argmaxes, then the target's argmax.
     Sampling (Leviathan et al. 2023): draft k is kept with probability min(1, p_k(d) / q_k(d)); at
     the first rejection the token is drawn from norm(max(0, p - q)), and when all are kept from
-    the last p. A proposer without probabilities (q None) counts as certain (q one-hot)."""
+    the last p. A proposer without probabilities (q None) counts as certain (q one-hot). A draft of
+    -1 (a proposer that had fewer tokens to offer) is never accepted."""
     b, n = drafts.shape
     rows = torch.arange(b, device=drafts.device)
     if chooser.temperature <= 0:
@@ -168,18 +169,19 @@ def speculative_accept(drafts: Tensor, q: Tensor | None, logits: Tensor, chooser
         a = (drafts == target[:, :n]).long().cumprod(1).sum(1)
         return a, target[rows, a]
     p = torch.softmax(logits.float() / chooser.temperature, dim=-1)
+    real, drafts = drafts >= 0, drafts.clamp_min(0)
     if n:
         p_d = p[:, :n].gather(2, drafts[:, :, None]).squeeze(2)
         q_d = torch.ones_like(p_d) if q is None else q.float().gather(2, drafts[:, :, None]).squeeze(2)
         u = torch.stack([uniform(chooser.seed, base + 1 + k, ACCEPT_STREAM) for k in range(n)], 1)
-        a = (u * q_d <= p_d).long().cumprod(1).sum(1)
+        a = ((u * q_d <= p_d) & real).long().cumprod(1).sum(1)
     else:
         a = torch.zeros(b, dtype=torch.long, device=drafts.device)
     p_a = p[rows, a]
     if n:
         slot = a.clamp(max=n - 1)
         q_a = (torch.nn.functional.one_hot(drafts[rows, slot], p.shape[-1]).float() if q is None
-               else q[rows, slot].float())  # fmt: skip
+               else q[rows, slot].float()) * real[rows, slot, None]  # fmt: skip
         residual = (p_a - q_a).clamp_min(0)
         empty = residual.sum(-1, keepdim=True) <= 0  # p == q up to rounding: the rejection had no mass
         residual = torch.where(empty, p_a, residual)

@@ -49,7 +49,8 @@ class ServerBackend:
     """`requests.Backend` over an OpenAI-compatible server at `url` (see the module docstring)."""
 
     def __init__(self, url: str, *, tokenizer, model: str | None = None, temperature: float = 0.0,
-                 concurrency: int = 16, retries: int = 5, timeout: float = 600.0, backoff: float = 0.5) -> None:  # fmt: skip
+                 concurrency: int = 16, retries: int = 5, timeout: float = 600.0,
+                 backoff: float = 0.5) -> None:  # fmt: skip
         self.base = url.rstrip("/").removesuffix("/v1")
         self.tokenizer, self.temperature, self.concurrency = tokenizer, temperature, concurrency
         self.retries, self.timeout, self.backoff = retries, timeout, backoff
@@ -98,8 +99,8 @@ class ServerBackend:
             got = [_strip_bos(g, w, self.tokenizer.bos_token_id) for g, w in zip(got, want, strict=True)]
             if got != want:
                 bad = next(t for t, g, w in zip(PROBES, got, want, strict=True) if g != w)
-                raise ServerError(f"--server {self.base}: its tokenizer is not the target's ({bad!r} gives other "
-                                  "ids); serve the target's tokenizer, or pass the served model's own --target")  # fmt: skip
+                raise ServerError(f"--server {self.base}: its tokenizer is not the target's ({bad!r} gives "
+                                  "other ids); serve the target's tokenizer, or pass the served model as --target")
             return f"tokenizer: {len(PROBES)} probe texts tokenize alike ({path}); weights: not checkable"
         if not self.prompt_ids:
             raise ServerError(f"--server {self.base}: it takes text prompts only and has no tokenize endpoint, so "

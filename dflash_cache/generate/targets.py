@@ -82,13 +82,7 @@ _STEP = _Step()
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001
-    """transformers' attention-function signature over the slot cache of the step in flight; plain
-    sdpa outside a `SlotTarget` forward, so the model still works as it did."""
-    if _STEP.cache is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)  # fmt: skip
+    """transformers' attention-function signature over the slot cache of the step in flight."""
     if kwargs.get("sliding_window") or kwargs.get("softcap"):
         raise NotImplementedError("slot attention has no sliding window or soft cap")
     out = slot_attention(_STEP.cache, module.layer_idx, query, key, value, _STEP.positions, _STEP.mask, scaling,
@@ -102,13 +96,6 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION, _attention)
 
 
-def _use_attention(model: nn.Module, name: str) -> None:
-    try:
-        model.set_attn_implementation(name)
-    except (AttributeError, ValueError, KeyError):  # transformers without set_attn_implementation
-        model.config._attn_implementation = name
-
-
 class SlotTarget:
     """A transformers decoder over a `SlotCache` (see the module docstring)."""
 
@@ -117,7 +104,6 @@ class SlotTarget:
         if why is not None:
             raise ValueError(f"SlotTarget cannot run this model: {why}")
         _register()
-        _use_attention(model, ATTENTION)
         tc = text_config(model.config.to_dict())
         heads = tc["num_attention_heads"]
         head_dim = tc.get("head_dim") or tc["hidden_size"] // heads
@@ -130,14 +116,18 @@ class SlotTarget:
         self.device = weight.device
 
     @torch.inference_mode()
-    def _run(
-        self, ids: Tensor, positions: Tensor, mask: Tensor | None, rows: Tensor | None
-    ) -> tuple[Tensor, Tensor | None]:
+    def _run(self, ids: Tensor, positions: Tensor, mask: Tensor | None, rows: Tensor | None
+             ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """One forward with the slot attention in place of the model's own, for its length only: the
+        model stays usable as it was (a CUDA graph replays the kernels, not this Python)."""
+        config, own = self.model.config, self.model.config._attn_implementation
         _STEP.cache, _STEP.positions, _STEP.mask, _STEP.rows = self.cache, positions, mask, rows
+        config._attn_implementation = ATTENTION
         try:
             with sdpa_kernel(_SDPA_BACKENDS):
                 hidden = self.base(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         finally:
+            config._attn_implementation = own
             _STEP.cache = _STEP.positions = _STEP.mask = _STEP.rows = None
         states = torch.cat(self.taps.take(), dim=-1) if self.taps is not None else None
         return hidden, states
