@@ -435,6 +435,54 @@ def bench_ranks(
     _print_json(bench.rank_balance(lengths, token_budget=token_budget, ranks=counts, bucket_edges=edges, **given))
 
 
+@bench_app.command("regen")
+@friendly
+def bench_regen(
+    target: str | None = typer.Option(None, help="A model directory (default: a random model of --shape)."),
+    shape: str | None = typer.Option(None, help="A random model of this shape: qwen3-8b or smollm2-135m."),
+    data: str | None = typer.Option(None, help="Prompts (any row form; default: random tokens)."),
+    prompts: int = typer.Option(1024, help="Requests to decode."),
+    prompt_tokens: int = typer.Option(128, help="Mean length of the random prompts."),
+    max_new_tokens: int = typer.Option(256, help="Tokens per request (random models never stop early)."),
+    batch_size: int = typer.Option(256, help="Rows decoded at once (fewer if they do not fit)."),
+    as_json: bool = BENCH_JSON,
+) -> None:
+    """New tokens/s of the embedded generation engine, eager and CUDA-graphed side by side, beside the
+    memory-bandwidth bound (needs a GPU)."""
+    from dflash_cache.generate import bench
+
+    _print_json(bench.regen(target, shape=shape, data=data, prompts=prompts, prompt_tokens=prompt_tokens,
+                            max_new_tokens=max_new_tokens, batch_size=batch_size))  # fmt: skip
+
+
+@bench_app.command("eval")
+@friendly
+def bench_eval(
+    target: str = typer.Option(..., help=_help(EvalConfig, "target")),
+    drafter: list[Path] = typer.Option(..., help="Exported drafters to evaluate (repeat the option)."),
+    data: str = typer.Option(..., help=_help(EvalConfig, "data")),
+    untrained: bool = typer.Option(False, "--untrained", help="Also a drafter of the first one's shape with random "
+                                   "weights."),  # fmt: skip
+    max_new_tokens: int = typer.Option(512, help=_help(EvalConfig, "max_new_tokens")),
+    limit: int | None = typer.Option(None, help=_help(EvalConfig, "limit")),
+    batch_size: int | None = typer.Option(None, help=_help(EvalConfig, "batch_size")),
+    json_out: Path | None = typer.Option(None, "--json-out", help="Also write the result here."),
+    as_json: bool = BENCH_JSON,
+) -> None:
+    """dflash eval of each drafter and the target alone on the same prompts: tau, tokens/s, the whole
+    run's seconds, and the target's memory-bandwidth bound."""
+    import tempfile
+
+    from dflash_cache.generate import bench
+
+    runs = {d.name if d.name != "export" else d.parent.name: d for d in drafter}
+    with tempfile.TemporaryDirectory() as tmp:
+        if untrained:
+            runs["untrained"] = bench.untrained_like(drafter[0], Path(tmp) / "untrained")
+        _print_json(bench.evaluation(target, runs, data, max_new_tokens=max_new_tokens, limit=limit,
+                                     batch_size=batch_size, out=json_out))  # fmt: skip
+
+
 def main() -> None:
     app()
 

@@ -185,7 +185,7 @@ class Engine:
         first, _ = Chooser(self.temperature, self.seed[index]).at(lengths)(logits)
         for row, r in zip(rows, batch, strict=True):
             self.rows[row] = _Row(r, accepted=[] if self.proposer is not None else None)
-        if states is not None:  # a proposer that reads the target's states
+        if self.proposer is not None and states is not None:  # a proposer that reads the target's states
             positions = torch.arange(states.shape[1], device=states.device).expand(len(batch), -1)
             self.proposer.add_context(states, positions, index)
         self.last[index], self.pos[index] = first, lengths

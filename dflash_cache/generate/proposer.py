@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_cache.generate.slots import SlotCache, slot_attention, visible
+from dflash_cache.generate.slots import SlotCache, slot_attention
 from dflash_cache.train.drafter import _rotate
 
 
@@ -85,9 +85,8 @@ class BlockProposer:
         for i, layer in enumerate(m.layers):
             k, v = self._kv(layer, ctx, rope)
             slot = torch.arange(k.shape[0], device=k.device) if rows is None else rows
-            index = (slot[:, None, None], torch.arange(k.shape[1], device=k.device)[None, :, None], positions[:, None])
-            self.cache.k[i].index_put_(index, k)
-            self.cache.v[i].index_put_(index, v)
+            self.cache.k[i].index_put_((slot[:, None], positions), k.transpose(1, 2))
+            self.cache.v[i].index_put_((slot[:, None], positions), v.transpose(1, 2))
 
     @torch.inference_mode()
     def propose(self, last: Tensor, positions: Tensor, choose: Callable) -> tuple[Tensor, Tensor | None]:
@@ -99,7 +98,6 @@ class BlockProposer:
         x = F.embedding(ids, self.embed).to(m.fc.weight.dtype)
         pos = positions[:, None] + torch.arange(B, device=positions.device)
         rope = m._rope(pos.flatten(), x.dtype)
-        mask = visible(positions[:, None].expand(-1, B), self.length, extra=B - 1)
         b = x.shape[0]
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
@@ -107,7 +105,8 @@ class BlockProposer:
             q = _rotate(attn.q_norm(attn.q_proj(h).view(b * B, attn.n_heads, attn.head_dim)), *rope)
             q = q.view(b, B, attn.n_heads, -1).transpose(1, 2)
             k, v = self._kv(layer, h, rope)
-            out = slot_attention(self.cache, i, q.to(v.dtype), k, v, pos, mask, attn.head_dim**-0.5)
+            out = slot_attention(self.cache, i, q.to(v.dtype), k, v, pos, positions + B, attn.head_dim**-0.5,
+                                 causal=False)  # fmt: skip
             x = x + attn.o_proj(out.transpose(1, 2).reshape(b, B, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.draft(m, m.norm(x), ids, self.head, choose)

@@ -1,19 +1,23 @@
 """Key/value buffers for many rows that each sit at a position of their own, and the attention
 that reads them.
 
-A `SlotCache` holds, per layer, keys and values [slots, kv_heads, length, head_dim]. Row r's
+A `SlotCache` holds, per layer, keys and values [slots, length, kv_heads, head_dim]. Row r's
 token at position j lives at index j of slot r, so rows of different lengths decode in one
 batch, a speculative step that accepted fewer tokens in one row than in another needs no
-re-layout (the stale entries past a row's length are invisible and get overwritten), and a row
-that finishes frees its slot for the next prompt (continuous batching). Nothing is allocated per
-step, so a decode step can be captured in a CUDA graph.
+re-layout (the stale entries past a row's length are never seen before they are overwritten),
+and a row that finishes frees its slot for the next prompt (continuous batching). Nothing is
+allocated per step, so a decode step can be captured in a CUDA graph.
 
-`slot_attention` writes the step's new keys and values at their positions, then lets each query
-see the keys at positions up to its own (`visible`). Grouped-query heads are folded into the
-query length, so the key/value heads are read once, never repeated.
+`slot_attention` writes the step's new keys and values at their positions, then lets each row's
+queries see the first `seen[r]` positions of its slot (causally among the step's own tokens, or
+all of them). On a GPU that is flash attention over the padded buffer with per-row key counts
+(`seqused_k`), which reads only each row's used keys, with grouped-query heads as they are; on a
+CPU an SDPA call with the equivalent mask.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -21,11 +25,11 @@ from torch import Tensor
 
 
 class SlotCache:
-    """Per-layer key and value buffers [slots, kv_heads, length, head_dim]."""
+    """Per-layer key and value buffers [slots, length, kv_heads, head_dim]."""
 
     def __init__(self, layers: int, slots: int, length: int, kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype, device: torch.device | str) -> None:  # fmt: skip
-        shape = (slots, kv_heads, length, head_dim)
+        shape = (slots, length, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.slots, self.length = slots, length
@@ -35,33 +39,78 @@ class SlotCache:
         return 2 * layers * length * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def visible(positions: Tensor, length: int, extra: int = 0) -> Tensor:
-    """[b, 1, T, length] bool: a query at position p sees the keys at positions <= p + extra."""
-    keys = torch.arange(length, device=positions.device)
-    return (keys <= positions[:, :, None] + extra)[:, None]
+def _has_varlen_flash() -> bool:
+    """Whether this torch's flash attention takes per-sequence key counts (`seqused_k`)."""
+    try:
+        return "seqused_k" in str(torch.ops.aten._flash_attention_forward.default._schema)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_VARLEN_FLASH = _has_varlen_flash()
+_flash_checked = False  # the first flash call is compared with the masked path; a mismatch turns flash off
+
+
+def _flash(query: Tensor, keys: Tensor, values: Tensor, seen: Tensor, causal: bool, scale: float | None) -> Tensor:
+    b, heads, T, d = query.shape
+    S, L = keys.shape[:2]
+    q = query.transpose(1, 2).reshape(b * T, heads, d)
+    steps = torch.arange(b + 1, device=query.device, dtype=torch.int32)
+    out = torch.ops.aten._flash_attention_forward(
+        q, keys.view(S * L, *keys.shape[2:]), values.view(S * L, *values.shape[2:]), steps * T, steps * L, T, L, 0.0,
+        causal and T > 1, False, scale=scale, seqused_k=seen.to(torch.int32),
+    )[0]  # fmt: skip
+    return out.view(b, T, heads, d).transpose(1, 2)
+
+
+def _masked(query: Tensor, keys: Tensor, values: Tensor, seen: Tensor, causal: bool, scale: float | None) -> Tensor:
+    b, heads, T, d = query.shape
+    kv_heads, L = keys.shape[2], keys.shape[1]
+    limit = seen[:, None] - (T - 1 - torch.arange(T, device=seen.device)) if causal else seen[:, None].expand(b, T)
+    mask = torch.arange(L, device=seen.device) < limit[:, :, None]  # [b, T, L]
+    groups = heads // kv_heads
+    q = query.reshape(b, kv_heads, groups * T, d)  # query head h reads key/value head h // groups
+    k, v = keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3)
+    mask = mask[:, None].repeat(1, 1, groups, 1)
+    out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    return out.reshape(b, heads, T, d)
 
 
 def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, value: Tensor, positions: Tensor,
-                   mask: Tensor | None, scale: float | None, rows: Tensor | None = None) -> Tensor:  # fmt: skip
-    """Write key/value [b, kv_heads, T, D] of tokens at `positions` [b, T] into the rows' slots
-    (all slots when `rows` is None, else slots `rows` [b]), then attend.
+                   seen: Tensor | None, scale: float | None, *, causal: bool = True,
+                   rows: Tensor | None = None) -> Tensor:  # fmt: skip
+    """Write key/value [b, kv_heads, T, D] of tokens at `positions` [b, T] into the rows' slots (all
+    slots when `rows` is None, else slots `rows` [b]), then attend; returns [b, heads, T, D].
 
-    mask None: the rows start empty (a prefill), and queries see only the new tokens, causally;
-    right padding is harmless, since a real token never sees the padding after it. Otherwise mask
-    [b, 1, T, length] says which buffer positions each query sees. Returns [b, heads, T, D]."""
+    seen None: the rows start empty (a prefill), and queries see only the new tokens, causally (right
+    padding is harmless: a real token never sees the padding after it). Otherwise row r's queries
+    see the first seen[r] positions of its slot, the step's own tokens causally when `causal`
+    (query t then sees seen[r] - T + 1 + t of them)."""
     b, kv_heads, T, d = key.shape
-    heads = query.shape[1]
     slot = torch.arange(b, device=key.device) if rows is None else rows
-    index = (slot[:, None, None], torch.arange(kv_heads, device=key.device)[None, :, None], positions[:, None, :])
     k_buf, v_buf = cache.k[layer], cache.v[layer]
-    k_buf.index_put_(index, key.to(k_buf.dtype))
-    v_buf.index_put_(index, value.to(v_buf.dtype))
-    if mask is None:
+    k_buf.index_put_((slot[:, None], positions), key.transpose(1, 2).to(k_buf.dtype))
+    v_buf.index_put_((slot[:, None], positions), value.transpose(1, 2).to(v_buf.dtype))
+    if seen is None:
         return F.scaled_dot_product_attention(query, key, value, is_causal=T > 1, scale=scale,
-                                              enable_gqa=heads != kv_heads)  # fmt: skip
+                                              enable_gqa=query.shape[1] != kv_heads)  # fmt: skip
     keys, values = (k_buf, v_buf) if rows is None else (k_buf[rows], v_buf[rows])
-    groups = heads // kv_heads
-    q = query.reshape(b, kv_heads, groups * T, d)  # query head h reads key/value head h // groups
-    mask = mask.repeat(1, 1, groups, 1)
-    out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale)
-    return out.view(b, heads, T, d)
+    if _VARLEN_FLASH and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and d <= 256:
+        out = _flash(query, keys, values, seen, causal, scale)
+        if not _flash_checked:
+            _check_flash(out, _masked(query, keys, values, seen, causal, scale))
+        if _VARLEN_FLASH:
+            return out
+    return _masked(query, keys, values, seen, causal, scale)
+
+
+def _check_flash(flash: Tensor, masked: Tensor) -> None:
+    """Once a process: flash attention over the slots must agree with the masked path (bf16
+    rounding apart), else the masked path is used from then on, with a warning."""
+    global _VARLEN_FLASH, _flash_checked
+    _flash_checked = True
+    err = float((flash.float() - masked.float()).norm() / masked.float().norm().clamp_min(1e-6))
+    if not err < 2e-2:
+        _VARLEN_FLASH = False
+        warnings.warn(f"flash attention over the slot cache disagrees with the masked path (relative error "
+                      f"{err:.3g}); using the masked path", stacklevel=3)  # fmt: skip

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflash_cache.extract.target import LayerTaps, text_config
-from dflash_cache.generate.slots import SlotCache, slot_attention, visible
+from dflash_cache.generate.slots import SlotCache, slot_attention
 
 ATTENTION = "dflash_slots"
 # Model types whose every layer is causal softmax attention over the cache with a standard RoPE,
@@ -74,7 +74,7 @@ class _Step:
 
     cache: SlotCache | None = None
     positions: Tensor | None = None
-    mask: Tensor | None = None
+    seen: Tensor | None = None
     rows: Tensor | None = None
 
 
@@ -85,8 +85,8 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     """transformers' attention-function signature over the slot cache of the step in flight."""
     if kwargs.get("sliding_window") or kwargs.get("softcap"):
         raise NotImplementedError("slot attention has no sliding window or soft cap")
-    out = slot_attention(_STEP.cache, module.layer_idx, query, key, value, _STEP.positions, _STEP.mask, scaling,
-                         _STEP.rows)  # fmt: skip
+    out = slot_attention(_STEP.cache, module.layer_idx, query, key, value, _STEP.positions, _STEP.seen, scaling,
+                         rows=_STEP.rows)  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -116,19 +116,19 @@ class SlotTarget:
         self.device = weight.device
 
     @torch.inference_mode()
-    def _run(self, ids: Tensor, positions: Tensor, mask: Tensor | None, rows: Tensor | None
+    def _run(self, ids: Tensor, positions: Tensor, seen: Tensor | None, rows: Tensor | None
              ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         """One forward with the slot attention in place of the model's own, for its length only: the
         model stays usable as it was (a CUDA graph replays the kernels, not this Python)."""
         config, own = self.model.config, self.model.config._attn_implementation
-        _STEP.cache, _STEP.positions, _STEP.mask, _STEP.rows = self.cache, positions, mask, rows
+        _STEP.cache, _STEP.positions, _STEP.seen, _STEP.rows = self.cache, positions, seen, rows
         config._attn_implementation = ATTENTION
         try:
             with sdpa_kernel(_SDPA_BACKENDS):
                 hidden = self.base(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
         finally:
             config._attn_implementation = own
-            _STEP.cache = _STEP.positions = _STEP.mask = _STEP.rows = None
+            _STEP.cache = _STEP.positions = _STEP.seen = _STEP.rows = None
         states = torch.cat(self.taps.take(), dim=-1) if self.taps is not None else None
         return hidden, states
 
@@ -147,7 +147,7 @@ class SlotTarget:
             return self.head(last), states
 
     def step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
-        hidden, states = self._run(ids, positions, visible(positions, self.length), None)
+        hidden, states = self._run(ids, positions, positions[:, -1] + 1, None)
         with torch.inference_mode():
             return self.head(hidden), states
 
