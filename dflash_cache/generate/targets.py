@@ -211,6 +211,9 @@ class CachedTarget:
 
     def keep(self, lengths: Tensor) -> None:
         length = int(lengths[0])
+        if length == 0:  # the row ended: the next prefill starts a new cache
+            self.cache = self._before = None
+            return
         extra = self.cache.get_seq_length() - length
         if extra <= 0:
             return
