@@ -139,6 +139,10 @@ def test_qwen3_5_template_opens_the_think_block(hybrid_targets):
     assert tok.apply_chat_template(ask, tokenize=False, add_generation_prompt=True, enable_thinking=False) == (
         head + "<think>\n\n</think>\n\n"
     )
+    # a reply generated after the opened block, once it closes it, renders back as prompt + reply
+    reply = "Add the tens.\n</think>\n\n4."
+    whole = tok.apply_chat_template([*ask, {"role": "assistant", "content": reply}], tokenize=False)
+    assert whole == head + "<think>\n" + reply + "<|im_end|>\n"
     assert tok.mask_token is None and len(tok) < AutoConfig.from_pretrained(hybrid_targets["qwen3_5"]).vocab_size
 
 
