@@ -380,18 +380,23 @@ def bench_extract(
     writers: int = typer.Option(6, help="Unit writer processes."),
     peer: bool = typer.Option(False, help="Also run the one-torch.save-per-sample baseline and both loaders."),
     long: bool = typer.Option(False, "--long", help="Samples of 16K to 32K tokens instead of the chat mix."),
+    shape: str = typer.Option(
+        "qwen3-8b",
+        help="The random target's shape: qwen3-8b, or the hybrid (linear attention) qwen3.5-9b or qwen3.5-27b.",
+    ),
     as_json: bool = BENCH_JSON,
 ) -> None:
-    """Full extract path vs the bare truncated forward of a random Qwen3-8B-shaped target."""
+    """Full extract path vs the bare truncated forward of a random target of a real shape (Qwen3-8B by default)."""
     from dflash_cache import bench
 
     _paths(("output_dir", out, "--out"))
-    result = bench.extract(out, num_tokens=tokens, storage=storage, token_budget=token_budget,
+    config = bench.shape_config(shape)
+    result = bench.extract(out, config=config, num_tokens=tokens, storage=storage, token_budget=token_budget,
                            writers=writers, long=long)  # fmt: skip
-    bench.write_random_frozen(out, bench.QWEN3_8B)
+    bench.write_random_frozen(out, config)
     if peer:
         result |= {f"loader_{k}": v for k, v in bench.loader_rate(out, token_budget=token_budget).items()}
-        result |= {f"peer_{k}": v for k, v in bench.peer_baseline(out.with_name(out.name + "-peer"),
+        result |= {f"peer_{k}": v for k, v in bench.peer_baseline(out.with_name(out.name + "-peer"), config=config,
                    num_tokens=tokens, token_budget=token_budget).items()}  # fmt: skip
     _print_json(result)
 

@@ -1,4 +1,4 @@
-"""Tiny local targets laid out like real model families (Qwen3, Llama 3, Gemma), for tests and GPU runs.
+"""Tiny local targets laid out like real model families (Qwen3, Llama 3, Gemma, Qwen3.5), for tests and GPU runs.
 
 The bundled ``data/tiny-target`` has a reserved ``<|mask|>`` and a chat template with generation
 markers, which no real family ships. These targets have what real ones have, and nothing more:
@@ -16,17 +16,31 @@ markers, which no real family ships. These targets have what real ones have, and
   - gemma: ``<pad>``, ``<eos>``, ``<bos>`` (added to plain text), ``<unk>`` first in the
     vocabulary, ``<start_of_turn>`` and ``<end_of_turn>`` after it; ``vocab_size`` larger than
     ``len(tokenizer)`` as in Gemma 3;
+  - qwen3_5 and qwen3_5_vl: Qwen3's tokens plus the vision markers Qwen3.5 puts after
+    ``<|im_end|>`` (``<|vision_start|>``, ``<|vision_end|>``, ``<|vision_pad|>``, ``<|image_pad|>``,
+    ``<|video_pad|>``), Qwen3.5's pre-tokenizer (letters with their combining marks), a padded
+    table (Qwen3.5: 248,320 rows);
 
 - the family's chat template, written here to behave like the official one: Qwen3's drops the
   ``<think>`` block of every assistant turn before the last user message and honours
   ``enable_thinking``; Llama 3.1's opens with a system block carrying the knowledge-cutoff lines;
   Gemma's folds a system message into the first user turn and calls the assistant ``model``.
+  Qwen3.5's renders turns as Qwen3's does, but its generation prompt opens the think block
+  (``<|im_start|>assistant\n<think>\n``) unless ``enable_thinking`` is false.
   None has ``{% generation %}`` markers;
 - a randomly initialised model of the family's architecture (Qwen3ForCausalLM, LlamaForCausalLM,
   Gemma2ForCausalLM), 4 layers of width 64 by default, saved as safetensors, with a
-  ``generation_config.json`` listing the family's end-of-turn ids.
+  ``generation_config.json`` listing the family's end-of-turn ids;
+- the hybrids (Qwen3.5, Qwen3.6): gated delta-net (linear attention) layers beside full-attention
+  ones, three linear layers to one full one as the real models have them, 8 layers by default.
+  ``qwen3_5`` is a text-only ``Qwen3_5ForCausalLM`` (``model.layers.*``); ``qwen3_5_vl`` is laid
+  out as the published hub checkpoints are: a ``Qwen3_5ForConditionalGeneration`` whose config
+  nests ``text_config`` and ``vision_config`` (a tiny vision tower), weights under
+  ``model.language_model.*``, ``model.visual.*`` and ``lm_head``, plus the multi-token-prediction
+  head's ``mtp.*`` weights that transformers ignores on load. Both have the real models'
+  partial rotary (a quarter of each head), multimodal RoPE sections and gated attention output.
 
-Usage: ``python data/make_family_targets.py --family qwen3 --out DIR``
+Usage: ``python data/make_family_targets.py --family qwen3 --out DIR`` (families: FAMILIES below)
 """
 
 from __future__ import annotations
@@ -43,14 +57,16 @@ if str(HERE) not in sys.path:  # make_tiny_target is a sibling script, not a pac
 
 from make_tiny_target import PRETOKENIZE_REGEX, corpus  # noqa: E402
 
-FAMILIES = ("qwen3", "llama3", "gemma")
+FAMILIES = ("qwen3", "llama3", "gemma", "qwen3_5", "qwen3_5_vl")
+HYBRIDS = ("qwen3_5", "qwen3_5_vl")  # linear-attention (gated delta-net) layers beside full-attention ones
+THINKING = ("qwen3", *HYBRIDS)  # the families with Qwen's <think> syntax
 BPE_MERGES = 400  # enough for common words to be one or two tokens, and trains in a fraction of a second
 MAX_POSITIONS = 4096
 
 # Qwen3's template, rewritten: ChatML; an assistant turn's reasoning comes from `reasoning_content`
 # or from the text before `</think>` in its content; the think block is rendered only for assistant
 # turns after the last user message (the last turn always gets one, empty if need be).
-QWEN3_TEMPLATE = """\
+QWEN3_TURNS = """\
 {%- if messages and messages[0].role == 'system' %}
 {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
 {%- endif %}
@@ -80,11 +96,27 @@ QWEN3_TEMPLATE = """\
 {{- raise_exception('unknown role: ' + m.role) }}
 {%- endif %}
 {%- endfor %}
+"""
+QWEN3_TEMPLATE = (
+    QWEN3_TURNS
+    + """\
 {%- if add_generation_prompt %}
 {{- '<|im_start|>assistant\\n' }}
 {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
 {%- endif %}
 """
+)
+# Qwen3.5's: the same turns, but its generation prompt opens the think block when thinking is on.
+QWEN3_5_TEMPLATE = (
+    QWEN3_TURNS
+    + """\
+{%- if add_generation_prompt %}
+{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}
+{%- else %}{{- '<think>\\n' }}{%- endif %}
+{%- endif %}
+"""
+)
 
 # Llama 3.1's layout: a system block always opens the chat (cutoff and date lines, then the
 # system message if any); every message's content is trimmed.
@@ -139,10 +171,18 @@ class Family:
     regex: str
     reserved: str | None = None  # fill len(tokenizer) to a multiple of 64 with these, then vocab == len
     model: tuple[tuple[str, object], ...] = ()  # extra config fields
+    nfc: bool = False  # whether the tokenizer normalizes text to NFC first (Qwen3.5's does)
+    layers: int = 4  # decoder layers by default
+    auto_class: str = "AutoModelForCausalLM"  # the transformers Auto class that builds the checkpoint
 
 
-# Llama 3 groups digits by up to three; Qwen splits them one by one.
+# Llama 3 groups digits by up to three; Qwen splits them one by one. Qwen3.5 keeps a letter's
+# combining marks (\p{M}) in its word.
 LLAMA3_REGEX = PRETOKENIZE_REGEX.replace(r"\p{N}|", r"\p{N}{1,3}|")
+QWEN3_5_REGEX = PRETOKENIZE_REGEX.replace(r"\p{L}+", r"[\p{L}\p{M}]+").replace(
+    r"[^\s\p{L}\p{N}]", r"[^\s\p{L}\p{M}\p{N}]"
+)
+QWEN3_5_VISION = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 
 SPECS: dict[str, Family] = {
     "qwen3": Family(
@@ -199,6 +239,24 @@ SPECS: dict[str, Family] = {
         model=(("tie_word_embeddings", True), ("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0)),
     ),
 }
+# The Qwen3.5 checkpoints share one tokenizer and template; the text model's config is the same in
+# both layouts (the multimodal one nests it as text_config).
+_QWEN3_5 = dict(
+    leading=(),
+    trailing=("<|endoftext|>", "<|im_start|>", "<|im_end|>", *QWEN3_5_VISION),
+    plain=("<think>", "</think>"),
+    roles={"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+    listed=("<|im_start|>", "<|im_end|>", *QWEN3_5_VISION),
+    stop=("<|im_end|>", "<|endoftext|>"),
+    template=QWEN3_5_TEMPLATE,
+    add_bos=False,
+    regex=QWEN3_5_REGEX,
+    nfc=True,
+    model=(("tie_word_embeddings", False),),  # as Qwen3.5-9B and -27B (the small ones tie)
+    layers=8,
+)
+SPECS["qwen3_5"] = Family(architecture="qwen3_5_text", **_QWEN3_5)
+SPECS["qwen3_5_vl"] = Family(architecture="qwen3_5", auto_class="AutoModelForImageTextToText", **_QWEN3_5)
 
 
 def _spec(family: str) -> Family:
@@ -209,11 +267,23 @@ def _spec(family: str) -> Family:
 
 def build_tokenizer(family: str, chat_path: Path = HERE / "chat.jsonl"):
     """The family's tokenizer (a `PreTrainedTokenizerFast`, chat template included), trained on `chat_path`."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     spec = _spec(family)
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    if spec.nfc:
+        tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(spec.regex), behavior="isolated", invert=False),
@@ -257,11 +327,39 @@ def family_vocab_size(family: str, tokenizer_len: int) -> int:
     return tokenizer_len if _spec(family).reserved else -(-(tokenizer_len + 64) // 64) * 64
 
 
-def build_config(family: str, tokenizer, *, hidden: int = 64, layers: int = 4, vocab_size: int | None = None):
+def hybrid_fields(hidden: int, heads: int, layers: int) -> dict:
+    """The Qwen3.5 text config's own fields at a tiny size, in the real models' proportions
+    (Qwen3.5-9B: 16 heads of 256, linear attention 16 key and 32 value heads of 128, a quarter of
+    each head rotated, RoPE sections 11/11/10 of its 32 frequencies)."""
+    head_dim = hidden // heads
+    frequencies = max(1, head_dim // 8)  # a quarter of the head rotated: head_dim / 8 frequencies
+    t = h = round(frequencies * 11 / 32)
+    sections = [t, h, frequencies - t - h]  # temporal, height, width
+    return {
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": head_dim,
+        "linear_value_head_dim": head_dim,
+        "linear_num_key_heads": max(1, heads // 2),
+        "linear_num_value_heads": heads,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": sections, "mrope_interleaved": True},
+        "mtp_num_hidden_layers": 1,  # the checkpoint's mtp.* head, which transformers ignores
+        "mtp_use_dedicated_embeddings": False,
+    }  # fmt: skip
+
+
+# A tiny vision tower of the multimodal layout, whose output width is the text model's.
+VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+          "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16}  # fmt: skip
+
+
+def build_config(family: str, tokenizer, *, hidden: int = 64, layers: int | None = None, vocab_size: int | None = None):
     """A tiny config of the family's architecture for `tokenizer` (heads of about 16 dims, half as many KV heads)."""
     from transformers import AutoConfig
 
     spec = _spec(family)
+    layers = layers or spec.layers
     heads = max(1, hidden // 16)
     if hidden % heads:
         raise ValueError(f"hidden={hidden} is not a multiple of {heads} heads")
@@ -270,8 +368,9 @@ def build_config(family: str, tokenizer, *, hidden: int = 64, layers: int = 4, v
     extra = dict(spec.model)
     if spec.architecture == "gemma2":
         extra["query_pre_attn_scalar"] = head_dim
-    return AutoConfig.for_model(
-        spec.architecture,
+    if family in HYBRIDS:
+        extra.update(hybrid_fields(hidden, heads, layers))
+    text = dict(
         vocab_size=vocab_size or family_vocab_size(family, len(tokenizer)),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -285,6 +384,19 @@ def build_config(family: str, tokenizer, *, hidden: int = 64, layers: int = 4, v
         eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in spec.stop],
         pad_token_id=ids.get("pad_token"),
         **extra,
+    )
+    if family != "qwen3_5_vl":
+        return AutoConfig.for_model(spec.architecture, **text)
+    token = tokenizer.convert_tokens_to_ids
+    return AutoConfig.for_model(
+        spec.architecture,
+        text_config={"model_type": "qwen3_5_text", **text},
+        vision_config={**VISION, "out_hidden_size": hidden},
+        image_token_id=token("<|image_pad|>"),
+        video_token_id=token("<|video_pad|>"),
+        vision_start_token_id=token("<|vision_start|>"),
+        vision_end_token_id=token("<|vision_end|>"),
+        tie_word_embeddings=text["tie_word_embeddings"],
     )
 
 
@@ -300,28 +412,50 @@ def generation_config(family: str, tokenizer):
     )
 
 
-def build(family: str, out: Path, *, hidden: int = 64, layers: int = 4, seed: int = 0,
+def build(family: str, out: Path, *, hidden: int = 64, layers: int | None = None, seed: int = 0,
           vocab_size: int | None = None) -> Path:  # fmt: skip
     """Write a loadable target directory of `family` to `out` and return `out`.
 
-    `vocab_size` overrides the family's embedding rows (e.g. to give a Llama-3-style target room
-    for a mask id past `len(tokenizer)`).
+    `layers` defaults to the family's (4; 8 for the hybrids). `vocab_size` overrides the family's
+    embedding rows (e.g. to give a Llama-3-style target room for a mask id past `len(tokenizer)`).
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     out = Path(out)
     tokenizer = build_tokenizer(family)
     config = build_config(family, tokenizer, hidden=hidden, layers=layers, vocab_size=vocab_size)
-    if config.vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size {config.vocab_size} is below the tokenizer's {len(tokenizer)} tokens")
+    vocab = config.get_text_config().vocab_size
+    if vocab < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab} is below the tokenizer's {len(tokenizer)} tokens")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = getattr(transformers, _spec(family).auto_class).from_config(config, dtype=torch.float32)
     model.generation_config = generation_config(family, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    if family == "qwen3_5_vl":
+        _add_mtp_weights(out / "model.safetensors", config.get_text_config(), seed)
     tokenizer.save_pretrained(out)
     return out
+
+
+def _add_mtp_weights(path: Path, text_config, seed: int) -> None:
+    """Add the multi-token-prediction head that the published Qwen3.5 checkpoints carry (``mtp.*``:
+    one full-attention layer with its fusion ``fc`` and norms), which transformers skips on load."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
+
+    torch.manual_seed(seed + 1)
+    full = text_config.layer_types.index("full_attention")
+    h = text_config.hidden_size
+    mtp = {f"layers.0.{k}": v for k, v in q.Qwen3_5DecoderLayer(text_config, full).state_dict().items()}
+    mtp["fc.weight"] = torch.randn(h, 2 * h) * 0.02
+    for norm in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
+        mtp[f"{norm}.weight"] = torch.zeros(h)  # Qwen3.5's norms scale by 1 + weight
+    weights = load_file(path)
+    weights.update({f"mtp.{k}": v.contiguous() for k, v in mtp.items()})
+    save_file(weights, path, metadata={"format": "pt"})
 
 
 # A small fixed vocabulary of sentences in the style of the bundled chat data, so it tokenizes well.
@@ -371,7 +505,7 @@ def example_rows(family: str) -> list[dict]:
     """About a dozen rows a user of `family` might have: single- and multi-turn, with a system turn,
     with reasoning, one assistant reply with surrounding whitespace, and one prompt/response row.
 
-    For qwen3 the reasoning is given both ways the template reads it (a `reasoning_content` field,
+    For the Qwen families the reasoning is given both ways the template reads it (a `reasoning_content` field,
     and ``<think>...</think>`` inline in the content), in the last turn and in earlier ones. The
     other families have no reasoning syntax, so there the reasoning is just text in the reply.
     """
@@ -385,7 +519,7 @@ def example_rows(family: str) -> list[dict]:
         _chat(q[5], "  " + a[5] + "\n"),
         {"prompt": q[1], "response": a[1]},
     ]
-    if family == "qwen3":
+    if family in THINKING:
         return rows + [
             _chat(q[2], _reasoned(t[0], a[2])),
             _chat(q[2], _inline(t[0], a[2])),
@@ -409,7 +543,7 @@ def main() -> None:
     ap.add_argument("--family", choices=FAMILIES, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the family's, 4; 8 for hybrids)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=None, help="embedding rows (default: the family's)")
     ap.add_argument("--rows", type=Path, default=None, help="also write example_rows(family) to this JSONL file")
@@ -419,7 +553,7 @@ def main() -> None:
     if args.rows:
         args.rows.write_text("".join(json.dumps(r) + "\n" for r in example_rows(args.family)))
     config = json.loads((out / "config.json").read_text())
-    print(f"wrote {args.family} target {out} (vocab_size {config['vocab_size']})")
+    print(f"wrote {args.family} target {out} (vocab_size {config.get('text_config', config)['vocab_size']})")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 - `disk`: sequential write/read bandwidth of the cache's filesystem (read cold via fadvise).
 - `codec`: compression ratio and per-thread encode/decode speed on hidden-state-shaped data.
-- `extract`: the full extract path against the bare truncated forward on the same batches.
+- `extract`: the full extract path against the bare truncated forward on the same batches, for a
+  target of a chosen shape (`SHAPES`: Qwen3-8B, or the hybrid Qwen3.5-9B and -27B).
 - `train`: drafter steps with the real loader against the same steps on batches already on
   the device.
 - `ranks`: how evenly DDP ranks' steps are loaded, from the sample lengths alone (no timing).
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash_cache.errors import UserError
 from dflash_cache.extract.config import resolve_token_budget as extract_budget
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.config import resolve_token_budget as train_budget
@@ -37,6 +39,53 @@ QWEN3_8B = {
     "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
     "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
 }  # fmt: skip
+
+
+def _qwen3_5(layers: int, hidden: int, intermediate: int, heads: int, linear_value_heads: int) -> dict:
+    """A Qwen3.5 text model (the hub checkpoints' text_config): gated delta-net layers, three to
+    each full-attention layer; full attention with 256-dim heads, a quarter of each rotated."""
+    return {
+        "model_type": "qwen3_5_text", "num_hidden_layers": layers, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_attention_heads": heads, "num_key_value_heads": 4, "head_dim": 256,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": linear_value_heads, "vocab_size": 248320,
+        "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                            "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    }  # fmt: skip
+
+
+QWEN3_5_9B = _qwen3_5(32, 4096, 12288, 16, 32)
+QWEN3_5_27B = _qwen3_5(64, 5120, 17408, 24, 48)
+SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3.5-9b": QWEN3_5_9B, "qwen3.5-27b": QWEN3_5_27B}
+
+
+class BenchError(UserError, ValueError):
+    """A benchmark asked for something it cannot do."""
+
+
+def shape_config(name: str) -> dict:
+    """The config of a random target shape by name (`dflash bench extract --shape`)."""
+    if name not in SHAPES:
+        raise BenchError(f"--shape {name!r}: expected one of {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
+def linear_attention_kernels() -> dict[str, bool]:
+    """Whether the optional kernels that transformers uses for gated delta-net layers import here:
+    flash-linear-attention's `fla.ops.gated_delta_rule` (the pip package fla-core) and
+    `causal_conv1d`. Without them transformers runs its slow torch path (and says so)."""
+    import importlib
+
+    found = {}
+    for name, module in (("fla", "fla.ops.gated_delta_rule"), ("causal_conv1d", "causal_conv1d")):
+        try:
+            importlib.import_module(module)
+            found[name] = True
+        except Exception:  # noqa: BLE001 - not installed, or its triton/CUDA build does not load: the torch path
+            found[name] = False
+    return found
 
 
 LONG_MAX = 32768
@@ -251,7 +300,10 @@ class RandomTarget:
         from dflash_cache.extract.target import TappedTarget
 
         cfg = AutoConfig.for_model(**self.config)
-        cfg.num_hidden_layers = max(self.layer_ids) + 1  # the layers above never run
+        n = max(self.layer_ids) + 1  # the layers above never run
+        if getattr(cfg, "layer_types", None):  # a hybrid's per-layer kinds, as many as its layers
+            cfg.layer_types = list(cfg.layer_types[:n])
+        cfg.num_hidden_layers = n
         with torch.device(self.device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         model.eval().requires_grad_(False)
@@ -325,9 +377,11 @@ def _steady_rate(plan, marks: dict) -> float:
 
 def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, token_budget: int | None = None,
             storage: str = "bf16", unit_mb: int = 512, writers: int = 6,
-            device: torch.device | None = None, target=None, long: bool = False) -> dict[str, Any]:  # fmt: skip
+            device: torch.device | None = None, target=None, long: bool = False,
+            lengths: np.ndarray | None = None) -> dict[str, Any]:  # fmt: skip
     """Full extract path vs the bare truncated forward, same model, same batches, one process.
-    `long`: samples of 16K to 32K tokens instead of the chat mix."""
+    `long`: samples of 16K to 32K tokens instead of the chat mix; `lengths`: these samples instead
+    (e.g. a cache's, from `cache_lengths`)."""
     from dflash_cache.cache.format import RowFormat, chunk_tokens_for, encode_hidden, host_rows
     from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids, write_spec
     from dflash_cache.cache.store import committed_units
@@ -338,7 +392,9 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
     layer_ids = default_layer_ids(config["num_hidden_layers"])
     target = target or RandomTarget(config, layer_ids, device).build()
-    lengths = long_lengths(max(2, num_tokens // 24576)) if long else lognormal_lengths(max(8, int(num_tokens / 700)))
+    if lengths is None:
+        lengths = long_lengths(max(2, num_tokens // 24576)) if long else lognormal_lengths(max(8, num_tokens // 700))
+    lengths = np.asarray(lengths, dtype=np.int64)
     dataset = synthetic_dataset(lengths, config["vocab_size"])
     row = RowFormat(storage, len(layer_ids) * config["hidden_size"], len(layer_ids))
     row_bytes = row.hidden_bytes
@@ -382,7 +438,10 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
             bits, scale = encode_hidden(target(inp), index, row.fp8)
             copy_out(stream, buf, int(unit.offsets[b.start]), int(unit.offsets[b.stop]), bits, scale)
     assert len(committed_units(out)) == len(plan.units)
+    hybrid = "linear_attention" in config.get("layer_types", ())
     return {
+        "model_type": config["model_type"],
+        **({f"kernel_{k}": v for k, v in linear_attention_kernels().items()} if hybrid else {}),
         "tokens": plan.num_tokens, "samples": plan.num_samples, "units": len(plan.units),
         "padding": plan.padding_ratio, "storage": storage,
         "bare_tok_s": plan.num_tokens / times["bare"], "full_tok_s": plan.num_tokens / times["full"],

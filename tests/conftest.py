@@ -104,3 +104,14 @@ def tiny_cache(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cache") / "cache"
     run(extract_config(out))
     return out
+
+
+@pytest.fixture(scope="session")
+def hybrid_targets(tmp_path_factory) -> dict[str, Path]:
+    """The tiny Qwen3.5-layout targets of data/make_family_targets.py, by family: "qwen3_5" (a
+    text-only Qwen3_5ForCausalLM) and "qwen3_5_vl" (the hub checkpoints' multimodal layout)."""
+    sys.path.insert(0, str(ROOT / "data"))
+    import make_family_targets as fam
+
+    root = tmp_path_factory.mktemp("hybrids")
+    return {f: fam.build(f, root / f) for f in fam.HYBRIDS}

@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from dflash_cache import bench
 from dflash_cache.cache.audit import verify
 from dflash_cache.cache.spec import read_spec
@@ -14,6 +16,12 @@ from dflash_cache.cache.store import committed_units
 
 TINY = dict(bench.QWEN3_8B, num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)  # fmt: skip
+# Qwen3.5-9B's layout (three gated delta-net layers to one full-attention layer) at a toy width
+TINY_HYBRID = dict(bench.QWEN3_5_9B, num_hidden_layers=8, layer_types=bench.QWEN3_5_9B["layer_types"][:8],
+                   hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                   vocab_size=512)  # fmt: skip
+TINY_HYBRID["rope_parameters"] = dict(bench.QWEN3_5_9B["rope_parameters"], mrope_section=[1, 1, 0])  # 2 frequencies
 
 
 def test_disk_codec_and_commit(tmp_path):
@@ -56,3 +64,26 @@ def test_long_extract_benchmark(tmp_path):
     x = bench.extract(out, config=TINY, num_tokens=40000, unit_mb=1, writers=1, long=True)
     assert x["samples"] >= 2 and verify(out) == {} and read_spec(out).plan.num_tokens == x["tokens"]
     assert x["tokens"] / x["samples"] >= bench.LONG_MAX // 2
+
+
+def test_hybrid_extract_benchmark(tmp_path):
+    """`--shape qwen3.5-9b`'s path at a toy width: the random hybrid is cut and tapped like a loaded
+    one, and the cache it writes verifies. CPU has no flash-linear-attention: the torch path runs."""
+    out = tmp_path / "hx"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the torch path's many small ops thrash when the cores are shared
+    try:
+        x = bench.extract(out, config=TINY_HYBRID, lengths=[40, 70, 130, 250], unit_mb=1, writers=1)
+    finally:
+        torch.set_num_threads(threads)
+    spec = read_spec(out)
+    assert verify(out) == {} and x["tokens"] == 490 == spec.plan.num_tokens and spec.layers.ids == [1, 2, 3, 4, 5]
+    assert x["model_type"] == "qwen3_5_text" and {x["kernel_fla"], x["kernel_causal_conv1d"]} <= {True, False}
+    assert all(x[k] > 0 for k in ("ratio", "steady_ratio", "staged_ratio"))
+    assert bench.SHAPES["qwen3.5-9b"] is bench.QWEN3_5_9B and bench.QWEN3_5_27B["num_hidden_layers"] == 64
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    r = CliRunner().invoke(app, ["bench", "extract", "--out", str(tmp_path / "no"), "--shape", "qwen3.5-4b"])
+    assert r.exit_code == 1 and "error: --shape 'qwen3.5-4b': expected one of qwen3-8b, qwen3.5-9b" in r.output

@@ -45,6 +45,7 @@ TURN = {
     "llama3": re.compile(r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\n(.*?<\|eot_id\|>)", re.S),
     "gemma": re.compile(r"<start_of_turn>model\n(.*?<end_of_turn>)", re.S),
 }
+TURN |= {f: TURN["qwen3"] for f in F.HYBRIDS}  # Qwen3.5 renders turns as Qwen3 does
 NO_THINKING = {"enable_thinking": False}
 
 

@@ -22,6 +22,8 @@ import make_family_targets as fam  # noqa: E402
 STOPS = {"qwen3": ["<|im_end|>", "<|endoftext|>"], "llama3": ["<|eot_id|>", "<|end_of_text|>"],
          "gemma": ["<end_of_turn>", "<eos>"]}  # fmt: skip
 BOS = {"qwen3": None, "llama3": "<|begin_of_text|>", "gemma": "<bos>"}
+for _f in fam.HYBRIDS:  # Qwen3.5's tokens are Qwen3's (and its vision markers)
+    STOPS[_f], BOS[_f] = STOPS["qwen3"], BOS["qwen3"]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +74,7 @@ def test_example_rows_render_losslessly(built, family):
     convs = [messages(r) for r in rows]
     assert any(sum(m["role"] == "assistant" for m in c) >= 2 for c in convs)
     assert any(c[0]["role"] == "system" for c in convs) and any("prompt" in r for r in rows)
-    if family == "qwen3":
+    if family in fam.THINKING:
         assert any("reasoning_content" in m for c in convs for m in c)
         assert any("</think>" in m["content"] for c in convs for m in c)
     for conv in convs:

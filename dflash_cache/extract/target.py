@@ -186,15 +186,38 @@ def load_target(
     CPU, for the cache's frozen weights), and the compute dtype.
     """
     dtype = compute_dtype_for(device)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise TargetError(f"--target {path}: cannot load the model ({first_line(e)})") from None
+    model = load_causal_lm(path, dtype, revision)
     model.eval().requires_grad_(False)
     num_layers = int(text_config(model.config.to_dict())["num_hidden_layers"])
     tapped = TappedTarget(model, layer_ids, num_layers)
     tapped.base.to(device)
     return tapped, model, dtype
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, revision: str | None = None) -> nn.Module:
+    """`AutoModelForCausalLM.from_pretrained`, with every weight from the checkpoint.
+
+    A multimodal checkpoint (Qwen3.5's `Qwen3_5ForConditionalGeneration`) loads as its text model,
+    under its `text_config`. When only the top level of its config says that the LM head is the
+    embedding (as a small model's may), transformers leaves the text model's head newly
+    initialised, which would put a random head in the cache: it is tied here. Any other weight
+    missing from the checkpoint is refused.
+    """
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype,
+                                                           output_loading_info=True)  # fmt: skip
+    except (OSError, ValueError) as e:
+        raise TargetError(f"--target {path}: cannot load the model ({first_line(e)})") from None
+    missing = set(info.get("missing_keys") or ())
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    head_name = next((n for n, p in model.named_parameters() if head is not None and p is head.weight), None)
+    if head_name in missing and load_config(path, revision).get("tie_word_embeddings"):
+        head.weight = embed.weight
+        missing.discard(head_name)
+    if missing:
+        names = ", ".join(sorted(missing)[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise TargetError(f"--target {path}: the checkpoint lacks {len(missing)} of the model's weights ({names})")
+    return model
 
 
 def frozen_weights(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
