@@ -42,15 +42,11 @@ __all__ = [
 
 
 def load_model(path: str, device: torch.device, revision: str | None = None) -> nn.Module:
-    """The target for generation: bf16 on a GPU, float32 on a CPU, frozen, in eval mode."""
-    from transformers import AutoModelForCausalLM
+    """The target for generation: bf16 on a GPU, float32 on a CPU, frozen, in eval mode, with every
+    weight from the checkpoint (`extract.target.load_causal_lm`)."""
+    from dflash_cache.extract.target import compute_dtype_for, load_causal_lm
 
-    from dflash_cache.extract.target import TargetError, compute_dtype_for, first_line
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=compute_dtype_for(device))
-    except (OSError, ValueError) as e:
-        raise TargetError(f"--target {path}: cannot load the model ({first_line(e)})") from None
+    model = load_causal_lm(path, compute_dtype_for(device), revision)
     return model.to(device).eval().requires_grad_(False)
 
 
