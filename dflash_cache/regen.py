@@ -70,12 +70,13 @@ def parts_dir(out: Path) -> Path:
 
 
 def _settings(cfg: RegenConfig) -> dict[str, Any]:
-    """Everything that decides the regenerated rows (not batch size or devices)."""
+    """Everything that decides the regenerated rows (not batch size, devices, or which server URL
+    serves the model)."""
     return {"target": cfg.target, "revision": cfg.revision, "data": source_fingerprint(cfg.data, cfg.data_split),
             "data_split": cfg.data_split, "max_samples": cfg.max_samples, "max_new_tokens": cfg.max_new_tokens,
             "temperature": cfg.temperature, "seed": cfg.seed, "part_rows": cfg.part_rows,
             "chat_template_kwargs": check_template_kwargs(cfg.chat_template_kwargs),
-            "generator": f"server {cfg.server} {cfg.server_model or ''}".strip() if cfg.server else "embedded",
+            "generator": "server" if cfg.server else "embedded", "server_model": cfg.server_model,
             "drop_truncated": cfg.drop_truncated}  # fmt: skip
 
 
@@ -85,6 +86,7 @@ def _check_settings(path: Path, settings: dict[str, Any], what: Path) -> None:
     old = json.loads(path.read_text())
     old.pop("config", None)  # how it was run, for `--config OUT.jsonl`; not what decides the rows
     old.setdefault("generator", "embedded")  # runs from before the generation seam
+    old.setdefault("server_model", None)
     old.setdefault("drop_truncated", False)
     diffs = sorted(k for k in settings.keys() | old.keys() if old.get(k) != settings.get(k))
     if diffs:
@@ -141,7 +143,7 @@ def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     missing = [i for i in range(n_parts) if not (parts / f"part-{i:05d}.jsonl").exists()]
     if missing:
         why = f" ({totals['failed']})" if totals.get("failed") else ""
-        raise DataError(f"regen: {len(missing)} parts ({missing[:5]}...) were not written{why}; rerun to resume")
+        raise DataError(f"regen: {len(missing)} of {n_parts} parts were not written{why}; rerun to resume")
     return _join(cfg, n_parts, totals, time.perf_counter() - t0)
 
 

@@ -195,3 +195,78 @@ def test_a_rerun_with_other_settings_never_reuses_the_output(tmp_path):
         run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=8,
                         chat_template_kwargs={"enable_thinking": False}))  # fmt: skip
     assert out.read_bytes() == before
+
+
+def test_prompt_only_rows_get_the_reply_in_every_form(tmp_path):
+    """A dataset of prompts alone (the usual regen input): a trailing user turn gets the target's
+    reply in every row form, after the earlier turns are regenerated; all forms of one question give
+    one row, the target's own greedy reply."""
+    q = "Who is the lamplighter of Harrow Pier?"
+    forms = [
+        {"messages": [{"role": "user", "content": q}]},
+        {"conversations": [{"from": "human", "value": q}]},
+        {"prompt": q},
+        {"instruction": q},
+    ]
+    multi = {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "old"},
+                          {"role": "user", "content": q}]}  # fmt: skip
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*forms, multi]))
+    out = tmp_path / "regen.jsonl"
+    summary = run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=24, batch_size=3))
+    assert summary["rows"] == 5 and summary["rejected"] == 0
+    got = [json.loads(x)["messages"] for x in out.read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    model = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+    stop = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+    assert all(g == got[0] for g in got[:4]) and [m["role"] for m in got[0]] == ["user", "assistant"]
+    assert got[0][1]["content"] == greedy_reply(tok, model, got[0][:1], stop, 24)
+    assert [m["role"] for m in got[4]] == ["user", "assistant", "user", "assistant"]
+    assert got[4][1]["content"] != "old"
+    for k in (1, 3):  # each reply continues the conversation with the earlier replies regenerated
+        assert got[4][k]["content"] == greedy_reply(tok, model, got[4][:k], stop, 24)
+
+
+def test_a_run_where_no_row_succeeds_leaves_nothing_behind(tmp_path):
+    """Every row rejected: one error, no output, no record and no parts that a later run would take
+    for a finished output or refuse as 'regenerated with other settings'; the fixed data then runs."""
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"text": f"no prompt {i}"}) + "\n" for i in range(3)))
+    out = tmp_path / "regen.jsonl"
+    cfg = RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=8)
+    with pytest.raises(UserError, match=r"no row could be regenerated \(3 rejected"):
+        run(cfg)
+    assert not out.exists() and not parts_dir(out).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "regen.rejected.jsonl"]
+    assert all("plain text" in json.loads(x)["rejected"] for x in (tmp_path / "regen.rejected.jsonl").open())
+    data.write_text("".join(json.dumps({"prompt": f"Say {i}."}) + "\n" for i in range(3)))
+    assert run(cfg)["rows"] == 3
+
+
+def test_truncated_replies_are_counted_and_can_be_dropped(tmp_path):
+    """A reply cut at --max-new-tokens is counted as truncated; --drop-truncated rejects its row
+    with the reason, and the kept rows are exactly the ones that ended on their own."""
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in _source(10)))
+    kept = run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=tmp_path / "a.jsonl", max_new_tokens=24))
+    dropped = run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=tmp_path / "b.jsonl", max_new_tokens=24,
+                              drop_truncated=True))  # fmt: skip
+    assert 0 < kept["truncated"] < 10 and kept["rows"] == 10 and kept["rejected"] == 0
+    assert dropped["truncated"] == kept["truncated"] and dropped["rejected"] == kept["truncated"]
+    assert dropped["rows"] == 10 - kept["truncated"]
+    reasons = [json.loads(x)["rejected"] for x in (tmp_path / "b.rejected.jsonl").open()]
+    assert reasons == ["a reply was cut at --max-new-tokens 24"] * kept["truncated"]
+    rows_a = [json.loads(x) for x in (tmp_path / "a.jsonl").open()]
+    assert all(r in rows_a for r in (json.loads(x) for x in (tmp_path / "b.jsonl").open()))
+    assert all("truncated" not in r for r in rows_a)  # the flag is counted, not written into the data
+
+
+def test_a_conversation_longer_than_the_rows_is_rejected_not_fatal(tmp_path):
+    data = tmp_path / "in.jsonl"
+    long_q = "word " * 200
+    data.write_text(json.dumps({"prompt": long_q}) + "\n" + json.dumps({"prompt": "Hi."}) + "\n")
+    out = tmp_path / "regen.jsonl"
+    summary = run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=8, max_length=64))
+    assert summary["rows"] == 1 and summary["rejected"] == 1
+    (reason,) = [json.loads(x)["rejected"] for x in (tmp_path / "regen.rejected.jsonl").open()]
+    assert "exceed the 64 positions of a row" in reason
