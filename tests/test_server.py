@@ -118,7 +118,8 @@ def test_regen_through_a_real_server_renders_as_the_server_does(server, target, 
     truncated = 0
     for q, messages in zip(QUESTIONS, got, strict=True):
         want = _chat(server.url, q, 24)
-        assert messages == [{"role": "user", "content": q}, {"role": "assistant", "content": want["message"]["content"]}]
+        reply = want["message"]["content"]
+        assert messages == [{"role": "user", "content": q}, {"role": "assistant", "content": reply}]
         truncated += want["finish_reason"] == "length"
     assert summary["truncated"] == truncated > 0  # replies cut at max_tokens are counted as such
 
@@ -126,7 +127,8 @@ def test_regen_through_a_real_server_renders_as_the_server_does(server, target, 
 def test_an_unreachable_server_is_one_error_line_within_seconds(target, tmp_path):
     out = tmp_path / "regen.jsonl"
     cmd = [sys.executable, "-m", "cli.main", "regen", "--target", str(target), "--data",
-           str(_rows(tmp_path / "in.jsonl", 2)), "--out", str(out), "--server", f"http://127.0.0.1:{_free_port()}"]  # fmt: skip
+           str(_rows(tmp_path / "in.jsonl", 2)), "--out", str(out), "--server",
+           f"http://127.0.0.1:{_free_port()}"]  # fmt: skip
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=120)  # fmt: skip
