@@ -118,6 +118,7 @@ def extract(
             "units": len(plan.units), "units_committed": len(prep.done),
             "batches": sum(len(u.batches) for u in plan.units),
             "layers": spec.layers.ids, "storage": spec.storage.dtype, "mask_token_id": spec.tokenizer.mask_token_id,
+            "mask_token": spec.tokenizer.mask_token,
             "estimated_bytes_max": ex.estimated_bytes(spec, plan.num_tokens),
         }, indent=2))  # fmt: skip
         return
@@ -130,6 +131,9 @@ def extract(
             f"{human_bytes(s['bytes_written'])} in {s['seconds']:.1f}s ({s['startup_s']:.1f}s to start; forward "
             f"loop {s['forward_tokens_per_s']:,.0f} tokens/s)"
         )
+        if s["mask_token"].get("rule") == "unused_special":
+            m = s["mask_token"]
+            console.print(f"mask token: {m['id']} ({m['token']}): {m['reason']}", markup=False)
         ranks = max(1, len(cfg.gpus or []) or cfg.procs)
         if s["buffer_wait_s"] > 0.05 * s["seconds"] * ranks:
             console.print(f"note: the forward passes waited {s['buffer_wait_s']:.1f}s in all for unit writers "
