@@ -406,15 +406,18 @@ def bench_extract(
     writers: int = typer.Option(6, help="Unit writer processes."),
     peer: bool = typer.Option(False, help="Also run the one-torch.save-per-sample baseline and both loaders."),
     long: bool = typer.Option(False, "--long", help="Samples of 16K to 32K tokens instead of the chat mix."),
+    like: str | None = typer.Option(None, "--like", help="A target (model directory) whose shape the random "
+                                    "target takes instead of Qwen3-8B's; only its config.json is read."),
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Full extract path vs the bare truncated forward of a random Qwen3-8B-shaped target."""
     from dflash_cache import bench
 
     _paths(("output_dir", out, "--out"))
-    result = bench.extract(out, num_tokens=tokens, storage=storage, token_budget=token_budget,
+    config = bench.shape_of(like) if like else bench.QWEN3_8B
+    result = bench.extract(out, config=config, num_tokens=tokens, storage=storage, token_budget=token_budget,
                            writers=writers, long=long)  # fmt: skip
-    bench.write_random_frozen(out, bench.QWEN3_8B)
+    bench.write_random_frozen(out, config)
     if peer:
         result |= {f"loader_{k}": v for k, v in bench.loader_rate(out, token_budget=token_budget).items()}
         result |= {f"peer_{k}": v for k, v in bench.peer_baseline(out.with_name(out.name + "-peer"),
@@ -427,7 +430,8 @@ def bench_extract(
 def bench_train(
     cache: Path = typer.Option(..., help="A cache, e.g. the one `dflash bench extract` wrote."),
     steps: int = typer.Option(20, help="Measured steps per phase."),
-    token_budget: int | None = typer.Option(None, help=_help(TrainConfig, "token_budget")),
+    token_budget: int | None = typer.Option(None, help=_help(TrainConfig, "token_budget") + " On a small cache "
+                                            "the default is the one dflash train picks for a large one."),
     max_anchors: int | None = typer.Option(None, help=_help(TrainConfig, "max_anchors") + " (default: dflash train's)"),
     readers: int | None = typer.Option(None, help=_help(TrainConfig, "readers")),
     cold: bool = typer.Option(False, "--cold", help="Drop the cache from the page cache: read the disk."),
