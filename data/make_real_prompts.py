@@ -36,6 +36,7 @@ import gzip
 import hashlib
 import importlib.util
 import json
+import multiprocessing
 import random
 import sys
 import sysconfig
@@ -160,7 +161,7 @@ def build(out: Path, *, roots: list[str] = list(ROOTS), seed: int = SEED, procs:
     files = source_files(root_dirs(roots))
     jobs = [(name, str(path), banned) for name, path in files]
     if procs > 1:
-        with ProcessPoolExecutor(procs) as pool:
+        with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:  # no fork under torch
             per_file = list(pool.map(file_prompts, jobs, chunksize=64))
     else:
         per_file = [file_prompts(j) for j in jobs]
