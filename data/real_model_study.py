@@ -121,7 +121,9 @@ def training_rows(args: argparse.Namespace, size: int, regenerated: list[dict]) 
     path = args.out / f"n{size}" / "train.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     kept = [r for r in regenerated if r["messages"][0]["content"] in first]
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept)
+    if not path.exists() or path.read_text() != text:  # a rerun leaves it (and extract's reuse of it) alone
+        path.write_text(text)
     return path
 
 
