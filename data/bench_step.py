@@ -8,6 +8,7 @@ PYTHONPATH, so the same script times two versions of the code side by side (BENC
     python data/bench_step.py --mix default --token-budget 4096 --steps 20 [--profile]
     python data/bench_step.py --mix long --token-budget 32768
     python data/bench_step.py --mix short --token-budget 8192   # the most blocks a batch can hold
+    python data/bench_step.py --like smollm2-hf --token-budget 65536   # the drafter of another target's shape
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from dflash_cache.bench import QWEN3_8B, lognormal_lengths
+from dflash_cache.bench import QWEN3_8B, lognormal_lengths, shape_of
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig
 from dflash_cache.train.stage import train_step
 
 # The FLOPs count of this checkout, also when timing an older dflash_cache that lacks it.
-_spec = importlib.util.spec_from_file_location("_metrics", Path(__file__).parents[1] / "dflash_cache" / "metrics.py")
+_spec = importlib.util.spec_from_file_location("_metrics", Path(__file__).parents[1] / "dflash_cache" / "train" /
+                                               "metrics.py")  # fmt: skip
 _metrics = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_metrics)
 
@@ -92,10 +94,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--label", default="")
+    ap.add_argument("--like", help="a target directory: its drafter's shape instead of the Qwen3-8B one")
     a = ap.parse_args()
 
     dev = torch.device("cuda")
-    dcfg = DrafterConfig.from_target(QWEN3_8B, target_layer_ids=None, mask_token_id=QWEN3_8B["vocab_size"] - 1,
+    shape = shape_of(a.like) if a.like else QWEN3_8B
+    dcfg = DrafterConfig.from_target(shape, target_layer_ids=None, mask_token_id=shape["vocab_size"] - 1,
                                      num_draft_layers=a.layers, block_size=16)  # fmt: skip
     cfg = TrainConfig(cache=Path("."), out=Path("."), token_budget=a.token_budget)
     torch.manual_seed(0)
@@ -136,7 +140,7 @@ def main() -> None:
     useful = sum(flops(nb, ctx, int(anchors)) for nb, anchors, ctx in counts)
     peak = _metrics.peak_flops(dev)
     result = {
-        "label": a.label, "mix": a.mix, "token_budget": a.token_budget, "steps": a.steps,
+        "label": a.label, "mix": a.mix, "token_budget": a.token_budget, "steps": a.steps, "hidden": dcfg.hidden_size,
         "steps_per_s": a.steps / seconds, "context_tok_s": sum(c[2] for c in counts) / seconds,
         "blocks_per_step": sum(c[0] for c in counts) / a.steps, "ctx_per_step": sum(c[2] for c in counts) / a.steps,
         "tflops": useful / seconds / 1e12, "mfu": useful / seconds / peak if peak else None,

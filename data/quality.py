@@ -44,7 +44,6 @@ def demo_config(args: argparse.Namespace):
     import torch
 
     from dflash_cache.demo import DemoConfig
-    from dflash_cache.train.config import TrainConfig
 
     target = Path(args.target or (ROOT / "data" / "code-target" if args.size == "cpu" else "code-target-gpu"))
     data_dir = ROOT / "data" if args.size == "cpu" and args.target is None else target
@@ -55,10 +54,38 @@ def demo_config(args: argparse.Namespace):
                      max_new_tokens=args.max_new_tokens, eval_prompts=args.prompts, gpus=[0] if cuda else None,
                      baseline=False, seed=args.seed)  # fmt: skip
     if args.recipe == "default":
-        d = TrainConfig(cache=Path(), out=Path())
-        cfg = replace(cfg, epochs=d.epochs, lr=d.lr, draft_layers=d.draft_layers, max_anchors=d.max_anchors,
-                      token_budget=d.token_budget)  # fmt: skip
+        cfg = default_recipe(cfg)
     return replace(cfg, epochs=args.epochs or cfg.epochs)
+
+
+def default_recipe(cfg):
+    """`cfg` (a DemoConfig) with dflash train's own recipe instead of the demo's."""
+    from dflash_cache.train.config import TrainConfig
+
+    d = TrainConfig(cache=Path(), out=Path())
+    return replace(cfg, epochs=d.epochs, lr=d.lr, draft_layers=d.draft_layers, max_anchors=d.max_anchors,
+                   token_budget=d.token_budget)  # fmt: skip
+
+
+def run_tasks(out: Path, names: list[str], argv: list[str]) -> list[dict]:
+    """Run each named part as a process of its own (`argv` + `--task NAME`; they share the GPU or
+    the cores), each logging to OUT/task-NAME.log and leaving its result in OUT/task-NAME.json. A
+    failed part ends the others (some wait on another's output); the results, in `names` order."""
+    procs = []
+    for name in names:
+        log = open(out / f"task-{name}.log", "w")
+        procs.append((name, subprocess.Popen([*argv, "--task", name], stdout=log, stderr=subprocess.STDOUT), log))
+    while any(proc.poll() is None for _, proc, _ in procs):
+        failed = [(name, log.name) for name, proc, log in procs if proc.poll() not in (None, 0)]
+        if failed:
+            for _, proc, _ in procs:
+                proc.terminate()
+            raise SystemExit("failed: " + ", ".join(f"{n} (see {f})" for n, f in failed))
+        time.sleep(1)
+    failed = [(name, log.name) for name, proc, log in procs if proc.returncode != 0]
+    if failed:
+        raise SystemExit("failed: " + ", ".join(f"{n} (see {f})" for n, f in failed))
+    return [json.loads((out / f"task-{name}.json").read_text()) for name in names]
 
 
 def task(cfg, name: str, regen_path: Path) -> dict:
@@ -184,22 +211,7 @@ def main() -> None:
     if args.jobs == 1:
         parts = [task(cfg, name, regen_path) for name in TASKS]
     else:  # every task a process of its own; they share the GPU (or the cores)
-        procs = []
-        for name in TASKS:
-            log = open(cfg.out / f"task-{name}.log", "w")
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--task", name]
-            procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
-        while any(proc.poll() is None for _, proc, _ in procs):
-            failed = [(name, log.name) for name, proc, log in procs if proc.poll() not in (None, 0)]
-            if failed:  # the others may wait on it (untrained on the bf16 cache): end them all
-                for _, proc, _ in procs:
-                    proc.terminate()
-                raise SystemExit("failed: " + ", ".join(f"{n} (see {f})" for n, f in failed))
-            time.sleep(1)
-        failed = [(name, log.name) for name, proc, log in procs if proc.returncode != 0]
-        if failed:
-            raise SystemExit("failed: " + ", ".join(f"{n} (see {f})" for n, f in failed))
-        parts = [json.loads((cfg.out / f"task-{name}.json").read_text()) for name in TASKS]
+        parts = run_tasks(cfg.out, list(TASKS), [sys.executable, __file__, *sys.argv[1:]])
     for part in parts:
         for k in ("results", "times", "caches"):
             summary[k].update(part[k])

@@ -3,7 +3,7 @@
 - `disk`: sequential write/read bandwidth of the cache's filesystem (read cold via fadvise).
 - `codec`: compression ratio and per-thread encode/decode speed on hidden-state-shaped data.
 - `extract`: the full extract path against the bare truncated forward on the same batches, for a
-  target of a chosen shape (`SHAPES`: Qwen3-8B, or the hybrid Qwen3.5-9B and -27B).
+  target of a chosen shape (`SHAPES`: Qwen3-8B, SmolLM2-135M, or the hybrid Qwen3.5-9B and -27B).
 - `train`: drafter steps with the real loader against the same steps on batches already on
   the device.
 - `ranks`: how evenly DDP ranks' steps are loaded, from the sample lengths alone (no timing).
@@ -31,14 +31,7 @@ import torch
 
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import resolve_token_budget as extract_budget
-from dflash_cache.train.config import TrainConfig
-from dflash_cache.train.config import resolve_token_budget as train_budget
-
-QWEN3_8B = {
-    "model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096, "intermediate_size": 12288,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
-}  # fmt: skip
+from dflash_cache.train.config import QWEN3_8B, TrainConfig, drafter_config, run_token_budget
 
 
 def _qwen3_5(layers: int, hidden: int, intermediate: int, heads: int, linear_value_heads: int) -> dict:
@@ -58,7 +51,12 @@ def _qwen3_5(layers: int, hidden: int, intermediate: int, heads: int, linear_val
 
 QWEN3_5_9B = _qwen3_5(32, 4096, 12288, 16, 32)
 QWEN3_5_27B = _qwen3_5(64, 5120, 17408, 24, 48)
-SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3.5-9b": QWEN3_5_9B, "qwen3.5-27b": QWEN3_5_27B}
+SMOLLM2_135M = {
+    "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
+    "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
+}  # fmt: skip
+SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3.5-9b": QWEN3_5_9B, "qwen3.5-27b": QWEN3_5_27B, "smollm2-135m": SMOLLM2_135M}
 
 
 class BenchError(UserError, ValueError):
@@ -521,6 +519,15 @@ def loader_rate(cache: Path, *, token_budget: int | None = None, device: torch.d
     return {"loader_tok_s": tokens / times["load"], "batches": min(max_batches, loader.num_batches(0))}
 
 
+def shape_of(target: str | Path) -> dict[str, Any]:
+    """A target's text config (its shape: layers, widths, vocabulary) for a random benchmark model."""
+    from dflash_cache.extract.target import load_config, text_config
+
+    config = text_config(load_config(str(target)))
+    keep = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("transformers_version", "dtype")}
+    return {**keep, "model_type": config.get("model_type") or "llama"}
+
+
 def write_random_frozen(cache: Path, config: dict) -> None:
     from dflash_cache.cache.store import write_frozen
 
@@ -543,15 +550,18 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | 
     `cold` evicts the cache's files from the page cache first, so the loader reads the disk.
     `loader_GBps` (bytes on disk read per second by the loader) and `step_GBps` (what the
     in-memory step would consume) set the loader against `bench disk`'s bandwidth."""
+    from dflash_cache.cache.spec import read_spec
     from dflash_cache.devices import Worker
     from dflash_cache.train.metrics import StepFlops, peak_flops
     from dflash_cache.train.stage import setup, train_step
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    token_budget = train_budget(token_budget, device.type == "cuda")  # the stage's default
     cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
                       block_size=block_size, draft_layers=draft_layers,
                       **({"readers": readers} if readers else {}))  # fmt: skip
+    if token_budget is None:  # the stage's default for this drafter on a cache too large to cap it
+        spec = read_spec(cache)
+        cfg.token_budget = run_token_budget(cfg, drafter_config(cfg, spec), spec, device, few_steps_cap=False)
     s = setup(Worker(0, 1, device), cfg)  # writes nothing to `out`
     flops, useful = StepFlops(s.model), []
 
@@ -597,7 +607,8 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | 
     peak = peak_flops(device)
     loader.close()
     return {
-        "steps": measured, "token_budget": token_budget, "max_anchors": max_anchors,
+        "steps": measured, "token_budget": cfg.token_budget, "max_anchors": max_anchors,
+        "drafter_hidden": s.dcfg.hidden_size, "drafter_layers": s.dcfg.num_hidden_layers,
         "loader_steps_s": measured / times["loader"], "memory_steps_s": measured / times["memory"],
         "ratio": times["memory"] / times["loader"], "loader_wait_per_step_s": wait / max(1, measured),
         "context_tok_s": context_tokens / times["loader"], "peak_gpu_GB": peak_gpu / 1e9, "peak_rss_GB": rss.peak / 1e9,

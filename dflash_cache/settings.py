@@ -63,6 +63,7 @@ class Setting:
     expects_text: str | None
     min: float | None
     tuning: bool
+    words: tuple[str, ...] = ()  # literal words a non-text setting also takes: `int | Literal["auto"]`
 
     @property
     def flag(self) -> str:
@@ -85,13 +86,14 @@ class Setting:
             text = " or ".join(c) if len(c) == 2 else "one of " + ", ".join(c)
         else:
             text = _WORDS.get(self.kind, _WORDS.get(typing.get_origin(self.kind), "a value"))
+        text += "".join(f" or {w}" for w in self.words)
         return text + (f" >= {self.min:g}" if self.min is not None else "")
 
     @property
     def metavar(self) -> str:
         if self.choices:
             return "[" + "|".join(str(x) for x in self.choices) + "]"
-        return _METAVARS.get(self.kind, _METAVARS.get(typing.get_origin(self.kind), "TEXT"))
+        return "|".join((_METAVARS.get(self.kind, _METAVARS.get(typing.get_origin(self.kind), "TEXT")), *self.words))
 
 
 _WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", Path: "a path",
@@ -106,15 +108,16 @@ def describe(cls: type) -> dict[str, Setting]:
     hints = typing.get_type_hints(cls)
     out = {}
     for f in dataclasses.fields(cls):
-        kind, optional = hints[f.name], False
+        kind, optional, words = hints[f.name], False, ()
         if typing.get_origin(kind) in (typing.Union, types.UnionType):
             args = [a for a in typing.get_args(kind) if a is not type(None)]
             kind, optional = args[0], len(args) < len(typing.get_args(kind))
+            words = tuple(w for a in args[1:] if typing.get_origin(a) is Literal for w in typing.get_args(a))
         default = f.default if f.default is not MISSING else (
             f.default_factory() if f.default_factory is not MISSING else MISSING)  # fmt: skip
         m = f.metadata
         out[f.name] = Setting(f.name, kind, optional, default, f.default_factory is not MISSING, m.get("help", ""),
-                              m.get("expects"), m.get("min"), m.get("tuning", False))  # fmt: skip
+                              m.get("expects"), m.get("min"), m.get("tuning", False), words)  # fmt: skip
     return out
 
 
@@ -147,6 +150,8 @@ def from_text(s: Setting, text: str, where: str) -> Any:
     """A command-line value (a flag's or --set's text) as the setting's type."""
     if s.optional and (text == "null" or (s.kind is not str and text.strip().lower() in ("none", "~"))):
         return None
+    if text in s.words:
+        return text
     kind = typing.get_origin(s.kind) or s.kind
     if kind is dict:
         try:
@@ -185,6 +190,8 @@ def check(s: Setting, value: Any, where: str) -> Any:
         if s.optional:
             return None
         raise _fail(s, where, value)
+    if value in s.words:
+        return value
     kind = typing.get_origin(s.kind) or s.kind
     if isinstance(value, str) and kind not in (str, Literal, Path):  # "3e-3" is a string to PyYAML
         return from_text(s, value, where)

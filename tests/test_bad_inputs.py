@@ -24,9 +24,6 @@ import pytest
 import torch
 from conftest import CHAT, ROOT, TINY_TARGET
 
-sys.path.insert(0, str(ROOT / "data"))
-import make_family_targets as fam  # noqa: E402
-
 ENV = {
     **{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR")},
     "PYTHONPATH": str(ROOT),
@@ -176,7 +173,8 @@ def suite(tmp_path_factory) -> Suite:
     (no_template / "chat_template.jinja").unlink(missing_ok=True)
     tok_cfg = no_template / "tokenizer_config.json"
     tok_cfg.write_text(json.dumps({k: v for k, v in json.loads(tok_cfg.read_text()).items() if k != "chat_template"}))
-    full_table = fam.build("llama3", root / "llama3-target")  # no mask token and no spare embedding row
+    gguf = root / "model.gguf"  # a GGUF checkpoint: converted once by `dflash convert`, never read by a stage
+    gguf.write_bytes(b"GGUF" + bytes(60))
     a_file, a_dir = root / "paths" / "a-file", root / "paths" / "a-dir"
     a_dir.mkdir(parents=True)
     a_file.write_text(FILE_TEXT)
@@ -242,7 +240,7 @@ def suite(tmp_path_factory) -> Suite:
         "extract_kwargs_not_json": ["--chat-template-kwargs", "{enable_thinking: false}"],
         "extract_kwargs_not_object": ["--chat-template-kwargs", "[1, 2]"],
         "mask_token_id_outside": ["--mask-token-id", "99999"],
-        "no_mask_token_no_spare_row": ["--target", full_table],
+        "target_gguf": ["--target", gguf],
     }
     if torch.cuda.device_count() == 0:
         extract_cases["gpu_missing"] = ["--gpus", "0"]
@@ -387,8 +385,8 @@ def test_gpus_range_backwards(suite):
     assert_user_error(suite["gpus_backwards"], "--gpus", "3-1", "backwards")
 
 
-def test_no_mask_token_and_no_spare_row(suite):
-    assert_user_error(suite["no_mask_token_no_spare_row"], "no mask token", "no spare row", "--mask-token-id")
+def test_a_gguf_target_names_the_convert_command(suite):
+    assert_user_error(suite["target_gguf"], "GGUF checkpoint", "dflash convert", "--target OUT")
 
 
 def test_mask_token_id_outside_the_table(suite):
@@ -517,7 +515,7 @@ def test_train_skip_bad_units_reports_dropped_samples(suite):
 
 USER_ERRORS = ["missing_data", "all_rows_bad", "target_not_a_model", "no_chat_template", "layers_out_of_range",
                "layers_not_numbers", "storage_unknown", "gpus_backwards", "info_not_a_cache", "train_newer_version",
-               "info_corrupt_json", "train_layers_not_cached", "no_mask_token_no_spare_row", "mask_token_id_outside",
+               "info_corrupt_json", "train_layers_not_cached", "target_gguf", "mask_token_id_outside",
                "extract_kwargs_not_json", "extract_kwargs_not_object", "regen_kwargs_not_object",
                *WRONG_KIND]  # fmt: skip
 

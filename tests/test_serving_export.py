@@ -84,9 +84,10 @@ def tiny_drafter(rope_scaling: dict | None = None) -> tuple[DFlashDrafter, Draft
 
 
 def one_block(model: DFlashDrafter, context: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Our drafter's hidden states for one block anchored right after `context` [C, K*H]."""
+    """Our drafter's hidden states for one block (`noise` [B, H]) anchored right after `context` [C, K*H]."""
     c = context.shape[0]
-    layout = BlockLayout.build(torch.tensor([0, c]), torch.zeros(1, dtype=torch.long), torch.tensor([c]), B)
+    layout = BlockLayout.build(torch.tensor([0, c]), torch.zeros(1, dtype=torch.long), torch.tensor([c]),
+                               noise.shape[0])  # fmt: skip
     with torch.no_grad():
         return model(noise, context, layout)
 

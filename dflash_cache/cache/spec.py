@@ -25,6 +25,9 @@ LAYER_MEANING = (
 )
 # Fields that describe a run rather than the cached numbers; they may differ on resume.
 _VOLATILE = {"created", "tool_version"}
+# Fields that explain another field rather than decide anything (the id is compared, the reason
+# for it is not; caches from before the field have none).
+_EXPLANATIONS = {"tokenizer.mask_token"}
 
 
 class SpecError(UserError, ValueError):
@@ -110,6 +113,8 @@ class TokenizerInfo:
     eos_token_ids: list[int]
     # passed to every apply_chat_template call (e.g. enable_thinking): they change the rendered tokens
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # how mask_token_id was chosen: {"id", "token", "rule", "reason"} (extract/mask.py); {} in older caches
+    mask_token: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -194,7 +199,7 @@ def _diff(a: Any, b: Any, prefix: str) -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for key in sorted(set(a) | set(b)):
-            if not prefix and key in _VOLATILE:
+            if (not prefix and key in _VOLATILE) or f"{prefix}{key}" in _EXPLANATIONS:
                 continue
             out += _diff(a.get(key), b.get(key), f"{prefix}{key}.")
         return out

@@ -47,8 +47,10 @@ class ExtractConfig:
                                   help="Processes that tokenize the data (default: the cores less one, up to 8).")
     writers: int | None = setting(None, "Writer processes: units compressed and written at once, one host buffer "
                                   "each (default 6 with --gpus, else 2).", min=1, tuning=True)  # fmt: skip
-    mask_token_id: int | None = setting(None, "Id for the drafter's masked block slots (default: the tokenizer's "
-                                        "mask token, else len(tokenizer), a row no text produces).")  # fmt: skip
+    mask_token_id: int | Literal["auto"] | None = setting(
+        "auto", "Id for the drafter's masked block slots, or auto: the tokenizer's mask token, else len(tokenizer) "
+        "where the embedding table has a spare row, else an added special token (a reserved one first) that no "
+        "data row holds and the chat template never writes. cache.json records the choice and why.")  # fmt: skip
     chat_template_kwargs: dict[str, Any] | None = setting(None, KWARGS_HELP)
     data_split: str | None = setting(None, SPLIT_HELP)
     max_samples: int | None = setting(None, MAX_SAMPLES_HELP, min=1)

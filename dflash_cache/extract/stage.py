@@ -51,6 +51,7 @@ from dflash_cache.errors import ExtractError
 from dflash_cache.extract import data as data_mod
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 from dflash_cache.extract.config import ExtractConfig, resolve_token_budget
+from dflash_cache.extract.mask import AUTO, choose_mask_token, data_token_ids
 from dflash_cache.extract.plan import Plan, Unit, make_plan
 from dflash_cache.extract.target import (
     compute_dtype_for,
@@ -101,11 +102,15 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     except SpecError as e:
         raise ExtractError(f"--{e}") from None
     tokenizer = load_tokenizer(cfg.target, cfg.revision)
-    mask_id = mask_token_id(tokenizer, int(tc["vocab_size"]), cfg.mask_token_id)
+    vocab_size = int(tc["vocab_size"])
+    if cfg.mask_token_id not in (None, AUTO):
+        choose_mask_token(tokenizer, vocab_size, cfg.mask_token_id)  # a bad id fails before the data is tokenized
     tokens = data_mod.tokenize(
         cfg.data, tokenizer, cfg.max_length, cfg.truncate, num_proc=cfg.tokenize_procs, work_dir=cfg.out / WORK,
         save=write, template_kwargs=template_kwargs, split=cfg.data_split, max_samples=cfg.max_samples,
     )  # fmt: skip
+    mask_choice = choose_mask_token(tokenizer, vocab_size, cfg.mask_token_id,
+                                    data_ids=data_token_ids(tokens.dataset, vocab_size))  # fmt: skip
     device = _device_kind(cfg)
     row_bytes = RowFormat(cfg.storage, len(layer_ids) * int(tc["hidden_size"]), len(layer_ids)).hidden_bytes
     plan = make_plan(
@@ -126,7 +131,8 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
         tokenizer=TokenizerInfo(
             digest=data_mod.tokenizer_digest(tokenizer),
             chat_template_digest=data_mod.chat_template_digest(tokenizer),
-            mask_token_id=mask_id,
+            mask_token_id=mask_choice.id,
+            mask_token=mask_choice.record(),
             pad_token_id=tokenizer.pad_token_id,
             eos_token_ids=[] if eos is None else [int(eos)],
             chat_template_kwargs=template_kwargs,
@@ -160,54 +166,6 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
                 f"{cfg.out} was made with other settings; refusing to mix them. Differences: " + "; ".join(diffs)
             )
     return Prepared(spec, plan, tokens, set(committed_units(cfg.out)))
-
-
-def mask_token_id(tokenizer, vocab_size: int, override: int | None = None) -> int:
-    """The id that fills DFlash's block slots 1..B-1: one no text produces, inside the target's
-    embedding table of `vocab_size` rows.
-
-    `override` (--mask-token-id) is checked; else the tokenizer's mask token; else
-    `len(tokenizer)`, the first row past the tokenizer in a padded table (the published Qwen3
-    drafters use 151669 = len(tokenizer) of a 151,936-row table).
-    """
-    if override is not None:
-        if not 0 <= override < vocab_size:
-            raise ExtractError(f"--mask-token-id {override}: outside the target's embedding table "
-                               f"(vocab_size {vocab_size}: ids 0..{vocab_size - 1})")  # fmt: skip
-        text = _text_token(tokenizer, override)
-        if text is not None:
-            past = f", or an id from {len(tokenizer)} to {vocab_size - 1}" if len(tokenizer) < vocab_size else ""
-            raise ExtractError(
-                f"--mask-token-id {override} is {text!r}, a regular token that text encodes to, so masked slots "
-                f"would look like real text; use the tokenizer's mask token, an added special token the data does "
-                f"not use (e.g. a reserved one){past}"
-            )
-        return override
-    own = tokenizer.mask_token_id
-    if own is not None:
-        if not 0 <= own < vocab_size:
-            raise ExtractError(f"the tokenizer's mask token {own} is outside the target's embedding table "
-                               f"(vocab_size {vocab_size}); pass --mask-token-id N")  # fmt: skip
-        return int(own)
-    spare = len(tokenizer)
-    if spare < vocab_size and _text_token(tokenizer, spare) is None:
-        return spare
-    raise ExtractError(
-        f"the target's tokenizer has no mask token and its embedding table no spare row past the tokenizer "
-        f"(len(tokenizer) {spare}, vocab_size {vocab_size}); pass --mask-token-id N, an added special token "
-        "the data does not use (e.g. a reserved one)"
-    )
-
-
-def _text_token(tokenizer, token_id: int) -> str | None:
-    """The token `token_id` stands for when text can encode to it; None for ids past the
-    tokenizer, its mask token and added special tokens."""
-    if token_id == tokenizer.mask_token_id:
-        return None
-    added = tokenizer.added_tokens_decoder.get(token_id)
-    if added is not None and added.special:
-        return None
-    return tokenizer.convert_ids_to_tokens(token_id)
 
 
 def _tool_version() -> str:
@@ -287,6 +245,7 @@ def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
         "forward_tokens_per_s": totals.get("forward_tokens_per_s", 0.0),  # steady rate, summed over ranks
         "buffer_wait_s": totals.get("buffer_wait_s", 0.0),  # forwards waiting for a free unit buffer, all ranks
         "swept_partial": swept,
+        "mask_token": prep.spec.tokenizer.mask_token,  # the id of the drafter's masked slots, and why
     }
 
 

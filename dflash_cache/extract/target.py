@@ -24,8 +24,20 @@ class TargetError(UserError, ValueError):
     """A target that cannot be loaded or tapped as asked."""
 
 
+def refuse_gguf(path: str) -> None:
+    """A GGUF checkpoint (a .gguf file, or a directory holding one and no config.json) is converted
+    once by `dflash convert` rather than dequantized by every stage (dflash_cache/convert.py)."""
+    p = Path(path)
+    if (p.is_file() and p.suffix == ".gguf") or (
+        p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf"))
+    ):
+        raise TargetError(f"--target {path} is a GGUF checkpoint; convert it once to a model directory with "
+                          f"`dflash convert {path} OUT` and pass --target OUT")  # fmt: skip
+
+
 def load_config(path: str, revision: str | None = None) -> dict:
     """The target's config as a dict, without loading weights."""
+    refuse_gguf(path)
     try:
         return AutoConfig.from_pretrained(path, revision=revision).to_dict()
     except (OSError, ValueError) as e:
@@ -33,6 +45,7 @@ def load_config(path: str, revision: str | None = None) -> dict:
 
 
 def load_tokenizer(path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
+    refuse_gguf(path)
     try:
         return AutoTokenizer.from_pretrained(path, revision=revision)
     except (OSError, ValueError) as e:

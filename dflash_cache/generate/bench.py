@@ -7,8 +7,8 @@ row's whole buffer). The bandwidth is measured here, by a device-to-device copy.
 
 regen decodes the same prompts twice, eagerly and with the step captured as a CUDA graph, and
 checks that both give the same tokens. The target is a model directory, or a random model of a
-named shape built on the GPU (`SHAPES`), which decodes to its length limit since it never says
-its stop token.
+named shape built on the GPU (`dflash_cache.bench.SHAPES`), which decodes to its length limit
+since it never says its stop token.
 """
 
 from __future__ import annotations
@@ -22,22 +22,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from dflash_cache.bench import shape_config
 from dflash_cache.extract.target import load_tokenizer, stop_token_ids
 from dflash_cache.generate import Engine, Request, StopRule, fit_slots, load_model, slot_bytes
 from dflash_cache.generate.targets import SlotTarget
-
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen3-8b": {
-        "model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096, "intermediate_size": 12288,
-        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
-        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": False,
-    },
-    "smollm2-135m": {
-        "model_type": "llama", "num_hidden_layers": 30, "hidden_size": 576, "intermediate_size": 1536,
-        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
-        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
-    },
-}  # fmt: skip
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -65,13 +53,11 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def random_model(shape: str, device: torch.device) -> nn.Module:
-    """A random-weight bf16 model of a named shape, built on the device."""
+    """A random-weight bf16 model of a named shape (`dflash_cache.bench.SHAPES`), built on the device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}: one of {sorted(SHAPES)}")
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**SHAPES[shape]), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape_config(shape)), dtype=torch.bfloat16)
     return model.eval().requires_grad_(False)
 
 

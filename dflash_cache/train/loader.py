@@ -536,12 +536,17 @@ class CacheLoader:
         if p.batch:  # the windows taken so far; the loaded ones until they are replayed (or re-dealt)
             follow = self._follow.state() if self._follow is not None else p.follow
         return {"epoch": p.epoch, "batch": p.batch, "samples": list(p.samples), "follow": follow,
-                "world_size": self.world_size, "parts": [list(x) for x in p.parts]}  # fmt: skip
+                "world_size": self.world_size, "parts": [list(x) for x in p.parts],
+                "token_budget": self.packing["token_budget"]}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's position, also one saved on another number of ranks: the
         rest of its epoch is then dealt to these (`batching.resume_parts`), and rank 0 carries the
         samples the old ranks consumed."""
+        budget = state.get("token_budget", self.packing["token_budget"])  # older checkpoints: not recorded
+        if budget != self.packing["token_budget"]:  # the default follows the GPU's memory (config.py)
+            raise SpecError(f"token_budget: the checkpoint's batches hold {budget} tokens, this run's "
+                            f"{self.packing['token_budget']} (another GPU?); resume with --token-budget {budget}")
         saved = list(state["samples"])
         samples = saved if len(saved) == self.world_size else [sum(saved)] + [0] * (self.world_size - 1)
         self.position = Position(state["epoch"], state["batch"], samples, resume_parts(state, self.world_size),

@@ -37,7 +37,7 @@ from dflash_cache.cache.store import read_frozen
 from dflash_cache.devices import GpuThrottle, Worker, launch, process_group, torchrun_worker, worker_threads
 from dflash_cache.progress import ProgressSink, Reporter
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
-from dflash_cache.train.config import TrainConfig, TrainError, drafter_config, resolve_token_budget
+from dflash_cache.train.config import FEW_STEPS, TrainConfig, TrainError, drafter_config, run_token_budget
 from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, save_serving
 from dflash_cache.train.follow import is_complete, wait_for_cache
 from dflash_cache.train.loader import Batch, CacheLoader
@@ -205,7 +205,7 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
     ddp = _data_parallel(model, device, cfg.grad_reduce) if w.world_size > 1 else model
     cost = partial(drafter_cost, block_size=dcfg.block_size, max_anchors=cfg.max_anchors)  # balances DDP steps
     loader = CacheLoader(cfg.cache, layer_ids=dcfg.target_layer_ids,
-                         token_budget=resolve_token_budget(cfg.token_budget, cuda), seed=cfg.seed, rank=w.rank,
+                         token_budget=run_token_budget(cfg, dcfg, spec, device), seed=cfg.seed, rank=w.rank,
                          world_size=w.world_size, device=device,
                          prefetch=cfg.prefetch, readers=cfg.readers, skip_bad_units=cfg.skip_bad_units,
                          follow=cfg.follow, control_group=control_group, on_status=on_status, on_warning=on_warning,
@@ -305,12 +305,6 @@ def _epoch_tokens(s: Setup) -> int:
         return s.loader.epoch_tokens
     plan = s.loader.spec.plan
     return plan.num_tokens * (plan.num_units - len(held)) // plan.num_units
-
-
-# Below this many optimizer steps a drafter's held-out tau still climbs steeply with more steps
-# (QUALITY.md, the GPU code target, tau per prompt: 3.09 after 300 steps, 4.8 after 580, 5.66 after
-# 2,356; the CPU one: 2.63 after 420, 5.73 after 2,740 smaller steps on the same data).
-FEW_STEPS = 1000
 
 
 def _announce(s: Setup, tell, resumed_from: Path | None) -> None:

@@ -45,7 +45,7 @@ import torch
 
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, read_spec
 from dflash_cache.cache.store import committed_units
-from dflash_cache.train.config import resolve_token_budget
+from dflash_cache.train.config import run_token_budget
 from dflash_cache.train.loader import Batch, CacheLoader
 from dflash_cache.train.metrics import all_reduce_sums
 from dflash_cache.train.objective import block_metrics, forward_blocks, summarize_metrics
@@ -156,7 +156,7 @@ class Validator:
            device: torch.device) -> Validator:  # fmt: skip
         """The validator of a training run: its objective, seed, batch size and readers, every
         `val_every` steps (default: every `save_every`, so each checkpoint follows a validation)."""
-        budget = resolve_token_budget(cfg.token_budget, device.type == "cuda")
+        budget = run_token_budget(cfg, dcfg, read_spec(cfg.cache), device)  # the training batches' size
         loader = partial(open_loader, vset, layer_ids=dcfg.target_layer_ids, token_budget=budget, seed=cfg.seed,
                          rank=rank, world_size=world_size, device=device, readers=cfg.readers)  # fmt: skip
         return cls(vset, every=cfg.val_every or cfg.save_every, block_size=dcfg.block_size,
