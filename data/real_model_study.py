@@ -130,20 +130,27 @@ def training_rows(args: argparse.Namespace, size: int, regenerated: list[dict]) 
 # ----------------------------------------------------------------------------- eval in pieces
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def evaluate_in_pieces(args: argparse.Namespace, cfg, drafter: Path, name: str) -> dict:
     """HumanEval with `drafter`, `--eval-piece` prompts at a time, each piece's result kept in
     OUT/.../eval-NAME/ so that an interrupted eval resumes at its piece; merged as one result."""
     from dflash_cache import demo, evaluate
 
     rows = (args.out / "humaneval.jsonl").read_text().splitlines()[: args.eval_prompts]
+    piece_rows = args.eval_piece or (len(rows) if _cuda() else 16)
     where = cfg.out / f"eval-{name}"
     where.mkdir(parents=True, exist_ok=True)
     samples, settings = [], {}
-    for a in range(0, len(rows), args.eval_piece):
+    for a in range(0, len(rows), piece_rows):
         piece = where / f"piece-{a:04d}.json"
         if not piece.exists():
             prompts = where / f"piece-{a:04d}.jsonl"
-            prompts.write_text("".join(x + "\n" for x in rows[a : a + args.eval_piece]))
+            prompts.write_text("".join(x + "\n" for x in rows[a : a + piece_rows]))
             r = demo.evaluate_drafter(replace(cfg, prompts=prompts, eval_prompts=None), drafter).to_dict()
             tmp = piece.with_suffix(".tmp")
             tmp.write_text(json.dumps(r))
@@ -266,7 +273,8 @@ def main() -> None:
     ap.add_argument("--regen-batch", type=int, help="regen prompts per generate call (512 GPU, 16 CPU)")
     ap.add_argument("--eval-prompts", type=int, default=164, help="HumanEval prompts (of 164)")
     ap.add_argument("--eval-tokens", type=int, default=512, help="new tokens a HumanEval prompt")
-    ap.add_argument("--eval-piece", type=int, default=16, help="prompts an eval piece (the unit of resume)")
+    ap.add_argument("--eval-piece", type=int, default=None, help="prompts an eval piece, the unit of resume and the "
+                    "batch eval decodes at once (default: all of them on a GPU, 16 on a CPU)")
     ap.add_argument("--no-untrained", dest="untrained", action="store_false",
                     help="skip the untrained and lookup baselines (the slowest eval: at tau 1, a step a token)")
     ap.add_argument("--prompt-roots", default=",".join(prompts_mod.ROOTS), help="where the training prompts come from")

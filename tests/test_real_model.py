@@ -22,6 +22,7 @@ from test_serving_export import one_block
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache import evaluate as ev
+from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import read_frozen
 from dflash_cache.convert import RECORD, ConvertError, convert, find_gguf
@@ -196,7 +197,8 @@ def test_eval_is_the_targets_decoding_with_the_references_acceptance(real_run, s
     prompts = tmp_path / "humaneval.jsonl"
     make_real_prompts.write_rows(sorted(make_real_prompts.humaneval_rows(), key=lambda r: len(r["prompt"]))[:2],
                                  prompts)  # fmt: skip
-    result = ev.evaluate(str(smollm2), summary["export"], prompts, max_new_tokens=MAX_NEW)
+    result = ev.evaluate(EvalConfig(target=str(smollm2), drafter=summary["export"], data=str(prompts),
+                                    max_new_tokens=MAX_NEW))  # fmt: skip
     assert result.settings["prompts"] == 2 and all(s["same_as_target"] for s in result.samples)
     assert result.tau >= 1.0 and sum(result.histogram) == result.steps
     reference = reference_dflash()

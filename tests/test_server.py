@@ -82,17 +82,10 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory) -> Path:
-    """The target's tokenizer, chat template and config, from the GGUF the server serves: all that
-    regen --server reads of the target (it loads no weights)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("smollm2")
-    AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name).save_pretrained(out)
-    config = AutoConfig.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
-    config.__dict__.pop("quantization_config", None)
-    config.save_pretrained(out)
-    return out
+def target(smollm2) -> Path:
+    """The converted model directory: its tokenizer, chat template and config are all that regen
+    --server reads of the target (it loads no weights)."""
+    return smollm2
 
 
 def _rows(path: Path, n: int) -> Path:
