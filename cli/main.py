@@ -118,6 +118,7 @@ def extract(
             "units": len(plan.units), "units_committed": len(prep.done),
             "batches": sum(len(u.batches) for u in plan.units),
             "layers": spec.layers.ids, "storage": spec.storage.dtype, "mask_token_id": spec.tokenizer.mask_token_id,
+            "final_hidden": spec.layers.final_hidden, **ex.final_bytes(spec),
             "estimated_bytes_max": ex.estimated_bytes(spec, plan.num_tokens),
         }, indent=2))  # fmt: skip
         return

@@ -213,8 +213,8 @@ def commit(out: Path, *, units: int = 8, rows: int = 3200, width: int = 5 * 4096
             f.result()
         times["threads"] = time.perf_counter() - t
     shared = SharedBuffers(BufferLayout(count=writers + 1, rows=rows, row=RowFormat("bf16", width, 1)))
-    for hidden, _ in shared.arrays:
-        hidden[:] = bits
+    for arrays in shared.arrays:
+        arrays["hidden"][:] = bits
     committed = threading.Semaphore(0)
     committer = Committer(out / "processes", storage, shared, writers, lambda _: committed.release())
 
@@ -328,7 +328,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
             device: torch.device | None = None, target=None, long: bool = False) -> dict[str, Any]:  # fmt: skip
     """Full extract path vs the bare truncated forward, same model, same batches, one process.
     `long`: samples of 16K to 32K tokens instead of the chat mix."""
-    from dflash_cache.cache.format import RowFormat, chunk_tokens_for, encode_hidden, host_rows
+    from dflash_cache.cache.format import RowFormat, chunk_tokens_for, encode_rows, host_rows
     from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids, write_spec
     from dflash_cache.cache.store import committed_units
     from dflash_cache.extract.plan import make_plan
@@ -379,8 +379,8 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     with _timer(device, times, "staged"):
         for unit, b, inp, index in _plan_batches(plan, dataset, device):
-            bits, scale = encode_hidden(target(inp), index, row.fp8)
-            copy_out(stream, buf, int(unit.offsets[b.start]), int(unit.offsets[b.stop]), bits, scale)
+            copy_out(stream, buf, int(unit.offsets[b.start]), int(unit.offsets[b.stop]),
+                     encode_rows(target(inp), index, row))
     assert len(committed_units(out)) == len(plan.units)
     return {
         "tokens": plan.num_tokens, "samples": plan.num_samples, "units": len(plan.units),
