@@ -384,6 +384,7 @@ def bench_extract(
     writers: int = typer.Option(6, help="Unit writer processes."),
     peer: bool = typer.Option(False, help="Also run the one-torch.save-per-sample baseline and both loaders."),
     long: bool = typer.Option(False, "--long", help="Samples of 16K to 32K tokens instead of the chat mix."),
+    final_hidden: bool = typer.Option(False, "--final-hidden", help=_help(ExtractConfig, "final_hidden")),
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Full extract path vs the bare truncated forward of a random Qwen3-8B-shaped target."""
@@ -391,7 +392,7 @@ def bench_extract(
 
     _paths(("output_dir", out, "--out"))
     result = bench.extract(out, num_tokens=tokens, storage=storage, token_budget=token_budget,
-                           writers=writers, long=long)  # fmt: skip
+                           writers=writers, long=long, final_hidden=final_hidden)  # fmt: skip
     bench.write_random_frozen(out, bench.QWEN3_8B)
     if peer:
         result |= {f"loader_{k}": v for k, v in bench.loader_rate(out, token_budget=token_budget).items()}
@@ -409,13 +410,16 @@ def bench_train(
     max_anchors: int | None = typer.Option(None, help=_help(TrainConfig, "max_anchors") + " (default: dflash train's)"),
     readers: int | None = typer.Option(None, help=_help(TrainConfig, "readers")),
     cold: bool = typer.Option(False, "--cold", help="Drop the cache from the page cache: read the disk."),
+    drafter: str = typer.Option(TrainConfig.drafter, help=_help(TrainConfig, "drafter")),
+    block_size: int | None = typer.Option(None, help=_help(TrainConfig, "block_size")),
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Drafter steps with the real loader vs the same steps on batches already on the GPU, with the
     useful TFLOP/s and MFU of the step."""
     from dflash_cache import bench
 
-    given = {k: v for k, v in (("max_anchors", max_anchors), ("readers", readers)) if v}
+    given = {k: v for k, v in (("max_anchors", max_anchors), ("readers", readers), ("block_size", block_size),
+                               ("drafter", drafter)) if v}  # fmt: skip
     _print_json(bench.train(cache, steps=steps, token_budget=token_budget, cold=cold, **given))
 
 

@@ -21,12 +21,12 @@ import torch
 
 from dflash_cache import evaluate, regen
 from dflash_cache.cache.spec import read_spec
+from dflash_cache.cache.store import read_frozen
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.progress import ProgressSink
 from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig, drafter_config
-from dflash_cache.train.drafter import DFlashDrafter, save_serving
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -88,8 +88,9 @@ def untrained_drafter(tcfg: TrainConfig, out: Path) -> Path:
     """A drafter of the trained one's shape with its seeded initial weights: the tau of no training."""
     if not (out / "config.json").exists():
         torch.manual_seed(tcfg.seed)
+        family = tcfg.family()
         dcfg = drafter_config(tcfg, read_spec(tcfg.cache))
-        save_serving(DFlashDrafter(dcfg), dcfg, out)
+        family.save_serving(family.model(dcfg), dcfg, out, frozen=read_frozen(tcfg.cache))
     return out
 
 

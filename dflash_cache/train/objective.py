@@ -1,5 +1,7 @@
 """The DFlash training objective: anchors, block layout, the block attention rule, and a chunked,
-slot-decayed cross-entropy (the rules: ARCHITECTURE.md, "Where each rule lives").
+slot-decayed cross-entropy (the rules: ARCHITECTURE.md, "Where each rule lives"). The layout,
+the attention rule, anchor picking, the chunked LM-head loop and the block metrics are shared by
+every drafter family (`dflash_cache.drafters`); the DFlash family's objective is `forward_blocks`.
 
 A batch is packed: S sequences concatenated with `offsets [S+1]`. From it, `make_blocks` samples
 anchors and builds blocks of B tokens: slot 0 holds the anchor token, slots 1..B-1 the mask
@@ -12,6 +14,7 @@ on GPU and with an exact chunked SDPA elsewhere.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -380,11 +383,31 @@ def sample_anchors(
     n_valid = loss_mask.shape[0] - block_size + 1
     if n_valid <= 0 or max_anchors <= 0:
         return torch.zeros(0, dtype=torch.int64)
-    valid = torch.nonzero(loss_mask[:n_valid].cpu() != 0).flatten()
-    if valid.numel() > max_anchors:
-        pick = torch.randperm(valid.numel(), generator=generator, device=generator.device)
-        valid = valid[pick[:max_anchors].cpu()].sort().values
-    return valid
+    return pick_anchors(torch.nonzero(loss_mask[:n_valid].cpu() != 0).flatten(), max_anchors, generator)
+
+
+def pick_anchors(candidates: Tensor, max_anchors: int, generator: torch.Generator) -> Tensor:
+    """At most max_anchors of the sorted candidate positions, drawn uniformly without replacement,
+    sorted; all of them when there are no more."""
+    if candidates.numel() > max_anchors:
+        pick = torch.randperm(candidates.numel(), generator=generator, device=generator.device)
+        candidates = candidates[pick[:max_anchors].cpu()].sort().values
+    return candidates
+
+
+def anchors_by_sequence(loss_mask: Tensor, offsets: Tensor, anchors: Callable[[Tensor], Tensor]
+                        ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(sequence, anchor position) of every block of a packed batch, grouped by sequence in order:
+    `anchors(loss_mask of one sequence)` gives a sequence's sorted anchors."""
+    bounds = offsets.tolist()
+    seq_of, anchor_of = [], []
+    for s in range(len(bounds) - 1):
+        a = anchors(loss_mask[bounds[s] : bounds[s + 1]])
+        seq_of.append(torch.full_like(a, s))
+        anchor_of.append(a)
+    block_seq = torch.cat(seq_of) if seq_of else torch.zeros(0, dtype=torch.int64)
+    block_anchor = torch.cat(anchor_of) if anchor_of else torch.zeros(0, dtype=torch.int64)
+    return block_seq, block_anchor
 
 
 def drafter_cost(lengths: np.ndarray, block_size: int, max_anchors: int) -> float:
@@ -400,8 +423,9 @@ class Blocks:
 
     layout: BlockLayout
     input_ids: Tensor  # [nb, B] anchor token at slot 0, mask token after
-    labels: Tensor  # [nb, B] token at anchor + slot
-    weights: Tensor  # [nb, B] float32 slot decay * loss mask; 0 at slot 0
+    labels: Tensor  # [nb, B] the token each slot predicts (DFlash: at anchor + slot)
+    weights: Tensor  # [nb, B] float32 slot decay * loss mask; 0 where a slot is not trained (DFlash: slot 0)
+    first_slot: int = 1  # the slot of the first drafted token (DFlash: 1; a family that drafts from slot 0: 0)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Blocks:
         return Blocks(
@@ -409,6 +433,7 @@ class Blocks:
             self.input_ids.to(device, non_blocking=non_blocking),
             self.labels.to(device, non_blocking=non_blocking),
             self.weights.to(device, non_blocking=non_blocking),
+            self.first_slot,
         )
 
 
@@ -430,14 +455,8 @@ def make_blocks(
     """
     input_ids, loss_mask, offsets = input_ids.cpu(), loss_mask.cpu(), offsets.cpu().long()
     B = block_size
-    bounds = offsets.tolist()
-    seq_of, anchor_of = [], []
-    for s in range(len(bounds) - 1):
-        a = sample_anchors(loss_mask[bounds[s] : bounds[s + 1]], B, max_anchors, generator)
-        seq_of.append(torch.full_like(a, s))
-        anchor_of.append(a)
-    block_seq = torch.cat(seq_of) if seq_of else torch.zeros(0, dtype=torch.int64)
-    block_anchor = torch.cat(anchor_of) if anchor_of else torch.zeros(0, dtype=torch.int64)
+    block_seq, block_anchor = anchors_by_sequence(loss_mask, offsets,
+                                                  lambda m: sample_anchors(m, B, max_anchors, generator))  # fmt: skip
 
     rows = (offsets[block_seq] + block_anchor)[:, None] + torch.arange(B)  # [nb, B]
     labels = input_ids[rows].long()
@@ -548,16 +567,17 @@ def forward_blocks(model: torch.nn.Module, embed: Tensor, head: Tensor, batch: B
     return loss, correct.view_as(blocks.labels), blocks
 
 
-def block_metrics(correct: Tensor, weights: Tensor) -> dict[str, Tensor]:
+def block_metrics(correct: Tensor, weights: Tensor, first: int = 1) -> dict[str, Tensor]:
     """Raw sums for per-slot accuracy and implied acceptance length, all-reducible across ranks.
 
     correct, weights: [nb, B]. A slot counts where its weight > 0. Per block, the implied
-    acceptance length is 1 + the run of correct slots from slot 1, ended by the first wrong or
-    unweighted slot. Turn the (summed) result into JSON-ready floats with summarize_metrics.
+    acceptance length is 1 + the run of correct slots from slot `first` (the first drafted one:
+    1 in DFlash's blocks), ended by the first wrong or unweighted slot. Turn the (summed) result
+    into JSON-ready floats with summarize_metrics.
     """
     valid = weights > 0
     hit = correct.bool() & valid
-    accept = 1 + hit[:, 1:].long().cumprod(dim=1).sum(dim=1)
+    accept = 1 + hit[:, first:].long().cumprod(dim=1).sum(dim=1)
     return {
         "slot_correct": hit.sum(0).double(),
         "slot_count": valid.sum(0).double(),
@@ -566,11 +586,12 @@ def block_metrics(correct: Tensor, weights: Tensor) -> dict[str, Tensor]:
     }
 
 
-def summarize_metrics(sums: dict[str, Tensor]) -> dict:
-    """Plain floats and lists from block_metrics sums: slot_acc[k-1] is slot k's accuracy
-    (0.0 where a slot had no counted tokens), accept_len is the mean over blocks."""
-    correct = sums["slot_correct"].tolist()[1:]
-    count = sums["slot_count"].tolist()[1:]
+def summarize_metrics(sums: dict[str, Tensor], first: int = 1) -> dict:
+    """Plain floats and lists from block_metrics sums: slot_acc[i] is the accuracy of the i-th
+    drafted token, slot first + i (DFlash: slot_acc[k-1] is slot k's; 0.0 where a slot had no
+    counted tokens), accept_len is the mean over blocks."""
+    correct = sums["slot_correct"].tolist()[first:]
+    count = sums["slot_count"].tolist()[first:]
     blocks = float(sums["blocks"])
     return {
         "slot_acc": [c / n if n > 0 else 0.0 for c, n in zip(correct, count, strict=True)],
