@@ -393,7 +393,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
         "ratio": times["bare"] / times["full"], "setup_s": times["setup"], "drain_s": times["drain"],
         "steady_ratio": _steady_rate(plan, written) * times["bare"] / plan.num_tokens,
         "staged_ratio": times["bare"] / times["staged"], "buffer_wait_s": written["wait"],
-        "bytes_per_token": written["bytes"] / plan.num_tokens, "raw_bytes_per_token": row.row_bytes,
+        "bytes_per_token": written["bytes"] / plan.num_tokens, "raw_bytes_per_token": row_bytes + row.final_bytes,
         "peak_rss_GB": rss.peak / 1e9,
     }  # fmt: skip
 

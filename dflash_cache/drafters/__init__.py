@@ -59,8 +59,9 @@ def load_serving(path: Path, dtype: torch.dtype | None = None, device: torch.dev
 
 
 from dflash_cache.drafters import dflash as _dflash  # noqa: E402 - the families, registered here
+from dflash_cache.drafters import dspark as _dspark  # noqa: E402
 
-for _module in (_dflash,):
+for _module in (_dflash, _dspark):
     register(_module.FAMILY)
 
 __all__ = ["Choose", "Family", "Output", "family", "family_of_export", "load_serving", "names", "register"]

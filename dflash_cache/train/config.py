@@ -50,6 +50,16 @@ class TrainConfig:
     layers: list[int] | None = setting(None, "Subset of the cached layer ids (default: all cached).",
                                        expects="layer ids like 1,9,17")  # fmt: skip
     max_anchors: int = setting(512, "Anchors sampled per sequence.", min=1)
+    markov_rank: int = setting(256, "dspark: rank of the Markov head, which conditions each slot's logits on the "
+                               "previous token (0: no Markov head).", min=0)  # fmt: skip
+    markov_head: Literal["vanilla", "gated", "rnn"] = setting("vanilla", "dspark: the Markov head's type.")
+    confidence_with_markov: bool = setting(True, "dspark: the confidence head also reads the previous token's "
+                                           "Markov embedding.")  # fmt: skip
+    ce_alpha: float = setting(0.1, "dspark: weight of the cross-entropy term.", min=0, tuning=True)
+    l1_alpha: float = setting(0.9, "dspark: weight of the L1 (total-variation) term against the target's own "
+                              "distribution.", min=0, tuning=True)  # fmt: skip
+    confidence_alpha: float = setting(1.0, "dspark: weight of the confidence head's BCE term (0: no confidence "
+                                      "head).", min=0, tuning=True)  # fmt: skip
     gamma: float | None = setting(None, "Loss decay over a block's drafted tokens, exp(-i/gamma) for the i-th "
                                   "(default: dflash 7 for B=16, dspark 4).", tuning=True)  # fmt: skip
     seed: int = setting(0, "Seed for weights, shuffling and anchors.")
