@@ -566,7 +566,7 @@ def cache_lengths(cache: Path) -> tuple[np.ndarray, list[int] | None]:
     return SampleTable.from_units(open_units(cache)[0]).length, list(read_spec(cache).plan.bucket_edges) or None
 
 
-def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: int = TrainConfig.block_size,
+def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: int | None = TrainConfig.block_size,
                  max_anchors: int = TrainConfig.max_anchors,
                  ranks: tuple[int, ...] = (2, 4, 8), bucket_edges: list[int] | None = None,
                  seed: int = 0) -> dict[str, Any]:  # fmt: skip
@@ -580,6 +580,7 @@ def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: i
     lengths = np.asarray(lengths, dtype=np.int64)
     table = SampleTable(np.zeros_like(lengths), np.zeros_like(lengths), lengths, np.arange(len(lengths)))
     edges = bucket_edges or default_bucket_edges(int(lengths.max()))
+    block_size = block_size or TrainConfig(cache=Path(), out=Path()).family().default_block_size  # dflash train's
     cost_of = partial(drafter_cost, block_size=block_size, max_anchors=max_anchors)
 
     def dealt(world: int, by_cost: bool) -> list[list[np.ndarray]]:  # the same packing every time (same seed)
