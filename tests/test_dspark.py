@@ -324,3 +324,25 @@ def test_refusals(final_cache, tmp_path, tiny_cache):
                       token_budget=1024, max_anchors=8))  # fmt: skip
     assert json.loads((tmp_path / "dflash" / "export" / "config.json").read_text())["architectures"] == [
         "DFlashDraftModel"]
+
+
+def test_propose_is_evaluates_for_dflash():
+    """The family-generic batch-1 proposer (drafters.propose) gives DFlash's proposals exactly as
+    evaluate.propose does (greedy), and DSpark's B of them."""
+    from dflash_cache import evaluate
+    from dflash_cache.drafters.dflash import DFlashDrafter
+
+    torch.manual_seed(0)
+    dcfg = DrafterConfig.from_target(GEOMETRY, target_layer_ids=[1, 3, 5], mask_token_id=V - 1, num_draft_layers=2,
+                                     block_size=6)  # fmt: skip
+    model = DFlashDrafter(dcfg).eval()
+    embed, head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
+    ctx = torch.randn(13, 3 * H)
+    with torch.no_grad():
+        want, _ = evaluate.propose(model, dcfg, ctx, 17, 13, block_size=6, embed=embed, head=head)
+        got, probs = drafters.propose(drafters.family("dflash"), model, dcfg, ctx, 17, 13, embed=embed, head=head)
+        assert got == want and len(got) == 5 and probs is None
+        cfg = small_cfg()
+        drafts, _ = drafters.propose(drafters.family("dspark"), DSparkDrafter(cfg).eval(), cfg, ctx, 17, 13,
+                                     embed=embed, head=head)  # fmt: skip
+    assert len(drafts) == cfg.block_size

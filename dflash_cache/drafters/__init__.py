@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_cache.drafters.base import FAMILY_KEY, Choose, Family, Output, read_config
+from dflash_cache.drafters.base import FAMILY_KEY, Choose, Family, Output, propose, read_config
 
 _REGISTRY: dict[str, Family] = {}
 
@@ -64,4 +64,4 @@ from dflash_cache.drafters import dspark as _dspark  # noqa: E402
 for _module in (_dflash, _dspark):
     register(_module.FAMILY)
 
-__all__ = ["Choose", "Family", "Output", "family", "family_of_export", "load_serving", "names", "register"]
+__all__ = ["Choose", "Family", "Output", "family", "family_of_export", "load_serving", "names", "propose", "register"]
