@@ -29,6 +29,7 @@ from dflash_cache.extract.stage import run as extract
 from dflash_cache.train.checkpoint import Checkpointer
 from dflash_cache.train.config import TrainConfig, TrainError
 from dflash_cache.train.objective import BlockLayout, chunked_tv_loss
+from dflash_cache.train.stage import export as export_run
 from dflash_cache.train.stage import run as train
 
 H, V, B = 32, 97, 5
@@ -278,9 +279,7 @@ def test_export_loads_through_remote_code_and_decodes_losslessly(final_cache, tm
     own greedy decoding."""
     run_dir = tmp_path / "run"
     train(_cfg(final_cache, run_dir, max_steps=3, val_fraction=0.0, markov_head="rnn"))
-    export = Path(tmp_path / "again")
-    subprocess.run([sys.executable, "-m", "cli.main", "export", str(run_dir), str(export)], check=True,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True)  # fmt: skip
+    export = export_run(run_dir, tmp_path / "again")  # `dflash export`: the cache is still there
     script = r"""
 import json, sys, torch
 from transformers import AutoModel, AutoModelForCausalLM
@@ -315,8 +314,8 @@ def test_refusals(final_cache, tmp_path, tiny_cache):
     assert res.returncode == 1 and "--final-hidden" in res.stdout + res.stderr
     lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), lines
-    res = subprocess.run([*base, "--drafter", "eagle9"], env=env, capture_output=True, text=True)
-    assert res.returncode == 1 and "unknown drafter family 'eagle9'" in res.stdout + res.stderr
+    with pytest.raises(TrainError, match="unknown drafter family 'eagle9'; known: dflash, dspark"):
+        train(_cfg(final_cache, tmp_path / "x", drafter="eagle9"))
     with pytest.raises(TrainError, match="confidence_head_with_markov"):
         train(_cfg(final_cache, tmp_path / "x", markov_rank=0))
     # DFlash trains on the same cache as before, without reading the final state
