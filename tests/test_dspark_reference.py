@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from dflash_cache import drafters
 from dflash_cache.drafters import dspark
 from dflash_cache.drafters.dspark import DSparkConfig, DSparkDrafter, make_dspark_blocks
 from dflash_cache.train.config import TrainConfig
@@ -297,7 +298,7 @@ def our_draft(model: DSparkDrafter, target, ids: torch.Tensor) -> list[int]:
     return drafts[0].tolist()
 
 
-def test_training_forward_and_loss_equal_specforge(monkeypatch):
+def test_training_forward_and_loss_equal_specforge(monkeypatch, tmp_path):
     """SpecForge 0.2.0's OnlineDSparkModel (its dense SDPA path): labels, trained slots, loss terms,
     total loss and gradients on the same weights and anchors."""
     sf = specforge()
@@ -315,6 +316,11 @@ def test_training_forward_and_loss_equal_specforge(monkeypatch):
     mine = model.state_dict()
     assert set(mine) == set(draft.state_dict()), "the weight names are SpecForge's"
     draft.load_state_dict(mine, strict=True)
+    draft.save_pretrained(tmp_path / "specforge")  # a SpecForge checkpoint loads as a DSpark drafter
+    loaded, loaded_cfg, family = drafters.load_serving(tmp_path / "specforge")
+    assert family.name == "dspark" and (loaded_cfg.markov_rank, loaded_cfg.block_size) == (R, B)
+    assert loaded_cfg.enable_confidence_head and loaded_cfg.confidence_head_with_markov
+    assert all(torch.equal(v, mine[k]) for k, v in loaded.state_dict().items())
     lm_head, embed_tokens = torch.nn.Linear(H, V, bias=False), torch.nn.Embedding(V, H)
     with torch.no_grad():
         lm_head.weight.copy_(head)

@@ -134,14 +134,20 @@ class DSparkConfig(DrafterConfig):
 
     @classmethod
     def from_serving_config(cls, d: dict) -> DSparkConfig:
-        """From our export or a DeepSpec checkpoint (its loss weights are not in it: defaults)."""
-        base = DrafterConfig.from_serving_config({**d, "dflash_config": d.get("dflash_config") or {
-            "target_layer_ids": d["target_layer_ids"], "mask_token_id": d["mask_token_id"]}})  # fmt: skip
+        """From our export, a DeepSpec checkpoint (the DSpark fields at the top level) or a SpecForge
+        one (them in `dflash_config`); the loss weights, which neither records, are the defaults."""
+        nested = d.get("dflash_config") or {}
+
+        def get(key: str, default: Any) -> Any:
+            return d.get(key, nested.get(key, default))
+
+        base = DrafterConfig.from_serving_config({**d, "dflash_config": {
+            "target_layer_ids": get("target_layer_ids", None), "mask_token_id": get("mask_token_id", None)}})
         loss = d.get("dspark_loss") or {}
-        confidence = bool(d.get("enable_confidence_head", False))
+        confidence = bool(get("enable_confidence_head", float(get("confidence_head_alpha", 0.0) or 0.0) > 0))
         return cls(**{**dataclasses.asdict(base), "block_size": d.get("block_size", BLOCK_SIZE)},
-                   markov_rank=int(d.get("markov_rank", 0)), markov_head_type=d.get("markov_head_type", "vanilla"),
-                   confidence_head_with_markov=bool(d.get("confidence_head_with_markov", False)),
+                   markov_rank=int(get("markov_rank", 0) or 0), markov_head_type=get("markov_head_type", "vanilla"),
+                   confidence_head_with_markov=bool(get("confidence_head_with_markov", False)),
                    confidence_alpha=loss.get("confidence_alpha", 1.0) if confidence else 0.0,
                    ce_alpha=loss.get("ce_alpha", 0.1), l1_alpha=loss.get("l1_alpha", 0.9),
                    gamma=loss.get("gamma", GAMMA), num_anchors=int(d.get("num_anchors", 512)))  # fmt: skip
