@@ -92,3 +92,13 @@ def tiny_cache(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cache") / "cache"
     run(extract_config(out))
     return out
+
+
+@pytest.fixture(scope="session")
+def final_cache(tmp_path_factory) -> Path:
+    """`tiny_cache` extracted with --final-hidden (the same plan, units and taps), for DSpark."""
+    from dflash_cache.extract.stage import run
+
+    out = tmp_path_factory.mktemp("final-cache") / "cache"
+    run(extract_config(out, final_hidden=True))
+    return out

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, TINY_TARGET, extract_config
+from conftest import ROOT, TINY_TARGET
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_cache import drafters
@@ -25,7 +25,6 @@ from dflash_cache.devices import launch, process_group
 from dflash_cache.drafters import dspark
 from dflash_cache.drafters.dflash import DrafterConfig
 from dflash_cache.drafters.dspark import DSparkConfig, DSparkDrafter, make_dspark_blocks
-from dflash_cache.extract.stage import run as extract
 from dflash_cache.train.checkpoint import Checkpointer
 from dflash_cache.train.config import TrainConfig, TrainError
 from dflash_cache.train.objective import BlockLayout, chunked_tv_loss
@@ -221,13 +220,6 @@ def test_ddp_sums_the_loss_denominator_over_the_ranks(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the train stage
-
-
-@pytest.fixture(scope="module")
-def final_cache(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dspark") / "cache"
-    extract(extract_config(out, final_hidden=True, max_samples=120, unit_mb=1))
-    return out
 
 
 def _cfg(cache, out, **kw) -> TrainConfig:

@@ -594,7 +594,7 @@ class _TVLoss(torch.autograd.Function):
             logits = F.linear(h, weight)
             if bias is not None:  # the low-rank bias added by the GEMM itself: no second [chunk, V] pass
                 z = bias[s:e].to(weight.dtype)
-                logits.addmm_(z, bias_weight.to(weight.dtype).T)
+                logits = torch.addmm(logits, z, bias_weight.to(weight.dtype).T)
             tl = None if target is None else F.linear(target[s:e].to(weight.dtype), weight)
             ce[s:e], l1[s:e], hits[s:e], accept[s:e], g = chunk(logits, tl, labels[s:e], ce_scale[s:e], l1_scale[s:e])
             g = g.to(weight.dtype)
