@@ -119,6 +119,7 @@ def extract(
             "batches": sum(len(u.batches) for u in plan.units),
             "layers": spec.layers.ids, "storage": spec.storage.dtype, "mask_token_id": spec.tokenizer.mask_token_id,
             "mask_token": spec.tokenizer.mask_token,
+            "final_hidden": spec.layers.final_hidden, **ex.final_bytes(spec),
             "estimated_bytes_max": ex.estimated_bytes(spec, plan.num_tokens),
         }, indent=2))  # fmt: skip
         return
@@ -409,6 +410,7 @@ def bench_extract(
     ),
     like: str | None = typer.Option(None, "--like", help="A target (model directory) whose shape the random "
                                     "target takes instead of Qwen3-8B's; only its config.json is read."),
+    final_hidden: bool = typer.Option(False, "--final-hidden", help=_help(ExtractConfig, "final_hidden")),
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Full extract path vs the bare truncated forward of a random target of a real shape (Qwen3-8B by default)."""
@@ -417,7 +419,7 @@ def bench_extract(
     _paths(("output_dir", out, "--out"))
     config = bench.shape_of(like) if like else bench.shape_config(shape)
     result = bench.extract(out, config=config, num_tokens=tokens, storage=storage, token_budget=token_budget,
-                           writers=writers, long=long)  # fmt: skip
+                           writers=writers, long=long, final_hidden=final_hidden)  # fmt: skip
     bench.write_random_frozen(out, config)
     if peer:
         result |= {f"loader_{k}": v for k, v in bench.loader_rate(out, token_budget=token_budget).items()}
@@ -436,13 +438,16 @@ def bench_train(
     max_anchors: int | None = typer.Option(None, help=_help(TrainConfig, "max_anchors") + " (default: dflash train's)"),
     readers: int | None = typer.Option(None, help=_help(TrainConfig, "readers")),
     cold: bool = typer.Option(False, "--cold", help="Drop the cache from the page cache: read the disk."),
+    drafter: str = typer.Option(TrainConfig.drafter, help=_help(TrainConfig, "drafter")),
+    block_size: int | None = typer.Option(None, help=_help(TrainConfig, "block_size")),
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Drafter steps with the real loader vs the same steps on batches already on the GPU, with the
     useful TFLOP/s and MFU of the step."""
     from dflash_cache import bench
 
-    given = {k: v for k, v in (("max_anchors", max_anchors), ("readers", readers)) if v}
+    given = {k: v for k, v in (("max_anchors", max_anchors), ("readers", readers), ("block_size", block_size),
+                               ("drafter", drafter)) if v}  # fmt: skip
     _print_json(bench.train(cache, steps=steps, token_budget=token_budget, cold=cold, **given))
 
 

@@ -14,7 +14,6 @@ PYTHONPATH, so the same script times two versions of the code side by side (BENC
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import time
 from collections import defaultdict
@@ -25,15 +24,10 @@ import numpy as np
 import torch
 
 from dflash_cache.bench import QWEN3_8B, lognormal_lengths, shape_of
+from dflash_cache.drafters.dflash import DFlashDrafter, DrafterConfig, StepFlops
 from dflash_cache.train.config import TrainConfig
-from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig
+from dflash_cache.train.metrics import peak_flops
 from dflash_cache.train.stage import train_step
-
-# The FLOPs count of this checkout, also when timing an older dflash_cache that lacks it.
-_spec = importlib.util.spec_from_file_location("_metrics", Path(__file__).parents[1] / "dflash_cache" / "train" /
-                                               "metrics.py")  # fmt: skip
-_metrics = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_metrics)
 
 
 def lengths_for(mix: str, n: int, seed: int = 0) -> np.ndarray:
@@ -104,7 +98,7 @@ def main() -> None:
     cfg = TrainConfig(cache=Path("."), out=Path("."), token_budget=a.token_budget)
     torch.manual_seed(0)
     model = DFlashDrafter(dcfg).to(dev)
-    flops = _metrics.StepFlops(model)
+    flops = StepFlops(model)
     vocab, hidden = dcfg.vocab_size, dcfg.hidden_size
     embed = torch.randn(vocab, hidden, device=dev, dtype=torch.bfloat16) * 0.02
     head = torch.randn(vocab, hidden, device=dev, dtype=torch.bfloat16) * 0.02
@@ -117,7 +111,7 @@ def main() -> None:
     data = [make_batch(b, dcfg.num_context_layers * hidden, vocab, g) for b in batches]
 
     def step(i: int) -> tuple[int, torch.Tensor, int]:
-        _, _, blocks = train_step(model, embed, head, data[i], dcfg, cfg, torch.Generator().manual_seed(i))
+        blocks = train_step(model, embed, head, data[i], dcfg, cfg, torch.Generator().manual_seed(i)).blocks
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -138,7 +132,7 @@ def main() -> None:
     torch.cuda.synchronize()
     seconds = start.elapsed_time(end) / 1e3
     useful = sum(flops(nb, ctx, int(anchors)) for nb, anchors, ctx in counts)
-    peak = _metrics.peak_flops(dev)
+    peak = peak_flops(dev)
     result = {
         "label": a.label, "mix": a.mix, "token_budget": a.token_budget, "steps": a.steps, "hidden": dcfg.hidden_size,
         "steps_per_s": a.steps / seconds, "context_tok_s": sum(c[2] for c in counts) / seconds,

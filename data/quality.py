@@ -10,6 +10,11 @@ One command runs the real pipeline on a target made by ``data/make_code_target.p
 5. the prompt-lookup (n-gram) drafter on the same prompts and the same greedy outputs
    (``dflash_cache/lookup.py``), a reference point that needs no training.
 
+``--tasks bf16,dspark`` adds a DSpark drafter (``dflash train --drafter dspark``, its defaults:
+block 7, Markov and confidence heads, CE + L1 + BCE) trained on the very bf16 cache the DFlash
+drafter trains on (extracted with ``--final-hidden`` for it) for the same steps, and evaluated the
+same way; the report sets its tau against DFlash's. ``--block-size`` sets both families' blocks.
+
 Usage::
 
     python data/quality.py --size cpu                 # data/code-target, data/code_*.jsonl
@@ -36,7 +41,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TASKS = ("bf16", "fp8", "untrained")
+TASKS = ("bf16", "fp8", "untrained", "dspark")
+DEFAULT_TASKS = "bf16,fp8,untrained"
 
 
 def demo_config(args: argparse.Namespace):
@@ -88,26 +94,45 @@ def run_tasks(out: Path, names: list[str], argv: list[str]) -> list[dict]:
     return [json.loads((out / f"task-{name}.json").read_text()) for name in names]
 
 
-def task(cfg, name: str, regen_path: Path) -> dict:
+def train_config(cfg, cache: Path, run_dir: Path, drafter: str, block_size: int | None):
+    """The demo's train settings for one drafter family (its defaults unless --block-size)."""
+    from dflash_cache import demo
+
+    return replace(demo.train_config(cfg, cache, run_dir), drafter=drafter, block_size=block_size)
+
+
+def task(cfg, name: str, regen_path: Path, block_size: int | None = None, final_hidden: bool = False) -> dict:
     """One of the run's independent parts: "bf16" or "fp8" (extract with that storage, train,
-    evaluate), or "untrained" (evaluate a drafter of the trained ones' shape at its seeded initial
-    weights; it needs only the bf16 cache's cache.json, written when that extraction starts)."""
+    evaluate), "untrained" (evaluate a drafter of the trained ones' shape at its seeded initial
+    weights; it needs only the bf16 cache's cache.json, written when that extraction starts), or
+    "dspark" (a DSpark drafter trained on the bf16 cache, following its extraction, and evaluated).
+    `final_hidden`: the bf16 cache holds the final hidden state (a dspark task trains on it)."""
     from dflash_cache import demo
 
     times: dict[str, float] = {}
-    if name == "untrained":
+    if name in ("untrained", "dspark"):
         cache = cfg.out / "cache"
         while not (cache / "cache.json").exists():  # the bf16 task, running at once, is starting it
             time.sleep(1)
         t = time.perf_counter()
-        drafter = demo.untrained_drafter(demo.train_config(cfg, cache, cfg.out / "run-bf16"), cfg.out / "untrained")
-        result = demo.evaluate_drafter(cfg, drafter).to_dict()
-        return {"results": {name: result}, "times": {"eval_untrained": time.perf_counter() - t}, "caches": {}}
+        if name == "untrained":
+            drafter = demo.untrained_drafter(train_config(cfg, cache, cfg.out / "run-bf16", "dflash", block_size),
+                                             cfg.out / "untrained")  # fmt: skip
+            result = demo.evaluate_drafter(cfg, drafter).to_dict()
+            return {"results": {name: result}, "times": {"eval_untrained": time.perf_counter() - t}, "caches": {}}
+        # trains as the bf16 extraction commits units (follow mode), then evaluates
+        export = demo.train_drafter(train_config(cfg, cache, cfg.out / "run-dspark", "dspark", block_size))
+        times["train_dspark"] = time.perf_counter() - t
+        t = time.perf_counter()
+        result = demo.evaluate_drafter(cfg, export).to_dict()
+        times["eval_dspark"] = time.perf_counter() - t
+        result["training"] = last_metrics(cfg.out / "run-dspark" / "metrics.jsonl")
+        return {"results": {name: result}, "times": times, "caches": {}}
     t = time.perf_counter()
-    cache, ex = demo.extract_cache(cfg, regen_path, name)
+    cache, ex = demo.extract_cache(cfg, regen_path, name, final_hidden=final_hidden and name == "bf16")
     times[f"extract_{name}"] = time.perf_counter() - t
     t = time.perf_counter()
-    export = demo.train_drafter(demo.train_config(cfg, cache, cfg.out / f"run-{name}"))
+    export = demo.train_drafter(train_config(cfg, cache, cfg.out / f"run-{name}", "dflash", block_size))
     times[f"train_{name}"] = time.perf_counter() - t
     t = time.perf_counter()
     result = demo.evaluate_drafter(cfg, export).to_dict()
@@ -126,7 +151,8 @@ def last_metrics(path: Path) -> dict:
         rec = json.loads(line)
         if "loss" in rec:
             last = rec
-    return {k: last[k] for k in ("step", "epoch", "loss", "accept_len", "slot_acc") if k in last}
+    keys = ("step", "epoch", "loss", "accept_len", "slot_acc", "ce", "l1", "tau_prob")
+    return {k: last[k] for k in keys if k in last}
 
 
 def lookup_result(cfg, outputs: list[list[int]], block_size: int) -> dict:
@@ -143,13 +169,13 @@ def lookup_result(cfg, outputs: list[list[int]], block_size: int) -> dict:
 
 def report(summary: dict) -> str:
     rows = summary["results"]
-    names = [n for n in ("untrained", "bf16", "fp8", "lookup") if n in rows]
+    names = [n for n in ("untrained", "bf16", "fp8", "dspark", "lookup") if n in rows]
     lines = [f"{'drafter':<10} {'tau/prompt':>10} {'tau pooled':>10} {'steps':>6}  acceptance histogram (1..B)"]
     for n in names:
         r = rows[n]
         lines.append(f"{n:<10} {r['tau_per_prompt']:>10.3f} {r['tau']:>10.3f} {r['steps']:>6}  "
                      + " ".join(str(c) for c in r["histogram"]))  # fmt: skip
-    for n in ("bf16", "fp8"):
+    for n in ("bf16", "fp8", "dspark"):
         if rows.get(n, {}).get("training"):
             m = rows[n]["training"]
             lines.append(f"{n} training, last step {m.get('step')}: loss {m.get('loss', 0):.3f}, acceptance "
@@ -157,6 +183,10 @@ def report(summary: dict) -> str:
     if "bf16" in rows and "fp8" in rows:
         d = rows["fp8"]["tau_per_prompt"] / rows["bf16"]["tau_per_prompt"] - 1
         lines.append(f"fp8 vs bf16: {100 * d:+.2f}% tau/prompt")
+    if "bf16" in rows and "dspark" in rows:
+        d = rows["dspark"]["tau_per_prompt"] / rows["bf16"]["tau_per_prompt"] - 1
+        blocks = f"B={rows['dspark']['settings']['block_size']} vs B={rows['bf16']['settings']['block_size']}"
+        lines.append(f"dspark vs dflash (the bf16 cache, the same steps, {blocks}): {100 * d:+.2f}% tau/prompt")
     for storage, c in summary.get("caches", {}).items():
         lines.append(f"cache {storage}: {c['samples']} samples, {c['tokens']:,} tokens, "
                      f"{c['bytes'] / c['tokens'] / 1024:.2f} KiB/token on disk")  # fmt: skip
@@ -180,11 +210,18 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, help="training epochs instead of the recipe's (6 default, 8 demo)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the drafters' weights, shuffling and anchors")
     ap.add_argument("--jobs", type=int, default=1, choices=(1, 3),
-                    help="3: the bf16, fp8 and untrained parts at once, as processes")
+                    help="3: the parts (bf16, fp8, untrained, dspark) at once, as processes")
+    ap.add_argument("--tasks", default=DEFAULT_TASKS, help=f"the parts to run, of {', '.join(TASKS)} (bf16 is "
+                    "always run: the others use its cache; dspark makes it hold the final hidden state)")
+    ap.add_argument("--block-size", type=int, help="block size of every drafter (default: each family's)")
     ap.add_argument("--regen-batch", type=int, default=None, help="regen prompts per generate call (64 cpu, 512 gpu)")
     ap.add_argument("--task", choices=TASKS, help=argparse.SUPPRESS)  # internal: one part, as a process
     args = ap.parse_args()
     args.prompts = args.prompts or (32 if args.size == "cpu" else 64)
+    tasks = ["bf16", *[t for t in args.tasks.split(",") if t != "bf16"]]
+    if not set(tasks) <= set(TASKS):
+        ap.error(f"--tasks: unknown {sorted(set(tasks) - set(TASKS))}")
+    final_hidden = "dspark" in tasks
     args.max_new_tokens = args.max_new_tokens or (96 if args.size == "cpu" else 128)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
 
@@ -198,7 +235,8 @@ def main() -> None:
     cfg.out.mkdir(parents=True, exist_ok=True)
     regen_path = cfg.out / "regen.jsonl"
     if args.task:  # a child of --jobs 3
-        (cfg.out / f"task-{args.task}.json").write_text(json.dumps(task(cfg, args.task, regen_path)))
+        (cfg.out / f"task-{args.task}.json").write_text(json.dumps(task(cfg, args.task, regen_path, args.block_size,
+                                                                        final_hidden)))  # fmt: skip
         return
 
     print(f"quality run: target {cfg.target}, {cfg.eval_prompts} held-out prompts x {cfg.max_new_tokens} tokens, "
@@ -209,9 +247,9 @@ def main() -> None:
     demo.regenerate(cfg)
     summary: dict = {"results": {}, "times": {"regen": time.perf_counter() - t}, "caches": {}}
     if args.jobs == 1:
-        parts = [task(cfg, name, regen_path) for name in TASKS]
+        parts = [task(cfg, name, regen_path, args.block_size, final_hidden) for name in tasks]
     else:  # every task a process of its own; they share the GPU (or the cores)
-        parts = run_tasks(cfg.out, list(TASKS), [sys.executable, __file__, *sys.argv[1:]])
+        parts = run_tasks(cfg.out, list(tasks), [sys.executable, __file__, *sys.argv[1:]])
     for part in parts:
         for k in ("results", "times", "caches"):
             summary[k].update(part[k])
@@ -222,6 +260,7 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu, {torch.get_num_threads()} threads"
     summary["settings"] = {**{k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
                            "recipe": args.recipe, "size": args.size, "jobs": args.jobs, "torch": torch.__version__,
+                           "tasks": tasks, "block_size": args.block_size,
                            "device": device}  # fmt: skip
     corpus = cfg.target / "corpus.json"
     if corpus.exists():

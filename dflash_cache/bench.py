@@ -260,8 +260,8 @@ def commit(out: Path, *, units: int = 8, rows: int = 3200, width: int = 5 * 4096
             f.result()
         times["threads"] = time.perf_counter() - t
     shared = SharedBuffers(BufferLayout(count=writers + 1, rows=rows, row=RowFormat("bf16", width, 1)))
-    for hidden, _ in shared.arrays:
-        hidden[:] = bits
+    for arrays in shared.arrays:
+        arrays["hidden"][:] = bits
     committed = threading.Semaphore(0)
     committer = Committer(out / "processes", storage, shared, writers, lambda _: committed.release())
 
@@ -291,6 +291,7 @@ class RandomTarget:
     config: dict[str, Any]
     layer_ids: list[int]
     device: torch.device
+    final: bool = False  # every layer and the final norm run, for the final hidden state
 
     def build(self):
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -298,14 +299,15 @@ class RandomTarget:
         from dflash_cache.extract.target import TappedTarget
 
         cfg = AutoConfig.for_model(**self.config)
-        n = max(self.layer_ids) + 1  # the layers above never run
-        if getattr(cfg, "layer_types", None):  # a hybrid's per-layer kinds, as many as its layers
-            cfg.layer_types = list(cfg.layer_types[:n])
-        cfg.num_hidden_layers = n
+        if not self.final:  # the layers above the last tap never run
+            n = max(self.layer_ids) + 1
+            if getattr(cfg, "layer_types", None):  # a hybrid's per-layer kinds, as many as its layers
+                cfg.layer_types = list(cfg.layer_types[:n])
+            cfg.num_hidden_layers = n
         with torch.device(self.device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         model.eval().requires_grad_(False)
-        return TappedTarget(model, self.layer_ids, cfg.num_hidden_layers)
+        return TappedTarget(model, self.layer_ids, cfg.num_hidden_layers, self.final)
 
 
 def synthetic_dataset(lengths: np.ndarray, vocab: int, seed: int = 0):
@@ -321,7 +323,7 @@ def synthetic_dataset(lengths: np.ndarray, vocab: int, seed: int = 0):
     })  # fmt: skip
 
 
-def bench_spec(config: dict, layer_ids: list[int], plan, storage: str, chunk_tokens: int):
+def bench_spec(config: dict, layer_ids: list[int], plan, storage: str, chunk_tokens: int, final_hidden: bool = False):
     """A cache spec for a synthetic benchmark cache."""
     from dflash_cache.cache.spec import CacheSpec, DataInfo, LayerInfo, PlanInfo, StorageInfo, TargetInfo, TokenizerInfo
 
@@ -330,7 +332,7 @@ def bench_spec(config: dict, layer_ids: list[int], plan, storage: str, chunk_tok
                           model_type=config["model_type"], num_layers=config["num_hidden_layers"],
                           hidden_size=config["hidden_size"], vocab_size=config["vocab_size"],
                           compute_dtype="bfloat16", tied_embeddings=False, config=config),
-        layers=LayerInfo(ids=layer_ids),
+        layers=LayerInfo(ids=layer_ids, final_hidden=final_hidden),
         storage=StorageInfo(dtype=storage, codec={"name": "zstd", "level": 3, "checksum": True},
                             chunk_tokens=chunk_tokens),
         tokenizer=TokenizerInfo(digest="random", chat_template_digest=None, mask_token_id=config["vocab_size"] - 1,
@@ -376,11 +378,12 @@ def _steady_rate(plan, marks: dict) -> float:
 def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, token_budget: int | None = None,
             storage: str = "bf16", unit_mb: int = 512, writers: int = 6,
             device: torch.device | None = None, target=None, long: bool = False,
-            lengths: np.ndarray | None = None) -> dict[str, Any]:  # fmt: skip
+            lengths: np.ndarray | None = None, final_hidden: bool = False) -> dict[str, Any]:  # fmt: skip
     """Full extract path vs the bare truncated forward, same model, same batches, one process.
     `long`: samples of 16K to 32K tokens instead of the chat mix; `lengths`: these samples instead
-    (e.g. a cache's, from `cache_lengths`)."""
-    from dflash_cache.cache.format import RowFormat, chunk_tokens_for, encode_hidden, host_rows
+    (e.g. a cache's, from `cache_lengths`). `final_hidden`: the cache also holds the final hidden
+    state (what DSpark trains on); the bare forward then runs every layer."""
+    from dflash_cache.cache.format import RowFormat, chunk_tokens_for, encode_rows, host_rows
     from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids, write_spec
     from dflash_cache.cache.store import committed_units
     from dflash_cache.extract.plan import make_plan
@@ -389,17 +392,18 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
     layer_ids = default_layer_ids(config["num_hidden_layers"])
-    target = target or RandomTarget(config, layer_ids, device).build()
+    target = target or RandomTarget(config, layer_ids, device, final_hidden).build()
     if lengths is None:
         lengths = long_lengths(max(2, num_tokens // 24576)) if long else lognormal_lengths(max(8, num_tokens // 700))
     lengths = np.asarray(lengths, dtype=np.int64)
     dataset = synthetic_dataset(lengths, config["vocab_size"])
-    row = RowFormat(storage, len(layer_ids) * config["hidden_size"], len(layer_ids))
+    row = RowFormat(storage, len(layer_ids) * config["hidden_size"], len(layer_ids),
+                    config["hidden_size"] if final_hidden else 0)  # fmt: skip
     row_bytes = row.hidden_bytes
     plan = make_plan(lengths, bucket_edges=default_bucket_edges(LONG_MAX if long else 3072),
                      token_budget=max(token_budget, int(lengths.max())),
                      unit_tokens=(unit_mb << 20) // row_bytes)  # fmt: skip
-    spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row_bytes))
+    spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row_bytes), final_hidden)
     out.mkdir(parents=True, exist_ok=True)
     write_spec(out, spec)
     # warm up kernels on the largest batch, outside the timings
@@ -433,8 +437,8 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     with _timer(device, times, "staged"):
         for unit, b, inp, index in _plan_batches(plan, dataset, device):
-            bits, scale = encode_hidden(target(inp), index, row.fp8)
-            copy_out(stream, buf, int(unit.offsets[b.start]), int(unit.offsets[b.stop]), bits, scale)
+            copy_out(stream, buf, int(unit.offsets[b.start]), int(unit.offsets[b.stop]),
+                     encode_rows(target(inp), index, row))
     assert len(committed_units(out)) == len(plan.units)
     hybrid = "linear_attention" in config.get("layer_types", ())
     return {
@@ -446,7 +450,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
         "ratio": times["bare"] / times["full"], "setup_s": times["setup"], "drain_s": times["drain"],
         "steady_ratio": _steady_rate(plan, written) * times["bare"] / plan.num_tokens,
         "staged_ratio": times["bare"] / times["staged"], "buffer_wait_s": written["wait"],
-        "bytes_per_token": written["bytes"] / plan.num_tokens, "raw_bytes_per_token": row_bytes,
+        "bytes_per_token": written["bytes"] / plan.num_tokens, "raw_bytes_per_token": row_bytes + row.final_bytes,
         "peak_rss_GB": rss.peak / 1e9,
     }  # fmt: skip
 
@@ -538,38 +542,41 @@ def write_random_frozen(cache: Path, config: dict) -> None:
 
 
 def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | None = None,
-          max_anchors: int = TrainConfig.max_anchors, block_size: int = TrainConfig.block_size,
+          max_anchors: int = TrainConfig.max_anchors, block_size: int | None = TrainConfig.block_size,
           draft_layers: int = TrainConfig.draft_layers, readers: int | None = None, cold: bool = False,
-          device: torch.device | None = None) -> dict[str, Any]:  # fmt: skip
+          device: torch.device | None = None, drafter: str = TrainConfig.drafter) -> dict[str, Any]:  # fmt: skip
     """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
     the device. Both phases run the same batches (the first `steps` of epoch 0 after `warmup`),
     after every one of them has run once untimed, so neither phase pays for compiling.
-    Also the useful TFLOP/s and MFU of the in-memory steps (metrics.StepFlops). The drafter, its
-    optimizer and the loader are the train stage's own (`stage.setup`), on one rank.
+    Also the useful TFLOP/s and MFU of the in-memory steps (the drafter family's count,
+    `Family.flops`). The drafter, its optimizer and the loader are the train stage's own
+    (`stage.setup`), on one rank; `drafter` names the family (dspark needs a `final_hidden` cache).
 
     `cold` evicts the cache's files from the page cache first, so the loader reads the disk.
     `loader_GBps` (bytes on disk read per second by the loader) and `step_GBps` (what the
     in-memory step would consume) set the loader against `bench disk`'s bandwidth."""
     from dflash_cache.cache.spec import read_spec
     from dflash_cache.devices import Worker
-    from dflash_cache.train.metrics import StepFlops, peak_flops
+    from dflash_cache.train.metrics import peak_flops
     from dflash_cache.train.stage import setup, train_step
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
-                      block_size=block_size, draft_layers=draft_layers,
+                      block_size=block_size, draft_layers=draft_layers, drafter=drafter,
                       **({"readers": readers} if readers else {}))  # fmt: skip
     if token_budget is None:  # the stage's default for this drafter on a cache too large to cap it
         spec = read_spec(cache)
         cfg.token_budget = run_token_budget(cfg, drafter_config(cfg, spec), spec, device, few_steps_cap=False)
     s = setup(Worker(0, 1, device), cfg)  # writes nothing to `out`
-    flops, useful = StepFlops(s.model), []
+    flops, useful = s.family.flops(s.model), []
 
     def step(batch) -> None:
-        _, _, blocks = train_step(s.model, s.embed, s.head, batch, s.dcfg, cfg, s.anchors(batch))
+        out = train_step(s.model, s.embed, s.head, batch, s.dcfg, cfg, s.anchors(batch))
         s.opt.step()
         s.opt.zero_grad(set_to_none=True)
-        useful.append((blocks.layout.num_blocks, batch.num_tokens, blocks.layout.block_anchor.sum()))
+        blocks = out.blocks
+        useful.append((blocks.layout.num_blocks, batch.num_tokens, blocks.layout.block_anchor.sum(),
+                       0 if out.scored is None else out.scored))  # fmt: skip
 
     loader = s.loader
     n = min(steps + warmup, loader.num_batches(0))
@@ -603,10 +610,12 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | 
             step(batch)
     measured = len(kept)
     context_tokens = sum(b.num_tokens for b in kept)
-    tflops = sum(flops(nb, ctx, int(anchors)) for nb, ctx, anchors in useful) / times["memory"] / 1e12
+    tflops = sum(flops(nb, ctx, int(anchors), int(scored)) for nb, ctx, anchors, scored in useful) / times["memory"]
+    tflops /= 1e12
     peak = peak_flops(device)
     loader.close()
     return {
+        "drafter": s.family.name, "block_size": s.dcfg.block_size,
         "steps": measured, "token_budget": cfg.token_budget, "max_anchors": max_anchors,
         "drafter_hidden": s.dcfg.hidden_size, "drafter_layers": s.dcfg.num_hidden_layers,
         "loader_steps_s": measured / times["loader"], "memory_steps_s": measured / times["memory"],
@@ -627,7 +636,7 @@ def cache_lengths(cache: Path) -> tuple[np.ndarray, list[int] | None]:
     return SampleTable.from_units(open_units(cache)[0]).length, list(read_spec(cache).plan.bucket_edges) or None
 
 
-def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: int = TrainConfig.block_size,
+def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: int | None = TrainConfig.block_size,
                  max_anchors: int = TrainConfig.max_anchors,
                  ranks: tuple[int, ...] = (2, 4, 8), bucket_edges: list[int] | None = None,
                  seed: int = 0) -> dict[str, Any]:  # fmt: skip
@@ -641,6 +650,7 @@ def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: i
     lengths = np.asarray(lengths, dtype=np.int64)
     table = SampleTable(np.zeros_like(lengths), np.zeros_like(lengths), lengths, np.arange(len(lengths)))
     edges = bucket_edges or default_bucket_edges(int(lengths.max()))
+    block_size = block_size or TrainConfig(cache=Path(), out=Path()).family().default_block_size  # dflash train's
     cost_of = partial(drafter_cost, block_size=block_size, max_anchors=max_anchors)
 
     def dealt(world: int, by_cost: bool) -> list[list[np.ndarray]]:  # the same packing every time (same seed)

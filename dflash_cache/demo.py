@@ -22,12 +22,12 @@ import torch
 from dflash_cache import evaluate, regen
 from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import read_spec
+from dflash_cache.cache.store import read_frozen
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.progress import ProgressSink
 from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig, drafter_config
-from dflash_cache.train.drafter import DFlashDrafter, save_serving
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -65,11 +65,14 @@ def regenerate(cfg: DemoConfig, sink: ProgressSink | None = None) -> Path:
     return path
 
 
-def extract_cache(cfg: DemoConfig, data: Path, storage: str = "bf16", sink: ProgressSink | None = None
-                  ) -> tuple[Path, dict[str, Any]]:
+def extract_cache(cfg: DemoConfig, data: Path, storage: str = "bf16", sink: ProgressSink | None = None,
+                  final_hidden: bool = False) -> tuple[Path, dict[str, Any]]:  # fmt: skip
+    """The cache of the regenerated rows (`final_hidden`: with the target's final hidden state,
+    which DSpark drafters train on; DFlash trains on the same cache as on one without it)."""
     cache = cfg.out / ("cache" if storage == "bf16" else f"cache-{storage}")
     ex = extract.run(ExtractConfig(target=str(cfg.target), data=str(data), out=cache, max_length=2048,
-                                   storage=storage, gpus=cfg.gpus), sink)  # type: ignore[arg-type]  # fmt: skip
+                                   storage=storage, gpus=cfg.gpus, final_hidden=final_hidden),
+                     sink)  # type: ignore[arg-type]  # fmt: skip
     return cache, ex
 
 
@@ -89,8 +92,9 @@ def untrained_drafter(tcfg: TrainConfig, out: Path) -> Path:
     """A drafter of the trained one's shape with its seeded initial weights: the tau of no training."""
     if not (out / "config.json").exists():
         torch.manual_seed(tcfg.seed)
+        family = tcfg.family()
         dcfg = drafter_config(tcfg, read_spec(tcfg.cache))
-        save_serving(DFlashDrafter(dcfg), dcfg, out)
+        family.save_serving(family.model(dcfg), dcfg, out, frozen=read_frozen(tcfg.cache))
     return out
 
 

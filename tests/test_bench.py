@@ -87,3 +87,16 @@ def test_hybrid_extract_benchmark(tmp_path):
 
     r = CliRunner().invoke(app, ["bench", "extract", "--out", str(tmp_path / "no"), "--shape", "qwen3.5-4b"])
     assert r.exit_code == 1 and "error: --shape 'qwen3.5-4b': expected one of qwen3-8b, qwen3.5-9b" in r.output
+
+
+def test_dspark_train_benchmark(tmp_path):
+    """`bench extract --final-hidden` then `bench train --drafter dspark`: the GPU measurement of DSpark's
+    step (MFU by the family's useful-FLOPs count), here at toy size."""
+    out = tmp_path / "bx"
+    x = bench.extract(out, config=TINY, num_tokens=8000, unit_mb=1, writers=1, final_hidden=True)
+    spec = read_spec(out)
+    assert spec.layers.final_hidden and verify(out) == {}
+    assert x["raw_bytes_per_token"] == (len(spec.layers.ids) + 1) * 64 * 2  # the taps and the final state
+    bench.write_random_frozen(out, TINY)
+    t = bench.train(out, steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=1, drafter="dspark")
+    assert t["drafter"] == "dspark" and t["block_size"] == 7 and t["steps"] == 2 and t["memory_tflops"] > 0

@@ -24,7 +24,7 @@ def _storage() -> StorageInfo:
 
 def _commit(committer: Committer, shared: SharedBuffers, unit: int, hidden: np.ndarray) -> None:
     index = committer.take()
-    shared.arrays[index][0][: len(hidden)] = hidden
+    shared.arrays[index]["hidden"][: len(hidden)] = hidden
     n = len(hidden)
     committer.commit(index, unit, n, np.array([0, n // 2, n]), np.array([2 * unit, 2 * unit + 1]),
                      np.arange(n, dtype=np.int32), np.ones(n, np.uint8))  # fmt: skip
@@ -87,7 +87,7 @@ def test_buffers_are_prepared_once_each_before_use(tmp_path):
         index = committer.take()
         assert index in prepared, "a buffer handed out before it was prepared"
         seen.append(index)
-        shared.arrays[index][0][:4] = unit
+        shared.arrays[index]["hidden"][:4] = unit
         committer.commit(index, unit, 4, np.array([0, 4]), np.array([unit]), np.zeros(4, np.int32),
                          np.ones(4, np.uint8))  # fmt: skip
     committer.close()

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from dflash_cache.cache.spec import SpecError, read_spec
 from dflash_cache.cache.store import read_frozen
+from dflash_cache.drafters import Output
 from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.drafter import DFlashDrafter, load_serving, save_serving
 from dflash_cache.train.loader import CacheLoader
@@ -128,10 +129,14 @@ def test_validator_matches_a_full_logits_computation(tiny_cache, tmp_path):
     vset = ValSet(val_dir)
     common = {"layer_ids": dcfg.target_layer_ids, "token_budget": BUDGET, "seed": SEED, "rank": 0, "world_size": 1,
               "device": torch.device("cpu"), "readers": 2}  # fmt: skip
-    validator = Validator(vset, every=5, block_size=8, mask_token_id=dcfg.mask_token_id, max_anchors=ANCHORS,
-                          gamma=None, loss_chunk=512, seed=SEED, rank=0,
+    objective = {"block_size": 8, "mask_token_id": dcfg.mask_token_id, "max_anchors": ANCHORS, "gamma": None,
+                 "loss_chunk": 512}  # fmt: skip
+
+    def dflash_objective(model, embed, head, batch, generator):
+        return Output(*forward_blocks(model, embed, head, batch, **objective, generator=generator))
+
+    validator = Validator(vset, every=5, objective=dflash_objective, seed=SEED, rank=0,
                           loader=lambda units: open_loader(vset, units, **common))  # fmt: skip
-    objective = dict(validator.objective)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     ref_loader = CacheLoader(val_dir, follow=False, prefetch=0, **{k: v for k, v in common.items() if k != "rank"})
     batches = list(ref_loader.epoch(0))

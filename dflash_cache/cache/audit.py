@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.cache.format import CorruptUnit, RowFormat, UnitReader, verify_unit
+from dflash_cache.cache.format import FINAL_ARRAYS, CorruptUnit, RowFormat, UnitReader, verify_unit
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import PARTIAL, committed_units, unit_name
 
@@ -14,7 +14,7 @@ def info(cache_dir: Path) -> dict[str, Any]:
     """Spec, counts, bytes on disk and compression ratio, from the committed units themselves."""
     spec = read_spec(cache_dir)
     units = committed_units(cache_dir)
-    samples = tokens = nbytes = 0
+    samples = tokens = nbytes = final_bytes = 0
     bad = []
     for path in units.values():
         try:
@@ -25,8 +25,14 @@ def info(cache_dir: Path) -> dict[str, Any]:
         samples += r.n_samples
         tokens += r.n_tokens
         nbytes += r.nbytes
-    raw = tokens * RowFormat.of(spec).row_bytes
+        final_bytes += sum(size for rel, size in r.files.items() if rel.split("/", 1)[0] in FINAL_ARRAYS)
+    row = RowFormat.of(spec)
+    raw = tokens * row.row_bytes
     partial = Path(cache_dir) / PARTIAL
+    final = {}
+    if row.final:  # what the final hidden state adds to each token: raw, and as stored (compressed)
+        final = {"final_hidden_bytes_per_token": row.final_bytes,
+                 "final_hidden_bytes_on_disk_per_token": final_bytes / tokens if tokens else 0.0}  # fmt: skip
     return {
         "spec": spec.to_dict(),
         "units": len(units),
@@ -37,6 +43,8 @@ def info(cache_dir: Path) -> dict[str, Any]:
         "bytes_on_disk": nbytes,
         "bytes_per_token": nbytes / tokens if tokens else 0.0,
         "compression_ratio": raw / nbytes if nbytes else 0.0,
+        "final_hidden": spec.layers.final_hidden,
+        **final,
         "partial_entries": len(list(partial.iterdir())) if partial.is_dir() else 0,
         "unreadable_units": bad,
     }

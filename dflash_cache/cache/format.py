@@ -7,9 +7,12 @@ decoding the unit and a flipped byte fails loudly. The group's own `zarr.json` c
 before any decode, and that start-up reads as plain JSON.
 
 Hidden states are stored per token as the K tapped layers side by side (`RowFormat`): bf16 bits,
-or float8_e4m3fn bits with one float32 scale per token and layer (amax / 448). `encode_hidden`
-and `decode_hidden` are the only code that converts between the two, and this is the only module
-that imports zarr. Where each rule lives: ARCHITECTURE.md.
+or float8_e4m3fn bits with one float32 scale per token and layer (amax / 448). A cache extracted
+with `--final-hidden` also holds the target's last hidden state after its final norm (the LM
+head's input) in arrays of its own, `final_hidden` and (fp8) `final_scale`, in the same storage,
+so a drafter that does not need it never reads it. `encode_hidden` and `decode_hidden` are the
+only code that converts between the storages, and this is the only module that imports zarr.
+Where each rule lives: ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ if TYPE_CHECKING:  # torch is imported where it is used: unit writer processes n
     import torch
 
 MANIFEST = "zarr.json"  # the unit group's own metadata, whose attributes hold the manifest
-TOKEN_ARRAYS = ("hidden", "hidden_scale", "input_ids", "loss_mask")
+TOKEN_ARRAYS = ("hidden", "hidden_scale", "final_hidden", "final_scale", "input_ids", "loss_mask")
+FINAL_ARRAYS = ("final_hidden", "final_scale")  # the final hidden state of a `--final-hidden` cache
 STORAGES = ("bf16", "fp8")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ID_MASK_BYTES = 4 + 1  # input_ids (int32) and loss_mask (uint8) of one token
@@ -48,15 +52,18 @@ ID_MASK_BYTES = 4 + 1  # input_ids (int32) and loss_mask (uint8) of one token
 
 @dataclass(frozen=True)
 class RowFormat:
-    """One cached token: `layers` (K) tapped layers of `width // layers` values each, in `storage`."""
+    """One cached token: `layers` (K) tapped layers of `width // layers` values each, in `storage`,
+    and with `final` > 0 the target's final hidden state of `final` (H) values."""
 
     storage: str
     width: int  # K*H stored values per token
     layers: int  # K
+    final: int = 0  # H when the final hidden state is cached, else 0
 
     @classmethod
     def of(cls, spec: CacheSpec) -> RowFormat:
-        return cls(spec.storage.dtype, spec.row_width, len(spec.layers.ids))
+        final = spec.target.hidden_size if spec.layers.final_hidden else 0
+        return cls(spec.storage.dtype, spec.row_width, len(spec.layers.ids), final)
 
     @property
     def fp8(self) -> bool:
@@ -77,9 +84,15 @@ class RowFormat:
         return 4 * self.layers if self.fp8 else 0
 
     @property
+    def final_bytes(self) -> int:
+        """Bytes of one token's final hidden state with its fp8 scale (0 when it is not cached):
+        H * 2 in bf16, H + 4 in fp8."""
+        return self.final * self.hidden_dtype.itemsize + (4 if self.fp8 and self.final else 0)
+
+    @property
     def row_bytes(self) -> int:
         """Uncompressed bytes of one cached token, every array included."""
-        return self.hidden_bytes + self.scale_bytes + ID_MASK_BYTES
+        return self.hidden_bytes + self.scale_bytes + self.final_bytes + ID_MASK_BYTES
 
     def expected(self, n_tokens: int) -> Expect:
         """The token-wise arrays a unit of `n_tokens` tokens must hold."""
@@ -90,17 +103,34 @@ class RowFormat:
         }
         if self.fp8:
             expect["hidden_scale"] = (np.dtype(np.float32), (n_tokens, self.layers))
+        if self.final:
+            expect["final_hidden"] = (self.hidden_dtype, (n_tokens, self.final))
+            if self.fp8:
+                expect["final_scale"] = (np.dtype(np.float32), (n_tokens, 1))
         return expect
 
+    def shapes(self, rows: int) -> dict[str, tuple[tuple[int, int], str]]:
+        """The hidden-state arrays of `rows` tokens as (shape, torch dtype name): what extract's
+        unit buffers and the loader's host slots hold. bf16 bits live in int16, which torch can view
+        as bfloat16 (it has no full uint16 support)."""
+        bits = "uint8" if self.fp8 else "int16"
+        out = {"hidden": ((rows, self.width), bits)}
+        if self.fp8:
+            out["hidden_scale"] = ((rows, self.layers), "float32")
+        if self.final:
+            out["final_hidden"] = ((rows, self.final), bits)
+            if self.fp8:
+                out["final_scale"] = ((rows, 1), "float32")
+        return out
 
-def host_rows(rows: int, row: RowFormat, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Host tensors for `rows` tokens of storage bits and (fp8) scales; pinned for async copies.
-    bf16 bits live in int16, which torch can view as bfloat16 (it has no full uint16 support)."""
+
+def host_rows(rows: int, row: RowFormat, pin: bool = False) -> dict[str, torch.Tensor]:
+    """Host tensors for `rows` tokens of every hidden-state array of `row` (storage bits, fp8
+    scales, the final state), by array name; pinned for async copies."""
     import torch
 
-    hidden = torch.empty((rows, row.width), dtype=torch.uint8 if row.fp8 else torch.int16, pin_memory=pin)
-    scale = torch.empty((rows, row.layers), dtype=torch.float32, pin_memory=pin) if row.fp8 else None
-    return hidden, scale
+    return {key: torch.empty(shape, dtype=getattr(torch, dtype), pin_memory=pin)
+            for key, (shape, dtype) in row.shapes(rows).items()}  # fmt: skip
 
 
 def encode_hidden(taps: list[torch.Tensor], index: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -118,6 +148,22 @@ def encode_hidden(taps: list[torch.Tensor], index: torch.Tensor, fp8: bool) -> t
     scale = h.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
     q = (h / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
     return q.reshape(q.shape[0], -1), scale
+
+
+def encode_rows(outputs: list[torch.Tensor], index: torch.Tensor, row: RowFormat) -> dict[str, torch.Tensor]:
+    """A target forward's outputs (the K tapped layers, then the final hidden state when `row`
+    caches it), unpadded by `index`, as storage arrays by name (the keys of `row.shapes`)."""
+    taps = outputs[: row.layers]
+    bits, scale = encode_hidden(taps, index, row.fp8)
+    out = {"hidden": bits} if scale is None else {"hidden": bits, "hidden_scale": scale}
+    if row.final:
+        if len(outputs) != row.layers + 1:
+            raise ValueError(f"the target gave {len(outputs)} outputs; {row.layers} taps and the final state expected")
+        bits, scale = encode_hidden(outputs[row.layers :], index, row.fp8)
+        out["final_hidden"] = bits
+        if scale is not None:
+            out["final_scale"] = scale
+    return out
 
 
 def decode_hidden(bits: torch.Tensor, scale: torch.Tensor | None, num_layers: int,
@@ -162,6 +208,8 @@ class UnitArrays:
     offsets: np.ndarray  # [n_samples + 1] int64
     sample_index: np.ndarray  # [n_samples] int64
     hidden_scale: np.ndarray | None = None  # [n_tokens, K] float32, fp8 only
+    final_hidden: np.ndarray | None = None  # [n_tokens, H] like hidden: the target's final hidden state
+    final_scale: np.ndarray | None = None  # [n_tokens, 1] float32, fp8 only
 
 
 def _codecs(storage: StorageInfo) -> dict:
@@ -224,6 +272,10 @@ def _named(arrays: UnitArrays) -> Iterable[tuple[str, np.ndarray]]:
     yield "hidden", arrays.hidden
     if arrays.hidden_scale is not None:
         yield "hidden_scale", arrays.hidden_scale
+    if arrays.final_hidden is not None:
+        yield "final_hidden", arrays.final_hidden
+    if arrays.final_scale is not None:
+        yield "final_scale", arrays.final_scale
     yield "input_ids", arrays.input_ids.astype(np.int32, copy=False)
     yield "loss_mask", arrays.loss_mask.astype(np.uint8, copy=False)
     yield "offsets", arrays.offsets.astype(np.int64, copy=False)
@@ -565,8 +617,8 @@ def verify_unit(path: Path, row: RowFormat) -> list[str]:
             except CorruptUnit as e:
                 problems.append(e.problem)
                 break
-            if key == "hidden_scale" and not np.all(np.isfinite(block) & (block > 0)):
-                problems.append("hidden_scale has non-finite or non-positive values")
+            if key in ("hidden_scale", "final_scale") and not np.all(np.isfinite(block) & (block > 0)):
+                problems.append(f"{key} has non-finite or non-positive values")
                 break
     return problems
 

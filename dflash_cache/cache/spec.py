@@ -23,6 +23,10 @@ LAYER_MEANING = (
     "layer id l is the output of decoder layer l (0-based), i.e. hidden_states[l + 1] of "
     "Hugging Face's output_hidden_states (index 0 is the embeddings)"
 )
+FINAL_MEANING = (
+    "final_hidden: the target's last hidden state after its final norm, the LM head's input "
+    "(the base model's last_hidden_state), for every token"
+)
 # Fields that describe a run rather than the cached numbers; they may differ on resume.
 _VOLATILE = {"created", "tool_version"}
 # Fields that explain another field rather than decide anything (the id is compared, the reason
@@ -95,6 +99,9 @@ class TargetInfo:
 class LayerInfo:
     ids: list[int]
     meaning: str = LAYER_MEANING
+    # `extract --final-hidden`: the units also hold the target's final hidden state (FINAL_MEANING).
+    # Written to cache.json only when true, so a cache without it reads as it always did.
+    final_hidden: bool = False
 
 
 @dataclass
@@ -161,7 +168,12 @@ class CacheSpec:
         return len(self.layers.ids) * self.target.hidden_size
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.layers.final_hidden:  # cache.json stays what versions before the option wrote
+            del d["layers"]["final_hidden"]
+        else:
+            d["layers"]["final_meaning"] = FINAL_MEANING
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CacheSpec:
@@ -174,7 +186,7 @@ class CacheSpec:
         try:
             return cls(
                 target=TargetInfo(**d["target"]),
-                layers=LayerInfo(**d["layers"]),
+                layers=LayerInfo(**{k: v for k, v in d["layers"].items() if k != "final_meaning"}),
                 storage=StorageInfo(**d["storage"]),
                 tokenizer=TokenizerInfo(**d["tokenizer"]),
                 data=DataInfo(**d["data"]),
@@ -189,8 +201,8 @@ class CacheSpec:
     def differences(self, other: CacheSpec) -> list[str]:
         """Dotted names of the fields whose values differ, ignoring run-only fields."""
 
-        def plain(spec: CacheSpec) -> dict[str, Any]:  # as it reads back from cache.json
-            return json.loads(json.dumps(spec.to_dict()))
+        def plain(spec: CacheSpec) -> dict[str, Any]:  # as it reads back from cache.json, every field present
+            return json.loads(json.dumps(dataclasses.asdict(spec)))
 
         return _diff(plain(self), plain(other), "")
 
@@ -242,11 +254,15 @@ def check_drafter_fits(
     vocab_size: int | None = None,
     mask_token_id: int | None = None,
     tokenizer_digest: str | None = None,
+    final_hidden: bool = False,
 ) -> None:
     """Refuse a drafter that does not fit the cache, naming the field that does not."""
     missing = [i for i in layer_ids if i not in spec.layers.ids]
     if missing:
         raise SpecError(f"layers: drafter wants {missing}, cache holds only {spec.layers.ids}")
+    if final_hidden and not spec.layers.final_hidden:
+        raise SpecError("layers.final_hidden: the drafter trains on the target's final hidden state, which the "
+                        "cache does not hold; extract it with `dflash extract --final-hidden`")
     if hidden_size is not None and hidden_size != spec.target.hidden_size:
         raise SpecError(f"hidden_size: drafter {hidden_size} != cache target {spec.target.hidden_size}")
     if vocab_size is not None and vocab_size != spec.target.vocab_size:

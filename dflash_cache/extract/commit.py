@@ -50,31 +50,30 @@ class BufferLayout:
     row: RowFormat
 
     @property
-    def hidden_bytes(self) -> int:
-        return self.rows * self.row.hidden_bytes
+    def buffer_bytes(self) -> int:
+        """Bytes of one buffer's arrays (storage bits, scales, the final state)."""
+        return self.rows * (self.row.hidden_bytes + self.row.scale_bytes + self.row.final_bytes)
 
     @property
     def stride(self) -> int:
-        return -(-(self.hidden_bytes + self.rows * self.row.scale_bytes) // 4096) * 4096  # page-aligned buffers
+        return -(-self.buffer_bytes // 4096) * 4096  # page-aligned buffers
 
     @property
     def total(self) -> int:
         return self.count * self.stride
 
-    def views(self, buf) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        """(hidden, scale) arrays over each buffer: uint8 fp8 bits, or bf16 bits as int16 (what
-        torch can view as bfloat16); scale is float32 [rows, K] for fp8, else None."""
-        width, layers = self.row.width, self.row.layers
-        hidden_dtype = np.uint8 if self.row.fp8 else np.int16
+    def views(self, buf) -> list[dict[str, np.ndarray]]:
+        """Each buffer's arrays by name (`RowFormat.shapes`: "hidden", and "hidden_scale",
+        "final_hidden", "final_scale" where the format has them), one after another in its
+        stride: uint8 fp8 bits, or bf16 bits as int16 (what torch can view as bfloat16)."""
         out = []
         for i in range(self.count):
-            base = i * self.stride
-            hidden = np.frombuffer(buf, hidden_dtype, self.rows * width, base).reshape(self.rows, width)
-            scale = None
-            if self.row.fp8:
-                scale = np.frombuffer(buf, np.float32, self.rows * layers, base + self.hidden_bytes)
-                scale = scale.reshape(self.rows, layers)
-            out.append((hidden, scale))
+            at, arrays = i * self.stride, {}
+            for key, (shape, dtype) in self.row.shapes(self.rows).items():
+                n = shape[0] * shape[1]
+                arrays[key] = np.frombuffer(buf, np.dtype(dtype), n, at).reshape(shape)
+                at += arrays[key].nbytes
+            out.append(arrays)
         return out
 
 
@@ -95,7 +94,7 @@ class SharedBuffers:
         return os.getpid(), self.fd, self.layout
 
 
-def attach(handle: tuple[int, int, BufferLayout]) -> list[tuple[np.ndarray, np.ndarray | None]]:
+def attach(handle: tuple[int, int, BufferLayout]) -> list[dict[str, np.ndarray]]:
     """Map another process's shared buffers (through its open file descriptor)."""
     pid, fd, layout = handle
     own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
@@ -280,11 +279,13 @@ def _writer_main(handle, out: str, storage: StorageInfo, jobs, results, parent: 
             continue
         if job is None:
             return
-        hidden, scale = buffers[job.index]
-        n = job.n_tokens
+        buf, n = buffers[job.index], job.n_tokens
+        bits = {key: a[:n] if a.dtype != np.int16 else a[:n].view(np.uint16) for key, a in buf.items()}
         arrays = UnitArrays(
-            hidden=hidden[:n] if scale is not None else hidden[:n].view(np.uint16),
-            hidden_scale=None if scale is None else scale[:n],
+            hidden=bits["hidden"],
+            hidden_scale=bits.get("hidden_scale"),
+            final_hidden=bits.get("final_hidden"),
+            final_scale=bits.get("final_scale"),
             input_ids=job.input_ids,
             loss_mask=job.loss_mask,
             offsets=job.offsets,

@@ -38,6 +38,9 @@ class ExtractConfig:
     truncate: bool = setting(False, "Cut rows over --max-length instead of rejecting them.")
     storage: Literal["bf16", "fp8"] = setting(
         "bf16", "bf16, or fp8 (float8_e4m3fn with a per-token, per-layer scale).")  # fmt: skip
+    final_hidden: bool = setting(False, "Also cache the target's last hidden state after its final norm (the LM "
+                                 "head's input), which DSpark drafters train on; the target then runs all its "
+                                 "layers (never the LM head).")  # fmt: skip
     zstd_level: int = setting(3, "zstd level for the shards.", tuning=True)
     token_budget: int | None = setting(None, "Padded tokens per forward (default 16384 GPU, 4096 CPU).", min=1)
     unit_mb: int = setting(512, "Hidden-state MiB per work unit.", min=1)
@@ -73,7 +76,7 @@ class ExtractConfig:
         return {
             "target": spec.target.path, "revision": spec.target.revision, "data": spec.data.source,
             "out": str(path.parent), "layers": list(spec.layers.ids), "max_length": spec.data.max_length,
-            "truncate": spec.data.truncate, "storage": spec.storage.dtype,
+            "truncate": spec.data.truncate, "storage": spec.storage.dtype, "final_hidden": spec.layers.final_hidden,
             "zstd_level": spec.storage.codec.get("level", 3), "token_budget": spec.plan.token_budget,
             "unit_mb": round(spec.plan.unit_tokens * RowFormat.of(spec).hidden_bytes / (1 << 20)),
             "mask_token_id": spec.tokenizer.mask_token_id,

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache.cache.format import STORAGES, RowFormat, chunk_tokens_for, encode_hidden
+from dflash_cache.cache.format import STORAGES, RowFormat, chunk_tokens_for, encode_rows
 from dflash_cache.cache.spec import (
     CacheSpec,
     DataInfo,
@@ -122,7 +122,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     eos = tokenizer.eos_token_id
     spec = CacheSpec(
         target=target_info(cfg.target, cfg.revision, config, compute_dtype_for(device)),
-        layers=LayerInfo(ids=layer_ids),
+        layers=LayerInfo(ids=layer_ids, final_hidden=cfg.final_hidden),
         storage=StorageInfo(
             dtype=cfg.storage,
             codec={"name": "zstd", "level": cfg.zstd_level, "checksum": True},
@@ -180,6 +180,13 @@ def _tool_version() -> str:
 def estimated_bytes(spec: CacheSpec, num_tokens: int) -> int:
     """Bytes on disk for `num_tokens` cached tokens; assumes no compression (the safe bound)."""
     return num_tokens * RowFormat.of(spec).row_bytes
+
+
+def final_bytes(spec: CacheSpec) -> dict[str, int]:
+    """What `--final-hidden` adds to each cached token, uncompressed (H*2 bf16, H+4 fp8), for
+    `--dry-run`; empty without it."""
+    row = RowFormat.of(spec)
+    return {"final_hidden_bytes_per_token": row.final_bytes} if row.final else {}
 
 
 def run(cfg: ExtractConfig, sink: ProgressSink | None = None) -> dict:
@@ -260,7 +267,8 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
     if not todo and not needs_frozen:
         return
     with worker_threads(w):
-        target, model, _ = load_target(spec.target.path, spec.layers.ids, w.device, spec.target.revision)
+        target, model, _ = load_target(spec.target.path, spec.layers.ids, w.device, spec.target.revision,
+                                       final=spec.layers.final_hidden)
         if needs_frozen:
             write_frozen(cfg.out, *frozen_weights(model))
         del model  # the upper layers and the LM head stay on the CPU only until here
@@ -281,8 +289,9 @@ def extract_units(
     """The per-process pipeline: forward, unpad, copy out on a side stream into a shared unit
     buffer, commit in writer processes (commit.py).
 
-    `target` maps right-padded input ids [b, T] to the tapped layers' hidden states; the
-    benchmark passes a random model of real shape here, the CLI the loaded target.
+    `target` maps right-padded input ids [b, T] to the tapped layers' hidden states (and the final
+    hidden state after them when the cache holds it); the benchmark passes a random model of real
+    shape here, the CLI the loaded target.
     """
     if not units:
         return
@@ -293,7 +302,7 @@ def extract_units(
     # busy, i.e. when compression or the disk bounds the run.
     layout = BufferLayout(count=min(writers + 1, len(units)), rows=max(u.num_tokens for u in units), row=row)
     shared = SharedBuffers(layout)
-    buffers = [(torch.from_numpy(h), None if sc is None else torch.from_numpy(sc)) for h, sc in shared.arrays]
+    buffers = [{key: torch.from_numpy(a) for key, a in arrays.items()} for arrays in shared.arrays]
     pinner = _Pinner(shared) if cuda else None
     copy_stream = torch.cuda.Stream(device) if cuda else None
     pad_id = spec.tokenizer.pad_token_id or 0
@@ -309,10 +318,10 @@ def extract_units(
                 r0 = int(unit.offsets[batch.start])
                 r1 = int(unit.offsets[batch.stop])
                 inp, rows = batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device)
-                bits, scale = encode_hidden(target(inp), rows, row.fp8)
+                encoded = encode_rows(target(inp), rows, row)
                 if index is None:  # taken this late, a wait for a free buffer overlaps the forward
                     index = committer.take()
-                copy_out(copy_stream, buffers[index], r0, r1, bits, scale)
+                copy_out(copy_stream, buffers[index], r0, r1, encoded)
                 throttle.mark()
                 rate.add(r1 - r0)
                 report({"tokens": r1 - r0, "padded": len(lengths) * batch.max_len})
@@ -366,7 +375,7 @@ class _Pinner:
     def pin(self, index: int) -> None:
         if self.failed:
             return
-        address = self.shared.arrays[index][0].ctypes.data  # buffer `index` starts its stride
+        address = self.shared.arrays[index]["hidden"].ctypes.data  # buffer `index` starts its stride
         try:
             err = torch.cuda.cudart().cudaHostRegister(address, self.shared.layout.stride, 0)  # releases the GIL
             err = int(getattr(err, "value", err))
@@ -415,18 +424,15 @@ def batch_inputs(
     return inp.to(device, non_blocking=True), idx.to(device, non_blocking=True)
 
 
-def copy_out(stream, buf, r0: int, r1: int, bits: torch.Tensor, scale: torch.Tensor | None) -> None:
-    """Device-to-host copy of one batch into the unit buffer, on the side stream when on CUDA."""
-    hidden, hscale = buf
+def copy_out(stream, buf: dict[str, torch.Tensor], r0: int, r1: int, encoded: dict[str, torch.Tensor]) -> None:
+    """Device-to-host copy of one batch's storage arrays (`encode_rows`) into the unit buffer's
+    arrays of the same names, on the side stream when on CUDA."""
     if stream is None:
-        hidden[r0:r1].copy_(bits)
-        if scale is not None:
-            hscale[r0:r1].copy_(scale)
+        for key, t in encoded.items():
+            buf[key][r0:r1].copy_(t)
         return
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        hidden[r0:r1].copy_(bits, non_blocking=True)
-        bits.record_stream(stream)
-        if scale is not None:
-            hscale[r0:r1].copy_(scale, non_blocking=True)
-            scale.record_stream(stream)
+        for key, t in encoded.items():
+            buf[key][r0:r1].copy_(t, non_blocking=True)
+            t.record_stream(stream)

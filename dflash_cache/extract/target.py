@@ -2,7 +2,9 @@
 
 The layers above the last tapped one, the final norm and the LM head never run (they are cut off
 the model before it moves to the device), and `output_hidden_states` is never used, so memory
-holds only the activations of the layer being computed and the tapped outputs.
+holds only the activations of the layer being computed and the tapped outputs. A cache of the
+final hidden state (`--final-hidden`) needs every layer and the final norm: then only the LM head
+is cut, and the base model's last_hidden_state (after the final norm) is kept too.
 """
 
 from __future__ import annotations
@@ -166,34 +168,40 @@ class LayerTaps:
 
 
 class TappedTarget:
-    """The target's base model cut after its last tapped layer, with `LayerTaps` on the tapped layers."""
+    """The target's base model cut after its last tapped layer, with `LayerTaps` on the tapped layers;
+    with `final`, the whole base model (every layer and the final norm; the LM head is not part of it)."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], num_layers: int):
+    def __init__(self, model: nn.Module, layer_ids: list[int], num_layers: int, final: bool = False):
         self.layer_ids = list(layer_ids)
+        self.final = final
         base = model.get_decoder() if hasattr(model, "get_decoder") else model
         owner, attr, layers = decoder_layers(base, num_layers)
-        setattr(owner, attr, nn.ModuleList(list(layers)[: max(layer_ids) + 1]))
-        if hasattr(base, "norm"):
-            base.norm = nn.Identity()
+        if not final:
+            setattr(owner, attr, nn.ModuleList(list(layers)[: max(layer_ids) + 1]))
+            if hasattr(base, "norm"):
+                base.norm = nn.Identity()
         self.base = base
         self.taps = LayerTaps(getattr(owner, attr), layer_ids)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
-        """Hidden states [b, T, H] of each tapped layer for right-padded `input_ids` [b, T].
+        """Hidden states [b, T, H] of each tapped layer for right-padded `input_ids` [b, T], and
+        with `final` the final-normed last hidden state after them.
 
         Right padding needs no attention mask: under the causal mask a real token never sees
         the padding after it, so its hidden states are those of the unpadded sequence.
         """
         with sdpa_kernel(_SDPA_BACKENDS):
-            self.base(input_ids=input_ids, use_cache=False)
-        return self.taps.take()
+            out = self.base(input_ids=input_ids, use_cache=False)
+        taps = self.taps.take()
+        return [*taps, out.last_hidden_state] if self.final else taps
 
 
 def load_target(
-    path: str, layer_ids: list[int], device: torch.device, revision: str | None = None
+    path: str, layer_ids: list[int], device: torch.device, revision: str | None = None, final: bool = False
 ) -> tuple[TappedTarget, nn.Module, torch.dtype]:
-    """Load the target on the CPU, cut it, move what runs to `device`.
+    """Load the target on the CPU, cut it (after the last tapped layer, or with `final` before the
+    LM head), move what runs to `device`.
 
     Returns the tapped target, the full model (still holding the embedding and LM head on the
     CPU, for the cache's frozen weights), and the compute dtype.
@@ -202,7 +210,7 @@ def load_target(
     model = load_causal_lm(path, dtype, revision)
     model.eval().requires_grad_(False)
     num_layers = int(text_config(model.config.to_dict())["num_hidden_layers"])
-    tapped = TappedTarget(model, layer_ids, num_layers)
+    tapped = TappedTarget(model, layer_ids, num_layers, final)
     tapped.base.to(device)
     return tapped, model, dtype
 

@@ -118,12 +118,12 @@ def regen(target: str | None = None, *, shape: str | None = None, data: str | No
 
 
 def untrained_like(export: Path, out: Path, seed: int = 0) -> Path:
-    """A drafter of an export's shape with seeded random weights: the tau of no training."""
-    from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, save_serving
+    """A drafter of an export's family and shape with seeded random weights: the tau of no training."""
+    from dflash_cache import drafters
 
-    dcfg = DrafterConfig.from_serving_config(json.loads((Path(export) / "config.json").read_text()))
+    _, config, family = drafters.load_serving(export)
     torch.manual_seed(seed)
-    save_serving(DFlashDrafter(dcfg), dcfg, out)
+    family.save_serving(family.model(config), config, out)
     return out
 
 

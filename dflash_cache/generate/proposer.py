@@ -23,26 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_cache import drafters
+from dflash_cache.drafters import Family
 from dflash_cache.generate.slots import SlotCache, slot_attention
-from dflash_cache.train.drafter import _rotate
-
-
-def dflash_block_input(anchor: Tensor, block_size: int, mask_token_id: int) -> Tensor:
-    """DFlash's block: slot 0 the anchor (the last committed token), then the mask token."""
-    ids = torch.full((anchor.shape[0], block_size), mask_token_id, dtype=torch.long, device=anchor.device)
-    ids[:, 0] = anchor
-    return ids
-
-
-def dflash_draft(model: nn.Module, hidden: Tensor, block_ids: Tensor, head: Tensor, choose: Callable
-                 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-    """DFlash's drafts: slot k (1..B-1) predicts the token at anchor + k, through the LM head."""
-    tokens, probs = [], []
-    for k in range(1, hidden.shape[1]):
-        t, p = choose(F.linear(hidden[:, k], head).float())
-        tokens.append(t)
-        probs.append(p)
-    return torch.stack(tokens, 1), None if probs[0] is None else torch.stack(probs, 1)
+from dflash_cache.drafters.dflash import _rotate
 
 
 def proposer_slot_bytes(model: nn.Module, length: int) -> int:
@@ -56,17 +40,18 @@ class BlockProposer:
     """A DFlash-family drafter over `slots` rows of up to `length` positions (module docstring)."""
 
     def __init__(self, model: nn.Module, *, embed: Tensor, head: Tensor, slots: int, length: int,
-                 block_size: int | None = None, block_input: Callable = dflash_block_input,
-                 draft: Callable = dflash_draft) -> None:  # fmt: skip
+                 block_size: int | None = None, family: Family | None = None) -> None:  # fmt: skip
         cfg = model.config
+        family = family or drafters.family("dflash")
         self.model, self.embed, self.head = model, embed, head
         self.block_size, self.mask_token_id = block_size or cfg.block_size, cfg.mask_token_id
         self.layer_ids = list(cfg.target_layer_ids)
-        self.block_input, self.draft = block_input, draft
+        self.block_input, self.draft = family.block_input, family.draft
         weight = model.fc.weight
         self.cache = SlotCache(len(model.layers), slots, -(-length // 16) * 16, cfg.num_key_value_heads, cfg.head_dim,
                                dtype=weight.dtype, device=weight.device)  # fmt: skip
         self.slots, self.length = slots, self.cache.length
+        self.num_drafts = 0  # tokens a block drafts: the family's, known from the first proposal
 
     def _kv(self, layer: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         """A layer's keys and values [b, kv_heads, T, D] of x [b, T, H] (k_norm, RoPE on the keys)."""
@@ -109,4 +94,6 @@ class BlockProposer:
                                  causal=False)  # fmt: skip
             x = x + attn.o_proj(out.transpose(1, 2).reshape(b, B, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.draft(m, m.norm(x), ids, self.head, choose)
+        drafts, probs = self.draft(m, m.norm(x), ids, self.head, choose)
+        self.num_drafts = drafts.shape[1]
+        return drafts, probs

@@ -1,6 +1,6 @@
 """The train stage's settings: one dataclass whose defaults and help texts are the CLI's, the config
-files' and bench's (see dflash_cache/settings.py), and the drafter geometry they imply for a given
-cache. Light: importing it loads no torch."""
+files' and bench's (see dflash_cache/settings.py), and the drafter config they imply for a given
+cache (through the drafter family, `dflash_cache.drafters`). Light: importing it loads no torch."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from dflash_cache.cache.spec import CacheSpec, check_drafter_fits
+from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits
 from dflash_cache.errors import UserError
 from dflash_cache.settings import setting
 
-if TYPE_CHECKING:  # the drafter loads torch and transformers; the settings alone must not (the CLI reads them)
-    from dflash_cache.train.drafter import DrafterConfig
+if TYPE_CHECKING:  # the drafters load torch and transformers; the settings alone must not (the CLI reads them)
+    from dflash_cache.drafters import Family
 
 
 class TrainError(UserError, RuntimeError):
@@ -111,7 +111,7 @@ def resolve_token_budget(token_budget: int | None, cuda: bool, geometry: Any = N
     return 1 << max(10, int(budget).bit_length() - 1)
 
 
-def run_token_budget(cfg: TrainConfig, dcfg: DrafterConfig, spec: CacheSpec, device: Any, *,
+def run_token_budget(cfg: TrainConfig, dcfg: Any, spec: CacheSpec, device: Any, *,
                      few_steps_cap: bool = True) -> int:  # fmt: skip
     """The token budget of a run: `resolve_token_budget` with the drafter, the total memory of the
     device (the same on every rank and every resume on that GPU model, unlike the free memory) and
@@ -143,13 +143,26 @@ class TrainConfig:
     grad_accum: int = setting(1, "Batches per optimizer step.", min=1)
     grad_reduce: Literal["fp32", "bf16"] = setting("fp32", "Dtype of the DDP gradient all-reduce: fp32, or bf16 "
                                                    "(half the bytes, for slow links).")  # fmt: skip
+    drafter: str = setting("dflash", "Drafter family (dflash_cache.drafters): dflash, or dspark (DFlash's backbone "
+                           "with DSpark's Markov and confidence heads; it needs a cache extracted with "
+                           "--final-hidden).", expects="a drafter family such as dflash or dspark")  # fmt: skip
     draft_layers: int = setting(5, "Drafter decoder layers.", min=1)
-    block_size: int = setting(16, "Block size B.")
+    block_size: int | None = setting(None, "Block size B (default: the family's, 16 for dflash, 7 for dspark).")
     layers: list[int] | None = setting(None, "Subset of the cached layer ids (default: all cached).",
                                        expects="layer ids like 1,9,17")  # fmt: skip
     max_anchors: int = setting(512, "Anchors sampled per sequence.", min=1)
-    gamma: float | None = setting(None, "Loss decay over block slots, exp(-(k-1)/gamma) (default 7 for B=16).",
-                                  tuning=True)  # fmt: skip
+    markov_rank: int = setting(256, "dspark: rank of the Markov head, which conditions each slot's logits on the "
+                               "previous token (0: no Markov head).", min=0)  # fmt: skip
+    markov_head: Literal["vanilla", "gated", "rnn"] = setting("vanilla", "dspark: the Markov head's type.")
+    confidence_with_markov: bool = setting(True, "dspark: the confidence head also reads the previous token's "
+                                           "Markov embedding.")  # fmt: skip
+    ce_alpha: float = setting(0.1, "dspark: weight of the cross-entropy term.", min=0, tuning=True)
+    l1_alpha: float = setting(0.9, "dspark: weight of the L1 (total-variation) term against the target's own "
+                              "distribution.", min=0, tuning=True)  # fmt: skip
+    confidence_alpha: float = setting(1.0, "dspark: weight of the confidence head's BCE term (0: no confidence "
+                                      "head).", min=0, tuning=True)  # fmt: skip
+    gamma: float | None = setting(None, "Loss decay over a block's drafted tokens, exp(-i/gamma) for the i-th "
+                                  "(default: dflash 7 for B=16, dspark 4).", tuning=True)  # fmt: skip
     seed: int = setting(0, "Seed for weights, shuffling and anchors.")
     save_every: int = setting(200, "Checkpoint every N steps.", min=1)
     keep_checkpoints: int = setting(2, "Checkpoints kept in OUT/checkpoints (the newest).", min=1)
@@ -183,37 +196,44 @@ class TrainConfig:
         """A run's train.json as its settings; any other mapping as it is."""
         return data["config"] if {"identity", "config"} <= data.keys() else data
 
+    def family(self) -> Family:
+        """The drafter family `drafter` names (TrainError for an unknown name)."""
+        from dflash_cache import drafters
+
+        try:
+            return drafters.family(self.drafter)
+        except ValueError as e:
+            raise TrainError(f"--drafter: {e}") from None
+
     def identity(self) -> dict[str, Any]:
         """What a resume must match: everything that changes the math, not the run's length."""
         keep = ("lr", "warmup", "weight_decay", "clip", "token_budget", "grad_accum", "draft_layers", "block_size",
                 "layers", "max_anchors", "gamma", "seed")  # fmt: skip
+        family = self.family()
+        settings = {k: getattr(self, k) for k in keep} | {"block_size": self.block_size or family.default_block_size}
+        # a run of another family than DFlash says so (DFlash runs recorded no family, and resume as they are)
+        other = {} if family.name == "dflash" else {"drafter": family.name, **family.identity(self)}
         # how batches are dealt to ranks (DDP steps of similar cost) changes which samples share a step
         held = {"val_fraction": self.val_fraction} if self.val_fraction else {}  # held-out units change the data
-        return {**{k: getattr(self, k) for k in keep}, "dealing": "cost-balanced", **held}
+        return {**settings, "dealing": "cost-balanced", **other, **held}
 
 
-def drafter_config(cfg: TrainConfig, spec: CacheSpec) -> DrafterConfig:
-    """The drafter's geometry from the target's config recorded in the cache; refuses misfits."""
-    from dflash_cache.train.drafter import DrafterConfig
-
-    layers = cfg.layers or list(spec.layers.ids)
+def drafter_config(cfg: TrainConfig, spec: CacheSpec) -> Any:
+    """The drafter family's config (its geometry from the target's config recorded in the cache, and
+    its heads) for these settings; refuses settings the drafter cannot take, and misfits."""
     if not spec.target.config:
         raise TrainError("cache.json has no target config (target.config): re-extract with this version")
+    family = cfg.family()
+    if family.needs_final_hidden:
+        try:
+            check_drafter_fits(spec, layer_ids=list(spec.layers.ids), final_hidden=True)
+        except SpecError as e:
+            raise TrainError(f"--drafter {family.name} trains on the target's final hidden state, which "
+                             f"{cfg.cache} does not hold: extract it with `dflash extract --final-hidden` ({e})"
+                             ) from None  # fmt: skip
     try:
-        dcfg = DrafterConfig.from_target(
-            spec.target.config,
-            target_layer_ids=layers,
-            mask_token_id=spec.tokenizer.mask_token_id,
-            num_draft_layers=cfg.draft_layers,
-            block_size=cfg.block_size,
-        )
+        return family.config(cfg, spec)
     except ValueError as e:  # the drafter's own checks (block size, heads, layer ids)
+        if isinstance(e, SpecError):
+            raise
         raise TrainError(f"drafter settings: {e}") from None
-    check_drafter_fits(
-        spec,
-        layer_ids=layers,
-        hidden_size=dcfg.hidden_size,
-        vocab_size=dcfg.vocab_size,
-        mask_token_id=dcfg.mask_token_id,
-    )
-    return dcfg

@@ -13,7 +13,9 @@ The drafter GPU must never wait and host memory must not grow with the dataset, 
 - the host-to-device copy runs on a side CUDA stream behind an event; the consumer's stream waits
   on that event (the host does not), and the slot goes back to the pool once the event has
   completed. Layer selection and fp8 dequantisation run on the device after the copy. The loader
-  holds at most two batches on the device: the one it last yielded and the next one.
+  holds at most two batches on the device: the one it last yielded and the next one;
+- the target's final hidden state (a `--final-hidden` cache) is read only by a loader asked for it
+  (`final_hidden=True`: DSpark drafters), so a DFlash run on such a cache reads what it always did.
 
 `CacheLoader` owns its position (epoch, batch, the epoch's earlier parts on other world sizes, a
 followed epoch's windows): `state_dict()` / `load_state_dict()` are what a checkpoint keeps of it.
@@ -24,6 +26,7 @@ batch never aliases a slot that readers will overwrite).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from collections import deque
@@ -131,6 +134,7 @@ class Batch:
     step_samples: tuple[int, ...] = ()  # samples of this step, per rank
     epoch: int = 0
     index: int = 0  # the batch's place in this rank's epoch
+    final: torch.Tensor | None = None  # [N, H] the target's final hidden state, as context; when asked for
 
 
 @dataclass
@@ -149,23 +153,21 @@ class _Slot:
 
     def __init__(self, index: int, rows: int, row: RowFormat, pin: bool):
         self.index = index
-        self.hidden, self.scale = host_rows(rows, row, pin)
+        self.arrays = host_rows(rows, row, pin)  # hidden (+ hidden_scale, final_hidden, final_scale)
+        self.hidden, self.scale = self.arrays["hidden"], self.arrays.get("hidden_scale")
+        self.final, self.final_scale = self.arrays.get("final_hidden"), self.arrays.get("final_scale")
         self.input_ids = torch.empty(rows, dtype=torch.int32, pin_memory=pin)
         self.loss_mask = torch.empty(rows, dtype=torch.uint8, pin_memory=pin)
         self.offsets = torch.empty(rows + 1, dtype=torch.int64, pin_memory=pin)
         # numpy views over the same memory: what UnitReader.read_into decodes into.
-        self.np = {
-            "hidden": self.hidden.numpy().view(row.hidden_dtype),
-            "input_ids": self.input_ids.numpy(),
-            "loss_mask": self.loss_mask.numpy(),
-        }
-        if self.scale is not None:
-            self.np["hidden_scale"] = self.scale.numpy()
+        self.np = {key: t.numpy().view(row.hidden_dtype) if t.dtype == torch.int16 else t.numpy()
+                   for key, t in self.arrays.items()}  # fmt: skip
+        self.np |= {"input_ids": self.input_ids.numpy(), "loss_mask": self.loss_mask.numpy()}
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.hidden, self.scale, self.input_ids, self.loss_mask, self.offsets]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        tensors = [*self.arrays.values(), self.input_ids, self.loss_mask, self.offsets]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
@@ -200,7 +202,8 @@ class BatchStream:
     `readers` is the loader's dict of open units (it grows while a cache is followed). Attributes
     the loader reports: `wait_seconds` (cumulative time the consumer was blocked waiting for data),
     `host_slots` (the reused host buffers, `prefetch + 1` of them, allocated once) and
-    `peak_slots_in_use` (instrumentation: never above `len(host_slots)`).
+    `peak_slots_in_use` (instrumentation: never above `len(host_slots)`). `row` is what the slots hold
+    and the readers read: the final hidden state only when it has `final`.
     """
 
     def __init__(self, readers: dict[int, UnitReader], *, row: RowFormat, slot_rows: int, device: torch.device,
@@ -325,7 +328,7 @@ class BatchStream:
 
     def _read_rows(self, slot: _Slot, unit: int, start: int, stop: int, dst: int) -> None:
         reader = self.readers[unit]
-        for key in slot.np:  # hidden, input_ids, loss_mask (+ hidden_scale for fp8)
+        for key in slot.np:  # hidden, input_ids, loss_mask (+ hidden_scale for fp8, final_hidden, final_scale)
             reader.read_into(key, start, stop, out=slot.np[key][dst : dst + stop - start])
 
     def _copy_to_device(self, job: _Pending) -> _Staged:
@@ -346,6 +349,10 @@ class BatchStream:
             loss_mask = up(slot.loss_mask[:n]).bool()
             offsets = up(slot.offsets[: s + 1])
             context = self._context(hidden, scale, n)
+            final = None
+            if slot.final is not None:
+                fscale = up(slot.final_scale[:n]) if slot.final_scale is not None else None
+                final = decode_hidden(up(slot.final[:n]), fscale, 1)
             event = None
             if self._cuda:
                 event = torch.cuda.Event()
@@ -362,6 +369,7 @@ class BatchStream:
             # block building needs these on the host; reading them back from the device would
             # make the host wait for the GPU every step
             host=(slot.input_ids[:n].clone(), slot.loss_mask[:n].clone(), slot.offsets[: s + 1].clone()),
+            final=final,
         )
         return _Staged(batch, slot, event)
 
@@ -377,8 +385,9 @@ class BatchStream:
         if staged.event is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(staged.event)
-            for t in (batch.context, batch.input_ids, batch.loss_mask, batch.offsets):
-                t.record_stream(stream)
+            for t in (batch.context, batch.input_ids, batch.loss_mask, batch.offsets, batch.final):
+                if t is not None:
+                    t.record_stream(stream)
         return batch
 
     def close(self) -> None:
@@ -443,13 +452,17 @@ class CacheLoader:
     shuffling within each window and waiting, without spinning, when it has consumed everything
     committed so far; it ends once the extraction is complete. The windows taken are part of the
     position; later epochs shuffle over the whole cache.
+
+    `final_hidden`: also hand over the target's final hidden state (`Batch.final`); the cache must
+    hold it (`dflash extract --final-hidden`).
     """
 
     def __init__(self, cache_dir: Path, *, layer_ids: list[int] | None = None, token_budget: int, seed: int = 0,
                  rank: int = 0, world_size: int = 1, device: torch.device, prefetch: int = 2, readers: int = 4,
                  skip_bad_units: bool = False, follow: bool = True, control_group: dist.ProcessGroup | None = None,
                  on_status: Callable[[dict], None] | None = None, on_warning: Callable[[str], None] | None = None,
-                 batch_cost: BatchCost | None = None, units: Callable[[int], bool] | None = None):  # fmt: skip
+                 batch_cost: BatchCost | None = None, units: Callable[[int], bool] | None = None,
+                 final_hidden: bool = False):  # fmt: skip
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if prefetch < 0 or readers < 1 or token_budget < 1:
@@ -458,6 +471,9 @@ class CacheLoader:
         self.spec = read_spec(self.cache_dir)
         self.layer_ids = list(self.spec.layers.ids) if layer_ids is None else list(layer_ids)
         positions = _layer_positions(self.spec, self.layer_ids)
+        check_drafter_fits(self.spec, layer_ids=self.layer_ids, final_hidden=final_hidden)
+        row = RowFormat.of(self.spec)
+        row = row if final_hidden else dataclasses.replace(row, final=0)
         self.rank, self.world_size = rank, world_size
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -482,7 +498,7 @@ class CacheLoader:
         if not self.complete:
             longest = max(longest, self.spec.data.max_length)
         self.slot_rows = max(token_budget, longest)
-        self.stream = BatchStream(self.units.readers, row=RowFormat.of(self.spec), slot_rows=self.slot_rows,
+        self.stream = BatchStream(self.units.readers, row=row, slot_rows=self.slot_rows,
                                   device=device, layer_index=positions, prefetch=prefetch, threads=readers,
                                   piece_rows=self.spec.storage.chunk_tokens * PIECE_CHUNKS)  # fmt: skip
         self._batches: tuple[tuple, list[Planned]] | None = None  # ((epoch, parts), this rank's plan)

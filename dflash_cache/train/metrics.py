@@ -1,7 +1,7 @@
 """Training metrics: what the steps since the last line did (`StepWindow`, summed across DDP
 ranks), the records of a run (`MetricsLog`: metrics.jsonl and the progress bar), the per-rank
-audit trail of `--trace`, the useful FLOPs of a step and the hardware peak they are measured
-against (MFU)."""
+audit trail of `--trace`, and the hardware peak the useful FLOPs of a step (the drafter family's
+count, `Family.flops`) are measured against (MFU)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash_cache.train.objective import Blocks, block_metrics, summarize_metrics
+from dflash_cache.train.objective import block_metrics, summarize_metrics
+
+if TYPE_CHECKING:
+    from dflash_cache.drafters import Output
 
 # Dense bf16 peak FLOP/s by GPU name (vendor datasheets; SXM parts). MFU is left out elsewhere.
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "H800": 989.4e12, "A100": 312e12, "A800": 312e12}
@@ -27,32 +30,6 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in PEAK_BF16.items() if key in name), None)
-
-
-class StepFlops:
-    """Useful FLOPs of a training step, from the model's geometry and the batch's layout:
-
-    - draft layers, forward and backward: 6 * P_layers * blocks * B;
-    - frozen LM head, forward and input gradient: 4 * V * H * blocks * (B - 1);
-    - `fc` and the per-layer k/v projections of the context: 4 * P_ctx * context_tokens;
-    - attention: 14 * layers * (query heads * head_dim) * B * sum over blocks of (anchor + B).
-
-    Recomputation, padding and masked-out work are not useful, so MFU from this count is honest.
-    """
-
-    def __init__(self, model: nn.Module) -> None:
-        cfg = model.config
-        self.block_size = cfg.block_size
-        self.p_layers = sum(p.numel() for p in model.layers.parameters())
-        attn = [layer.self_attn for layer in model.layers]
-        self.p_ctx = model.fc.weight.numel() + sum(a.k_proj.weight.numel() + a.v_proj.weight.numel() for a in attn)
-        self.head = cfg.vocab_size * cfg.hidden_size
-        self.attn = 14 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * cfg.block_size
-
-    def __call__(self, num_blocks: int, context_tokens: int, anchor_sum: int) -> float:
-        B = self.block_size
-        return (6 * self.p_layers * num_blocks * B + 4 * self.head * num_blocks * (B - 1)
-                + 4 * self.p_ctx * context_tokens + self.attn * (anchor_sum + num_blocks * B))  # fmt: skip
 
 
 def all_reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -79,40 +56,54 @@ def clock(tokens: int) -> dict[str, float]:
 
 class StepWindow:
     """What the batches since the last metrics line did. Kept on the device as they come (no host
-    sync a step) and reduced over the ranks by `record`, which every rank calls at once."""
+    sync a step) and reduced over the ranks by `record`, which every rank calls at once. `flops`
+    is the drafter family's useful-FLOPs count (`Family.flops(model)`)."""
 
-    def __init__(self, model: nn.Module, device: torch.device, world_size: int, wait: Callable[[], float]):
-        self.flops, self.peak = StepFlops(model), peak_flops(device)
+    def __init__(self, flops: Callable[[int, int, int, int], float], device: torch.device, world_size: int,
+                 wait: Callable[[], float]):  # fmt: skip
+        self.flops, self.peak = flops, peak_flops(device)
         self.device, self.world_size = device, world_size
         self.wait = wait  # the loader's cumulative wait, in seconds
+        self.first = 1  # the blocks' first drafted slot (Blocks.first_slot)
         self.reset()
 
     def reset(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
-        self.loss, self.n, self.tokens, self.blocks, self.anchors = 0.0, 0, 0, 0, 0
+        self.terms: dict[str, torch.Tensor] = {}  # name -> [numerator, denominator] sums
+        self.loss, self.n, self.tokens, self.blocks, self.anchors, self.scored = 0.0, 0, 0, 0, 0, 0
         self.wait_start, self.start = self.wait(), time.perf_counter()
 
-    def add(self, loss: torch.Tensor, correct: torch.Tensor, blocks: Blocks, num_tokens: int) -> None:
-        """One batch's loss, which of its block tokens were predicted right, its blocks and tokens."""
-        for k, v in block_metrics(correct, blocks.weights).items():
+    def add(self, out: Output, num_tokens: int) -> None:
+        """One batch's objective output (loss, named terms, which block tokens were right, the
+        blocks) and its context tokens."""
+        blocks = out.blocks
+        self.first = blocks.first_slot
+        for k, v in block_metrics(out.correct, blocks.weights, self.first).items():
             self.sums[k] = self.sums.get(k, 0) + v.detach()
-        self.loss += loss  # stays on the device
+        for name, (num, den) in out.terms.items():
+            pair = torch.stack([num.detach().double(), den.detach().double()])
+            self.terms[name] = self.terms.get(name, 0) + pair
+        self.loss += out.loss.detach()  # stays on the device
         self.n += 1
         self.tokens += num_tokens
         self.blocks += blocks.layout.num_blocks
         self.anchors += blocks.layout.block_anchor.sum()  # on the device: summed at log time
+        if out.scored is not None:
+            self.scored += out.scored
 
     def record(self, step: int, epoch: int, lr: float) -> dict[str, Any]:
         """The metrics line of the window (over all ranks); the window starts again."""
-        stats = summarize_metrics(all_reduce_sums({k: v.clone() for k, v in self.sums.items()}))
+        stats = summarize_metrics(all_reduce_sums({k: v.clone() for k, v in self.sums.items()}), self.first)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         world, device = self.world_size, self.device
         loss = sum_ranks(float(self.loss) / max(1, self.n), device) / world
-        useful = sum_ranks(self.flops(self.blocks, self.tokens, int(self.anchors)), device)
+        useful = sum_ranks(self.flops(self.blocks, self.tokens, int(self.anchors), int(self.scored)), device)
+        terms = all_reduce_sums({k: v.clone() for k, v in self.terms.items()})
         record = {
             "step": step,
             "epoch": epoch,
             "loss": loss,
+            **{name: float(num / den) if den > 0 else 0.0 for name, (num, den) in terms.items()},
             "lr": lr,
             "slot_acc": stats["slot_acc"],
             "accept_len": stats["accept_len"],

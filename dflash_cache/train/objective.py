@@ -1,5 +1,7 @@
 """The DFlash training objective: anchors, block layout, the block attention rule, and a chunked,
-slot-decayed cross-entropy (the rules: ARCHITECTURE.md, "Where each rule lives").
+slot-decayed cross-entropy (the rules: ARCHITECTURE.md, "Where each rule lives"). The layout,
+the attention rule, anchor picking, the chunked LM-head loop and the block metrics are shared by
+every drafter family (`dflash_cache.drafters`); the DFlash family's objective is `forward_blocks`.
 
 A batch is packed: S sequences concatenated with `offsets [S+1]`. From it, `make_blocks` samples
 anchors and builds blocks of B tokens: slot 0 holds the anchor token, slots 1..B-1 the mask
@@ -12,6 +14,7 @@ on GPU and with an exact chunked SDPA elsewhere.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -380,11 +383,31 @@ def sample_anchors(
     n_valid = loss_mask.shape[0] - block_size + 1
     if n_valid <= 0 or max_anchors <= 0:
         return torch.zeros(0, dtype=torch.int64)
-    valid = torch.nonzero(loss_mask[:n_valid].cpu() != 0).flatten()
-    if valid.numel() > max_anchors:
-        pick = torch.randperm(valid.numel(), generator=generator, device=generator.device)
-        valid = valid[pick[:max_anchors].cpu()].sort().values
-    return valid
+    return pick_anchors(torch.nonzero(loss_mask[:n_valid].cpu() != 0).flatten(), max_anchors, generator)
+
+
+def pick_anchors(candidates: Tensor, max_anchors: int, generator: torch.Generator) -> Tensor:
+    """At most max_anchors of the sorted candidate positions, drawn uniformly without replacement,
+    sorted; all of them when there are no more."""
+    if candidates.numel() > max_anchors:
+        pick = torch.randperm(candidates.numel(), generator=generator, device=generator.device)
+        candidates = candidates[pick[:max_anchors].cpu()].sort().values
+    return candidates
+
+
+def anchors_by_sequence(loss_mask: Tensor, offsets: Tensor, anchors: Callable[[Tensor], Tensor]
+                        ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """(sequence, anchor position) of every block of a packed batch, grouped by sequence in order:
+    `anchors(loss_mask of one sequence)` gives a sequence's sorted anchors."""
+    bounds = offsets.tolist()
+    seq_of, anchor_of = [], []
+    for s in range(len(bounds) - 1):
+        a = anchors(loss_mask[bounds[s] : bounds[s + 1]])
+        seq_of.append(torch.full_like(a, s))
+        anchor_of.append(a)
+    block_seq = torch.cat(seq_of) if seq_of else torch.zeros(0, dtype=torch.int64)
+    block_anchor = torch.cat(anchor_of) if anchor_of else torch.zeros(0, dtype=torch.int64)
+    return block_seq, block_anchor
 
 
 def drafter_cost(lengths: np.ndarray, block_size: int, max_anchors: int) -> float:
@@ -400,8 +423,9 @@ class Blocks:
 
     layout: BlockLayout
     input_ids: Tensor  # [nb, B] anchor token at slot 0, mask token after
-    labels: Tensor  # [nb, B] token at anchor + slot
-    weights: Tensor  # [nb, B] float32 slot decay * loss mask; 0 at slot 0
+    labels: Tensor  # [nb, B] the token each slot predicts (DFlash: at anchor + slot)
+    weights: Tensor  # [nb, B] float32 slot decay * loss mask; 0 where a slot is not trained (DFlash: slot 0)
+    first_slot: int = 1  # the slot of the first drafted token (DFlash: 1; a family that drafts from slot 0: 0)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Blocks:
         return Blocks(
@@ -409,6 +433,7 @@ class Blocks:
             self.input_ids.to(device, non_blocking=non_blocking),
             self.labels.to(device, non_blocking=non_blocking),
             self.weights.to(device, non_blocking=non_blocking),
+            self.first_slot,
         )
 
 
@@ -430,14 +455,8 @@ def make_blocks(
     """
     input_ids, loss_mask, offsets = input_ids.cpu(), loss_mask.cpu(), offsets.cpu().long()
     B = block_size
-    bounds = offsets.tolist()
-    seq_of, anchor_of = [], []
-    for s in range(len(bounds) - 1):
-        a = sample_anchors(loss_mask[bounds[s] : bounds[s + 1]], B, max_anchors, generator)
-        seq_of.append(torch.full_like(a, s))
-        anchor_of.append(a)
-    block_seq = torch.cat(seq_of) if seq_of else torch.zeros(0, dtype=torch.int64)
-    block_anchor = torch.cat(anchor_of) if anchor_of else torch.zeros(0, dtype=torch.int64)
+    block_seq, block_anchor = anchors_by_sequence(loss_mask, offsets,
+                                                  lambda m: sample_anchors(m, B, max_anchors, generator))  # fmt: skip
 
     rows = (offsets[block_seq] + block_anchor)[:, None] + torch.arange(B)  # [nb, B]
     labels = input_ids[rows].long()
@@ -526,6 +545,109 @@ def chunked_loss(
     return _LinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights, chunk_size)
 
 
+def _tv_chunk(logits: Tensor, target_logits: Tensor | None, labels: Tensor, ce_scale: Tensor, l1_scale: Tensor
+              ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """One chunk of `chunked_tv_loss`: (sum of ce, sum of L1, argmax hits, acceptance rates, the
+    gradient wrt the logits). `ce_scale`, `l1_scale` [c] are each row's weight in the loss. The
+    L1 term is |p - q|_1 between the softmaxes of the logits and of the target's logits; its
+    gradient wrt the logits is p * (s - <s, p>) with s = sign(p - q). Softmax in float32."""
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=-1)
+    p = torch.exp(lf - lse[:, None])
+    ce = lse - lf.gather(1, labels[:, None]).squeeze(1)
+    grad = p * ce_scale[:, None]
+    grad.scatter_add_(1, labels[:, None], -ce_scale[:, None])
+    if target_logits is None:
+        l1 = torch.zeros_like(ce)
+    else:
+        d = p - torch.softmax(target_logits.float(), dim=-1)
+        l1 = d.abs().sum(-1)
+        sign = torch.sign(d)
+        grad += (l1_scale[:, None] * p) * (sign - (sign * p).sum(-1, keepdim=True))
+    accept = (1 - 0.5 * l1).clamp(0, 1)
+    return ce, l1, lf.argmax(-1) == labels, accept, grad
+
+
+_tv_chunk_cuda = compile_for_cuda(_tv_chunk)
+
+
+class _TVLoss(torch.autograd.Function):
+    """sum(ce_scale * ce + l1_scale * L1) over rows of logits = hidden @ W^T + bias @ W2^T, chunk by
+    chunk, the gradient computed during the forward (as `_LinearCrossEntropy`). W is frozen; the
+    low-rank bias `bias` [N, r] and its projection W2 [V, r] get gradients."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, bias_weight, labels, ce_scale, l1_scale, target, chunk_size):  # noqa: ANN001
+        need_h, need_b, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
+        chunk = _tv_chunk_cuda if hidden.is_cuda and _tv_chunk_cuda is not None else _tv_chunk
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        grad_b = torch.zeros_like(bias) if need_b else None
+        grad_w2 = torch.zeros_like(bias_weight, dtype=acc) if need_w2 else None
+        n = hidden.shape[0]
+        ce, l1 = torch.zeros(n, dtype=acc, device=hidden.device), torch.zeros(n, dtype=acc, device=hidden.device)
+        hits = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+        accept = torch.zeros(n, dtype=acc, device=hidden.device)
+        for s in range(0, n, chunk_size):
+            e = min(n, s + chunk_size)
+            h = hidden[s:e].to(weight.dtype)
+            logits = F.linear(h, weight)
+            if bias is not None:  # the low-rank bias added by the GEMM itself: no second [chunk, V] pass
+                z = bias[s:e].to(weight.dtype)
+                logits = torch.addmm(logits, z, bias_weight.to(weight.dtype).T)
+            tl = None if target is None else F.linear(target[s:e].to(weight.dtype), weight)
+            ce[s:e], l1[s:e], hits[s:e], accept[s:e], g = chunk(logits, tl, labels[s:e], ce_scale[s:e], l1_scale[s:e])
+            g = g.to(weight.dtype)
+            if need_h:
+                grad_h[s:e] = g @ weight
+            if need_b:
+                grad_b[s:e] = g @ bias_weight.to(weight.dtype)
+            if need_w2:
+                grad_w2 += (g.T @ z).to(grad_w2.dtype)
+        ctx.save_for_backward(grad_h, grad_b, grad_w2)
+        ctx.dtypes = (None if bias is None else bias.dtype, bias_weight.dtype if bias_weight is not None else None)
+        total = (ce * ce_scale.to(acc)).sum() + (l1 * l1_scale.to(acc)).sum()
+        ctx.mark_non_differentiable(ce, l1, hits, accept)
+        return total, ce, l1, hits, accept
+
+    @staticmethod
+    def backward(ctx, grad_total, *_unused):  # noqa: ANN001 - autograd signature
+        grad_h, grad_b, grad_w2 = ctx.saved_tensors
+        grad_h = None if grad_h is None else grad_h * grad_total.to(grad_h.dtype)
+        grad_b = None if grad_b is None else (grad_b * grad_total).to(ctx.dtypes[0])
+        grad_w2 = None if grad_w2 is None else (grad_w2 * grad_total).to(ctx.dtypes[1])
+        return grad_h, None, grad_b, grad_w2, None, None, None, None, None
+
+
+def chunked_tv_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    ce_scale: Tensor,
+    l1_scale: Tensor,
+    *,
+    bias: Tensor | None = None,
+    bias_weight: Tensor | None = None,
+    target: Tensor | None = None,
+    chunk_size: int = 4096,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Cross-entropy plus the total-variation (L1) distance to the target's own distribution, chunk
+    by chunk over the vocabulary, as `chunked_loss` does for cross-entropy alone.
+
+    Row i's logits are `hidden[i] @ W^T`, plus `bias[i] @ bias_weight^T` when given (a low-rank
+    logit bias, e.g. a Markov head's); `target[i]` is the target's hidden state whose LM-head
+    softmax is the distribution matched (None: no L1 term). Returns (sum_i ce_scale_i * ce_i +
+    l1_scale_i * L1_i, differentiable wrt hidden, bias and bias_weight; and per row, detached:
+    ce, L1, argmax == label, and the acceptance rate clamp(1 - L1 / 2, 0, 1))."""
+    if hidden.shape[0] == 0:
+        zero = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
+        total = hidden.sum() * 0.0 + (0.0 if bias is None else bias.sum() * 0.0 + bias_weight.sum() * 0.0)
+        return total, zero, zero, torch.zeros(0, dtype=torch.bool, device=hidden.device), zero
+    if (bias is None) != (bias_weight is None):
+        raise ValueError("bias and bias_weight come together")
+    return _TVLoss.apply(hidden, lm_head_weight, bias, bias_weight, labels, ce_scale, l1_scale, target, chunk_size)
+
+
 def forward_blocks(model: torch.nn.Module, embed: Tensor, head: Tensor, batch: Batch, *, block_size: int,
                    mask_token_id: int, max_anchors: int, gamma: float | None, loss_chunk: int,
                    generator: torch.Generator) -> tuple[Tensor, Tensor, Blocks]:  # fmt: skip
@@ -548,16 +670,17 @@ def forward_blocks(model: torch.nn.Module, embed: Tensor, head: Tensor, batch: B
     return loss, correct.view_as(blocks.labels), blocks
 
 
-def block_metrics(correct: Tensor, weights: Tensor) -> dict[str, Tensor]:
+def block_metrics(correct: Tensor, weights: Tensor, first: int = 1) -> dict[str, Tensor]:
     """Raw sums for per-slot accuracy and implied acceptance length, all-reducible across ranks.
 
     correct, weights: [nb, B]. A slot counts where its weight > 0. Per block, the implied
-    acceptance length is 1 + the run of correct slots from slot 1, ended by the first wrong or
-    unweighted slot. Turn the (summed) result into JSON-ready floats with summarize_metrics.
+    acceptance length is 1 + the run of correct slots from slot `first` (the first drafted one:
+    1 in DFlash's blocks), ended by the first wrong or unweighted slot. Turn the (summed) result
+    into JSON-ready floats with summarize_metrics.
     """
     valid = weights > 0
     hit = correct.bool() & valid
-    accept = 1 + hit[:, 1:].long().cumprod(dim=1).sum(dim=1)
+    accept = 1 + hit[:, first:].long().cumprod(dim=1).sum(dim=1)
     return {
         "slot_correct": hit.sum(0).double(),
         "slot_count": valid.sum(0).double(),
@@ -566,11 +689,12 @@ def block_metrics(correct: Tensor, weights: Tensor) -> dict[str, Tensor]:
     }
 
 
-def summarize_metrics(sums: dict[str, Tensor]) -> dict:
-    """Plain floats and lists from block_metrics sums: slot_acc[k-1] is slot k's accuracy
-    (0.0 where a slot had no counted tokens), accept_len is the mean over blocks."""
-    correct = sums["slot_correct"].tolist()[1:]
-    count = sums["slot_count"].tolist()[1:]
+def summarize_metrics(sums: dict[str, Tensor], first: int = 1) -> dict:
+    """Plain floats and lists from block_metrics sums: slot_acc[i] is the accuracy of the i-th
+    drafted token, slot first + i (DFlash: slot_acc[k-1] is slot k's; 0.0 where a slot had no
+    counted tokens), accept_len is the mean over blocks."""
+    correct = sums["slot_correct"].tolist()[first:]
+    count = sums["slot_count"].tolist()[first:]
     blocks = float(sums["blocks"])
     return {
         "slot_acc": [c / n if n > 0 else 0.0 for c, n in zip(correct, count, strict=True)],

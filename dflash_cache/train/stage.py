@@ -1,12 +1,13 @@
-"""The train stage: cache -> streaming loader -> DFlash drafter, with DDP, checkpoints and metrics.
+"""The train stage: cache -> streaming loader -> drafter, with DDP, checkpoints and metrics.
 
 The loop (`_train`) fits on one screen; its parts sit behind narrow interfaces:
 
 - `setup` builds what a rank trains with (drafter, optimizer, loader, schedule); `dflash bench
-  train` measures the very same objects;
+  train` measures the very same objects. The drafter comes from its family (`--drafter`,
+  `dflash_cache.drafters`): its config, model, objective, FLOPs count and export;
 - the checkpointer restores them and decides when to save, gathering each one's `state_dict()`;
-- `train_step` is one forward and backward: blocks from anchors, frozen embedding, drafter,
-  chunked decayed loss;
+- `train_step` is one forward and backward of the family's objective (DFlash: blocks from anchors,
+  frozen embedding, drafter, chunked decayed loss);
 - `StepWindow` sums what the steps did, `MetricsLog.log` takes every record of the run and hands
   it to the experiment trackers (`tracking.py`, `--report-to`);
 - `Validator` (`validate.py`) validates every N steps on held-out units or a second cache, which the
@@ -35,14 +36,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dflash_cache.cache.spec import CacheSpec, SpecError, read_spec
 from dflash_cache.cache.store import read_frozen
 from dflash_cache.devices import GpuThrottle, Worker, launch, process_group, torchrun_worker, worker_threads
+from dflash_cache.drafters import Family, Output
 from dflash_cache.progress import ProgressSink, Reporter
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
 from dflash_cache.train.config import FEW_STEPS, TrainConfig, TrainError, drafter_config, run_token_budget
-from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, save_serving
 from dflash_cache.train.follow import is_complete, wait_for_cache
 from dflash_cache.train.loader import Batch, CacheLoader
 from dflash_cache.train.metrics import MetricsLog, StepWindow, Trace, clock
-from dflash_cache.train.objective import Blocks, drafter_cost, forward_blocks
+from dflash_cache.train.objective import drafter_cost
 from dflash_cache.train.schedule import Schedule
 from dflash_cache.train.tracking import check_available, open_trackers, parse_report_to
 from dflash_cache.train.validate import EXPORT_LAST, BestExport, Validator, ValSet
@@ -51,16 +52,14 @@ RUN_JSON = "train.json"
 EXPORT = "export"  # the best drafter by validation acceptance; without validation, the last (EXPORT_LAST)
 
 
-def train_step(model, embed: torch.Tensor, head: torch.Tensor, batch: Batch, dcfg: DrafterConfig, cfg: TrainConfig,
-               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, Blocks]:
-    """One forward (`objective.forward_blocks`: blocks from anchors, frozen embedding, drafter,
-    chunked decayed loss) and backward. Returns the loss, which block tokens were predicted right,
-    and the blocks."""
-    loss, correct, blocks = forward_blocks(model, embed, head, batch, block_size=dcfg.block_size,
-                                           mask_token_id=dcfg.mask_token_id, max_anchors=cfg.max_anchors,
-                                           gamma=cfg.gamma, loss_chunk=cfg.loss_chunk, generator=generator)  # fmt: skip
-    (loss / cfg.grad_accum).backward()
-    return loss.detach(), correct, blocks
+def train_step(model, embed: torch.Tensor, head: torch.Tensor, batch: Batch, dcfg: Any, cfg: TrainConfig,
+               generator: torch.Generator) -> Output:
+    """One forward of the drafter family's objective (DFlash: blocks from anchors, frozen
+    embedding, drafter, chunked decayed loss) and its backward. Returns the objective's output:
+    the loss, its named terms, which block tokens were predicted right, and the blocks."""
+    out = cfg.family().objective(model, embed, head, batch, dcfg, cfg, generator, reduce=True)
+    (out.loss / cfg.grad_accum).backward()
+    return out
 
 
 def anchor_generator(seed: int, epoch: int, batch: int, rank: int) -> torch.Generator:
@@ -111,13 +110,13 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
             **{k: v for k, v in totals.items() if k != "bar"}}  # fmt: skip
 
 
-def _val_set(cfg: TrainConfig, spec: CacheSpec, dcfg: DrafterConfig) -> ValSet | None:
+def _val_set(cfg: TrainConfig, spec: CacheSpec, dcfg: Any) -> ValSet | None:
     """The validation samples `--val-fraction`/`--val-cache` ask for (checked), or None."""
     return ValSet.choose(cfg.cache, spec, fraction=cfg.val_fraction, val_cache=cfg.val_cache,
-                         layer_ids=dcfg.target_layer_ids)  # fmt: skip
+                         layer_ids=dcfg.target_layer_ids, final_hidden=cfg.family().needs_final_hidden)  # fmt: skip
 
 
-def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: DrafterConfig) -> None:
+def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: Any) -> None:
     """A run directory belongs to one cache and one set of hyper-parameters: a rerun resumes it."""
     ident = {"cache_created": spec.created, "cache_target": spec.target.weights_fingerprint, **cfg.identity()}
     path = cfg.out / RUN_JSON
@@ -131,7 +130,7 @@ def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: DrafterConfig) -> No
         return
     record = {"identity": ident, "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
               # the drafter's geometry, so that `dflash export` needs the run directory only
-              "drafter": dcfg.to_serving_config()}  # fmt: skip
+              "drafter": cfg.family().serving_config(dcfg)}  # fmt: skip
     # every torchrun rank gets here at once: never let one read another's half-written file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")
@@ -171,8 +170,9 @@ class Setup:
 
     cfg: TrainConfig
     worker: Worker
-    dcfg: DrafterConfig
-    model: DFlashDrafter
+    family: Family
+    dcfg: Any  # the family's config
+    model: torch.nn.Module
     ddp: torch.nn.Module  # the model under DDP, or the model itself on one rank
     embed: torch.Tensor  # the target's frozen token embedding and LM head, from the cache
     head: torch.Tensor
@@ -196,11 +196,12 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
     the optimizer, the loader of this rank's batches, and the schedule (its length is set once a
     checkpoint has told the loader where it stands). Nothing is written to the run directory."""
     spec = read_spec(cfg.cache)
+    family = cfg.family()
     dcfg = drafter_config(cfg, spec)
     vset = _val_set(cfg, spec, dcfg)
     device, cuda = w.device, w.device.type == "cuda"
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = DFlashDrafter(dcfg).to(device)
+    model = family.model(dcfg).to(device)
     embed, head = (t.to(device, torch.bfloat16 if cuda else torch.float32) for t in read_frozen(cfg.cache))
     ddp = _data_parallel(model, device, cfg.grad_reduce) if w.world_size > 1 else model
     cost = partial(drafter_cost, block_size=dcfg.block_size, max_anchors=cfg.max_anchors)  # balances DDP steps
@@ -209,10 +210,11 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
                          world_size=w.world_size, device=device,
                          prefetch=cfg.prefetch, readers=cfg.readers, skip_bad_units=cfg.skip_bad_units,
                          follow=cfg.follow, control_group=control_group, on_status=on_status, on_warning=on_warning,
-                         batch_cost=cost, units=vset and vset.train_units)  # fmt: skip
+                         batch_cost=cost, units=vset and vset.train_units,
+                         final_hidden=family.needs_final_hidden)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=cuda)  # fmt: skip
-    return Setup(cfg, w, dcfg, model, ddp, embed, head, opt, loader, Schedule(cfg.lr, cfg.warmup), vset)
+    return Setup(cfg, w, family, dcfg, model, ddp, embed, head, opt, loader, Schedule(cfg.lr, cfg.warmup), vset)
 
 
 def optimizer_step(s: Setup) -> None:
@@ -229,7 +231,8 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     tell = channel.put if w.rank == 0 else None  # progress, warnings and notes: rank 0 speaks for all
     s = setup(w, cfg, control_group=control_group, on_status=tell and (lambda st: tell({"follow": st})),
               on_warning=tell and (lambda text: tell({"warning": text})))  # fmt: skip
-    best = BestExport(cfg.out, partial(save_serving, s.model, s.dcfg) if tell else lambda where: None)
+    save = partial(s.family.save_serving, s.model, s.dcfg, frozen=(s.embed, s.head))
+    best = BestExport(cfg.out, save if tell else lambda where: None)
     ckpt = Checkpointer(cfg.out, cfg.keep_checkpoints, every=cfg.save_every, top=(s.schedule, s.loader),
                         states={"model": s.model, "optimizer": s.opt, "rng": CpuRng(),
                                 "best_export": best})  # fmt: skip
@@ -243,7 +246,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     if tell:
         _announce(s, tell, ckpt.latest() if state else None)
     throttle = GpuThrottle(w.device.type == "cuda")
-    window = StepWindow(s.model, w.device, w.world_size, wait=lambda: s.loader.wait_seconds)
+    window = StepWindow(s.family.flops(s.model), w.device, w.world_size, wait=lambda: s.loader.wait_seconds)
 
     def validate(step: int) -> None:  # every rank; export/ follows the best validation acceptance
         record = validator.run(s.model, s.embed, s.head, step)
@@ -257,8 +260,8 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
             micro += 1
             last_micro = micro % cfg.grad_accum == 0
             with nullcontext() if last_micro or s.ddp is s.model else s.ddp.no_sync():
-                loss, correct, blocks = train_step(s.ddp, s.embed, s.head, batch, s.dcfg, cfg, s.anchors(batch))
-            window.add(loss, correct, blocks, batch.num_tokens)
+                out = train_step(s.ddp, s.embed, s.head, batch, s.dcfg, cfg, s.anchors(batch))
+            window.add(out, batch.num_tokens)
             s.schedule.consumed(batch.step_tokens)
             trace.batch(batch.epoch, batch.index, batch.sample_index)
             if not last_micro:
@@ -358,21 +361,26 @@ def _sync_grads(model: torch.nn.Module, ddp: torch.nn.Module) -> None:
 
 
 def export(run_dir: Path, out: Path) -> Path:
-    """Write the serving format of a run's latest checkpoint (what vLLM, SGLang and z-lab load). It
-    needs the run directory only: the cache may have moved or been deleted."""
+    """Write the serving format of a run's latest checkpoint (what vLLM, SGLang and z-lab load for
+    DFlash; DeepSpec's layout for DSpark). It needs the run directory only: the cache may have moved
+    or been deleted (a family whose layout carries the target's embedding and LM head takes them
+    from the cache when it is still there, and leaves them to the serving engine otherwise)."""
     record = json.loads((Path(run_dir) / RUN_JSON).read_text())
+    conf = record["config"]
+    cfg = TrainConfig(cache=Path(conf["cache"]), out=Path(run_dir), layers=conf["layers"],
+                      draft_layers=conf["draft_layers"], block_size=conf["block_size"],
+                      drafter=conf.get("drafter", "dflash"))  # fmt: skip
+    family = cfg.family()
     if "drafter" in record:
-        dcfg = DrafterConfig.from_serving_config(record["drafter"])
+        dcfg = family.from_serving_config(record["drafter"])
     else:  # a run directory from before train.json recorded the drafter: its geometry is in the cache
-        conf = record["config"]
-        cfg = TrainConfig(cache=Path(conf["cache"]), out=Path(run_dir), layers=conf["layers"],
-                          draft_layers=conf["draft_layers"], block_size=conf["block_size"])  # fmt: skip
         dcfg = drafter_config(cfg, read_spec(cfg.cache))
     state = Checkpointer(run_dir).load()
     if state is None:
         raise TrainError(f"{run_dir} has no checkpoint yet")
-    model = DFlashDrafter(dcfg)
+    model = family.model(dcfg)
     model.load_state_dict(state["model"])
-    save_serving(model, dcfg, Path(out))
+    frozen = read_frozen(cfg.cache) if (cfg.cache / "frozen.safetensors").is_file() else None
+    family.save_serving(model, dcfg, Path(out), frozen=frozen)
     return Path(out)
 

@@ -16,9 +16,12 @@ Where the samples come from (`ValSet`):
 generators seeded with (seed, VAL_KEY, batch, rank), never the global RNG, so training after a
 validation is bitwise what it would have been without it):
 
-- `val_loss`: the training loss's slot-decayed cross-entropy, pooled over all validation blocks;
-- `val_slot_acc[k-1]`: how often slot k's argmax is the token at anchor + k;
-- `val_accept_len`: per block, 1 + the number of leading draft slots (1, 2, ...) whose argmax
+- `val_loss`: the training loss (the drafter family's objective; DFlash: the slot-decayed
+  cross-entropy), pooled over all validation blocks by their loss weight; and each of the
+  family's named loss terms as `val_<name>` (DSpark: its CE, L1 and confidence terms);
+- `val_slot_acc[i]`: how often the i-th drafted token's argmax is right (DFlash: slot i + 1's,
+  the token at anchor + i + 1);
+- `val_accept_len`: per block, 1 + the number of leading drafted tokens whose argmax
   equals the target token, averaged over blocks. This is what greedy speculative decoding would
   commit per verification step given the cached context: the block's context is the target's own
   hidden states before the anchor (exactly what the target hands the drafter at inference), the
@@ -48,11 +51,14 @@ from dflash_cache.cache.store import committed_units
 from dflash_cache.train.config import run_token_budget
 from dflash_cache.train.loader import Batch, CacheLoader
 from dflash_cache.train.metrics import all_reduce_sums
-from dflash_cache.train.objective import block_metrics, forward_blocks, summarize_metrics
+from dflash_cache.train.objective import block_metrics, summarize_metrics
 
 if TYPE_CHECKING:
+    from dflash_cache.drafters import Output
     from dflash_cache.train.config import TrainConfig
-    from dflash_cache.train.drafter import DrafterConfig
+
+# objective(model, embed, head, batch, generator): the drafter family's, bound to the run's settings
+Objective = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, Batch, torch.Generator], "Output"]
 
 VAL_KEY = 0x7A1  # in the validation anchors' seed, apart from training's (seed, epoch, batch, rank)
 EXPORT, EXPORT_LAST = "export", "export-last"
@@ -73,9 +79,10 @@ def held_out_units(num_units: int, fraction: float) -> frozenset[int]:
     return frozenset(rank[:k])
 
 
-def check_val_cache(train_dir: Path, val_dir: Path, layer_ids: list[int]) -> CacheSpec:
+def check_val_cache(train_dir: Path, val_dir: Path, layer_ids: list[int], final_hidden: bool = False) -> CacheSpec:
     """Refuse a validation cache that is the training cache, comes from other target weights or
-    another tokenizer, or lacks the drafter's layers, naming the field; returns its spec."""
+    another tokenizer, or lacks the drafter's layers (or the final hidden state it trains on),
+    naming the field; returns its spec."""
     train, val = read_spec(train_dir), read_spec(val_dir)
     if Path(train_dir).resolve() == Path(val_dir).resolve() or (train.created, train.data.fingerprint) == (
             val.created, val.data.fingerprint):  # fmt: skip
@@ -84,7 +91,7 @@ def check_val_cache(train_dir: Path, val_dir: Path, layer_ids: list[int]) -> Cac
     if diffs:
         raise SpecError(f"--val-cache {val_dir} does not fit the training cache: " + "; ".join(diffs))
     try:
-        check_drafter_fits(val, layer_ids=layer_ids)
+        check_drafter_fits(val, layer_ids=layer_ids, final_hidden=final_hidden)
     except SpecError as e:
         raise SpecError(f"--val-cache {val_dir}: {e}") from None
     return val
@@ -99,13 +106,13 @@ class ValSet:
 
     @classmethod
     def choose(cls, train_cache: Path, spec: CacheSpec, *, fraction: float = 0.0, val_cache: Path | None = None,
-               layer_ids: list[int]) -> ValSet | None:  # fmt: skip
+               layer_ids: list[int], final_hidden: bool = False) -> ValSet | None:  # fmt: skip
         """The set `--val-fraction`/`--val-cache` ask for, checked; None without validation, or when
         the cache has a single unit to hold out from."""
         if val_cache is not None and fraction > 0:
             raise SpecError("--val-cache and --val-fraction: choose one")
         if val_cache is not None:
-            check_val_cache(train_cache, val_cache, layer_ids)
+            check_val_cache(train_cache, val_cache, layer_ids, final_hidden)
             return cls(Path(val_cache))
         held = held_out_units(spec.plan.num_units, fraction)
         return cls(Path(train_cache), held) if held else None
@@ -138,30 +145,36 @@ class Validator:
     """Validation every `every` steps over a `ValSet`, on every DDP rank (each takes its share of
     the batches; the sums are reduced), returning a metrics record.
 
-    `loader(units)` opens a loader restricted to the given units (see `open_loader`). It is opened
-    once, and again only when more validation units have committed since (a followed cache)."""
+    `objective` is the drafter family's, bound to the run's settings (each rank's own loss
+    normalisation: validation sums across ranks itself). `loader(units)` opens a loader restricted
+    to the given units (see `open_loader`). It is opened once, and again only when more validation
+    units have committed since (a followed cache)."""
 
-    def __init__(self, vset: ValSet, *, every: int, block_size: int, mask_token_id: int, max_anchors: int,
-                 gamma: float | None, loss_chunk: int, seed: int, rank: int,
+    def __init__(self, vset: ValSet, *, every: int, objective: Objective, seed: int, rank: int,
                  loader: Callable[[frozenset[int]], CacheLoader]):  # fmt: skip
         self.vset, self.every, self.seed, self.rank = vset, every, seed, rank
-        self.objective = {"block_size": block_size, "mask_token_id": mask_token_id, "max_anchors": max_anchors,
-                          "gamma": gamma, "loss_chunk": loss_chunk}  # fmt: skip
+        self.objective = objective
         self.open_loader = loader
         self.loader: CacheLoader | None = None
         self.units: frozenset[int] = frozenset()
 
     @classmethod
-    def of(cls, vset: ValSet, cfg: TrainConfig, dcfg: DrafterConfig, *, rank: int, world_size: int,
+    def of(cls, vset: ValSet, cfg: TrainConfig, dcfg: Any, *, rank: int, world_size: int,
            device: torch.device) -> Validator:  # fmt: skip
-        """The validator of a training run: its objective, seed, batch size and readers, every
-        `val_every` steps (default: every `save_every`, so each checkpoint follows a validation)."""
+        """The validator of a training run: its family's objective, seed, batch size and readers,
+        every `val_every` steps (default: every `save_every`, so each checkpoint follows a
+        validation)."""
+        family = cfg.family()
         budget = run_token_budget(cfg, dcfg, read_spec(cfg.cache), device)  # the training batches' size
         loader = partial(open_loader, vset, layer_ids=dcfg.target_layer_ids, token_budget=budget, seed=cfg.seed,
-                         rank=rank, world_size=world_size, device=device, readers=cfg.readers)  # fmt: skip
-        return cls(vset, every=cfg.val_every or cfg.save_every, block_size=dcfg.block_size,
-                   mask_token_id=dcfg.mask_token_id, max_anchors=cfg.max_anchors, gamma=cfg.gamma,
-                   loss_chunk=cfg.loss_chunk, seed=cfg.seed, rank=rank, loader=loader)  # fmt: skip
+                         rank=rank, world_size=world_size, device=device, readers=cfg.readers,
+                         final_hidden=family.needs_final_hidden)  # fmt: skip
+
+        def objective(model, embed, head, batch, generator):  # noqa: ANN001, ANN202 - Objective
+            return family.objective(model, embed, head, batch, dcfg, cfg, generator)
+
+        return cls(vset, every=cfg.val_every or cfg.save_every, objective=objective, seed=cfg.seed, rank=rank,
+                   loader=loader)  # fmt: skip
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -177,28 +190,37 @@ class Validator:
     def run(self, model: torch.nn.Module, embed: torch.Tensor, head: torch.Tensor, step: int) -> dict[str, Any]:
         """Validate `model` (the module itself, not its DDP wrapper) at `step`; every rank calls it."""
         t0 = time.perf_counter()
-        B, device = self.objective["block_size"], embed.device
-        empty = torch.zeros(0, B, device=device)
+        device = embed.device
+        empty = torch.zeros(0, model.config.block_size, device=device)
         sums = {k: v.clone() for k, v in block_metrics(empty.bool(), empty).items()}
+        # name -> [numerator, denominator]; every rank validates as many batches (the loader deals
+        # them evenly), so every rank has the same terms to reduce
+        terms: dict[str, torch.Tensor] = {}
         pooled = torch.zeros(4, dtype=torch.float64, device=device)  # loss x weight, weight, samples, tokens
+        first = 1
         training = model.training
         model.eval()
         try:
             for i, batch in enumerate(self._batches()):
-                loss, correct, blocks = forward_blocks(model, embed, head, batch, **self.objective,
-                                                       generator=val_generator(self.seed, i, self.rank))  # fmt: skip
+                out = self.objective(model, embed, head, batch, val_generator(self.seed, i, self.rank))
+                blocks, first = out.blocks, out.blocks.first_slot
                 weight = blocks.weights.sum().double()
                 counts = torch.tensor([len(batch.sample_index), batch.num_tokens], device=device)
-                pooled += torch.cat([torch.stack([loss.double() * weight, weight]), counts])
-                for k, v in block_metrics(correct, blocks.weights).items():
+                pooled += torch.cat([torch.stack([out.loss.detach().double() * weight, weight]), counts])
+                for k, v in block_metrics(out.correct, blocks.weights, first).items():
                     sums[k] += v
+                for name, (num, den) in out.terms.items():
+                    pair = torch.stack([num.detach().double(), den.detach().double()])
+                    terms[name] = terms[name] + pair if name in terms else pair
         finally:
             model.train(training)
-        sums["pooled"] = pooled
-        sums = all_reduce_sums(sums)
-        stats = summarize_metrics(sums)
+        sums = all_reduce_sums({**sums, "pooled": pooled, **{f"term.{k}": v for k, v in terms.items()}})
+        stats = summarize_metrics(sums, first)
         loss_w, weight, samples, tokens = sums["pooled"].tolist()
-        return {"step": step, "val_loss": loss_w / weight if weight > 0 else 0.0, "val_slot_acc": stats["slot_acc"],
+        named = {f"val_{k[5:]}": float(v[0] / v[1]) if v[1] > 0 else 0.0 for k, v in sums.items()
+                 if k.startswith("term.")}  # fmt: skip
+        return {"step": step, "val_loss": loss_w / weight if weight > 0 else 0.0, **named,
+                "val_slot_acc": stats["slot_acc"],
                 "val_accept_len": stats["accept_len"], "val_blocks": stats["blocks"], "val_samples": int(samples),
                 "val_tokens": int(tokens), "val_units": len(self.units), "val_seconds": time.perf_counter() - t0,
                 "time": time.time()}  # fmt: skip
@@ -210,13 +232,14 @@ class Validator:
 
 
 def open_loader(vset: ValSet, units: frozenset[int], *, layer_ids: list[int], token_budget: int, seed: int,
-                rank: int, world_size: int, device: torch.device, readers: int = 4) -> CacheLoader:  # fmt: skip
+                rank: int, world_size: int, device: torch.device, readers: int = 4,
+                final_hidden: bool = False) -> CacheLoader:  # fmt: skip
     """A loader of the validation `units` only, not following: one host slot (validation is
-    short and rare), this rank's share of the batches."""
+    short and rare), this rank's share of the batches (and the final hidden state, if asked)."""
     kwargs = {} if vset.units is None else {"units": lambda u: u in units}
     return CacheLoader(vset.cache, layer_ids=layer_ids, token_budget=token_budget, seed=seed, rank=rank,
                        world_size=world_size, device=device, prefetch=0, readers=readers, follow=False,
-                       **kwargs)  # fmt: skip
+                       final_hidden=final_hidden, **kwargs)  # fmt: skip
 
 
 class BestExport:
