@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from dflash_cache import drafters
 from dflash_cache.drafters import Family
-from dflash_cache.generate.slots import SlotCache, slot_attention
 from dflash_cache.drafters.dflash import _rotate
+from dflash_cache.generate.slots import SlotCache, slot_attention
 
 
 def proposer_slot_bytes(model: nn.Module, length: int) -> int:
