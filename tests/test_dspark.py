@@ -260,6 +260,14 @@ def test_train_validates_resumes_and_exports(final_cache, tmp_path):
     assert sorted(p.name for p in export.iterdir()) == ["config.json", "dflash.py", "dspark.py", "model.safetensors"]
     model, cfg, family = drafters.load_serving(export)
     assert family.name == "dspark" and cfg.markov_rank == 16 and type(model) is DSparkDrafter
+    # dflash eval decodes it as any family: the target's greedy output, steps of up to B + 1 tokens
+    from dflash_cache.app_config import EvalConfig
+    from dflash_cache.evaluate import evaluate
+
+    r = evaluate(EvalConfig(target=str(TINY_TARGET), drafter=export, data=str(ROOT / "data" / "prompts.jsonl"),
+                            limit=3, max_new_tokens=16))  # fmt: skip
+    assert r.settings["drafter_family"] == "dspark" and all(s["same_as_target"] for s in r.samples)
+    assert len(r.histogram) == 8 and sum(r.histogram) == r.steps
     # a changed DSpark setting is another run
     with pytest.raises(TrainError, match="markov_rank"):
         train(_cfg(final_cache, whole, max_steps=8, markov_rank=8))
@@ -317,23 +325,37 @@ def test_refusals(final_cache, tmp_path, tiny_cache):
         "DFlashDraftModel"]
 
 
-def test_propose_is_evaluates_for_dflash():
-    """The family-generic batch-1 proposer (drafters.propose) gives DFlash's proposals exactly as
-    evaluate.propose does (greedy), and DSpark's B of them."""
-    from dflash_cache import evaluate
+def test_block_proposer_drafts_as_the_training_forward_does():
+    """generate's BlockProposer (each row's context keys and values written into its slots, the
+    block attending to them) drafts, for both families, what the family's `draft` makes of the
+    model's training forward over one block whose context is every position before it; DFlash
+    drafts B - 1 tokens a block, DSpark B."""
     from dflash_cache.drafters.dflash import DFlashDrafter
+    from dflash_cache.generate import BlockProposer
+    from dflash_cache.generate.requests import Chooser
+    from dflash_cache.train.objective import BlockLayout
 
     torch.manual_seed(0)
     dcfg = DrafterConfig.from_target(GEOMETRY, target_layer_ids=[1, 3, 5], mask_token_id=V - 1, num_draft_layers=2,
                                      block_size=6)  # fmt: skip
-    model = DFlashDrafter(dcfg).eval()
     embed, head = torch.nn.Embedding(V, H), torch.nn.Linear(H, V, bias=False)
-    ctx = torch.randn(13, 3 * H)
-    with torch.no_grad():
-        want, _ = evaluate.propose(model, dcfg, ctx, 17, 13, block_size=6, embed=embed, head=head)
-        got, probs = drafters.propose(drafters.family("dflash"), model, dcfg, ctx, 17, 13, embed=embed, head=head)
-        assert got == want and len(got) == 5 and probs is None
-        cfg = small_cfg()
-        drafts, _ = drafters.propose(drafters.family("dspark"), DSparkDrafter(cfg).eval(), cfg, ctx, 17, 13,
-                                     embed=embed, head=head)  # fmt: skip
-    assert len(drafts) == cfg.block_size
+    ctx = torch.randn(20, 3 * H)
+    anchors, last = [13, 7], torch.tensor([17, 4])
+    for name, model, cfg in (("dflash", DFlashDrafter(dcfg).eval(), dcfg), ("dspark", DSparkDrafter(small_cfg()).eval(),
+                                                                            small_cfg())):  # fmt: skip
+        family = drafters.family(name)
+        want = []
+        with torch.no_grad():
+            for a, t in zip(anchors, last.tolist(), strict=True):
+                block = family.block_input(torch.tensor([t]), cfg.block_size, cfg.mask_token_id)
+                layout = BlockLayout.build(torch.tensor([0, a]), torch.zeros(1, dtype=torch.long), torch.tensor([a]),
+                                           cfg.block_size)  # fmt: skip
+                hidden = model(embed(block[0]), ctx[:a], layout, attention="sdpa")
+                drafts, _ = family.draft(model, hidden[None], block, head.weight, Chooser(0.0))
+                want.append(drafts[0])
+            proposer = BlockProposer(model, embed=embed.weight, head=head.weight, slots=2, length=32, family=family)
+            for row, a in enumerate(anchors):
+                proposer.add_context(ctx[None, :a], torch.arange(a)[None], torch.tensor([row]))
+            got, probs = proposer.propose(last, torch.tensor(anchors), Chooser(0.0))
+        assert torch.equal(got, torch.stack(want)) and probs is None
+        assert got.shape[1] == (cfg.block_size - 1 if name == "dflash" else cfg.block_size)

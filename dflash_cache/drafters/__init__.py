@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_cache.drafters.base import FAMILY_KEY, Choose, Family, Output, propose, read_config
+from dflash_cache.drafters.base import FAMILY_KEY, Choose, Family, Output, read_config
 
 _REGISTRY: dict[str, Family] = {}
 

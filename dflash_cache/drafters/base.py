@@ -116,36 +116,6 @@ def choose_each(logits: Tensor, choose: Choose) -> tuple[Tensor, Tensor | None]:
     return tokens, probs
 
 
-def propose(family: Family, model: nn.Module, cfg: Any, context: Tensor, last_token: int, position: int, *,
-            embed: nn.Module, head: nn.Module, temperature: float = 0.0, generator: torch.Generator | None = None,
-            **_: Any) -> tuple[list[int], Tensor | None]:  # fmt: skip
-    """One prompt's proposals after the last committed token at `position` (batch 1): the family's
-    block input, the backbone over one block whose context is every position before it (`context`
-    [position, K*H] of tapped states), the family's `draft`. Returns the drafted tokens and, at
-    temperature > 0, the probabilities [n, V] they were sampled from (None when greedy).
-
-    `evaluate.propose`'s signature (its swap point); a family's drafts are n = B - 1 (DFlash) or B
-    (DSpark) tokens, the i-th for position + 1 + i."""
-    from dflash_cache.train.objective import BlockLayout
-
-    dev = context.device
-    block = family.block_input(torch.tensor([last_token], device=dev), cfg.block_size, cfg.mask_token_id)
-    layout = BlockLayout.build(torch.tensor([0, position], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
-                               torch.tensor([position], device=dev), cfg.block_size)  # fmt: skip
-    # the exact (SDPA) attention path: flex would build a block mask for every one-block step
-    hidden = model(embed(block[0]).to(context.dtype), context, layout, attention="sdpa")
-
-    def choose(logits: Tensor) -> tuple[Tensor, Tensor | None]:
-        if temperature <= 0:
-            return logits.argmax(-1), None
-        q = torch.softmax(logits.float() / temperature, dim=-1)
-        sample_on = q if generator is None else q.to(generator.device)
-        return torch.multinomial(sample_on, 1, generator=generator).squeeze(-1).to(dev), q
-
-    drafts, probs = family.draft(model, hidden[None], block, head.weight, choose)
-    return drafts[0].tolist(), None if probs is None else probs[0]
-
-
 def write_export(out_dir: Path, config: dict, tensors: dict[str, Tensor], modeling_source: Path,
                  modeling_file: str, extra: dict[str, Path] | None = None) -> None:  # fmt: skip
     """Write config.json + model.safetensors + the remote-code modeling file (and `extra` files:
