@@ -196,6 +196,10 @@ class DFlashDraftModel(PreTrainedModel):
     def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
         return output_head(hidden)
 
+    def draft_block(self, hidden: torch.Tensor, block: torch.Tensor, head: nn.Module, pick) -> torch.Tensor:
+        """The drafts [1, B-1] of a block's hidden states [1, B, H]: slots 1..B-1, all at once."""
+        return pick(self.compute_logits(hidden[:, 1:], head))
+
     @torch.inference_mode()
     def spec_generate(
         self,
@@ -208,10 +212,11 @@ class DFlashDraftModel(PreTrainedModel):
     ) -> torch.LongTensor:
         """Speculative decoding of one prompt (batch 1): input_ids [1, n] -> [1, n + new tokens].
 
-        Each step the drafter fills a block [last token, mask x (B-1)], the target verifies it in
-        one forward, and the matching prefix plus the target's own next token is committed. At
-        temperature > 0 the target's tokens are sampled and a draft is kept when it equals the
-        target's sample, so every committed token is the target's sample.
+        Each step the drafter fills a block [last token, mask x (B-1)] and drafts from it
+        (`draft_block`), the target verifies [last token, drafts] in one forward, and the matching
+        prefix plus the target's own next token is committed. At temperature > 0 the target's
+        tokens are sampled and a draft is kept when it equals the target's sample, so every
+        committed token is the target's sample.
         """
         self.eval()
         B, n = self.block_size, input_ids.shape[1]
@@ -223,7 +228,8 @@ class DFlashDraftModel(PreTrainedModel):
         def pick(logits: torch.Tensor) -> torch.Tensor:
             if temperature <= 0:
                 return logits.argmax(-1)
-            return torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1).squeeze(-1)
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
 
         def run_target(ids: torch.Tensor, keep: int = 0):
             out = target(input_ids=ids, use_cache=True, output_hidden_states=True, logits_to_keep=keep,
@@ -241,12 +247,12 @@ class DFlashDraftModel(PreTrainedModel):
             hidden = self(position_ids=positions, noise_embedding=embed(block), target_hidden=context,
                           past_key_values=draft_cache, use_cache=True)  # fmt: skip
             _crop(draft_cache, p)
-            block[0, 1:] = pick(self.compute_logits(hidden[0, 1:], head))
-            logits, states = run_target(block)
+            drafted = self.draft_block(hidden, block, head, pick)
+            logits, states = run_target(torch.cat([block[:, :1], drafted], dim=1))
             verified = pick(logits).tolist()
-            drafts = block[0, 1:].tolist()
+            drafts = drafted[0].tolist()
             a = 0
-            while a < B - 1 and drafts[a] == verified[a]:
+            while a < len(drafts) and drafts[a] == verified[a]:
                 a += 1
             _crop(target_cache, p + a + 1)
             context = states[:, : a + 1]

@@ -20,13 +20,11 @@ prompt with the target verifying each block.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from .dflash import DFlashDraftModel, _crop, _new_cache
+from .dflash import DFlashDraftModel
 
 
 class DSparkMarkovHead(nn.Module):
@@ -109,68 +107,10 @@ class Qwen3DSparkModel(DFlashDraftModel):
             out.append(prev)
         return torch.stack(out, dim=1)
 
-    @torch.inference_mode()
-    def spec_generate(
-        self,
-        target: nn.Module,
-        input_ids: torch.LongTensor,
-        max_new_tokens: int,
-        stop_token_ids: list[int] | None = None,
-        temperature: float = 0.0,
-        **_: object,
-    ) -> torch.LongTensor:
-        """Speculative decoding of one prompt (batch 1): input_ids [1, n] -> [1, n + new tokens].
-
-        Each step the drafter fills a block [last token, mask x (B-1)] and drafts B tokens, the target
-        verifies [last, d_0..d_{B-1}] in one forward, and the matching prefix plus the target's own
-        next token is committed. At temperature > 0 tokens are sampled and a draft is kept when it
-        equals the target's sample, so every committed token is the target's sample."""
-        self.eval()
-        B, n = self.block_size, input_ids.shape[1]
-        stops = set(stop_token_ids or [])
-        embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-        cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-        target_cache, draft_cache = _new_cache(target.config), _new_cache(self.config)
-
-        def pick(logits: torch.Tensor) -> torch.Tensor:
-            if temperature <= 0:
-                return logits.argmax(-1)
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
-            return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).view(probs.shape[:-1])
-
-        def run_target(ids: torch.Tensor, keep: int = 0):
-            out = target(input_ids=ids, use_cache=True, output_hidden_states=True, logits_to_keep=keep,
-                         **{cache_arg: target_cache})  # fmt: skip
-            return out.logits[0], torch.cat([out.hidden_states[i + 1] for i in self.target_layer_ids], dim=-1)
-
-        logits, context = run_target(input_ids, keep=1)
-        new = [int(pick(logits[-1]))]
-        p = n  # position of the last committed token, which the target has not seen yet
-        while len(new) < max_new_tokens and new[-1] not in stops:
-            block = torch.full((1, B), self.mask_token_id, dtype=torch.long, device=input_ids.device)
-            block[0, 0] = new[-1]
-            cached = draft_cache.get_seq_length()
-            positions = torch.arange(cached, p + B, device=input_ids.device).unsqueeze(0)
-            hidden = self(position_ids=positions, noise_embedding=embed(block), target_hidden=context,
-                          past_key_values=draft_cache, use_cache=True)  # fmt: skip
-            _crop(draft_cache, p)
-            drafted = self.sample_draft_tokens(head(hidden), block[:, 0], hidden, pick)
-            logits, states = run_target(torch.cat([block[:, :1], drafted], dim=1))
-            verified = pick(logits).tolist()
-            drafts = drafted[0].tolist()
-            a = 0
-            while a < B and drafts[a] == verified[a]:
-                a += 1
-            _crop(target_cache, p + a + 1)
-            context = states[:, : a + 1]
-            p += a + 1
-            committed = [*drafts[:a], verified[a]][: max_new_tokens - len(new)]
-            for i, t in enumerate(committed):
-                if t in stops:
-                    committed = committed[: i + 1]
-                    break
-            new.extend(committed)
-        return torch.cat([input_ids, torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device)], dim=1)
+    def draft_block(self, hidden: torch.Tensor, block: torch.Tensor, head: nn.Module, pick) -> torch.Tensor:
+        """B drafts [1, B]: every slot's base logits from the LM head, and the Markov head's bias
+        from the token before, slot by slot (``spec_generate`` is the backbone's)."""
+        return self.sample_draft_tokens(head(hidden), block[:, 0], hidden, pick)
 
 
 __all__ = ["Qwen3DSparkModel"]
