@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -22,6 +23,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+
+try:  # whichever dflash_cache is first on PYTHONPATH (two versions side by side); else this checkout's
+    import dflash_cache  # noqa: F401
+except ModuleNotFoundError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cache.bench import QWEN3_8B, lognormal_lengths, shape_of
 from dflash_cache.drafters.dflash import DFlashDrafter, DrafterConfig, StepFlops
