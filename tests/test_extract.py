@@ -70,7 +70,8 @@ def test_every_row_once_and_rejections_recorded(tmp_path):
 def test_kill_and_resume_equals_uninterrupted(tmp_path):
     out = tmp_path / "cache"
     cmd = extract_cmd(CHAT, out, unit_mb=4, token_budget=256)
-    env = {**os.environ, "PYTHONPATH": str(TINY_TARGET.parents[1])}
+    # one thread: a run takes as many as cores are idle when it starts, and sums differ across counts
+    env = {**os.environ, "PYTHONPATH": str(TINY_TARGET.parents[1]), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while len(committed_units(out)) < 2 and time.time() < deadline and proc.poll() is None:

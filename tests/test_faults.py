@@ -48,7 +48,9 @@ from dflash_cache.train.checkpoint import Checkpointer
 KILLS_EXTRACT = 14
 KILLS_TRAIN = 14
 KILLS_REGEN = 14
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+# one thread a process: on a CPU a run takes as many threads as cores are idle when it starts, and
+# results are bitwise the same only for the same number of threads
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def _rows(path: Path, n: int) -> Path:

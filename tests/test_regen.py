@@ -156,7 +156,7 @@ def test_killed_regen_resumes_to_the_same_output(tmp_path):
                 "max_new_tokens=24, part_rows=4, batch_size=4, temperature=0.8, seed=3))")  # fmt: skip
         return [sys.executable, "-c", code]
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # the same threads, the same sums
     ref = tmp_path / "ref.jsonl"
     subprocess.run(cmd(ref), env=env, check=True, capture_output=True)
     out = tmp_path / "out.jsonl"
