@@ -61,7 +61,8 @@ def test_extract_and_train_benchmarks(tmp_path):
 def test_long_extract_benchmark(tmp_path):
     """`--long` builds samples of 16K to 32K tokens (the loader's hardest case)."""
     out = tmp_path / "lx"
-    x = bench.extract(out, config=TINY, num_tokens=40000, unit_mb=1, writers=1, long=True)
+    # two layers: the long samples are what is tested, and each layer costs a quadratic attention on a CPU
+    x = bench.extract(out, config=dict(TINY, num_hidden_layers=2), num_tokens=40000, unit_mb=1, writers=1, long=True)
     assert x["samples"] >= 2 and verify(out) == {} and read_spec(out).plan.num_tokens == x["tokens"]
     assert x["tokens"] / x["samples"] >= bench.LONG_MAX // 2
 

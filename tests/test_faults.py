@@ -7,7 +7,9 @@ checkpoints / parts have committed (often inside the next commit). The kill sche
 seeded `random.Random`, so a failure replays. A kill only counts as landed if the process was still
 running when it was sent; the tests assert that enough of them landed (half for extract and train;
 two for regen, whose tiny runs can finish before a late kill), then let the command finish and
-compare with an uninterrupted run bit for bit.
+compare with an uninterrupted run bit for bit: the cache, the weights and every step's metrics, the
+output rows. They are the suite's kill-and-resume tests of extract and train (test_regen.py kills
+a batched regen once).
 
 Kills per stage: 14 each for extract, train and regen (20 until the suite outgrew its time budget;
 the kill schedules are seeded, so the same moments replay). Every restart pays a few seconds of
@@ -165,6 +167,9 @@ def test_extract_killed_many_times(tmp_path):
     cmd = extract_cmd(data, out)
     landed = kill_and_resume(cmd, random.Random(20261130), KILLS_EXTRACT, lambda: len(committed_units(out)), total)
     assert landed >= 0.5 * KILLS_EXTRACT, f"only {landed} of {KILLS_EXTRACT} kills landed mid-run"
+    assert cmd[-2] == "--token-budget"  # a changed token budget is another plan: refused, naming the field
+    other = subprocess.run([*cmd[:-1], "2048"], env=ENV, capture_output=True, text=True)
+    assert other.returncode == 1 and "plan.token_budget" in other.stderr, other.stderr
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert not any((out / PARTIAL).iterdir())
@@ -225,9 +230,10 @@ def test_train_killed_many_times(small_cache, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
     def losses(run_dir):
-        return [(m["step"], m["loss"]) for m in read_metrics(run_dir) if "loss" in m]
+        return [(m["step"], m["loss"], m["slot_acc"]) for m in read_metrics(run_dir) if "loss" in m]
 
-    assert losses(out) == losses(ref)
+    # every step logged once, with the uninterrupted run's loss and accuracies
+    assert losses(out) == losses(ref) and [m[0] for m in losses(out)] == list(range(1, total + 1))
 
 
 # ------------------------------------------------------------------------------------------- regen

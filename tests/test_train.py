@@ -1,17 +1,13 @@
-"""The train stage against independent computations: an uninterrupted run, replicas of each
-other, the cache's sample list, the pre-export model."""
+"""The train stage against independent computations: replicas of each other, the cache's sample
+list, the pre-export model (killed runs against an uninterrupted one: test_faults.py)."""
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, RecordingSink
+from conftest import RecordingSink
 
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.devices import Worker, flush_denormals, launch, process_group, worker_threads
@@ -48,40 +44,6 @@ def test_training_learns(tiny_cache, tmp_path):
 
 def _state(run_dir):
     return Checkpointer(run_dir).load()["model"]
-
-
-def test_killed_run_resumes_to_identical_weights(tiny_cache, tmp_path):
-    def cmd(out):
-        return [sys.executable, "-m", "cli.main", "train", "--cache", str(tiny_cache), "--out", str(out),
-                "--epochs", "2", "--max-steps", "12", "--token-budget", "512", "--max-anchors", "32",
-                "--save-every", "3", "--log-every", "1"]
-
-    # one thread: on a CPU each run takes as many threads as cores are idle when it starts, and a
-    # float sum over another number of threads differs in its last bits
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    ref = tmp_path / "ref"
-    assert subprocess.run(cmd(ref), env=env, capture_output=True).returncode == 0
-    out = tmp_path / "killed"
-    proc = subprocess.Popen(cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpt = Checkpointer(out)
-    deadline = time.time() + 240
-    while (ckpt.latest() is None or "00000006" > ckpt.latest().name[5:13]) and time.time() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = Checkpointer(out).load()["step"]
-    final = Checkpointer(ref).load()["step"]
-    assert 0 < killed_at < final, "the kill should land mid-run"
-    res = subprocess.run(cmd(out), env=env, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    a, b = _state(out), _state(ref)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-    def losses(run_dir):
-        return [(m["step"], m["loss"], m["slot_acc"]) for m in _metrics(run_dir) if "loss" in m]
-
-    assert losses(out) == losses(ref) and [m[0] for m in losses(out)] == list(range(1, final + 1))
 
 
 def test_ddp_two_processes(tiny_cache, tmp_path):
@@ -149,7 +111,7 @@ def test_worker_threads_split_the_cores_and_are_restored():
     before = torch.get_num_threads()
     all_idle = lambda: float(os.cpu_count())  # noqa: E731 (a machine with every core idle)
     with worker_threads(Worker(0, 2, torch.device("cpu")), idle=all_idle):
-        assert torch.get_num_threads() == max(1, os.cpu_count() // 2)
+        assert torch.get_num_threads() == min(max(1, os.cpu_count() // 2), before)
     with worker_threads(Worker(0, 2, torch.device("cuda", 0)), per_gpu=1):  # no CUDA call is made
         assert torch.get_num_threads() == 1
     with worker_threads(Worker(0, 1, torch.device("cpu")), per_gpu=1, idle=all_idle):  # one process keeps them all
