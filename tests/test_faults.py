@@ -99,7 +99,7 @@ def test_ctrl_c_ends_with_one_line_and_resumes(tmp_path):
     """Ctrl-C (SIGINT to the whole foreground process group, as a terminal sends it) mid-extract,
     writer processes included, ends with one line that says how to resume and exit code 130, and
     the same command then completes the cache. Before, each process printed a traceback."""
-    data = _rows(tmp_path / "rows.jsonl", 160)
+    data = _rows(tmp_path / "rows.jsonl", 80)  # 5 units: the Ctrl-C lands after the first
     out = tmp_path / "cache"
     cmd = extract_cmd(data, out)
     p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

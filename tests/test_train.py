@@ -27,10 +27,11 @@ def _metrics(run_dir):
 
 
 def test_training_learns(tiny_cache, tmp_path):
-    run(_cfg(tiny_cache, tmp_path / "run", epochs=3, lr=3e-3, token_budget=2048, max_anchors=64, log_every=5))
+    run(_cfg(tiny_cache, tmp_path / "run", epochs=3, lr=3e-3, token_budget=2048, max_anchors=64, log_every=5,
+             draft_layers=2))
     steps = [m for m in _metrics(tmp_path / "run") if "loss" in m]
     first, last = steps[0], steps[-1]
-    # measured with these seeds: loss 5.9 -> 3.8, slot-1 accuracy 0.08 -> 0.18 (a random drafter: ~0)
+    # measured with these seeds (2 draft layers): loss 5.9 -> 4.1, slot-1 accuracy 0.06 -> 0.16 (a random drafter: ~0)
     assert last["loss"] < first["loss"] - 1.0, (first["loss"], last["loss"])
     assert last["slot_acc"][0] > 1.8 * first["slot_acc"][0], (first["slot_acc"][0], last["slot_acc"][0])
     assert last["accept_len"] > first["accept_len"]
