@@ -63,11 +63,10 @@ def study_config(args: argparse.Namespace, size: int | None):
     import torch
 
     from dflash_cache.demo import DemoConfig
-    from dflash_cache.devices import parse_gpus
 
     cuda = torch.cuda.is_available()
     out = args.out / (f"n{size}" if size else "untrained")
-    gpus = parse_gpus(args.gpus) if args.gpus else ([0] if cuda else None)
+    gpus = args.gpus or ([0] if cuda else None)
     cfg = DemoConfig(out=out, target=args.target, data=args.out / "prompts.jsonl", prompts=args.out / "humaneval.jsonl",
                      rows=size, regen_tokens=args.regen_tokens, regen_batch=args.regen_batch or (512 if cuda else 16),
                      max_new_tokens=args.eval_tokens, eval_prompts=args.eval_prompts, gpus=gpus,
@@ -299,6 +298,12 @@ def main() -> None:
 
     import torch
 
+    from dflash_cache.devices import DeviceError, parse_gpus
+
+    try:  # checked once, before any part starts
+        args.gpus = parse_gpus(args.gpus) if args.gpus else None
+    except DeviceError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available():
         torch.set_flush_denormal(True)
     args.out.mkdir(parents=True, exist_ok=True)
