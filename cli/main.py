@@ -16,6 +16,7 @@ from cli.ui import EvalBar, ExtractBar, Quiet, RegenBar, TrainBar, console, huma
 from dflash_cache.app_config import EvalConfig, RegenConfig
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.interrupts import ignore_from_now
 from dflash_cache.train.config import TrainConfig
 
 app = typer.Typer(no_args_is_help=True, help="Decoupled hidden-state cache for DFlash drafters.",
@@ -63,14 +64,21 @@ def _worker_error(e: BaseException) -> bool:
     return mp is not None and isinstance(e, mp.ProcessRaisedException)
 
 
+_OWN_PROCESS = False  # set by main()
+
+
 def friendly(fn):
     """Print user errors as one line and exit 1; a worker process's error likewise; Ctrl-C as one
-    line that says how to resume, exit 130."""
+    line that says how to resume, exit 130. Once the command has returned, its work is done and
+    reported: a Ctrl-C while the process exits is ignored."""
 
     @wraps(fn)
     def run(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            if _OWN_PROCESS:  # not the app called in-process (tests), whose caller keeps its Ctrl-C
+                ignore_from_now()
+            return result
         except (UserError, FileNotFoundError) as e:
             console.print(f"[red]error:[/red] {e}")
             raise typer.Exit(1) from None
@@ -537,6 +545,10 @@ def bench_eval(
 
 
 def main() -> None:
+    """The `dflash` program: the app, in a process of its own (a Ctrl-C after a command's work is
+    done is then ignored, see `friendly`)."""
+    global _OWN_PROCESS
+    _OWN_PROCESS = True
     app()
 
 

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import socket
-import threading
 import time
 import traceback
 from collections import deque
@@ -19,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash_cache.errors import UserError
+from dflash_cache.interrupts import ready_for_interrupts, starting_children, takes_interrupts
 from dflash_cache.settings import int_list
 
 
@@ -92,24 +91,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def sigint_ignored() -> Iterator[None]:
-    """Processes spawned inside start with Ctrl-C ignored: Python keeps a SIGINT disposition that
-    its parent set, so a Ctrl-C while a child is still importing cannot print a traceback from
-    it. Only the main thread may change signal handlers."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
+def _entry(index: int, fn: Callable, devices: list[torch.device], args: tuple, interruptible: bool) -> None:
+    """A spawned worker: started deaf to Ctrl-C (see launch), it answers it from here on."""
+    ready_for_interrupts(interruptible)  # a KeyboardInterrupt here ends quietly: torch's spawn wrapper swallows it
+    _run(index, fn, devices, args)
 
 
-def _entry(index: int, fn: Callable, devices: list[torch.device], args: tuple, interruptible: bool = False) -> None:
-    if interruptible:  # spawned with Ctrl-C ignored (see launch); from here on it ends this worker
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # quietly: torch's spawn wrapper swallows it
+def _run(index: int, fn: Callable, devices: list[torch.device], args: tuple) -> None:
     worker = Worker(index, len(devices), devices[index], index)
     if worker.device.type == "cuda":
         torch.cuda.set_device(worker.device)
@@ -134,22 +122,22 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(_free_port())
     if len(devices) == 1:
-        _entry(0, fn, devices, args)
+        _run(0, fn, devices, args)
         return
     # The workers import torch, transformers and the stage before they run: a Ctrl-C then would
-    # print a traceback from each. They start with it ignored, and the interrupted parent ends
-    # any that are still starting.
-    interruptible = signal.getsignal(signal.SIGINT) is not signal.SIG_IGN  # not e.g. a `cmd &` of a script
-    with sigint_ignored():
-        context = mp.start_processes(_entry, args=(fn, devices, args, interruptible), nprocs=len(devices),
-                                     join=False, start_method="spawn")  # fmt: skip
+    # print a traceback from each. They start deaf to it (dflash_cache.interrupts), and this
+    # process ends them on Ctrl-C, also on one that came while they were being started.
+    context = None
     try:
+        with starting_children():
+            context = mp.start_processes(_entry, args=(fn, devices, args, takes_interrupts()), nprocs=len(devices),
+                                         join=False, start_method="spawn")  # fmt: skip
         while not context.join():
             pass
     except KeyboardInterrupt:
-        for p in context.processes:
+        for p in context.processes if context is not None else []:
             p.terminate()
-        for p in context.processes:
+        for p in context.processes if context is not None else []:
             p.join()
         raise
 

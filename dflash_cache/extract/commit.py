@@ -37,8 +37,8 @@ import numpy as np
 from dflash_cache.cache.format import RowFormat, UnitArrays
 from dflash_cache.cache.spec import StorageInfo
 from dflash_cache.cache.store import unit_name, write_unit
-from dflash_cache.devices import sigint_ignored
 from dflash_cache.errors import ExtractError
+from dflash_cache.interrupts import ready_for_interrupts, starting_children
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class Committer:
                                                    os.getpid()), daemon=True, name=f"dflash-writer-{i}")  # fmt: skip
             for i in range(writers)
         ]
-        with sigint_ignored():
+        with starting_children():
             for p in self._procs:
                 p.start()
         self._feed: queue.Queue[tuple[Any, _Job] | None] = queue.Queue()
@@ -266,9 +266,9 @@ def _die_with(parent: int) -> None:
 
 def _writer_main(handle, out: str, storage: StorageInfo, jobs, results, parent: int) -> None:
     _die_with(parent)
-    # Ctrl-C reaches the whole process group: the extract process handles it, and a writer ends
+    # Ctrl-C reaches the whole process group: the extract process answers it, and a writer ends
     # with it (above) instead of printing a traceback of its own.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ready_for_interrupts(False)
     buffers = attach(handle)
     while True:
         try:
