@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -151,22 +153,36 @@ def smollm2(tmp_path_factory) -> Path:
     return out
 
 
-def reference_dflash():
-    """z-lab's reference DFlash package (PyPI `dflash` 0.1.0): installed, else its wheel in
-    ROOT/.whl/ put on sys.path (a pure-Python wheel imports as a zip). .ci/run downloads the wheel
-    rather than installing it, since its `dflash` console script would replace ours."""
-    try:
-        import dflash
+WHEELS = ROOT / ".whl"
 
-        if hasattr(dflash, "DFlashDraftModel"):
-            return dflash
-    except ImportError:
-        pass
-    wheels = sorted((ROOT / ".whl").glob("dflash-0.1.0-*.whl"))
+
+def reference_wheel(name: str, version: str) -> Path:
+    """A reference implementation that tests compare with, as a pure-Python wheel on sys.path
+    (imported from the zip, not installed: z-lab's `dflash` would replace our console script).
+    Fetched from PyPI into ROOT/.whl/ without its dependencies (ours) on first use; a skip that
+    says why and how to fetch it by hand when it cannot be."""
+    wheels = sorted(WHEELS.glob(f"{name}-{version}-*.whl"))
     if not wheels:
-        pytest.fail("z-lab's reference DFlash is missing: pip download --no-deps dflash==0.1.0 -d .whl")
-    sys.path.insert(0, str(wheels[0]))
-    sys.modules.pop("dflash", None)
+        WHEELS.mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=WHEELS) as tmp:  # whole wheels only: concurrent workers rename
+            got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                                  f"{name}=={version}", "-d", tmp], capture_output=True, text=True)  # fmt: skip
+            for w in Path(tmp).glob("*.whl"):
+                os.replace(w, WHEELS / w.name)
+        wheels = sorted(WHEELS.glob(f"{name}-{version}-*.whl"))
+        if not wheels:
+            why = (got.stderr.strip().splitlines() or ["no wheel"])[-1]
+            pytest.skip(f"the reference {name} {version} could not be fetched ({why}); "
+                        f"pip download --no-deps {name}=={version} -d .whl")  # fmt: skip
+    if str(wheels[0]) not in sys.path:
+        sys.path.insert(0, str(wheels[0]))
+    return wheels[0]
+
+
+def reference_dflash():
+    """z-lab's reference DFlash package (PyPI `dflash` 0.1.0), from its wheel."""
+    reference_wheel("dflash", "0.1.0")
+    sys.modules.pop("dflash", None)  # our tests may have imported another `dflash` first
     import dflash
 
     return dflash

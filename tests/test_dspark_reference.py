@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import reference_wheel
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_cache import drafters
@@ -53,11 +54,12 @@ def deepspec():
 
 
 def specforge():
+    reference_wheel("specforge", "0.2.0")
     try:
         from specforge.algorithms.common import dflash_family_model
         from specforge.modeling.draft.dspark import DSparkDraftModel
     except ImportError as e:
-        pytest.skip(f"SpecForge is not importable ({e}); pip install --no-deps specforge==0.2.0")
+        pytest.fail(f"SpecForge 0.2.0 does not import from its wheel ({e})")
     return SimpleNamespace(model=dflash_family_model, draft=DSparkDraftModel)
 
 
