@@ -33,12 +33,12 @@ import datasets
 from dflash_cache.extract.chat import (
     DataError,
     RowRejected,
-    _check_generation_markers,
-    _short,
-    _tokenize_text,
+    check_generation_markers,
     check_template_kwargs,
     encode_chat,
+    error_text,
     has_generation_markers,
+    tokenize_text,
 )
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ def _read_source(path: str | Path, cache_dir: str | Path | None, split: str | No
                 return datasets.Dataset(pq.read_table(p))
             return datasets.Dataset.from_parquet(str(p), cache_dir=str(cache_dir))
         except Exception as e:  # pyarrow raises several unrelated types for a bad file
-            raise DataError(f"cannot read Parquet file {p}: {_short(e)}") from e
+            raise DataError(f"cannot read Parquet file {p}: {error_text(e)}") from e
     raise DataError(
         f"unsupported data source {p}: expected a .jsonl, .json or .parquet file, a dataset directory "
         "(saved with datasets' save_to_disk, or a dataset repository) or a hub dataset name"
@@ -199,7 +199,7 @@ def _read_dataset_dir(p: Path, split: str | None) -> datasets.Dataset:
     try:
         loaded = datasets.load_from_disk(str(p))
     except Exception as e:
-        raise DataError(f"cannot load the saved dataset {p}: {_short(e)}") from e
+        raise DataError(f"cannot load the saved dataset {p}: {error_text(e)}") from e
     if isinstance(loaded, datasets.DatasetDict):
         return _pick_split(loaded, split, str(p))
     if split not in (None, "train"):
@@ -259,9 +259,9 @@ def _load_failure(name: str, where: str, split: str, unreachable: bool, hub: boo
     if not hub:
         return (
             f"{name} is a directory neither saved with datasets' save_to_disk (no dataset_dict.json or "
-            f"state.json) nor readable by datasets.load_dataset: {_short(e)}"
+            f"state.json) nor readable by datasets.load_dataset: {error_text(e)}"
         )
-    return f"cannot load {where}: {_short(e)}"
+    return f"cannot load {where}: {error_text(e)}"
 
 
 def _hub_endpoint() -> str:
@@ -314,7 +314,7 @@ def _read_json_array(p: Path) -> list[Any]:
         with open(p, "rb") as f:
             rows = json.loads(f.read().removeprefix(b"\xef\xbb\xbf"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{p} is not valid JSON ({_short(e)}); JSON Lines (.jsonl) tolerates bad lines") from e
+        raise DataError(f"{p} is not valid JSON ({error_text(e)}); JSON Lines (.jsonl) tolerates bad lines") from e
     if not isinstance(rows, list):
         raise DataError(f"{p}: a JSON file must hold one array of rows")
     return rows
@@ -350,7 +350,7 @@ def _parse_raw(raw: bytes, line: int | None) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise RowRejected(f"invalid JSON: {e.msg.removesuffix(' at')} at column {e.colno}{where}") from None
     except ValueError as e:  # e.g. a number too long to convert
-        raise RowRejected(f"invalid JSON: {_short(e)}{where}") from None
+        raise RowRejected(f"invalid JSON: {error_text(e)}{where}") from None
     if not isinstance(row, dict):
         raise RowRejected(f"not a JSON object: got {_json_type(row)}{where}")
     return row
@@ -473,7 +473,7 @@ def encode_row(
             raise RowRejected(f"wrong type: text must be a string, got {_json_type(text)}")
         if not text:
             raise RowRejected("empty text: the text field is empty")
-        ids = _tokenize_text(tokenizer, text, add_special_tokens=True)
+        ids = tokenize_text(tokenizer, text, add_special_tokens=True)
         mask = [1] * len(ids)
     if len(ids) > max_length:
         if not truncate:
@@ -572,7 +572,7 @@ def tokenize(
         shutil.rmtree(final, ignore_errors=True)  # unreadable: build it again
 
     if has_generation_markers(tokenizer):
-        _check_generation_markers(tokenizer, kwargs)  # fail before touching any row
+        check_generation_markers(tokenizer, kwargs)  # fail before touching any row
 
     if not save:
         final = None
