@@ -49,11 +49,33 @@ def _quiet_libraries(
     then answers in under a second instead of paying 2 s of imports."""
     for var, value in _QUIET.items():
         os.environ.setdefault(var, value)
+    _show_data_warnings()
     if "datasets" in sys.modules:  # imported already (the app called in-process): too late for the variables
         sys.modules["datasets"].disable_progress_bars()
     if "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
         sys.modules["transformers"].utils.logging.set_verbosity_error()
+
+
+def _show_data_warnings() -> None:
+    """A warning about the user's input (a JSON file cut short) as one `warning:` line, like the
+    stages' own, instead of Python's file-and-line form; every other warning as Python shows it."""
+    import warnings
+
+    from dflash_cache.extract.chat import DataWarning
+
+    shown = warnings.showwarning
+    if getattr(shown, "dflash", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DataWarning):
+            console.print(f"[yellow]warning:[/yellow] {message}")
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.dflash = True
+    warnings.showwarning = show
 
 
 def _worker_error(e: BaseException) -> bool:

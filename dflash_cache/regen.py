@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +39,7 @@ from dflash_cache.devices import Worker, flush_denormals, launch, worker_threads
 from dflash_cache.extract.data import (
     NO_ASSISTANT,
     DataError,
+    DataWarning,
     RowRejected,
     check_template_kwargs,
     conversation,
@@ -108,8 +110,13 @@ def _conversation(row: dict[str, Any]) -> list[dict[str, Any]] | str:
     return messages if any(m["role"] == "assistant" for m in messages) else NO_ASSISTANT
 
 
-def _read(cfg: RegenConfig):
-    return read_rows(cfg.data, split=cfg.data_split, max_samples=cfg.max_samples)
+def _read(cfg: RegenConfig, *, quiet: bool = False):
+    """The source rows; `quiet` for a worker, whose parent has already said what the rows are (a
+    file cut short warns once a run, not once a process)."""
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore", DataWarning)
+        return read_rows(cfg.data, split=cfg.data_split, max_samples=cfg.max_samples)
 
 
 def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
@@ -196,7 +203,7 @@ def _worker(w: Worker, cfg: RegenConfig, n_parts: int, channel) -> None:
     todo = _todo(cfg, n_parts, w.rank, w.world_size)
     if not todo:
         return
-    rows = _read(cfg)
+    rows = _read(cfg, quiet=True)
     tokenizer = load_tokenizer(cfg.target, cfg.revision)
     model = load_model(cfg.target, w.device, cfg.revision)
     length = cfg.max_length or _row_length(tokenizer, rows, todo, cfg)

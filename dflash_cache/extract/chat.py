@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DataError",
+    "DataWarning",
     "RowRejected",
     "TurnFormat",
     "check_generation_markers",
@@ -51,6 +52,11 @@ _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 class DataError(UserError):
     """A problem with the input as a whole; the message is meant to be printed as one line."""
+
+
+class DataWarning(UserWarning):
+    """Something about the input that the run works around but the user must know (a file cut
+    short); the CLI prints it as one ``warning:`` line."""
 
 
 class RowRejected(Exception):
