@@ -309,13 +309,18 @@ def eval_(
 def _print_eval(r: dict) -> None:
     s = r["settings"]
     kwargs = f", template {json.dumps(s['chat_template_kwargs'])}" if s["chat_template_kwargs"] else ""
-    print(f"{s['prompts']} prompts, B={s['block_size']}, temperature {s['temperature']}{kwargs}, "
+    turns = f" ({s['turn_prompts']} with their later turns)" if s["turn_prompts"] != s["prompts"] else ""
+    print(f"{s['prompts']} prompts{turns}, B={s['block_size']}, temperature {s['temperature']}{kwargs}, "
           f"{s['device']} {s['dtype']}")  # fmt: skip
     for name, value in (("tau/prompt", f"{r['tau_per_prompt']:.3f}"), ("tau (pooled)", f"{r['tau']:.3f}"),
                         ("steps", r["steps"]), ("new tokens", r["new_tokens"]),
                         ("spec tok/s", f"{r['spec_tok_s']:.1f}"), ("target tok/s", f"{r['target_tok_s']:.1f}"),
                         ("speedup", f"{r['speedup']:.2f}x")):  # fmt: skip
         print(f"  {name:<13}{value}")
+    if len(r["turns"]) > 1:
+        for t in r["turns"]:
+            print(f"  turn {t['turn']:<8}tau/prompt {t['tau_per_prompt']:.3f}, pooled {t['tau']:.3f} "
+                  f"({t['prompts']} prompts)")  # fmt: skip
     print("  accept len   " + "  ".join(f"{n}:{c}" for n, c in enumerate(r["histogram"], 1)))
 
 

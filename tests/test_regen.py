@@ -15,8 +15,9 @@ from conftest import CHAT, ROOT, TINY_TARGET, RecordingSink
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dflash_cache.dialogue import REASONING_MARKERS, reply_decoder
 from dflash_cache.errors import UserError
-from dflash_cache.regen import REASONING_MARKERS, RegenConfig, parts_dir, reply_decoder, run
+from dflash_cache.regen import RegenConfig, parts_dir, run
 from dflash_cache.settings import resolve
 
 sys.path.insert(0, str(ROOT / "data"))
@@ -270,3 +271,30 @@ def test_a_conversation_longer_than_the_rows_is_rejected_not_fatal(tmp_path):
     assert summary["rows"] == 1 and summary["rejected"] == 1
     (reason,) = [json.loads(x)["rejected"] for x in (tmp_path / "regen.rejected.jsonl").open()]
     assert "exceed the 64 positions of a row" in reason
+
+
+def test_turns_rows_and_sharegpt_chats_are_answered_turn_by_turn(tmp_path):
+    """MT-Bench's turns rows and a ShareGPT chat of several human turns (one reply pasted from
+    another chat, `chatgpt`): every assistant turn is the target's own greedy reply given its own
+    earlier replies, asked when the reply before it is done; the user turns are kept as written."""
+    mt = [{"question_id": 81, "category": "writing", "turns": ["Name a colour.", "Now name another one."]},
+          {"question_id": 82, "category": "math", "turns": ["What is 2 + 3?"]}]  # fmt: skip
+    chat = {"id": "abc_0", "conversations": [{"from": "human", "value": "Hi."}, {"from": "chatgpt", "value": "old"},
+                                             {"from": "human", "value": "Who are you?"},
+                                             {"from": "gpt", "value": "old too"}]}  # fmt: skip
+    data = tmp_path / "question.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*mt, chat]))
+    out = tmp_path / "regen.jsonl"
+    summary = run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=20, batch_size=2))
+    assert summary["rows"] == 3 and summary["rejected"] == 0
+    got = [json.loads(x)["messages"] for x in out.read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    model = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+    stop = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
+    users = [mt[0]["turns"], mt[1]["turns"], ["Hi.", "Who are you?"]]
+    for messages, asked in zip(got, users, strict=True):
+        assert [m["role"] for m in messages] == ["user", "assistant"] * len(asked)
+        assert [m["content"] for m in messages[::2]] == asked
+        for k in range(1, len(messages), 2):
+            assert messages[k]["content"] == greedy_reply(tok, model, messages[:k], stop, 20)
+    assert "old" not in {m["content"] for m in got[2]}
