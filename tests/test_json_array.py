@@ -184,3 +184,20 @@ def test_extract_and_regen_read_a_cut_short_file_with_one_warning(tmp_path):
     assert summary["rows"] == 3 and summary["rejected"] == 1
     rejected = [json.loads(x) for x in (tmp_path / "regen.rejected.jsonl").read_text().splitlines()]
     assert rejected == [{"rejected": "not a JSON object: got array", "row": 3}]
+
+
+def test_eval_prompts_of_a_cut_short_file_are_its_whole_records(tmp_path):
+    """`dflash eval`'s prompts from a cut file: one per whole record, each the prompt that record
+    gives when written alone as JSON Lines; one warning."""
+    from dflash_cache import evaluate as ev
+
+    records = sharegpt_records(4)
+    path = tmp_path / "cut.json"
+    spans = write_array(path, records)
+    path.write_bytes(path.read_bytes()[: spans[-1][0] + 30])
+    whole = tmp_path / "whole.jsonl"
+    whole.write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    with pytest.warns(D.DataWarning, match=f"the file ends at byte {spans[-1][0] + 30:,}") as seen:
+        got = ev.load_prompts(path, tok)
+    assert len(seen) == 1 and got == ev.load_prompts(whole, tok) and len(got) == 3
