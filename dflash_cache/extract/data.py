@@ -136,7 +136,8 @@ def read_rows(
     JSON text is not parsed here: each row becomes its raw bytes (and line number), parsed one by
     one when it is encoded, so that one bad line (invalid JSON or UTF-8, a value of another type
     than its neighbours) becomes one rejected row instead of a failed load. A JSON file is either
-    one top-level array of rows (read whole, so prefer JSON Lines for big data) or JSON Lines.
+    one top-level array of rows (held in memory, so prefer JSON Lines for big data) or JSON Lines;
+    an array cut short keeps its whole records, with one warning (`json_array`).
 
     With ``cache_dir``, JSON Lines and Parquet rows are written there as Arrow files and
     memory-mapped (what you want for big inputs and ``num_proc``); without it they are held in
