@@ -50,11 +50,33 @@ def _quiet_libraries(
     then answers in under a second instead of paying 2 s of imports."""
     for var, value in _QUIET.items():
         os.environ.setdefault(var, value)
+    _show_data_warnings()
     if "datasets" in sys.modules:  # imported already (the app called in-process): too late for the variables
         sys.modules["datasets"].disable_progress_bars()
     if "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
         sys.modules["transformers"].utils.logging.set_verbosity_error()
+
+
+def _show_data_warnings() -> None:
+    """A warning about the user's input (a JSON file cut short) as one `warning:` line, like the
+    stages' own, instead of Python's file-and-line form; every other warning as Python shows it."""
+    import warnings
+
+    from dflash_cache.extract.chat import DataWarning
+
+    shown = warnings.showwarning
+    if getattr(shown, "dflash", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, DataWarning):
+            console.print(f"[yellow]warning:[/yellow] {message}")
+        else:
+            shown(message, category, filename, lineno, file, line)
+
+    show.dflash = True
+    warnings.showwarning = show
 
 
 def _worker_error(e: BaseException) -> bool:
@@ -295,13 +317,18 @@ def eval_(
 def _print_eval(r: dict) -> None:
     s = r["settings"]
     kwargs = f", template {json.dumps(s['chat_template_kwargs'])}" if s["chat_template_kwargs"] else ""
-    print(f"{s['prompts']} prompts, B={s['block_size']}, temperature {s['temperature']}{kwargs}, "
+    turns = f" ({s['turn_prompts']} with their later turns)" if s["turn_prompts"] != s["prompts"] else ""
+    print(f"{s['prompts']} prompts{turns}, B={s['block_size']}, temperature {s['temperature']}{kwargs}, "
           f"{s['device']} {s['dtype']}")  # fmt: skip
     for name, value in (("tau/prompt", f"{r['tau_per_prompt']:.3f}"), ("tau (pooled)", f"{r['tau']:.3f}"),
                         ("steps", r["steps"]), ("new tokens", r["new_tokens"]),
                         ("spec tok/s", f"{r['spec_tok_s']:.1f}"), ("target tok/s", f"{r['target_tok_s']:.1f}"),
                         ("speedup", f"{r['speedup']:.2f}x")):  # fmt: skip
         print(f"  {name:<13}{value}")
+    if len(r["turns"]) > 1:
+        for t in r["turns"]:
+            print(f"  turn {t['turn']:<8}tau/prompt {t['tau_per_prompt']:.3f}, pooled {t['tau']:.3f} "
+                  f"({t['prompts']} prompts)")  # fmt: skip
     print("  accept len   " + "  ".join(f"{n}:{c}" for n, c in enumerate(r["histogram"], 1)))
 
 
@@ -510,9 +537,9 @@ def bench_regen(
 ) -> None:
     """New tokens/s of the embedded generation engine, eager and CUDA-graphed side by side, beside the
     memory-bandwidth bound (needs a GPU)."""
-    from dflash_cache.generate import bench
+    from dflash_cache import bench_generate
 
-    _print_json(bench.regen(target, shape=shape, data=data, prompts=prompts, prompt_tokens=prompt_tokens,
+    _print_json(bench_generate.regen(target, shape=shape, data=data, prompts=prompts, prompt_tokens=prompt_tokens,
                             max_new_tokens=max_new_tokens, batch_size=batch_size))  # fmt: skip
 
 
@@ -521,27 +548,82 @@ def bench_regen(
 def bench_eval(
     target: str = typer.Option(..., help=_help(EvalConfig, "target")),
     drafter: list[Path] = typer.Option(..., help="Exported drafters to evaluate (repeat the option)."),
-    data: str = typer.Option(..., help=_help(EvalConfig, "data")),
+    benchmarks: str | None = typer.Option(None, help="Comma-separated sets: humaneval, mt-bench, sharegpt (the "
+                                          "held-out slice), each from its PyPI package's file, or prompt files. "
+                                          "Default: humaneval,mt-bench,sharegpt (without --data)."),
+    data: list[str] | None = typer.Option(None, help="A prompt file, as one more set (repeatable)."),
     untrained: bool = typer.Option(False, "--untrained", help="Also a drafter of the first one's shape with random "
                                    "weights."),  # fmt: skip
     max_new_tokens: int = typer.Option(512, help=_help(EvalConfig, "max_new_tokens")),
-    limit: int | None = typer.Option(None, help=_help(EvalConfig, "limit")),
-    batch_size: int | None = typer.Option(None, help=_help(EvalConfig, "batch_size")),
-    json_out: Path | None = typer.Option(None, "--json-out", help="Also write the result here."),
-    as_json: bool = BENCH_JSON,
+    limit: int | None = typer.Option(None, help="Use only the first N prompts of each set."),
+    batch_size: int = typer.Option(1, help=_help(EvalConfig, "batch_size").split(" (default")[0] + "; 1 gives "
+                                   "the single-stream speedup the DFlash paper reports."),  # fmt: skip
+    first_turn: bool = typer.Option(False, "--first-turn", help=_help(EvalConfig, "first_turn")),
+    temperature: float = typer.Option(0.0, help=_help(EvalConfig, "temperature")),
+    chat_template_kwargs: str | None = typer.Option(None, help=_help(EvalConfig, "chat_template_kwargs")),
+    json_out: Path = typer.Option(Path("bench-eval.json"), "--json-out", help="Where the full result is written."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of the table."),
 ) -> None:
-    """dflash eval of each drafter and the target alone on the same prompts: tau, tokens/s, the whole
-    run's seconds, and the target's memory-bandwidth bound."""
+    """Each drafter and the target alone on each benchmark set: tau per prompt and pooled (by turn for
+    MT-Bench), tokens/s and the speedup, in one table (at batch 1 by default), and JSON."""
     import tempfile
 
-    from dflash_cache.generate import bench
+    from dflash_cache import bench_generate, benchsets
+    from dflash_cache.extract.data import check_template_kwargs
 
+    kwargs = check_template_kwargs(chat_template_kwargs)
+    sets = [s.strip() for s in (benchmarks or ("" if data else ",".join(benchsets.SETS))).split(",") if s.strip()]
+    sets += data or []
+    _paths(("output_file", json_out, "--json-out"))
     runs = {d.name if d.name != "export" else d.parent.name: d for d in drafter}
     with tempfile.TemporaryDirectory() as tmp:
         if untrained:
-            runs["untrained"] = bench.untrained_like(drafter[0], Path(tmp) / "untrained")
-        _print_json(bench.evaluation(target, runs, data, max_new_tokens=max_new_tokens, limit=limit,
-                                     batch_size=batch_size, out=json_out))  # fmt: skip
+            runs["untrained"] = bench_generate.untrained_like(drafter[0], Path(tmp) / "untrained")
+        r = bench_generate.evaluation(target, runs, sets, max_new_tokens=max_new_tokens, limit=limit,
+                                      batch_size=batch_size, first_turn=first_turn, temperature=temperature,
+                                      chat_template_kwargs=kwargs or None, out=json_out,
+                                      bars=None if as_json else EvalBar)  # fmt: skip
+    if as_json:
+        print(json.dumps(r, indent=2))
+        return
+    _print_bench_table(r)
+    console.print(f"wrote {json_out}")
+
+
+def _print_bench_table(r: dict) -> None:
+    """bench eval's table on stdout: a row per set and run."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def num(v, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    table = Table(title=f"{r['target']}: batch {r['batch_size']}, temperature {r['temperature']}, up to "
+                        f"{r['max_new_tokens']} new tokens" + (", first turns" if r["first_turn"] else ""))  # fmt: skip
+    for col in ("set", "prompts", "run", "tau/prompt", "tau pooled", "tau/prompt by turn", "tok/s", "speedup"):
+        table.add_column(col, justify="left" if col in ("set", "run") else "right")
+    for row in r["table"]:
+        s = r["sets"][row["set"]]
+        prompts = f"{s['prompts']}" + (f" ({s['turn_prompts']} turns)" if s["turn_prompts"] != s["prompts"] else "")
+        by_turn = " / ".join(f"{t:.2f}" for t in row["tau_by_turn"]) if row["tau_by_turn"] else "-"
+        table.add_row(row["set"], prompts, row["run"], num(row["tau_per_prompt"], ".3f"), num(row["tau"], ".3f"),
+                      by_turn, f"{row['tok_s']:.1f}", f"{row['speedup']:.2f}x")  # fmt: skip
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+
+
+@bench_app.command("sets")
+@friendly
+def bench_sets(
+    out: Path | None = typer.Option(None, help="Also write each set's prompt rows here, and ShareGPT's training "
+                                    "side (the rest, decontaminated) as sharegpt-train.jsonl, for dflash regen."),
+    as_json: bool = BENCH_JSON,
+) -> None:
+    """The benchmark sets that `bench eval` reads: each package file found, its rows, and the rule."""
+    from dflash_cache import benchsets
+
+    if out is not None:
+        _paths(("output_dir", out, "--out"))
+    _print_json(benchsets.describe(out))
 
 
 def main() -> None:

@@ -77,7 +77,8 @@ class RegenConfig:
 class EvalConfig:
     target: str = setting(help=TARGET_HELP)
     drafter: Path = setting(help="Exported drafter (config.json + model.safetensors), e.g. RUN/export.")
-    data: str = setting(help="Prompts: " + DATA_HELP + " Trailing assistant turns are dropped.")
+    data: str = setting(help="Prompts: " + DATA_HELP + " Trailing assistant turns are dropped; a turns row "
+                        "(MT-Bench's question.jsonl) asks each turn after the target's own answer to the one before.")
     max_new_tokens: int = setting(128, "Tokens to generate per prompt.", min=1)
     temperature: float = setting(0.0, "0: greedy; above 0: speculative sampling.", min=0)
     seed: int = setting(0, "Seed of the sampling generators.")
@@ -88,6 +89,8 @@ class EvalConfig:
     chat_template_kwargs: dict[str, Any] | None = setting(
         None, KWARGS_HELP + " The DFlash reference benchmark runs Qwen3 with thinking off.")  # fmt: skip
     data_split: str | None = setting(None, SPLIT_HELP)
+    first_turn: bool = setting(False, "Ask only the first turn of a turns row (DeepSpec's MT-Bench figure); by "
+                               "default every turn is asked, as z-lab's benchmark does.")  # fmt: skip
 
     @staticmethod
     def from_record(data: dict[str, Any], path: Path) -> dict[str, Any]:

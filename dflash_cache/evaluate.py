@@ -23,6 +23,13 @@ Temperature > 0 uses the speculative-sampling rule (Leviathan et al. 2023), whos
 exactly the target's sampling distribution; each prompt's draws are keyed by (seed, prompt index,
 position), so they too are independent of the batch.
 
+A ``turns`` row (MT-Bench's ``question.jsonl``) is a dialogue: its second turn is asked after the
+target's own answer to the first (`dialogue.Dialogue`), as z-lab's benchmark runs MT-Bench; greedy
+speculation gives the target's own answer, so both runs ask the same second turn. The engine is driven
+turn by turn (`dialogue.turn_by_turn`): a turn's request is made when the turn before it completes.
+Every turn is a prompt of its own in ``tau_per_prompt``; ``turns`` reports each turn's figures apart.
+``first_turn`` asks the first turn only (DeepSpec's MT-Bench figure).
+
 The target-alone baseline decodes the same prompts in the same batches, so the speedup is that
 of speculative decoding at this batch size (`--batch-size 1` gives the single-stream figure).
 """
@@ -32,24 +39,21 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from dflash_cache import drafters
 from dflash_cache.app_config import EvalConfig
 from dflash_cache.devices import Worker, flush_denormals, worker_threads
-from dflash_cache.extract.data import (
-    LINE,
-    DataError,
-    RowRejected,
-    check_template_kwargs,
-    conversation,
-    read_rows,
-    source_row,
-)
+from dflash_cache.dialogue import Dialogue, load_dialogues, reply_decoder, turn_by_turn
+from dflash_cache.extract.data import DataError, RowRejected, check_template_kwargs
 from dflash_cache.extract.target import TargetError, first_line, load_tokenizer, stop_token_ids, text_config
 from dflash_cache.generate import (
+    ERROR,
     BlockProposer,
+    Completion,
     Engine,
     Request,
     StopRule,
@@ -71,6 +75,8 @@ __all__ = [
     "tau_per_prompt",
 ]
 
+ANSWER_SLACK = 8  # positions an answer may take beyond its tokens once decoded and rendered again
+
 
 class EvalError(TargetError):
     """A drafter that does not fit the target, or settings that cannot run. A TargetError, so
@@ -82,7 +88,8 @@ class EvalResult:
     """What `dflash eval` reports. histogram[i] counts the steps that committed i+1 tokens.
 
     tau pools all verification steps of all prompts; tau_per_prompt is the mean over prompts of
-    each prompt's own tau (the reference benchmark's figure; see the module docstring)."""
+    each prompt's own tau (the reference benchmark's figure; see the module docstring). Each turn of
+    a dialogue is a prompt; ``turns`` holds the same figures for each turn apart."""
 
     tau: float
     tau_per_prompt: float
@@ -94,6 +101,7 @@ class EvalResult:
     speedup: float
     samples: list[dict]
     settings: dict = field(default_factory=dict)
+    turns: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,49 +141,26 @@ def load_prompts(
     chat_template_kwargs: dict | None = None,
     split: str | None = None,
 ) -> list[list[int]]:
-    """Prompt token ids from the rows `dflash extract` reads (a JSONL / JSON / Parquet file, a
-    saved dataset or a hub dataset name; any form :func:`dflash_cache.extract.data.conversation` reads).
+    """Prompt token ids (each row's first turn) from the rows `dflash extract` reads (a JSONL / JSON /
+    Parquet file, a saved dataset or a hub dataset name; any form `dialogue.Dialogue.of_row` reads).
 
     A conversation goes through the chat template with the generation prompt, and with
     ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``); its trailing assistant turns
     are dropped first, so the training data works as a prompt set, and rows that stop before the
     reply (user-only ``messages``, a ``prompt`` without ``response``) are prompts as they are.
-    ``text`` rows are plain text (special tokens as the tokenizer adds them).
+    ``text`` rows are plain text (special tokens as the tokenizer adds them). A ``turns`` row gives
+    its first turn (the later ones need the target's answers: `evaluate` asks them).
     """
     kwargs = check_template_kwargs(chat_template_kwargs)
-    rows = read_rows(path, split=split, max_samples=limit)
-    prompts: list[list[int]] = []
-    for i, row in enumerate(rows):
-        where = f"{path} row {i}" if row.get(LINE) is None else f"{path} line {row[LINE]}"
-        try:
-            messages = conversation(row, reply_required=False)
-        except RowRejected as e:
-            raise DataError(f"{where}: {e.reason}") from None
-        prompts.append(_encode_prompt(row, messages, tokenizer, kwargs, where))
-    if not prompts:
-        raise DataError(f"{path}: no prompts")
-    return prompts
+    dialogues = load_dialogues(str(path), split=split, limit=limit)
+    return [_first_prompt(d, tokenizer, kwargs, f"{path} row {i}") for i, d in enumerate(dialogues)]
 
 
-def _encode_prompt(row: dict, messages: list[dict] | None, tokenizer, kwargs: dict, where: str) -> list[int]:
-    if messages is not None:
-        while messages and messages[-1]["role"] == "assistant":
-            messages = messages[:-1]
-        if not messages:
-            raise DataError(f"{where}: no message before the assistant's reply")
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-        except Exception as e:  # jinja2 raises many types
-            raise DataError(f"{where}: chat template failed ({first_line(e)})") from None
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        text = source_row(row)["text"]
-        if not isinstance(text, str):
-            raise DataError(f"{where}: text must be a string")
-        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-    if not ids:
-        raise DataError(f"{where}: empty prompt")
-    return [int(t) for t in ids]
+def _first_prompt(dialogue: Dialogue, tokenizer, kwargs: dict, where: str) -> list[int]:
+    try:
+        return dialogue.prompt(tokenizer, kwargs, [])
+    except RowRejected as e:
+        raise DataError(f"{where}: {e.reason}") from None
 
 
 def check_fits(dcfg, target_config: dict) -> None:
@@ -192,8 +177,6 @@ def check_fits(dcfg, target_config: dict) -> None:
         raise EvalError(f"drafter mask_token_id {dcfg.mask_token_id} is outside the target's vocabulary")
 
 
-
-
 def _check(cfg: EvalConfig) -> None:
     if cfg.max_new_tokens < 1:
         raise EvalError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
@@ -204,6 +187,112 @@ def _check(cfg: EvalConfig) -> None:
     drafter = Path(cfg.drafter)
     if not (drafter / "config.json").is_file() or not (drafter / "model.safetensors").is_file():
         raise EvalError(f"--drafter {drafter}: not an exported drafter (needs config.json and model.safetensors)")
+
+
+# ----------------------------------------------------------------------------- the two runs
+
+
+@dataclass
+class _Prompts:
+    """The prompt set as both runs ask it: the dialogues, their first prompts, how to render the
+    later ones and how to seed each request."""
+
+    dialogues: list[Dialogue]
+    first: list[list[int]]
+    tokenizer: Any
+    kwargs: dict
+    max_new_tokens: int
+    seed: int
+
+    def request(self, i: int, k: int, prompt: list[int]) -> Request:
+        # turn 0 keeps the seed of a one-turn prompt; later turns draw other noise (the low 32 bits count)
+        return Request(prompt, self.max_new_tokens, seed=self.seed * 1_000_003 + i + k * 0x9E3779B9, key=(i, k))
+
+    def length(self, room: int) -> int:
+        """Positions a row needs: a dialogue's last prompt with every earlier answer at its longest."""
+        longest = 0
+        for d, first in zip(self.dialogues, self.first, strict=True):
+            n = len(first)
+            if len(d) > 1:
+                n = len(d.prompt(self.tokenizer, self.kwargs, [""] * (len(d) - 1)))
+                n += (len(d) - 1) * (self.max_new_tokens + ANSWER_SLACK)
+            longest = max(longest, n)
+        return longest + self.max_new_tokens + room
+
+
+@dataclass
+class _Run:
+    """One engine's completions by (prompt, turn) and the seconds they took, warm-up excluded."""
+
+    completions: dict[tuple[int, int], Completion]
+    seconds: float
+
+
+def _decode(engine: Engine, prompts: _Prompts, progress, device: torch.device) -> _Run:
+    """Every turn of every dialogue through `engine`, a turn's request made when the turn before it
+    completes, with the target's own answer in its prompt."""
+    decode = reply_decoder(prompts.tokenizer)
+    answers: dict[int, list[str]] = {i: [] for i in range(len(prompts.dialogues))}
+
+    def follow(c: Completion) -> Request | None:
+        i, k = c.request.key
+        if c.finish == ERROR:
+            raise EvalError(f"prompt {i} turn {k + 1}: {c.error}")
+        answers[i].append(decode(c.reply_ids))
+        if k + 1 == len(prompts.dialogues[i]):
+            return None
+        try:
+            return prompts.request(i, k + 1, prompts.dialogues[i].prompt(prompts.tokenizer, prompts.kwargs, answers[i]))
+        except RowRejected as e:
+            raise DataError(f"prompt {i} turn {k + 2}: {e.reason}") from None
+
+    warm = Request(prompts.first[0], min(8, prompts.max_new_tokens), key=-1)  # allocations, kernels, CUDA graphs
+    list(engine.stream([warm]))
+    _sync(device)
+    t0 = time.perf_counter()
+    done = {}
+    for c in turn_by_turn(engine, [prompts.request(i, 0, p) for i, p in enumerate(prompts.first)], follow):
+        done[c.request.key] = c
+        progress(c)
+    _sync(device)
+    return _Run(done, time.perf_counter() - t0)
+
+
+@dataclass
+class _Setup:
+    """The target, the drafter and the engines, sized for the prompts."""
+
+    model: nn.Module
+    dcfg: Any
+    family: Any
+    target: Any
+    proposer: BlockProposer
+    engines: dict[str, Engine]
+    block_size: int
+
+
+def _setup(cfg: EvalConfig, prompts: _Prompts, device: torch.device, baseline: bool) -> _Setup:
+    model = load_model(cfg.target, device)
+    dtype = model.get_input_embeddings().weight.dtype
+    try:
+        drafter, dcfg, family = drafters.load_serving(Path(cfg.drafter), dtype=dtype, device=device)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise EvalError(f"--drafter {cfg.drafter}: cannot load it ({first_line(e)})") from None
+    drafter.eval().requires_grad_(False)
+    check_fits(dcfg, model.config.to_dict())
+    B = cfg.block_size or dcfg.block_size
+    length = prompts.length(B + 1)
+    wanted = min(len(prompts.first), cfg.batch_size or (128 if device.type == "cuda" else 16))
+    slots = fit_slots(wanted, slot_bytes(model, length) + proposer_slot_bytes(drafter, length), device)
+    target = make_target(model, slots, length, dcfg.target_layer_ids)
+    proposer = BlockProposer(drafter, embed=model.get_input_embeddings().weight,
+                             head=model.get_output_embeddings().weight, slots=target.slots, length=length,
+                             block_size=B, family=family)  # fmt: skip
+    stop = StopRule(stop_token_ids(prompts.tokenizer, model))
+    engines = {"spec": Engine(target, stop, temperature=cfg.temperature, proposer=proposer)}
+    if baseline:
+        engines["target"] = Engine(target, stop, temperature=cfg.temperature)
+    return _Setup(model, dcfg, family, target, proposer, engines, B)
 
 
 def evaluate(cfg: EvalConfig, sink: ProgressSink | None = None, *, baseline: bool = True) -> EvalResult:
@@ -219,82 +308,84 @@ def evaluate(cfg: EvalConfig, sink: ProgressSink | None = None, *, baseline: boo
     _check(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(cfg.target)
-    template_kwargs = check_template_kwargs(cfg.chat_template_kwargs)
-    prompts = load_prompts(cfg.data, tokenizer, cfg.limit, template_kwargs, cfg.data_split)  # bad rows fail first
-    model = load_model(cfg.target, device)
-    dtype = model.get_input_embeddings().weight.dtype
-    try:
-        drafter, dcfg, family = drafters.load_serving(Path(cfg.drafter), dtype=dtype, device=device)
-    except (KeyError, ValueError, RuntimeError) as e:
-        raise EvalError(f"--drafter {cfg.drafter}: cannot load it ({first_line(e)})") from None
-    drafter.eval().requires_grad_(False)
-    check_fits(dcfg, model.config.to_dict())
-    B = cfg.block_size or dcfg.block_size
-    length = max(map(len, prompts)) + cfg.max_new_tokens + B + 1
-    wanted = min(len(prompts), cfg.batch_size or (128 if device.type == "cuda" else 16))
-    slots = fit_slots(wanted, slot_bytes(model, length) + proposer_slot_bytes(drafter, length), device)
-    target = make_target(model, slots, length, dcfg.target_layer_ids)
-    proposer = BlockProposer(drafter, embed=model.get_input_embeddings().weight,
-                             head=model.get_output_embeddings().weight, slots=target.slots, length=length,
-                             block_size=B, family=family)  # fmt: skip
-    stop = StopRule(stop_token_ids(tokenizer, model))
-    engines = {"spec": Engine(target, stop, temperature=cfg.temperature, proposer=proposer)}
-    if baseline:
-        engines["target"] = Engine(target, stop, temperature=cfg.temperature)
-    requests = [Request(p, cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + i, key=i) for i, p in enumerate(prompts)]
-
+    kwargs = check_template_kwargs(cfg.chat_template_kwargs)
+    dialogues = load_dialogues(cfg.data, split=cfg.data_split, limit=cfg.limit, first_turn=cfg.first_turn)
+    first = [_first_prompt(d, tokenizer, kwargs, f"{cfg.data} row {i}") for i, d in enumerate(dialogues)]
+    prompts = _Prompts(dialogues, first, tokenizer, kwargs, cfg.max_new_tokens, cfg.seed)  # bad rows fail first
+    setup = _setup(cfg, prompts, device, baseline)
+    total = sum(map(len, dialogues))
     if sink is not None:
-        sink.start(len(prompts) * len(engines), 0)
-    outputs, seconds, per_prompt, decoded = {}, {}, {}, 0
+        sink.start(total * len(setup.engines), 0)
+    per_prompt: dict[tuple[int, int], list[int]] = {}
+    decoded = 0
+
+    def progress(c: Completion) -> None:
+        nonlocal decoded
+        decoded += 1
+        if c.accepted is not None:
+            per_prompt[c.request.key] = c.accepted
+        if sink is not None:
+            sink.update({"prompts": decoded, "tau": tau_per_prompt(list(per_prompt.values()))}, {"prompts": 1})
+
     # a CPU slows down tenfold on denormal activations, and thrashes with more threads than idle cores
     with flush_denormals(device), worker_threads(Worker(0, 1, device)):
         threads = torch.get_num_threads()
-        for name, engine in engines.items():
-            warm = Request(prompts[0], min(8, cfg.max_new_tokens), key=-1)  # allocations, kernels, CUDA graphs
-            list(engine.stream([warm]))
-            _sync(device)
-            t0 = time.perf_counter()
-            outputs[name] = {}
-            for c in engine.stream(requests):
-                outputs[name][c.request.key] = c
-                if name == "spec":
-                    per_prompt[c.request.key] = c.accepted
-                decoded += 1
-                if sink is not None:
-                    sink.update({"prompts": decoded, "tau": tau_per_prompt(list(per_prompt.values()))}, {"prompts": 1})
-            _sync(device)
-            seconds[name] = time.perf_counter() - t0
+        runs = {name: _decode(engine, prompts, progress, device) for name, engine in setup.engines.items()}
     if sink is not None:
         sink.close()
-    spec, ref = outputs["spec"], outputs.get("target")
-    lengths = [spec[i].accepted for i in range(len(prompts))]
-    samples = [{
-        "index": i, "prompt_tokens": len(p), "new_tokens": len(spec[i].ids), "steps": len(lengths[i]),
-        "tau": tau(lengths[i]), "acceptance_lengths": lengths[i], "finish": spec[i].finish,
-        "same_as_target": None if ref is None else spec[i].ids == ref[i].ids,
-        "output": tokenizer.decode(spec[i].ids), "output_ids": spec[i].ids,
-    } for i, p in enumerate(prompts)]  # fmt: skip
-    spec_tokens = sum(len(c.ids) for c in spec.values())
-    target_tokens = sum(len(c.ids) for c in (ref or {}).values())
-    spec_tok_s = spec_tokens / seconds["spec"] if seconds["spec"] > 0 else 0.0
-    target_tok_s = target_tokens / seconds["target"] if ref and seconds["target"] > 0 else 0.0
+    return _result(cfg, setup, prompts, runs, {"device": str(device), "cpu_threads": threads})
+
+
+def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _Run], where: dict) -> EvalResult:
+    spec, ref = runs["spec"], runs.get("target")
+    keys = sorted(spec.completions)  # prompt by prompt, turn by turn
+    samples = [_sample(key, spec.completions[key], ref, prompts.tokenizer) for key in keys]
+    lengths = [s["acceptance_lengths"] for s in samples]
     flat = [n for steps in lengths for n in steps]
+    spec_tokens = sum(s["new_tokens"] for s in samples)
+    target_tokens = sum(len(c.ids) for c in ref.completions.values()) if ref else 0
+    spec_tok_s = spec_tokens / spec.seconds if spec.seconds > 0 else 0.0
+    target_tok_s = target_tokens / ref.seconds if ref and ref.seconds > 0 else 0.0
+    dtype = setup.model.get_input_embeddings().weight.dtype
     return EvalResult(
-        tau=tau(flat), tau_per_prompt=tau_per_prompt(lengths), histogram=histogram(flat, proposer.num_drafts + 1),
-        steps=len(flat),
-        new_tokens=spec_tokens, spec_tok_s=spec_tok_s, target_tok_s=target_tok_s,
+        tau=tau(flat), tau_per_prompt=tau_per_prompt(lengths),
+        histogram=histogram(flat, setup.proposer.num_drafts + 1), steps=len(flat), new_tokens=spec_tokens,
+        spec_tok_s=spec_tok_s, target_tok_s=target_tok_s,
         speedup=spec_tok_s / target_tok_s if target_tok_s > 0 else 0.0, samples=samples,
+        turns=_turns(samples),
         settings={
-            "target": str(cfg.target), "drafter": str(cfg.drafter), "data": str(cfg.data), "prompts": len(prompts),
-            "block_size": B, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-            "seed": cfg.seed, "limit": cfg.limit, "chat_template_kwargs": template_kwargs,
-            "data_split": cfg.data_split, "batch_size": target.slots, "engine": type(target).__name__,
-            "drafter_family": family.name,
-            "device": str(device), "dtype": str(dtype).removeprefix("torch."), "cpu_threads": threads,
-            "target_layer_ids": list(dcfg.target_layer_ids), "target_new_tokens": target_tokens,
-            "spec_seconds": seconds["spec"], "target_seconds": seconds.get("target"),
+            "target": str(cfg.target), "drafter": str(cfg.drafter), "data": str(cfg.data),
+            "prompts": len(prompts.dialogues), "turn_prompts": len(samples), "first_turn": cfg.first_turn,
+            "block_size": setup.block_size, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
+            "seed": cfg.seed, "limit": cfg.limit, "chat_template_kwargs": prompts.kwargs,
+            "data_split": cfg.data_split, "batch_size": setup.target.slots, "engine": type(setup.target).__name__,
+            "drafter_family": setup.family.name, **where, "dtype": str(dtype).removeprefix("torch."),
+            "target_layer_ids": list(setup.dcfg.target_layer_ids), "target_new_tokens": target_tokens,
+            "spec_seconds": spec.seconds, "target_seconds": ref.seconds if ref else None,
         },
     )  # fmt: skip
+
+
+def _sample(key: tuple[int, int], c: Completion, ref: _Run | None, tokenizer) -> dict:
+    i, k = key
+    return {
+        "index": i, "turn": k + 1, "prompt_tokens": len(c.request.prompt), "new_tokens": len(c.ids),
+        "steps": len(c.accepted), "tau": tau(c.accepted), "acceptance_lengths": c.accepted, "finish": c.finish,
+        "same_as_target": None if ref is None else c.ids == ref.completions[key].ids,
+        "output": tokenizer.decode(c.ids), "output_ids": c.ids,
+    }  # fmt: skip
+
+
+def _turns(samples: list[dict]) -> list[dict]:
+    """Each turn's figures (the first turn of every prompt, the second of those that have one, ...)."""
+    out = []
+    for turn in sorted({s["turn"] for s in samples}):
+        mine = [s for s in samples if s["turn"] == turn]
+        lengths = [s["acceptance_lengths"] for s in mine]
+        flat = [n for steps in lengths for n in steps]
+        out.append({"turn": turn, "prompts": len(mine), "tau": tau(flat), "tau_per_prompt": tau_per_prompt(lengths),
+                    "steps": len(flat), "new_tokens": sum(s["new_tokens"] for s in mine)})  # fmt: skip
+    return out
 
 
 def _sync(device: torch.device) -> None:

@@ -28,16 +28,18 @@ import json
 import os
 import shutil
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dflash_cache.app_config import RegenConfig, regen_record
 from dflash_cache.devices import Worker, flush_denormals, launch, worker_threads
+from dflash_cache.dialogue import chat_prompt, reply_decoder, turn_by_turn
 from dflash_cache.extract.data import (
     NO_ASSISTANT,
     DataError,
+    DataWarning,
     RowRejected,
     check_template_kwargs,
     conversation,
@@ -49,6 +51,7 @@ from dflash_cache.generate import (
     ERROR,
     LENGTH,
     Backend,
+    Completion,
     Engine,
     Request,
     StopRule,
@@ -62,7 +65,6 @@ from dflash_cache.progress import ProgressSink, Reporter
 from dflash_cache.settings import plain
 
 REJECTED = "rejected.jsonl"
-REASONING_MARKERS = ("<think>", "</think>")  # kept in a reply even where the tokenizer calls them special
 
 
 def parts_dir(out: Path) -> Path:
@@ -108,8 +110,13 @@ def _conversation(row: dict[str, Any]) -> list[dict[str, Any]] | str:
     return messages if any(m["role"] == "assistant" for m in messages) else NO_ASSISTANT
 
 
-def _read(cfg: RegenConfig):
-    return read_rows(cfg.data, split=cfg.data_split, max_samples=cfg.max_samples)
+def _read(cfg: RegenConfig, *, quiet: bool = False):
+    """The source rows; `quiet` for a worker, whose parent has already said what the rows are (a
+    file cut short warns once a run, not once a process)."""
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore", DataWarning)
+        return read_rows(cfg.data, split=cfg.data_split, max_samples=cfg.max_samples)
 
 
 def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
@@ -196,7 +203,7 @@ def _worker(w: Worker, cfg: RegenConfig, n_parts: int, channel) -> None:
     todo = _todo(cfg, n_parts, w.rank, w.world_size)
     if not todo:
         return
-    rows = _read(cfg)
+    rows = _read(cfg, quiet=True)
     tokenizer = load_tokenizer(cfg.target, cfg.revision)
     model = load_model(cfg.target, w.device, cfg.revision)
     length = cfg.max_length or _row_length(tokenizer, rows, todo, cfg)
@@ -232,8 +239,9 @@ def _seed(seed: int, row: int, turn: int) -> int:
 
 def _regenerate(backend: Backend, tokenizer, rows: list[dict], todo: list[int], cfg: RegenConfig,
                 report: Callable[[dict], None]) -> None:  # fmt: skip
-    """Regenerate the rows of parts `todo`, turn by turn, committing each part when its last row is
-    done. A conversation's next turn goes to the front of the queue, so parts finish in order."""
+    """Regenerate the rows of parts `todo` on-policy, turn by turn (`dialogue.turn_by_turn`): each
+    assistant turn is asked when the one before it is answered, given the target's own earlier
+    replies, and each part is committed when its last row is done."""
     kwargs = check_template_kwargs(cfg.chat_template_kwargs)
     decode = reply_decoder(tokenizer)
     convs = {i: _conversation(rows[i]) for part in todo for i in _part_rows(part, cfg, len(rows))}
@@ -241,53 +249,49 @@ def _regenerate(backend: Backend, tokenizer, rows: list[dict], todo: list[int], 
     remaining = {part: 0 for part in todo}
     truncated: dict[int, bool] = {}
     failed: dict[int, str] = {}
-    queue: deque[Request] = deque()
+    going_on: set[int] = set()  # rows whose next turn is queued
 
-    def request(i: int, k: int) -> Request:
-        text = tokenizer.apply_chat_template(convs[i][:k], add_generation_prompt=True, tokenize=False, **kwargs)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    def request(i: int, after: int) -> Request | None:
+        """Row i's first assistant turn after message `after`; None when it has none left, or when its
+        prompt cannot be rendered (the row then holds the reason)."""
+        k = next((k for k, m in enumerate(convs[i]) if k > after and m["role"] == "assistant"), None)
+        if k is None:
+            return None
+        try:
+            ids = chat_prompt(tokenizer, convs[i][:k], kwargs)
+        except RowRejected as e:
+            convs[i] = e.reason
+            return None
+        going_on.add(i)
         return Request(ids, cfg.max_new_tokens, seed=_seed(cfg.seed, i, k), key=(i, k))
 
-    def next_turn(i: int, after: int) -> int | None:
-        return next((k for k, m in enumerate(convs[i]) if k > after and m["role"] == "assistant"), None)
+    def follow(c: Completion) -> Request | None:
+        i, k = c.request.key
+        going_on.discard(i)
+        if c.finish == ERROR:
+            if not c.retry:
+                convs[i] = c.error
+            return None
+        convs[i][k] = {"role": "assistant", "content": c.text if c.text is not None else decode(c.reply_ids)}
+        truncated[i] = truncated.get(i, False) or c.finish == LENGTH
+        return request(i, k)
 
-    for i, messages in convs.items():
-        if isinstance(messages, list):
-            queue.append(request(i, next_turn(i, -1)))
-            remaining[part_of[i]] += 1
+    first = [r for i, m in convs.items() if isinstance(m, list) and (r := request(i, -1)) is not None]
+    for r in first:
+        remaining[part_of[r.key[0]]] += 1
     for part in todo:
         if not remaining[part]:
             _write_part(part, cfg, convs, truncated, len(rows), report)
-    in_flight = 0
-
-    def feed() -> Iterator[Request | None]:
-        nonlocal in_flight
-        while queue or in_flight:
-            if not queue:
-                yield None
-            elif part_of[queue[0].key[0]] in failed:
-                queue.popleft()
-            else:
-                in_flight += 1
-                yield queue.popleft()
-
-    for c in backend.stream(feed()):
-        in_flight -= 1
-        i, k = c.request.key
-        part = part_of[i]
+    for c in turn_by_turn(backend, first, follow, drop=lambda key: part_of[key[0]] in failed):
+        i, part = c.request.key[0], part_of[c.request.key[0]]
         if c.finish == ERROR and c.retry:
             failed.setdefault(part, c.error)
             report({"failed": c.error})
             continue
-        if c.finish == ERROR:
-            convs[i] = c.error
-        else:
-            convs[i][k] = {"role": "assistant", "content": c.text if c.text is not None else decode(c.reply_ids)}
-            truncated[i] = truncated.get(i, False) or c.finish == LENGTH
+        if c.finish != ERROR:
             report({"tokens": len(c.reply_ids)})
-            if (k := next_turn(i, k)) is not None:
-                queue.appendleft(request(i, k))
-                continue
+        if i in going_on:
+            continue
         remaining[part] -= 1
         if not remaining[part] and part not in failed:
             _write_part(part, cfg, convs, truncated, len(rows), report)
@@ -311,13 +315,3 @@ def _write_part(part: int, cfg: RegenConfig, convs: dict, truncated: dict[int, b
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
     os.replace(tmp, parts / f"part-{part:05d}.jsonl")
     report({"parts": 1, "rows": len(rows)})
-
-
-def reply_decoder(tokenizer) -> Callable[[list[int]], str]:
-    """Generated ids -> reply text: special tokens dropped (as `skip_special_tokens` would), except
-    the reasoning markers, which `skip_special_tokens` drops where they are added as special."""
-    added = tokenizer.added_tokens_decoder
-    drop = (set(tokenizer.all_special_ids) | {i for i, t in added.items() if t.special}) - {
-        i for i, t in added.items() if t.content in REASONING_MARKERS
-    }
-    return lambda ids: tokenizer.decode([t for t in ids if t not in drop], skip_special_tokens=False)

