@@ -84,7 +84,7 @@ class Engine:
     """Continuous batching over `target`'s rows; speculative when given a `proposer`.
 
     `prefill_tokens` bounds a prefill batch (prompt rows times the longest prompt). `graphs`
-    captures the step as a CUDA graph (on CUDA only)."""
+    captures the step as a CUDA graph (on CUDA, for a target that allows it)."""
 
     def __init__(self, target: Target, stop: StopRule, *, temperature: float = 0.0,
                  proposer: BlockProposer | None = None, prefill_tokens: int = 16384,
@@ -99,7 +99,9 @@ class Engine:
         self.seed = torch.zeros(S, dtype=torch.long, device=device)
         self.chooser = Chooser(temperature, self.seed)
         step = self._speculative_step if proposer is not None else self._plain_step
-        self._step = _Graph(step) if graphs and device.type == "cuda" else step
+        # A target whose step runs Python bookkeeping per call (transformers' own cache) is never
+        # captured: a replay would skip it.
+        self._step = _Graph(step) if graphs and device.type == "cuda" and target.graphable else step
         self.rows: list[_Row | None] = [None] * S
         self.steps = 0  # target forwards after the prefill, over the engine's life
 
@@ -201,7 +203,8 @@ class Engine:
         self.steps += 1
         self.pos += counts
         self.last = tokens.gather(1, (counts - 1)[:, None]).squeeze(1)
-        done = [c for i, (t, n) in enumerate(zip(tokens.tolist(), counts.tolist(), strict=True))
+        rows = torch.cat([counts[:, None], tokens], 1).tolist()  # one copy to the host a step
+        done = [c for i, (n, *t) in enumerate(rows)
                 if self.rows[i] is not None and (c := self._commit(i, t[:n], step=True)) is not None]  # fmt: skip
         self._free()
         self.target.keep(self.pos)

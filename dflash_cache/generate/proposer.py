@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from dflash_cache import drafters
 from dflash_cache.drafters import Family
 from dflash_cache.drafters.dflash import _rotate
-from dflash_cache.generate.slots import SlotCache, slot_attention
+from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention
 
 
 def proposer_slot_bytes(model: nn.Module, length: int) -> int:
@@ -54,11 +54,11 @@ class BlockProposer:
         self.num_drafts = 0  # tokens a block drafts: the family's, known from the first proposal
 
     def _kv(self, layer: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """A layer's keys and values [b, kv_heads, T, D] of x [b, T, H] (k_norm, RoPE on the keys)."""
+        """A layer's keys and values [b, T, kv_heads, D] of x [b, T, H] (k_norm, RoPE on the keys)."""
         attn, (b, T, _) = layer.self_attn, x.shape
         k = _rotate(attn.k_norm(attn.k_proj(x).view(b * T, attn.n_kv, attn.head_dim)), *rope)
         v = attn.v_proj(x).view(b, T, attn.n_kv, attn.head_dim)
-        return k.view(b, T, attn.n_kv, -1).transpose(1, 2).to(v.dtype), v.transpose(1, 2)
+        return k.view(b, T, attn.n_kv, -1).to(v.dtype), v
 
     @torch.inference_mode()
     def add_context(self, states: Tensor, positions: Tensor, rows: Tensor | None = None) -> None:
@@ -67,11 +67,11 @@ class BlockProposer:
         m = self.model
         ctx = m.hidden_norm(m.fc(states.to(m.fc.weight.dtype)))
         rope = m._rope(positions.flatten(), ctx.dtype)
+        slot = (torch.arange(ctx.shape[0], device=ctx.device) if rows is None else rows)[:, None]
         for i, layer in enumerate(m.layers):
             k, v = self._kv(layer, ctx, rope)
-            slot = torch.arange(k.shape[0], device=k.device) if rows is None else rows
-            self.cache.k[i].index_put_((slot[:, None], positions), k.transpose(1, 2))
-            self.cache.v[i].index_put_((slot[:, None], positions), v.transpose(1, 2))
+            self.cache.k[i].index_put_((slot, positions), k)
+            self.cache.v[i].index_put_((slot, positions), v)
 
     @torch.inference_mode()
     def propose(self, last: Tensor, positions: Tensor, choose: Callable) -> tuple[Tensor, Tensor | None]:
@@ -84,15 +84,15 @@ class BlockProposer:
         pos = positions[:, None] + torch.arange(B, device=positions.device)
         rope = m._rope(pos.flatten(), x.dtype)
         b = x.shape[0]
+        step = SlotStep(pos, seen=positions + B, causal=False)
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = _rotate(attn.q_norm(attn.q_proj(h).view(b * B, attn.n_heads, attn.head_dim)), *rope)
-            q = q.view(b, B, attn.n_heads, -1).transpose(1, 2)
             k, v = self._kv(layer, h, rope)
-            out = slot_attention(self.cache, i, q.to(v.dtype), k, v, pos, positions + B, attn.head_dim**-0.5,
-                                 causal=False)  # fmt: skip
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, B, -1))
+            out = slot_attention(self.cache, i, q.view(b, B, attn.n_heads, -1).to(v.dtype), k, v, step,
+                                 attn.head_dim**-0.5)  # fmt: skip
+            x = x + attn.o_proj(out.reshape(b, B, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         drafts, probs = self.draft(m, m.norm(x), ids, self.head, choose)
         self.num_drafts = drafts.shape[1]

@@ -8,16 +8,20 @@ re-layout (the stale entries past a row's length are never seen before they are 
 and a row that finishes frees its slot for the next prompt (continuous batching). Nothing is
 allocated per step, so a decode step can be captured in a CUDA graph.
 
-`slot_attention` writes the step's new keys and values at their positions, then lets each row's
+`slot_attention` writes a step's new keys and values at their positions, then lets each row's
 queries see the first `seen[r]` positions of its slot (causally among the step's own tokens, or
 all of them). On a GPU that is flash attention over the padded buffer with per-row key counts
 (`seqused_k`), which reads only each row's used keys, with grouped-query heads as they are; on a
-CPU an SDPA call with the equivalent mask.
+CPU an SDPA call with the equivalent mask. What every layer of a forward shares (positions, key
+counts, flash's sequence offsets) is a `SlotStep`, made once per forward.
+
+Tensors are token-major: queries, keys and values [b, T, heads, head_dim].
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,57 +55,78 @@ _VARLEN_FLASH = _has_varlen_flash()
 _flash_checked = False  # the first flash call is compared with the masked path; a mismatch turns flash off
 
 
-def _flash(query: Tensor, keys: Tensor, values: Tensor, seen: Tensor, causal: bool, scale: float | None) -> Tensor:
-    b, heads, T, d = query.shape
+@dataclass
+class SlotStep:
+    """Where a forward's tokens go and what they see, shared by its layers.
+
+    positions [b, T]: each token's position in its row. rows [b]: the slots written (None: slot i
+    for batch row i). seen [b]: the positions each row's queries see, the step's own included;
+    None for a prefill, whose rows start empty and see only the new tokens, causally (right
+    padding is harmless: a real token never sees the padding after it). causal: a step's own
+    tokens see each other causally (query t sees seen[r] - T + 1 + t positions), else all."""
+
+    positions: Tensor
+    seen: Tensor | None = None
+    rows: Tensor | None = None
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        b, T = self.positions.shape
+        device = self.positions.device
+        self.slot = (torch.arange(b, device=device) if self.rows is None else self.rows)[:, None]
+        if self.seen is not None and self.positions.is_cuda:
+            steps = torch.arange(b + 1, device=device, dtype=torch.int32)
+            self.cu_q, self.step_index = steps * T, steps
+            self.seqused = self.seen.to(torch.int32)
+
+
+def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, value: Tensor, step: SlotStep,
+                   scale: float | None) -> Tensor:  # fmt: skip
+    """Write key/value [b, T, kv_heads, D] of a step's tokens into their slots, then attend;
+    returns [b, T, heads, D] (see `SlotStep` for what each query sees)."""
+    k_buf, v_buf = cache.k[layer], cache.v[layer]
+    k_buf.index_put_((step.slot, step.positions), key.to(k_buf.dtype))
+    v_buf.index_put_((step.slot, step.positions), value.to(v_buf.dtype))
+    if step.seen is None:
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=query.shape[1] > 1, scale=scale,
+                                             enable_gqa=query.shape[2] != key.shape[2])  # fmt: skip
+        return out.transpose(1, 2)
+    keys, values = (k_buf, v_buf) if step.rows is None else (k_buf[step.rows], v_buf[step.rows])
+    d = query.shape[-1]
+    if _VARLEN_FLASH and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and d <= 256:
+        out = _flash(query, keys, values, step, scale)
+        if not _flash_checked:
+            _check_flash(out, _masked(query, keys, values, step, scale))
+        if _VARLEN_FLASH:
+            return out
+    return _masked(query, keys, values, step, scale)
+
+
+def _flash(query: Tensor, keys: Tensor, values: Tensor, step: SlotStep, scale: float | None) -> Tensor:
+    b, T, heads, d = query.shape
     S, L = keys.shape[:2]
-    q = query.transpose(1, 2).reshape(b * T, heads, d)
-    steps = torch.arange(b + 1, device=query.device, dtype=torch.int32)
     out = torch.ops.aten._flash_attention_forward(
-        q, keys.view(S * L, *keys.shape[2:]), values.view(S * L, *values.shape[2:]), steps * T, steps * L, T, L, 0.0,
-        causal and T > 1, False, scale=scale, seqused_k=seen.to(torch.int32),
+        query.reshape(b * T, heads, d), keys.view(S * L, *keys.shape[2:]), values.view(S * L, *values.shape[2:]),
+        step.cu_q, step.step_index * L, T, L, 0.0, step.causal and T > 1, False, scale=scale,
+        seqused_k=step.seqused,
     )[0]  # fmt: skip
-    return out.view(b, T, heads, d).transpose(1, 2)
+    return out.view(b, T, heads, d)
 
 
-def _masked(query: Tensor, keys: Tensor, values: Tensor, seen: Tensor, causal: bool, scale: float | None) -> Tensor:
-    b, heads, T, d = query.shape
+def _masked(query: Tensor, keys: Tensor, values: Tensor, step: SlotStep, scale: float | None) -> Tensor:
+    b, T, heads, d = query.shape
     kv_heads, L = keys.shape[2], keys.shape[1]
-    limit = seen[:, None] - (T - 1 - torch.arange(T, device=seen.device)) if causal else seen[:, None].expand(b, T)
+    seen = step.seen
+    offsets = T - 1 - torch.arange(T, device=seen.device)
+    limit = seen[:, None] - offsets if step.causal else seen[:, None].expand(b, T)
     mask = torch.arange(L, device=seen.device) < limit[:, :, None]  # [b, T, L]
     groups = heads // kv_heads
-    q = query.reshape(b, kv_heads, groups * T, d)  # query head h reads key/value head h // groups
+    q = query.permute(0, 2, 1, 3).reshape(b, kv_heads, groups * T, d)  # query head h reads key/value head h // groups
     k, v = keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3)
     mask = mask[:, None].repeat(1, 1, groups, 1)
     out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
-    return out.reshape(b, heads, T, d)
-
-
-def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, value: Tensor, positions: Tensor,
-                   seen: Tensor | None, scale: float | None, *, causal: bool = True,
-                   rows: Tensor | None = None) -> Tensor:  # fmt: skip
-    """Write key/value [b, kv_heads, T, D] of tokens at `positions` [b, T] into the rows' slots (all
-    slots when `rows` is None, else slots `rows` [b]), then attend; returns [b, heads, T, D].
-
-    seen None: the rows start empty (a prefill), and queries see only the new tokens, causally (right
-    padding is harmless: a real token never sees the padding after it). Otherwise row r's queries
-    see the first seen[r] positions of its slot, the step's own tokens causally when `causal`
-    (query t then sees seen[r] - T + 1 + t of them)."""
-    b, kv_heads, T, d = key.shape
-    slot = torch.arange(b, device=key.device) if rows is None else rows
-    k_buf, v_buf = cache.k[layer], cache.v[layer]
-    k_buf.index_put_((slot[:, None], positions), key.transpose(1, 2).to(k_buf.dtype))
-    v_buf.index_put_((slot[:, None], positions), value.transpose(1, 2).to(v_buf.dtype))
-    if seen is None:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=T > 1, scale=scale,
-                                              enable_gqa=query.shape[1] != kv_heads)  # fmt: skip
-    keys, values = (k_buf, v_buf) if rows is None else (k_buf[rows], v_buf[rows])
-    if _VARLEN_FLASH and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and d <= 256:
-        out = _flash(query, keys, values, seen, causal, scale)
-        if not _flash_checked:
-            _check_flash(out, _masked(query, keys, values, seen, causal, scale))
-        if _VARLEN_FLASH:
-            return out
-    return _masked(query, keys, values, seen, causal, scale)
+    return out.reshape(b, heads, T, d).transpose(1, 2)
 
 
 def _check_flash(flash: Tensor, masked: Tensor) -> None:

@@ -3,9 +3,9 @@ row, and keep what the rows committed.
 
 Two implementations behind one interface (`Target`):
 
-- `SlotTarget` runs a transformers decoder with its attention swapped for `slot_attention`
-  (registered with transformers' AttentionInterface), so every row keeps its own position in a
-  `SlotCache`: many rows decode at once and a decode step can be a CUDA graph. It serves the
+- `SlotTarget` runs a transformers decoder's weights through `decoder.Decoder` over a
+  `SlotCache`, so every row keeps its own position: many rows decode at once, and a decode step
+  is a few compiled kernels a layer that the engine captures as one CUDA graph. It serves the
   model types whose attention is plain causal attention over the cache (`SLOT_MODEL_TYPES`).
 - `CachedTarget` runs any causal LM through its own transformers cache, one row at a time. It is
   the path for everything else, notably hybrid models with linear-attention layers (Qwen3.5,
@@ -23,24 +23,23 @@ import inspect
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflash_cache.extract.target import LayerTaps, text_config
-from dflash_cache.generate.slots import SlotCache, slot_attention
+from dflash_cache.generate.decoder import Decoder
+from dflash_cache.generate.slots import SlotCache, SlotStep
 
-ATTENTION = "dflash_slots"
 # Model types whose every layer is causal softmax attention over the cache with a standard RoPE,
 # checked token for token against transformers' own decoding in the tests.
 SLOT_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
-# Attention implementations that read no cache; the prefill and the steps use them inside sdpa.
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class Target(Protocol):
     slots: int  # rows that decode at once
     length: int  # positions a row may hold
     layer_ids: list[int]
+    graphable: bool  # whether a step may be captured as a CUDA graph and replayed
 
     def prefill(self, rows: list[int], prompts: list[tuple[int, ...]]) -> tuple[Tensor, Tensor | None]:
         """Empty `rows` and run `prompts` into them: (logits at each prompt's last token [k, V],
@@ -69,69 +68,28 @@ def slot_support(model: nn.Module) -> str | None:
     return None
 
 
-class _Step:
-    """What the slot attention of the forward in flight reads (set by `SlotTarget._run`)."""
-
-    cache: SlotCache | None = None
-    positions: Tensor | None = None
-    seen: Tensor | None = None
-    rows: Tensor | None = None
-
-
-_STEP = _Step()
-
-
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # noqa: ANN001
-    """transformers' attention-function signature over the slot cache of the step in flight."""
-    if kwargs.get("sliding_window") or kwargs.get("softcap"):
-        raise NotImplementedError("slot attention has no sliding window or soft cap")
-    out = slot_attention(_STEP.cache, module.layer_idx, query, key, value, _STEP.positions, _STEP.seen, scaling,
-                         rows=_STEP.rows)  # fmt: skip
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION, _attention)
-
-
 class SlotTarget:
-    """A transformers decoder over a `SlotCache` (see the module docstring)."""
+    """A Llama-family decoder over a `SlotCache` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, slots: int, length: int, layer_ids: list[int] | None = None) -> None:
+    graphable = True  # a step allocates nothing and syncs nothing: the engine may capture it
+
+    def __init__(self, model: nn.Module, slots: int, length: int, layer_ids: list[int] | None = None, *,
+                 compile: bool = True) -> None:  # fmt: skip
         why = slot_support(model)
         if why is not None:
             raise ValueError(f"SlotTarget cannot run this model: {why}")
-        _register()
         tc = text_config(model.config.to_dict())
         heads = tc["num_attention_heads"]
         head_dim = tc.get("head_dim") or tc["hidden_size"] // heads
         weight = model.get_input_embeddings().weight
-        self.model, self.base, self.head = model, model.get_decoder(), model.get_output_embeddings()
+        self.model, self.head = model, model.get_output_embeddings().weight
         self.slots, self.length, self.layer_ids = slots, -(-length // 16) * 16, list(layer_ids or [])
         self.cache = SlotCache(tc["num_hidden_layers"], slots, self.length, tc.get("num_key_value_heads") or heads,
                                head_dim, dtype=weight.dtype, device=weight.device)  # fmt: skip
-        self.taps = LayerTaps.of(model, self.layer_ids) if self.layer_ids else None
+        self.decoder = Decoder(model, self.layer_ids, compile=compile)
         self.device = weight.device
 
     @torch.inference_mode()
-    def _run(self, ids: Tensor, positions: Tensor, seen: Tensor | None, rows: Tensor | None
-             ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        """One forward with the slot attention in place of the model's own, for its length only: the
-        model stays usable as it was (a CUDA graph replays the kernels, not this Python)."""
-        config, own = self.model.config, self.model.config._attn_implementation
-        _STEP.cache, _STEP.positions, _STEP.seen, _STEP.rows = self.cache, positions, seen, rows
-        config._attn_implementation = ATTENTION
-        try:
-            with sdpa_kernel(_SDPA_BACKENDS):
-                hidden = self.base(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-        finally:
-            config._attn_implementation = own
-            _STEP.cache = _STEP.positions = _STEP.seen = _STEP.rows = None
-        states = torch.cat(self.taps.take(), dim=-1) if self.taps is not None else None
-        return hidden, states
-
     def prefill(self, rows: list[int], prompts: list[tuple[int, ...]]) -> tuple[Tensor, Tensor | None]:
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         width = int(lengths.max())
@@ -141,15 +99,16 @@ class SlotTarget:
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(width, device=self.device).expand(len(prompts), -1)
-        hidden, states = self._run(ids.to(self.device), positions, None, torch.tensor(rows, device=self.device))
+        step = SlotStep(positions, rows=torch.tensor(rows, device=self.device))
+        hidden, states = self.decoder.forward(ids.to(self.device), self.cache, step)
         last = hidden[torch.arange(len(prompts), device=self.device), lengths - 1]
-        with torch.inference_mode():
-            return self.head(last), states
+        return F.linear(last, self.head), states
 
+    @torch.inference_mode()
     def step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
-        hidden, states = self._run(ids, positions, positions[:, -1] + 1, None)
-        with torch.inference_mode():
-            return self.head(hidden), states
+        step = SlotStep(positions, seen=positions[:, -1] + 1)
+        hidden, states = self.decoder.forward(ids, self.cache, step, compiled=True)
+        return F.linear(hidden, self.head), states
 
     def keep(self, lengths: Tensor) -> None:
         """Nothing to undo: a row's entries past its length are invisible and get overwritten."""
@@ -179,6 +138,9 @@ class CachedTarget:
     """Any causal LM through its own transformers cache, one row (see the module docstring)."""
 
     slots = 1
+    # A step runs transformers' cache code in Python (its lengths, the copy of the recurrent state
+    # to undo a step with): replaying a captured graph would skip that bookkeeping.
+    graphable = False
 
     def __init__(self, model: nn.Module, length: int, layer_ids: list[int] | None = None) -> None:
         self.model, self.length, self.layer_ids = model, length, list(layer_ids or [])

@@ -1,0 +1,75 @@
+"""The slot target's own decoder forward (generate/decoder.py) against transformers' forward of the
+same model: logits at every prefilled and stepped position, and the tapped layers against
+`output_hidden_states`, for each model type it serves (Llama with and without biases, Qwen2's q/k/v
+biases, Qwen3's q/k norms, Mistral). Its fused projections are views of the model's own weights:
+the model's forward is unchanged by them, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dflash_cache.generate.targets import SlotTarget
+
+BASE = {"hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 6,
+        "num_key_value_heads": 2, "vocab_size": 211, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "tie_word_embeddings": False}  # fmt: skip
+MODELS = {
+    "llama": {"model_type": "llama"},
+    "llama-biases": {"model_type": "llama", "attention_bias": True, "mlp_bias": True,
+                     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "qwen2": {"model_type": "qwen2"},
+    "qwen3": {"model_type": "qwen3", "head_dim": 16},
+    "mistral": {"model_type": "mistral", "sliding_window": None},
+}
+LAYERS = [0, 2, 1]  # in any order; not the last layer, whose output_hidden_states entry is after the final norm
+
+
+def model_of(name: str, seed: int = 0):
+    config = AutoConfig.for_model(**{**BASE, **MODELS[name]})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
+    for p in model.parameters():  # biases and norms away from their initial zeros and ones
+        p.add_(torch.randn_like(p) * 0.02)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_slot_forward_is_the_models_forward(name):
+    model = model_of(name)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, BASE["vocab_size"], (2, 19), generator=g)
+    with torch.inference_mode():
+        ref = model(ids, output_hidden_states=True)
+    target = SlotTarget(model, slots=3, length=64, layer_ids=LAYERS)
+    with torch.inference_mode():
+        again = model(ids).logits
+    torch.testing.assert_close(again, ref.logits, rtol=0, atol=0)  # the fused weights are the model's own
+
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    qkv = attn._dflash_qkv[0]
+    assert attn.k_proj.weight.data_ptr() == qkv.data_ptr() + attn.q_proj.weight.numel() * qkv.element_size()
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == mlp._dflash_gate_up[0].untyped_storage().data_ptr()
+
+    # rows 2 and 0 take 11 and 7 prompt tokens, then steps of 3, 1 and 4 tokens each
+    cut = {2: 11, 0: 7}
+    logits, states = target.prefill([2, 0], [tuple(ids[0, :11].tolist()), tuple(ids[1, :7].tolist())])
+    tol = {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(logits, torch.stack([ref.logits[0, 10], ref.logits[1, 6]]), **tol)
+    taps = torch.cat([ref.hidden_states[lid + 1] for lid in LAYERS], -1)
+    torch.testing.assert_close(states[0, :11], taps[0, :11], **tol)
+    torch.testing.assert_close(states[1, :7], taps[1, :7], **tol)
+    for width in (3, 1, 4):
+        positions = torch.zeros(3, width, dtype=torch.long)
+        step_ids = torch.zeros(3, width, dtype=torch.long)
+        for row, src in ((2, 0), (0, 1)):
+            positions[row] = torch.arange(cut[row], cut[row] + width)
+            step_ids[row] = ids[src, cut[row] : cut[row] + width]
+        logits, states = target.step(step_ids, positions)
+        for row, src in ((2, 0), (0, 1)):
+            span = slice(cut[row], cut[row] + width)
+            torch.testing.assert_close(logits[row], ref.logits[src, span], **tol)
+            torch.testing.assert_close(states[row], taps[src, span], **tol)
+            cut[row] += width
