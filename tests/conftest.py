@@ -50,8 +50,10 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids) -> list[i
     reference the generation engine is checked against. The stop token is kept, as ours keeps it."""
     import torch
 
+    device = model.get_input_embeddings().weight.device
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        out = model.generate(torch.tensor([prompt], device=device),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
                              max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(stop_ids),
                              pad_token_id=min(stop_ids), top_p=None, top_k=None, temperature=None)  # fmt: skip
     return out[0, len(prompt) :].tolist()

@@ -1,0 +1,169 @@
+"""Batch-1 decoding on a GPU beside its bound: what one stream of a target decodes per second, and
+what a speculative step costs against a plain one.
+
+    python data/bench_decode.py --shape smollm2-135m --out decode.json
+
+For a random-weight target of a named shape (`dflash_cache.bench.SHAPES`, which never says its stop
+token, so every prompt decodes to --max-new-tokens), one row at a time:
+
+- the target alone through the engine three ways, side by side: eager layers, the step captured as
+  a CUDA graph, and the compiled layers captured (the default on a GPU); tokens/s against the
+  weight-bandwidth bound (bandwidth / weight bytes: every decode step reads every weight once);
+- the cost of a verify step of B+1 tokens against a one-token step, each a replayed graph;
+- a speculative step with a random DFlash drafter of the target's shape (its drafts are rejected,
+  so every step commits one token): its cost over a plain step, which is what a drafter's tau must
+  beat (speedup = tau x plain step / speculative step);
+- a profile of the compiled step: kernels a step launches and their summed time, beside the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
+from dflash_cache.drafters.dflash import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_cache.generate import BlockProposer, Engine, Request, StopRule  # noqa: E402
+from dflash_cache.generate.targets import SlotTarget  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+def timed_stream(engine: Engine, prompts: list[list[int]], max_new: int) -> tuple[float, int, int, list]:
+    list(engine.stream([Request(prompts[0], 16, key=-1)]))  # warm-up: compilation, the graph's capture
+    torch.cuda.synchronize()
+    steps, t0 = engine.steps, time.perf_counter()
+    done = {c.request.key: c.ids for c in engine.stream(Request(p, max_new, key=i) for i, p in enumerate(prompts))}
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    outputs = [done[i] for i in range(len(prompts))]
+    return seconds, sum(map(len, outputs)), engine.steps - steps, outputs
+
+
+def replay_ms(fn, reps: int = 200) -> float:
+    """Median time of `fn` captured as a CUDA graph and replayed (5 runs of `reps` replays)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    return statistics.median(times)
+
+
+def step_costs(target: SlotTarget, context: int, block: int) -> dict:
+    """Replayed-graph time of a one-token step and of a verify step of `block` tokens, one row at
+    position `context`."""
+    target.prefill([0], [tuple(range(3, 3 + context))])
+    out = {}
+    for width in (1, block):
+        ids = torch.randint(0, 1000, (1, width), device=CUDA)
+        positions = (context + torch.arange(width, device=CUDA))[None]
+        out[width] = replay_ms(lambda ids=ids, positions=positions: target.step(ids, positions))
+    return {"decode_step_ms": out[1], f"verify_step_{block}_ms": out[block], "verify_over_decode": out[block] / out[1]}
+
+
+def kernel_profile(target: SlotTarget, context: int, steps: int = 20) -> dict:
+    """Kernels a compiled (not captured) one-token step launches, and their summed GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    target.prefill([0], [tuple(range(3, 3 + context))])
+    ids, positions = torch.tensor([[5]], device=CUDA), torch.tensor([[context]], device=CUDA)
+    for _ in range(3):
+        target.step(ids, positions)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            target.step(ids, positions)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return {"kernels_per_step": len(kernels) / steps, "kernel_us_per_step": sum(by_name.values()),
+            "top_kernels_us": [[name[:90], round(us, 1)] for name, us in top]}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="smollm2-135m")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=150)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    model = random_model(args.shape, CUDA)
+    bw, weights = copy_bandwidth(CUDA), weight_bytes(model)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.config.vocab_size, args.prompt_tokens).tolist() for _ in range(args.prompts)]
+    length = args.prompt_tokens + args.max_new_tokens + args.block_size + 32
+    result: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "bandwidth_GBps": bw / 1e9, "weight_GB": weights / 1e9, "bound_tok_s": bw / weights,
+                    "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
+                    "max_new_tokens": args.max_new_tokens, "engine": {}}  # fmt: skip
+    outputs = {}
+    for name, compile, graphs in (("eager", False, False), ("graphs", False, True), ("compiled graphs", True, True)):
+        target = SlotTarget(model, 1, length, compile=compile)
+        seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([]), graphs=graphs), prompts,
+                                                             args.max_new_tokens)  # fmt: skip
+        result["engine"][name] = {"tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
+                                  "fraction_of_bound": tokens / seconds / result["bound_tok_s"]}  # fmt: skip
+        print(name, json.dumps(result["engine"][name]), flush=True)
+    result["graphs_equal_eager"] = outputs["graphs"] == outputs["eager"]
+    result["compiled_equal_eager"] = outputs["compiled graphs"] == outputs["eager"]
+
+    target = SlotTarget(model, 1, length, compile=True)
+    result["steps"] = step_costs(target, args.prompt_tokens, args.block_size + 1)
+    print("steps", json.dumps(result["steps"]), flush=True)
+    result["profile"] = kernel_profile(target, args.prompt_tokens)
+    print("profile", json.dumps(result["profile"]), flush=True)
+
+    layers = [1, 2, 3, 4, 5][: args.draft_layers] if model.config.num_hidden_layers < 8 else None
+    dcfg = DrafterConfig.from_target(model.config.to_dict(), target_layer_ids=layers, mask_token_id=0,
+                                     num_draft_layers=args.draft_layers, block_size=args.block_size)  # fmt: skip
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(dcfg).to(CUDA, torch.bfloat16).eval().requires_grad_(False)
+    target = SlotTarget(model, 1, length, dcfg.target_layer_ids, compile=True)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    proposer = BlockProposer(drafter, embed=embed, head=head, slots=1, length=length, block_size=args.block_size)
+    seconds, tokens, steps, spec = timed_stream(Engine(target, StopRule([]), proposer=proposer), prompts,
+                                                args.max_new_tokens)  # fmt: skip
+    plain_ms = result["engine"]["compiled graphs"]["ms_per_token"]
+    spec_ms = 1e3 * seconds / steps
+    result["speculative"] = {"draft_layers": args.draft_layers, "block_size": args.block_size,
+                             "tau": tokens / steps, "step_ms": spec_ms, "over_plain_step": spec_ms / plain_ms,
+                             "speedup_at_tau": {t: t * plain_ms / spec_ms for t in (1.6, 2.0, 3.0, 4.0)},
+                             "same_as_target": spec == outputs["compiled graphs"]}  # fmt: skip
+    print("speculative", json.dumps(result["speculative"]), flush=True)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

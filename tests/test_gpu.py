@@ -1,0 +1,255 @@
+"""The code paths that run only on a GPU, each against an independent computation: CUDA graphs of
+the decode and speculative steps against eager steps, the compiled decoder and flash attention over
+the slot cache against their CPU-side references, eval on every family (Llama, Qwen3, Gemma, Qwen3.5
+text and multimodal) with DFlash and DSpark drafters against the target's own greedy decode, fp8
+storage and the compiled drafter's training step against CPU runs, DDP over NCCL.
+
+Marked `gpu` and skipped without CUDA. Run them with `tests/gpu/run` on a GPU machine (see
+docs/reference/testing.md) after any change under generate/, drafters/, the training objective or
+the target loader.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import CHAT, ROOT, TINY_TARGET, extract_config, hf_greedy, read_cache, read_metrics
+from test_evaluate import export_random_drafter
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from dflash_cache.app_config import EvalConfig
+from dflash_cache.cache.spec import read_spec
+from dflash_cache.evaluate import evaluate, load_prompts, stop_token_ids
+from dflash_cache.extract import stage as extract_stage
+from dflash_cache.generate import BlockProposer, Engine, Request, StopRule
+from dflash_cache.generate import slots as slot_module
+from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention
+from dflash_cache.generate.targets import SlotTarget
+from dflash_cache.train import stage as train_stage
+from dflash_cache.train.config import TrainConfig
+
+sys.path.insert(0, str(ROOT / "data"))
+import make_family_targets as fam  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+CUDA = torch.device("cuda")
+FAMILIES = ("llama3", "qwen3", "gemma", "qwen3_5", "qwen3_5_vl")
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def decode(engine: Engine, prompts, max_new: int) -> list[list[int]]:
+    done = {c.request.key: c.ids for c in engine.stream(Request(p, max_new, key=i) for i, p in enumerate(prompts))}
+    return [done[i] for i in range(len(prompts))]
+
+
+# ------------------------------------------------------------------------------ the slot engine
+
+
+def test_slot_attention_flash_equals_the_masked_path():
+    """Flash attention over the padded slot buffers (per-row key counts) against the masked SDPA
+    path in float32, for decode steps, causal verify steps and the drafter's bidirectional block."""
+    assert slot_module._VARLEN_FLASH, "this torch's flash attention takes no per-row key counts"
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    S, L, heads, kv, d = 5, 96, 8, 2, 64
+    for T, causal in ((1, True), (9, True), (9, False)):
+        cache = SlotCache(1, S, L, kv, d, dtype=torch.bfloat16, device=CUDA)
+        cache.k[0].normal_(generator=g)
+        cache.v[0].normal_(generator=g)
+        seen = torch.tensor([T, 17, 40, 77, L], device=CUDA)
+        positions = seen[:, None] - T + torch.arange(T, device=CUDA)
+        q = torch.randn(S, T, heads, d, device=CUDA, generator=g, dtype=torch.bfloat16)
+        k = torch.randn(S, T, kv, d, device=CUDA, generator=g, dtype=torch.bfloat16)
+        v = torch.randn(S, T, kv, d, device=CUDA, generator=g, dtype=torch.bfloat16)
+        step = SlotStep(positions, seen=seen, causal=causal)
+        got = slot_attention(cache, 0, q, k, v, step, d**-0.5).float()
+        ref_cache = SlotCache(1, S, L, kv, d, dtype=torch.float32, device=CUDA)
+        ref_cache.k[0].copy_(cache.k[0])
+        ref_cache.v[0].copy_(cache.v[0])
+        want = slot_module._masked(q.float(), ref_cache.k[0], ref_cache.v[0], step, d**-0.5)
+        err = float((got - want).norm() / want.norm())
+        assert err < 1e-2, (T, causal, err)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    prompts = load_prompts(ROOT / "data" / "prompts.jsonl", tok, limit=6)
+    return tok, prompts
+
+
+def test_slot_engine_on_cuda_is_transformers_greedy_decode(tiny):
+    """float32 on the GPU (the masked attention path, the compiled decoder, graphs on and off)
+    against transformers' generate of the same model on the GPU, token for token."""
+    tok, prompts = tiny
+    model = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).to(CUDA).eval()
+    stop = stop_token_ids(tok, model)
+    want = [hf_greedy(model, p, 24, stop) for p in prompts]
+    target = SlotTarget(model, 4, 256)
+    for graphs in (False, True):
+        assert decode(Engine(target, StopRule(stop), graphs=graphs), prompts, 24) == want, graphs
+
+
+def test_graphs_equal_eager_steps_in_bf16(tiny, tmp_path):
+    """bf16 with flash attention: the captured plain and speculative steps replay the eager steps'
+    kernels, so every token is the same; greedy speculation gives the target's own tokens."""
+    from dflash_cache import drafters
+
+    tok, prompts = tiny
+    model = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.bfloat16).to(CUDA).eval()
+    stop = StopRule(stop_token_ids(tok, model))
+    export = export_random_drafter(tmp_path / "drafter", 6)
+    drafter, dcfg, family = drafters.load_serving(export, dtype=torch.bfloat16, device=CUDA)
+    target = SlotTarget(model, 3, 256, dcfg.target_layer_ids)
+    outputs = {}
+    for graphs in (False, True):
+        plain = decode(Engine(target, stop, graphs=graphs), prompts, 32)
+        embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        proposer = BlockProposer(drafter, embed=embed, head=head, slots=3, length=256, family=family)
+        spec = decode(Engine(target, stop, graphs=graphs, proposer=proposer), prompts, 32)
+        outputs[graphs] = (plain, spec)
+        assert spec == plain, graphs
+    assert outputs[True] == outputs[False]
+
+
+def test_compiled_decoder_equals_the_eager_one():
+    """The compiled halves of a layer against the eager ones on the same bf16 weights: logits of a
+    verify step of 17 tokens and a decode step agree to bf16 rounding."""
+    config = AutoConfig.for_model(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                  num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1000)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(CUDA).eval()
+    target = SlotTarget(model, 2, 128)
+    target.prefill([0, 1], [tuple(range(5, 40)), tuple(range(50, 71))])
+    ids = torch.randint(0, 1000, (2, 17), device=CUDA)
+    positions = torch.tensor([[35], [21]], device=CUDA) + torch.arange(17, device=CUDA)
+    for T in (17, 1):
+        step = SlotStep(positions[:, :T], seen=positions[:, T - 1] + 1)
+        eager, _ = target.decoder.forward(ids[:, :T], target.cache, step)
+        compiled, _ = target.decoder.forward(ids[:, :T], target.cache, step, compiled=True)
+        assert target.decoder.compiled is not target.decoder.eager, "the decoder fell back to eager layers"
+        err = float((compiled.float() - eager.float()).norm() / eager.float().norm())
+        assert err < 2e-2, (T, err)
+
+
+# ------------------------------------------------------------------------ eval on every family
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_run(request, tmp_path_factory) -> dict:
+    """A family's tiny target, a --final-hidden cache of its example rows extracted on the GPU,
+    and a DFlash and a DSpark drafter trained on it there for a few steps."""
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    target = fam.build(family, root / "target")
+    data = write_rows(root / "rows.jsonl", fam.example_rows(family))
+    cache = root / "cache"
+    extract_stage.run(extract_config(cache, target=str(target), data=str(data), unit_mb=1, token_budget=512,
+                                     final_hidden=True, gpus=[0]))  # fmt: skip
+    exports = {}
+    for drafter in ("dflash", "dspark"):
+        train_stage.run(TrainConfig(cache=cache, out=root / drafter, drafter=drafter, epochs=2, token_budget=256,
+                                    max_anchors=8, draft_layers=1, block_size=4, log_every=1, gpus=[0]))  # fmt: skip
+        exports[drafter] = root / drafter / "export"
+    prompts = write_rows(root / "prompts.jsonl", [{"prompt": q} for q in fam.QUESTIONS[:3]])
+    return {"family": family, "target": target, "cache": cache, "exports": exports, "prompts": prompts}
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "dspark"])
+def test_eval_on_cuda_is_the_targets_greedy_decode(family_run, drafter):
+    """dflash eval on the GPU, batched and one row at a time: every reply is the target-alone
+    decode's, token for token, and the same in any batch; a target the slot engine does not run
+    (Gemma's soft-capped attention, the hybrids' recurrent layers) decodes through transformers'
+    cache without a graph, and the target-alone replies equal transformers' generate."""
+    run = family_run
+    results = [evaluate(EvalConfig(target=str(run["target"]), drafter=run["exports"][drafter], data=str(run["prompts"]),
+                                   max_new_tokens=20, batch_size=b)) for b in (None, 1)]  # fmt: skip
+    for r in results:
+        assert r.settings["device"] == "cuda" and all(s["same_as_target"] for s in r.samples)
+        assert r.tau_per_prompt >= 1.0 and r.steps > 0
+    assert [s["output_ids"] for s in results[0].samples] == [s["output_ids"] for s in results[1].samples]
+    if results[0].settings["engine"] == "CachedTarget":
+        from dflash_cache.generate import load_model
+
+        model = load_model(str(run["target"]), CUDA)
+        tok = AutoTokenizer.from_pretrained(run["target"])
+        stop = stop_token_ids(tok, model)
+        for s, p in zip(results[0].samples, load_prompts(run["prompts"], tok), strict=True):
+            assert s["output_ids"] == hf_greedy(model, p, 20, stop)
+
+
+def test_extract_on_cuda_caches_the_targets_hidden_states(family_run):
+    """The GPU's cache against output_hidden_states of the float32 model on the CPU: bf16
+    rounding of bf16 arithmetic (a few per cent), for the taps and the final hidden state."""
+    from dflash_cache.extract.target import load_causal_lm
+
+    run = family_run
+    spec = read_spec(run["cache"])
+    model = load_causal_lm(str(run["target"]), torch.float32).eval()
+    H = spec.target.hidden_size
+    cached = read_cache(run["cache"])
+    for s in sorted(cached)[:3]:
+        bits, ids, _, _ = cached[s]
+        with torch.inference_mode():
+            want = model(input_ids=torch.tensor([ids.tolist()]), output_hidden_states=True).hidden_states
+        got = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).float()
+        for k, lid in enumerate(spec.layers.ids):
+            ref = want[lid + 1][0]
+            err = float((got[:, k * H : (k + 1) * H] - ref).norm() / ref.norm())
+            assert err < 5e-2, (s, lid, err)
+
+
+# -------------------------------------------------------------- storage and training on the GPU
+
+
+def test_fp8_cache_on_cuda_equals_the_cpu_one(tmp_path):
+    """fp8 storage encoded on the GPU against the same extraction on the CPU: the scales agree to
+    bf16 rounding and the decoded rows to within fp8's step."""
+    from dflash_cache.cache.format import decode_hidden
+
+    gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
+    data = write_rows(tmp_path / "rows.jsonl", [json.loads(x) for x in CHAT.read_text().splitlines()[:24]])
+    extract_stage.run(extract_config(gpu, data=str(data), storage="fp8", gpus=[0]))
+    extract_stage.run(extract_config(cpu, data=str(data), storage="fp8"))
+    a, b = read_cache(gpu), read_cache(cpu)
+    assert sorted(a) == sorted(b)
+    K = len(read_spec(cpu).layers.ids)
+    for s in sorted(a):
+        x, y = (decode_hidden(torch.from_numpy(c[s][0]), torch.from_numpy(c[s][3]), K) for c in (a, b))
+        assert float((x - y).norm() / y.norm()) < 0.08, s
+        assert np.array_equal(a[s][1], b[s][1]) and np.array_equal(a[s][2], b[s][2])
+
+
+def test_compiled_training_step_on_cuda_follows_the_cpu_run(tiny_cache, tmp_path):
+    """The drafter's training on the GPU (compiled objective, bf16 autocast) against the same run on
+    the CPU: the same batches give the same first losses to bf16 rounding, and both learn."""
+    runs = {}
+    for name, gpus in (("gpu", [0]), ("cpu", None)):
+        train_stage.run(TrainConfig(cache=tiny_cache, out=tmp_path / name, epochs=1, max_steps=12, token_budget=1024,
+                                    max_anchors=16, draft_layers=2, block_size=8, log_every=1, gpus=gpus))  # fmt: skip
+        runs[name] = [m["loss"] for m in read_metrics(tmp_path / name) if "loss" in m]
+    gpu, cpu = runs["gpu"], runs["cpu"]
+    assert len(gpu) == len(cpu) == 12
+    assert abs(gpu[0] - cpu[0]) / cpu[0] < 2e-2, (gpu[0], cpu[0])
+    assert gpu[-1] < gpu[0] and cpu[-1] < cpu[0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP over NCCL needs two GPUs")
+def test_ddp_over_nccl_trains_and_resumes_on_one_gpu(tiny_cache, tmp_path):
+    """Two NCCL ranks train, and the run resumes on one GPU to the step count asked for (the
+    loader deals the rest of the epoch to the new world size)."""
+    from dflash_cache.train.checkpoint import Checkpointer
+
+    cfg = {"cache": tiny_cache, "out": tmp_path / "run", "epochs": 1, "token_budget": 1024, "max_anchors": 16,
+           "draft_layers": 1, "block_size": 8, "log_every": 1, "save_every": 3}  # fmt: skip
+    train_stage.run(TrainConfig(**cfg, max_steps=3, gpus=[0, 1]))
+    train_stage.run(TrainConfig(**cfg, max_steps=6, gpus=[0]))
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run") if "loss" in m]
+    assert len(losses) == 6 and all(np.isfinite(losses)) and Checkpointer(tmp_path / "run").load()["step"] == 6
