@@ -134,7 +134,7 @@ def test_compiled_decoder_equals_the_eager_one():
         step = SlotStep(positions[:, :T], seen=positions[:, T - 1] + 1)
         eager, _ = target.decoder.forward(ids[:, :T], target.cache, step)
         compiled, _ = target.decoder.forward(ids[:, :T], target.cache, step, compiled=True)
-        assert target.decoder.compiled is not target.decoder.eager, "the decoder fell back to eager layers"
+        assert target.decoder.layers.compiled is not target.decoder.layers.eager, "the layers fell back to eager"
         err = float((compiled.float() - eager.float()).norm() / eager.float().norm())
         assert err < 2e-2, (T, err)
 

@@ -30,8 +30,9 @@ from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """transformers' RMSNorm: the statistics in float32, the weight applied in the input dtype."""
-    h = x.float()
+    """transformers' RMSNorm: the statistics in float32 (float64 stays float64), the weight applied
+    in the input dtype."""
+    h = x if x.dtype == torch.float64 else x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
@@ -82,6 +83,23 @@ class _Layer:
     gate_up_bias: Tensor | None
     down: Tensor
     down_bias: Tensor | None
+    q_rows: int  # the query projection's rows of `qkv`
+
+    @property
+    def into(self) -> tuple:
+        """What `attention_in` takes of this layer."""
+        return self.norm_in, self.qkv, self.qkv_bias, self.q_norm, self.k_norm
+
+    @property
+    def out(self) -> tuple:
+        """What `attention_out` takes of this layer."""
+        return self.o, self.o_bias, self.norm_out, self.gate_up, self.gate_up_bias, self.down, self.down_bias
+
+    @property
+    def kv(self) -> tuple:
+        """What `context_kv` takes of this layer: the k/v rows of the fused projection (a view)."""
+        q = self.q_rows
+        return self.qkv[q:], None if self.qkv_bias is None else self.qkv_bias[q:], self.k_norm
 
     @classmethod
     def of(cls, layer: nn.Module) -> _Layer:
@@ -92,21 +110,22 @@ class _Layer:
         return cls(layer.input_layernorm.weight, qkv, qkv_bias, norm.weight if norm is not None else None,
                    attn.k_norm.weight if norm is not None else None, attn.o_proj.weight, attn.o_proj.bias,
                    layer.post_attention_layernorm.weight, gate_up, gate_up_bias, mlp.down_proj.weight,
-                   mlp.down_proj.bias)  # fmt: skip
+                   mlp.down_proj.bias, attn.q_proj.out_features)  # fmt: skip
 
 
 def attention_in(x: Tensor, norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, q_norm: Tensor | None,
                  k_norm: Tensor | None, cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int
-                 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """x [b, T, H] -> queries [b, T, heads, d], keys and values [b, T, kv_heads, d]. Weights come
-    as plain tensors, so that one compilation serves every layer."""
+                 ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """x [b, T, H] -> queries and keys [b, T, heads + kv_heads, d] (normed, rotated: one tensor,
+    so one kernel), values [b, T, kv_heads, d]. Weights come as plain tensors, so that one
+    compilation serves every layer."""
     b, T, _ = x.shape
     h = F.linear(rms_norm(x, norm, eps), qkv, qkv_bias)
     d = h.shape[-1] // (heads + 2 * kv_heads)
-    q, k, v = h.view(b, T, heads + 2 * kv_heads, d).split([heads, kv_heads, kv_heads], dim=2)
+    qk, v = h.view(b, T, heads + 2 * kv_heads, d).split([heads + kv_heads, kv_heads], dim=2)
     if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
-    return rotate(q, cos, sin), rotate(k, cos, sin), v
+        qk = rms_norm(qk, torch.cat([q_norm.expand(heads, d), k_norm.expand(kv_heads, d)]), eps)
+    return rotate(qk, cos, sin), v
 
 
 def attention_out(x: Tensor, attn: Tensor, o: Tensor, o_bias: Tensor | None, norm: Tensor, gate_up: Tensor,
@@ -118,31 +137,99 @@ def attention_out(x: Tensor, attn: Tensor, o: Tensor, o_bias: Tensor | None, nor
     return x + F.linear(act(gate) * up, down, down_bias)
 
 
+def seam(x: Tensor, attn: Tensor, out: tuple, into: tuple, cos: Tensor, sin: Tensor, eps: float, heads: int,
+         kv_heads: int, act: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Layer i's attention-out and layer i+1's attention-in in one piece (the residual add and the
+    next norm fuse): (the residual stream after layer i, layer i+1's queries and keys, values)."""
+    x = attention_out(x, attn, *out, eps, act)
+    return (x, *attention_in(x, *into, cos, sin, eps, heads, kv_heads))
+
+
+def context_kv(ctx: Tensor, kv: Tensor, kv_bias: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor,
+               eps: float, kv_heads: int) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """A drafter layer's keys and values [b, T, kv_heads, d] of context states ctx [b, T, H]: its
+    k/v projections, k_norm and RoPE on the keys, and no input norm (DFlash's context)."""
+    b, T, _ = ctx.shape
+    k, v = F.linear(ctx, kv, kv_bias).view(b, T, 2 * kv_heads, -1).chunk(2, dim=2)
+    if k_norm is not None:
+        k = rms_norm(k, k_norm, eps)
+    return rotate(k, cos, sin), v
+
+
+class LayerStack:
+    """Llama/Qwen3-style decoder layers of one geometry, run over a `SlotCache`: attention-in,
+    slot attention, and the seams between layers, compiled on a GPU for a step's fixed shapes
+    (`compiled=True`; eager pieces, with a warning, if compilation fails)."""
+
+    def __init__(self, layers: list[nn.Module], *, eps: float, heads: int, kv_heads: int, scale: float,
+                 act: Callable[[Tensor], Tensor], compile: bool) -> None:  # fmt: skip
+        self.layers = [_Layer.of(layer) for layer in layers]
+        self.eps, self.heads, self.kv_heads, self.scale, self.act = eps, heads, kv_heads, scale, act
+        self.eager = {"in": attention_in, "seam": seam, "out": attention_out, "kv": context_kv}
+        self.compiled = self.eager
+        if compile and self.layers[0].qkv.is_cuda:
+            self.compiled = {k: torch.compile(f, dynamic=False) for k, f in self.eager.items()}
+
+    def run(self, x: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False,
+            taps: list[int] | None = None) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
+        """x [b, T, H] through every layer (cos/sin [b, T, d]): the residual stream after the last
+        layer, and after each layer in `taps`."""
+        if compiled and self.compiled is not self.eager:
+            try:
+                return self._run(self.compiled, x, cos, sin, cache, step, taps or [])
+            except Exception as e:  # noqa: BLE001 - a compiler failure: run eagerly, loudly
+                warnings.warn(f"torch.compile of the decoder layers failed ({type(e).__name__}: {str(e)[:200]}); "
+                              "running the eager layers", stacklevel=2)  # fmt: skip
+                self.compiled = self.eager
+        return self._run(self.eager, x, cos, sin, cache, step, taps or [])
+
+    def _run(self, fns: dict, x: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, step: SlotStep,
+             taps: list[int]) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
+        geometry = (self.eps, self.heads, self.kv_heads)
+        qk, v = fns["in"](x, *self.layers[0].into, cos, sin, *geometry)
+        tapped = {}
+        last = len(self.layers) - 1
+        for i, w in enumerate(self.layers):
+            attn = slot_attention(cache, i, qk[:, :, : self.heads], qk[:, :, self.heads :], v, step, self.scale)
+            if i < last:
+                x, qk, v = fns["seam"](x, attn, w.out, self.layers[i + 1].into, cos, sin, *geometry, self.act)
+            else:
+                x = fns["out"](x, attn, *w.out, self.eps, self.act)
+            if i in taps:
+                tapped[i] = x
+        return x, tapped
+
+    def context(self, ctx: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, step: SlotStep, *,
+                compiled: bool = False) -> None:  # fmt: skip
+        """Write every layer's keys and values of context states ctx [b, T, H] at `step`'s slots
+        and positions (a drafter's context: see `context_kv`)."""
+        fn = self.compiled["kv"] if compiled else context_kv
+        for i, w in enumerate(self.layers):
+            k, v = fn(ctx, *w.kv, cos, sin, self.eps, self.kv_heads)
+            cache.k[i].index_put_((step.slot, step.positions), k.to(cache.k[i].dtype))
+            cache.v[i].index_put_((step.slot, step.positions), v.to(cache.v[i].dtype))
+
+
 class Decoder:
     """The decoder of a loaded Llama-family causal LM, run over a `SlotCache` (module docstring).
 
     `forward` returns the final-normed hidden states and, for `layer_ids`, the tapped layers'
     outputs concatenated (layer id l = output of decoder layer l, as `extract.target.LayerTaps`
-    taps it). `compiled` is what a step uses: the compiled halves on a GPU (eager ones if
-    compilation fails, with a warning)."""
+    taps it). A step runs the compiled layers (`compiled=True`)."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, *, compile: bool = True) -> None:
         base = model.get_decoder()
         config = base.config
         self.embed, self.norm, self.rotary = base.embed_tokens.weight, base.norm.weight, base.rotary_emb
         self.eps = float(config.rms_norm_eps)
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        heads = config.num_attention_heads
         first = base.layers[0]
-        self.scale = float(first.self_attn.scaling)
         act = first.mlp.act_fn
-        self.act = F.silu if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" else act
-        self.layers = [_Layer.of(layer) for layer in base.layers]
+        act = F.silu if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" else act
+        self.layers = LayerStack(list(base.layers), eps=self.eps, heads=heads,
+                                 kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                                 scale=float(first.self_attn.scaling), act=act, compile=compile)  # fmt: skip
         self.layer_ids = list(layer_ids or [])
-        self.eager = (attention_in, attention_out)
-        self.compiled = self.eager
-        if compile and self.embed.is_cuda:
-            self.compiled = (torch.compile(attention_in, dynamic=False), torch.compile(attention_out, dynamic=False))
 
     @torch.inference_mode()
     def forward(self, ids: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False
@@ -151,27 +238,6 @@ class Decoder:
         states [b, T, K*H] or None)."""
         x = F.embedding(ids, self.embed)
         cos, sin = self.rotary(x, step.positions)
-        taps = {}
-        for i, w in enumerate(self.layers):
-            x = self._layer(i, x, w, cos, sin, cache, step, compiled)
-            if i in self.layer_ids:
-                taps[i] = x
+        x, taps = self.layers.run(x, cos, sin, cache, step, compiled=compiled, taps=self.layer_ids)
         states = torch.cat([taps[i] for i in self.layer_ids], -1) if self.layer_ids else None
         return rms_norm(x, self.norm, self.eps), states
-
-    def _layer(self, i: int, x: Tensor, w: _Layer, cos: Tensor, sin: Tensor, cache: SlotCache, step: SlotStep,
-               compiled: bool) -> Tensor:  # fmt: skip
-        into, out = self.compiled if compiled else self.eager
-        try:
-            q, k, v = into(x, w.norm_in, w.qkv, w.qkv_bias, w.q_norm, w.k_norm, cos, sin, self.eps, self.heads,
-                           self.kv_heads)  # fmt: skip
-            attn = slot_attention(cache, i, q, k, v, step, self.scale)
-            return out(x, attn, w.o, w.o_bias, w.norm_out, w.gate_up, w.gate_up_bias, w.down, w.down_bias, self.eps,
-                       self.act)  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - a compiler failure: run eagerly, loudly
-            if not compiled or self.compiled is self.eager:
-                raise
-            warnings.warn(f"torch.compile of the decoder failed ({type(e).__name__}: {str(e)[:200]}); "
-                          "decoding with the eager layers", stacklevel=2)  # fmt: skip
-            self.compiled = self.eager
-            return self._layer(i, x, w, cos, sin, cache, step, False)

@@ -22,11 +22,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers.activations import ACT2FN
 
 from dflash_cache import drafters
 from dflash_cache.drafters import Family
-from dflash_cache.drafters.dflash import _rotate
-from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention
+from dflash_cache.generate.decoder import LayerStack
+from dflash_cache.generate.slots import SlotCache, SlotStep
 
 
 def proposer_slot_bytes(model: nn.Module, length: int) -> int:
@@ -37,10 +38,12 @@ def proposer_slot_bytes(model: nn.Module, length: int) -> int:
 
 
 class BlockProposer:
-    """A DFlash-family drafter over `slots` rows of up to `length` positions (module docstring)."""
+    """A DFlash-family drafter over `slots` rows of up to `length` positions (module docstring).
+    Its layers run as `decoder.LayerStack`s do, compiled on a GPU (`compile`)."""
 
     def __init__(self, model: nn.Module, *, embed: Tensor, head: Tensor, slots: int, length: int,
-                 block_size: int | None = None, family: Family | None = None) -> None:  # fmt: skip
+                 block_size: int | None = None, family: Family | None = None,
+                 compile: bool = True) -> None:  # fmt: skip
         cfg = model.config
         family = family or drafters.family("dflash")
         self.model, self.embed, self.head = model, embed, head
@@ -52,26 +55,23 @@ class BlockProposer:
                                dtype=weight.dtype, device=weight.device)  # fmt: skip
         self.slots, self.length = slots, self.cache.length
         self.num_drafts = 0  # tokens a block drafts: the family's, known from the first proposal
-
-    def _kv(self, layer: nn.Module, x: Tensor, rope: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-        """A layer's keys and values [b, T, kv_heads, D] of x [b, T, H] (k_norm, RoPE on the keys)."""
-        attn, (b, T, _) = layer.self_attn, x.shape
-        k = _rotate(attn.k_norm(attn.k_proj(x).view(b * T, attn.n_kv, attn.head_dim)), *rope)
-        v = attn.v_proj(x).view(b, T, attn.n_kv, attn.head_dim)
-        return k.view(b, T, attn.n_kv, -1).to(v.dtype), v
+        act = F.silu if cfg.hidden_act == "silu" else ACT2FN[cfg.hidden_act]
+        self.layers = LayerStack(list(model.layers), eps=cfg.rms_norm_eps, heads=cfg.num_attention_heads,
+                                 kv_heads=cfg.num_key_value_heads, scale=cfg.head_dim**-0.5, act=act,
+                                 compile=compile)  # fmt: skip
 
     @torch.inference_mode()
     def add_context(self, states: Tensor, positions: Tensor, rows: Tensor | None = None) -> None:
         """Tapped target states [b, T, K*H] of the tokens at positions [b, T] of rows `rows` [b]
-        (all slots when None)."""
+        (all slots, in a step: then the compiled layers)."""
         m = self.model
         ctx = m.hidden_norm(m.fc(states.to(m.fc.weight.dtype)))
-        rope = m._rope(positions.flatten(), ctx.dtype)
-        slot = (torch.arange(ctx.shape[0], device=ctx.device) if rows is None else rows)[:, None]
-        for i, layer in enumerate(m.layers):
-            k, v = self._kv(layer, ctx, rope)
-            self.cache.k[i].index_put_((slot, positions), k)
-            self.cache.v[i].index_put_((slot, positions), v)
+        cos, sin = self._rope(positions, ctx.dtype)
+        self.layers.context(ctx, cos, sin, self.cache, SlotStep(positions, rows=rows), compiled=rows is None)
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        cos, sin = self.model._rope(positions.flatten(), dtype)
+        return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
 
     @torch.inference_mode()
     def propose(self, last: Tensor, positions: Tensor, choose: Callable) -> tuple[Tensor, Tensor | None]:
@@ -82,18 +82,9 @@ class BlockProposer:
         ids = self.block_input(last, B, self.mask_token_id)
         x = F.embedding(ids, self.embed).to(m.fc.weight.dtype)
         pos = positions[:, None] + torch.arange(B, device=positions.device)
-        rope = m._rope(pos.flatten(), x.dtype)
-        b = x.shape[0]
+        cos, sin = self._rope(pos, x.dtype)
         step = SlotStep(pos, seen=positions + B, causal=False)
-        for i, layer in enumerate(m.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = _rotate(attn.q_norm(attn.q_proj(h).view(b * B, attn.n_heads, attn.head_dim)), *rope)
-            k, v = self._kv(layer, h, rope)
-            out = slot_attention(self.cache, i, q.view(b, B, attn.n_heads, -1).to(v.dtype), k, v, step,
-                                 attn.head_dim**-0.5)  # fmt: skip
-            x = x + attn.o_proj(out.reshape(b, B, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x, _ = self.layers.run(x, cos, sin, self.cache, step, compiled=True)
         drafts, probs = self.draft(m, m.norm(x), ids, self.head, choose)
         self.num_drafts = drafts.shape[1]
         return drafts, probs
