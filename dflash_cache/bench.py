@@ -31,7 +31,8 @@ import torch
 
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import resolve_token_budget as extract_budget
-from dflash_cache.train.config import QWEN3_8B, TrainConfig, drafter_config, run_token_budget
+from dflash_cache.train.config import TrainConfig, drafter_config
+from dflash_cache.train.cost import QWEN3_8B, run_token_budget
 
 if TYPE_CHECKING:
     from dflash_cache.train.loader import Batch
@@ -670,10 +671,10 @@ def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: i
                  seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Predicted DDP speed-up over one rank, batches dealt as they come against dealt by cost (what
     `dflash train` does). A step lasts as long as its costliest rank's batch, with a batch's cost
-    modelled by `objective.drafter_cost`; no timing, so it runs anywhere, on a cache's lengths."""
+    modelled by `cost.drafter_cost`; no timing, so it runs anywhere, on a cache's lengths."""
     from dflash_cache.cache.spec import default_bucket_edges
     from dflash_cache.train.batching import SampleTable, pack_and_deal
-    from dflash_cache.train.objective import drafter_cost
+    from dflash_cache.train.cost import drafter_cost
 
     lengths = np.asarray(lengths, dtype=np.int64)
     table = SampleTable(np.zeros_like(lengths), np.zeros_like(lengths), lengths, np.arange(len(lengths)))

@@ -19,7 +19,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -408,13 +407,6 @@ def anchors_by_sequence(loss_mask: Tensor, offsets: Tensor, anchors: Callable[[T
     block_seq = torch.cat(seq_of) if seq_of else torch.zeros(0, dtype=torch.int64)
     block_anchor = torch.cat(anchor_of) if anchor_of else torch.zeros(0, dtype=torch.int64)
     return block_seq, block_anchor
-
-
-def drafter_cost(lengths: np.ndarray, block_size: int, max_anchors: int) -> float:
-    """A packed batch's relative drafter compute, from its sample lengths: its block tokens (an
-    upper bound: anchors need supervised positions) plus its context tokens."""
-    anchors = np.minimum(np.maximum(np.asarray(lengths) - block_size + 1, 0), max_anchors)
-    return float(block_size * anchors.sum() + np.sum(lengths))
 
 
 @dataclass

@@ -39,11 +39,11 @@ from dflash_cache.devices import GpuThrottle, Worker, launch, process_group, tor
 from dflash_cache.drafters import Family, Output
 from dflash_cache.progress import ProgressSink, Reporter
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
-from dflash_cache.train.config import FEW_STEPS, TrainConfig, TrainError, drafter_config, run_token_budget
+from dflash_cache.train.config import TrainConfig, TrainError, drafter_config
+from dflash_cache.train.cost import FEW_STEPS, drafter_cost, run_token_budget
 from dflash_cache.train.follow import is_complete, wait_for_cache
 from dflash_cache.train.loader import Batch, CacheLoader
 from dflash_cache.train.metrics import MetricsLog, StepWindow, Trace, clock
-from dflash_cache.train.objective import drafter_cost
 from dflash_cache.train.schedule import Schedule
 from dflash_cache.train.tracking import check_available, open_trackers, parse_report_to
 from dflash_cache.train.validate import EXPORT_LAST, BestExport, Validator, ValSet

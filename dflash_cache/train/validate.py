@@ -48,7 +48,7 @@ import torch
 
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, read_spec
 from dflash_cache.cache.store import committed_units
-from dflash_cache.train.config import run_token_budget
+from dflash_cache.train.cost import run_token_budget
 from dflash_cache.train.loader import Batch, CacheLoader
 from dflash_cache.train.metrics import all_reduce_sums
 from dflash_cache.train.objective import block_metrics, summarize_metrics
