@@ -625,7 +625,7 @@ class _BenchSteps:
         from dflash_cache.train.stage import train_step
 
         s = self.setup
-        out = train_step(s.model, s.embed, s.head, batch, s.dcfg, s.cfg, s.anchors(batch))
+        out = train_step(s.objective, s.model, s.embed, s.head, batch, s.anchors(batch), s.cfg.grad_accum)
         s.opt.step()
         s.opt.zero_grad(set_to_none=True)
         blocks = out.blocks

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 
 from dflash_cache import drafters
 from dflash_cache.drafters import Family
-from dflash_cache.drafters.dflash import _rotate
+from dflash_cache.drafters.dflash.model import rotate as _rotate
 from dflash_cache.generate.slots import SlotCache, slot_attention
 
 

@@ -1,19 +1,30 @@
-"""The train stage's settings: one dataclass whose defaults and help texts are the CLI's, the config
+"""The train stage's settings: one flat set whose defaults and help texts are the CLI's, the config
 files' and bench's (see dflash_cache/settings.py), and the drafter config they imply for a given
-cache (through the drafter family, `dflash_cache.drafters`). The cost model those settings feed
-(the token budget) is `cost.py`. Light: importing it loads no torch."""
+cache (through the drafter family, `dflash_cache.drafters`).
+
+`TrainConfig` is the trainer's own settings (`TrainerSettings`) followed by every drafter family's
+(`drafters/<family>/settings.py`: the backbone's `DrafterSettings` and each family's own fields), so
+a family's settings are `dflash train` flags and config-file keys like any other, and a new family
+adds its own without touching this module. A run hands its family only that family's settings
+(`TrainConfig.drafter_settings`). Light: importing it loads no torch.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from dflash_cache import drafters
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits
+from dflash_cache.drafters.settings import DrafterSettings
 from dflash_cache.errors import UserError
 from dflash_cache.settings import setting
 
-if TYPE_CHECKING:  # the drafters load torch and transformers; the settings alone must not (the CLI reads them)
+if TYPE_CHECKING:  # a family's code loads torch and transformers; the settings alone must not (the CLI reads them)
     from dflash_cache.drafters import Family
 
 
@@ -22,7 +33,9 @@ class TrainError(UserError, RuntimeError):
 
 
 @dataclass
-class TrainConfig:
+class TrainerSettings:
+    """The trainer's own settings: the data, the optimisation, checkpoints, devices and validation."""
+
     cache: Path = setting(help="Cache directory written by `dflash extract`.")
     out: Path = setting(help="Run directory (created, or resumed if it exists).")
     epochs: int = setting(6, "Passes over the cache.", min=1)
@@ -41,23 +54,6 @@ class TrainConfig:
     drafter: str = setting("dflash", "Drafter family (dflash_cache.drafters): dflash, or dspark (DFlash's backbone "
                            "with DSpark's Markov and confidence heads; it needs a cache extracted with "
                            "--final-hidden).", expects="a drafter family such as dflash or dspark")  # fmt: skip
-    draft_layers: int = setting(5, "Drafter decoder layers.", min=1)
-    block_size: int | None = setting(None, "Block size B (default: the family's, 16 for dflash, 7 for dspark).")
-    layers: list[int] | None = setting(None, "Subset of the cached layer ids (default: all cached).",
-                                       expects="layer ids like 1,9,17")  # fmt: skip
-    max_anchors: int = setting(512, "Anchors sampled per sequence.", min=1)
-    markov_rank: int = setting(256, "dspark: rank of the Markov head, which conditions each slot's logits on the "
-                               "previous token (0: no Markov head).", min=0)  # fmt: skip
-    markov_head: Literal["vanilla", "gated", "rnn"] = setting("vanilla", "dspark: the Markov head's type.")
-    confidence_with_markov: bool = setting(True, "dspark: the confidence head also reads the previous token's "
-                                           "Markov embedding.")  # fmt: skip
-    ce_alpha: float = setting(0.1, "dspark: weight of the cross-entropy term.", min=0, tuning=True)
-    l1_alpha: float = setting(0.9, "dspark: weight of the L1 (total-variation) term against the target's own "
-                              "distribution.", min=0, tuning=True)  # fmt: skip
-    confidence_alpha: float = setting(1.0, "dspark: weight of the confidence head's BCE term (0: no confidence "
-                                      "head).", min=0, tuning=True)  # fmt: skip
-    gamma: float | None = setting(None, "Loss decay over a block's drafted tokens, exp(-i/gamma) for the i-th "
-                                  "(default: dflash 7 for B=16, dspark 4).", tuning=True)  # fmt: skip
     seed: int = setting(0, "Seed for weights, shuffling and anchors.")
     save_every: int = setting(200, "Checkpoint every N steps.", min=1)
     keep_checkpoints: int = setting(2, "Checkpoints kept in OUT/checkpoints (the newest).", min=1)
@@ -67,7 +63,6 @@ class TrainConfig:
     prefetch: int = setting(2, "Batches the loader keeps ready ahead of the step.", min=1, tuning=True)
     readers: int = setting(4, "Loader threads that decode batches.", min=1, tuning=True)
     skip_bad_units: bool = setting(False, "Train without units that fail their checks.")
-    loss_chunk: int = setting(4096, "Block tokens per LM-head chunk of the loss.", min=1, tuning=True)
     trace: bool = setting(False, "Log which samples every batch held to OUT/trace/rank<r>.jsonl.")
     follow: bool = setting(True, "On a cache still being extracted, epoch 1 follows the extraction "
                            "(--no-follow: train on the units committed so far).")  # fmt: skip
@@ -81,6 +76,32 @@ class TrainConfig:
                              "WANDB_MODE is set), both (tensorboard,wandb), or none.",
                              expects="tensorboard, wandb, tensorboard,wandb or none")  # fmt: skip
 
+
+def _extended(base: type, parts: Iterable[type]) -> type:
+    """A dataclass with `base`'s fields and, after them, the fields of every class of `parts` (a field
+    that parts share through a common base, as every family shares `DrafterSettings`, counts once;
+    two parts declaring the same name apart is a programming error)."""
+    seen = {f.name: f for f in dataclasses.fields(base)}
+    added = []
+    for part in parts:
+        hints = typing.get_type_hints(part)
+        for f in dataclasses.fields(part):
+            if f.name in seen:
+                if seen[f.name] is not f:
+                    raise TypeError(f"the setting {f.name!r} of {part.__qualname__} is declared elsewhere too")
+                continue
+            seen[f.name] = f
+            added.append((f.name, hints[f.name], dataclasses.field(default=f.default, default_factory=f.default_factory,
+                                                                   metadata=f.metadata)))  # fmt: skip
+    cls = dataclasses.make_dataclass(f"{base.__name__}AndDrafters", added, bases=(base,))
+    cls.__module__ = base.__module__
+    return cls
+
+
+@dataclass
+class TrainConfig(_extended(TrainerSettings, [DrafterSettings, *map(drafters.settings, drafters.names())])):
+    """The train stage's settings: the trainer's own, then every drafter family's (module docstring)."""
+
     @staticmethod
     def record_path(path: Path) -> Path:
         """`--config RUN` reads the settings a run directory recorded in its train.json."""
@@ -93,12 +114,19 @@ class TrainConfig:
 
     def family(self) -> Family:
         """The drafter family `drafter` names (TrainError for an unknown name)."""
-        from dflash_cache import drafters
-
         try:
             return drafters.family(self.drafter)
         except ValueError as e:
             raise TrainError(f"--drafter: {e}") from None
+
+    def drafter_settings(self) -> DrafterSettings:
+        """These settings as the family `drafter` names takes them: its own settings dataclass, without
+        the trainer's."""
+        try:
+            cls = drafters.settings(self.drafter)
+        except ValueError as e:
+            raise TrainError(f"--drafter: {e}") from None
+        return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
 
     def identity(self) -> dict[str, Any]:
         """What a resume must match: everything that changes the math, not the run's length."""
@@ -106,8 +134,10 @@ class TrainConfig:
                 "layers", "max_anchors", "gamma", "seed")  # fmt: skip
         family = self.family()
         settings = {k: getattr(self, k) for k in keep} | {"block_size": self.block_size or family.default_block_size}
-        # a run of another family than DFlash says so (DFlash runs recorded no family, and resume as they are)
-        other = {} if family.name == "dflash" else {"drafter": family.name, **family.identity(self)}
+        # a run of another family than DFlash says so, with the family's own settings (DFlash runs
+        # recorded no family, and resume as they are)
+        own = {k: getattr(self, k) for k in family.own_settings()}
+        other = {} if family.name == "dflash" else {"drafter": family.name, **own}
         # how batches are dealt to ranks (DDP steps of similar cost) changes which samples share a step
         held = {"val_fraction": self.val_fraction} if self.val_fraction else {}  # held-out units change the data
         return {**settings, "dealing": "cost-balanced", **other, **held}
@@ -127,7 +157,7 @@ def drafter_config(cfg: TrainConfig, spec: CacheSpec) -> Any:
                              f"{cfg.cache} does not hold: extract it with `dflash extract --final-hidden` ({e})"
                              ) from None  # fmt: skip
     try:
-        return family.config(cfg, spec)
+        return family.config(cfg.drafter_settings(), spec)
     except ValueError as e:  # the drafter's own checks (block size, heads, layer ids)
         if isinstance(e, SpecError):
             raise

@@ -29,7 +29,7 @@ validation is bitwise what it would have been without it):
   that differs from its own greedy choice, and adds one token of its own (the 1). On data the
   target regenerated greedily (`dflash regen`), the cached next tokens are its greedy choices, so
   the figure is exact for those positions; on other data it measures agreement with the data.
-  A slot the loss mask leaves out ends the run, as `objective.block_metrics` counts it.
+  A slot the loss mask leaves out ends the run, as `metrics.block_metrics` counts it.
 
 `BestExport` keeps `export/` on the best validation acceptance and `export-last/` on the last weights.
 """
@@ -48,17 +48,13 @@ import torch
 
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, read_spec
 from dflash_cache.cache.store import committed_units
+from dflash_cache.drafters import Objective
 from dflash_cache.train.cost import run_token_budget
 from dflash_cache.train.loader import Batch, CacheLoader
-from dflash_cache.train.metrics import all_reduce_sums
-from dflash_cache.train.objective import block_metrics, summarize_metrics
+from dflash_cache.train.metrics import all_reduce_sums, block_metrics, summarize_metrics
 
 if TYPE_CHECKING:
-    from dflash_cache.drafters import Output
     from dflash_cache.train.config import TrainConfig
-
-# objective(model, embed, head, batch, generator): the drafter family's, bound to the run's settings
-Objective = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, Batch, torch.Generator], "Output"]
 
 VAL_KEY = 0x7A1  # in the validation anchors' seed, apart from training's (seed, epoch, batch, rank)
 EXPORT, EXPORT_LAST = "export", "export-last"
@@ -159,20 +155,15 @@ class Validator:
         self.units: frozenset[int] = frozenset()
 
     @classmethod
-    def of(cls, vset: ValSet, cfg: TrainConfig, dcfg: Any, *, rank: int, world_size: int,
-           device: torch.device) -> Validator:  # fmt: skip
-        """The validator of a training run: its family's objective, seed, batch size and readers,
-        every `val_every` steps (default: every `save_every`, so each checkpoint follows a
-        validation)."""
-        family = cfg.family()
+    def of(cls, vset: ValSet, cfg: TrainConfig, dcfg: Any, objective: Objective, *, final_hidden: bool, rank: int,
+           world_size: int, device: torch.device) -> Validator:  # fmt: skip
+        """The validator of a training run: `objective` (its family's, bound to the run, each rank's own
+        loss normalisation), the run's seed, batch size and readers, every `val_every` steps (default:
+        every `save_every`, so each checkpoint follows a validation)."""
         budget = run_token_budget(cfg, dcfg, read_spec(cfg.cache), device)  # the training batches' size
         loader = partial(open_loader, vset, layer_ids=dcfg.target_layer_ids, token_budget=budget, seed=cfg.seed,
                          rank=rank, world_size=world_size, device=device, readers=cfg.readers,
-                         final_hidden=family.needs_final_hidden)  # fmt: skip
-
-        def objective(model, embed, head, batch, generator):  # noqa: ANN001, ANN202 - Objective
-            return family.objective(model, embed, head, batch, dcfg, cfg, generator)
-
+                         final_hidden=final_hidden)  # fmt: skip
         return cls(vset, every=cfg.val_every or cfg.save_every, objective=objective, seed=cfg.seed, rank=rank,
                    loader=loader)  # fmt: skip
 
