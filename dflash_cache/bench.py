@@ -662,7 +662,8 @@ def cache_lengths(cache: Path) -> tuple[np.ndarray, list[int] | None]:
     from dflash_cache.train.batching import SampleTable
     from dflash_cache.train.loader import open_units
 
-    return SampleTable.from_units(open_units(cache)[0]).length, list(read_spec(cache).plan.bucket_edges) or None
+    spec = read_spec(cache)
+    return SampleTable.from_units(open_units(cache, spec=spec)[0]).length, list(spec.plan.bucket_edges) or None
 
 
 def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: int | None = TrainConfig.block_size,

@@ -69,10 +69,10 @@ from dflash_cache.train.follow import UnitFeed, Window, is_complete
 PIECE_CHUNKS = 8  # chunks per reader task: about 32 MiB of hidden states
 
 
-def open_units(
-    cache_dir: Path, *, skip_bad_units: bool = False, only: Iterable[int] | None = None
-) -> tuple[dict[int, UnitReader], list[str]]:
-    """Open every committed unit (or the ids in `only`) once, checked against cache.json.
+def open_units(cache_dir: Path, *, skip_bad_units: bool = False, only: Iterable[int] | None = None,
+               spec: CacheSpec | None = None) -> tuple[dict[int, UnitReader], list[str]]:  # fmt: skip
+    """Open every committed unit (or the ids in `only`) once, checked against cache.json (`spec`,
+    read here when not given).
 
     A unit that fails (manifest vs file sizes, offsets, array shapes) raises `CorruptUnit` naming
     it, unless `skip_bad_units`: then it is left out and described in the returned problems,
@@ -84,7 +84,7 @@ def open_units(
     which checks them here so that a bad unit stays out of the epoch's plan.
     """
     cache_dir = Path(cache_dir)
-    spec = read_spec(cache_dir)
+    spec = spec or read_spec(cache_dir)
     wanted = None if only is None else set(only)
     readers: dict[int, UnitReader] = {}
     problems: list[str] = []
@@ -416,15 +416,15 @@ class UnitIndex:
     While an extraction is followed it grows: `window` opens the units of a follow window,
     `refresh` takes every unit committed since. Completeness is about every unit of the plan."""
 
-    def __init__(self, cache_dir: Path, num_units: int, *, skip_bad_units: bool, follow: bool,
+    def __init__(self, cache_dir: Path, spec: CacheSpec, *, skip_bad_units: bool, follow: bool,
                  on_warning: Callable[[str], None] | None, keep: Callable[[int], bool] | None = None):  # fmt: skip
-        self.cache_dir, self.num_units = cache_dir, num_units
+        self.cache_dir, self.spec, self.num_units = cache_dir, spec, spec.plan.num_units
         self.skip_bad_units, self.follow, self.on_warning, self.keep = skip_bad_units, follow, on_warning, keep
         self.readers: dict[int, UnitReader] = {}
         self.dropped: list[str] = []
         self.open(None)
         self.table = SampleTable.from_units(self.readers)
-        self.complete = is_complete(cache_dir, num_units)
+        self.complete = is_complete(cache_dir, self.num_units)
 
     def open(self, units: Iterable[int] | None) -> None:
         """Open the given units (all committed ones: None) that are not open yet and that `keep`
@@ -432,7 +432,7 @@ class UnitIndex:
         if self.keep is not None:
             units = [u for u in (committed_units(self.cache_dir) if units is None else units) if self.keep(u)]
         new = None if units is None else [u for u in units if u not in self.readers]
-        readers, problems = open_units(self.cache_dir, skip_bad_units=self.skip_bad_units, only=new)
+        readers, problems = open_units(self.cache_dir, skip_bad_units=self.skip_bad_units, only=new, spec=self.spec)
         self.readers.update(readers)
         self.dropped += problems
         if problems and self.on_warning is not None:
@@ -512,7 +512,8 @@ class CacheLoader:
     position; later epochs shuffle over the whole cache.
 
     `final_hidden`: also hand over the target's final hidden state (`Batch.final`); the cache must
-    hold it (`dflash extract --final-hidden`).
+    hold it (`dflash extract --final-hidden`). `spec`: the cache's cache.json, when the caller has
+    read it already.
     """
 
     def __init__(self, cache_dir: Path, *, layer_ids: list[int] | None = None, token_budget: int, seed: int = 0,
@@ -520,22 +521,23 @@ class CacheLoader:
                  skip_bad_units: bool = False, follow: bool = True, control_group: dist.ProcessGroup | None = None,
                  on_status: Callable[[dict], None] | None = None, on_warning: Callable[[str], None] | None = None,
                  batch_cost: BatchCost | None = None, units: Callable[[int], bool] | None = None,
-                 final_hidden: bool = False):  # fmt: skip
+                 final_hidden: bool = False, spec: CacheSpec | None = None):  # fmt: skip
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if prefetch < 0 or readers < 1 or token_budget < 1:
             raise ValueError("prefetch must be >= 0, readers >= 1 and token_budget >= 1")
         self.cache_dir = Path(cache_dir)
-        self.spec = read_spec(self.cache_dir)
+        self.spec = spec or read_spec(self.cache_dir)
         self.layer_ids = list(self.spec.layers.ids) if layer_ids is None else list(layer_ids)
         positions = _layer_positions(self.spec, self.layer_ids)
         check_drafter_fits(self.spec, layer_ids=self.layer_ids, final_hidden=final_hidden)
+        self.final_hidden = final_hidden
         row = RowFormat.of(self.spec)
         row = row if final_hidden else dataclasses.replace(row, final=0)
         self.rank, self.world_size = rank, world_size
         self.device = _full_device(device)
         bucket_edges = list(self.spec.plan.bucket_edges) or default_bucket_edges(self.spec.data.max_length)
-        self.units = UnitIndex(self.cache_dir, self.spec.plan.num_units, skip_bad_units=skip_bad_units, follow=follow,
+        self.units = UnitIndex(self.cache_dir, self.spec, skip_bad_units=skip_bad_units, follow=follow,
                                on_warning=on_warning, keep=units)  # fmt: skip
         # how batches are planned (batching.py): a batch's compute from its sample lengths balances DDP steps
         self.plan = RankPlan(self.units, {"seed": seed, "token_budget": token_budget, "bucket_edges": bucket_edges,
@@ -613,7 +615,7 @@ class CacheLoader:
         rest of its epoch is then dealt to these (`batching.resume_parts`), and rank 0 carries the
         samples the old ranks consumed."""
         budget = state.get("token_budget", self.token_budget)  # older checkpoints: not recorded
-        if budget != self.token_budget:  # the default follows the GPU's memory (config.py)
+        if budget != self.token_budget:  # the default follows the GPU's memory (cost.py)
             raise SpecError(f"token_budget: the checkpoint's batches hold {budget} tokens, this run's "
                             f"{self.token_budget} (another GPU?); resume with --token-budget {budget}")
         saved = list(state["samples"])

@@ -199,7 +199,7 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
     """The drafter (the same initial weights on every rank), the frozen embedding and head, DDP,
     the optimizer, the loader of this rank's batches, and the schedule (its length is set once a
     checkpoint has told the loader where it stands). Nothing is written to the run directory."""
-    spec = read_spec(cfg.cache)
+    spec = read_spec(cfg.cache)  # once: the loader and validation take it from here
     family, settings = cfg.family(), cfg.drafter_settings()
     dcfg = drafter_config(cfg, spec)
     vset = _val_set(cfg, spec, dcfg, family)
@@ -209,7 +209,7 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
     embed, head = (t.to(device, torch.bfloat16 if cuda else torch.float32) for t in read_frozen(cfg.cache))
     ddp = _data_parallel(model, device, cfg.grad_reduce) if w.world_size > 1 else model
     cost = partial(drafter_cost, block_size=dcfg.block_size, max_anchors=cfg.max_anchors)  # balances DDP steps
-    loader = CacheLoader(cfg.cache, layer_ids=dcfg.target_layer_ids,
+    loader = CacheLoader(cfg.cache, spec=spec, layer_ids=dcfg.target_layer_ids,
                          token_budget=run_token_budget(cfg, dcfg, spec, device), seed=cfg.seed, rank=w.rank,
                          world_size=w.world_size, device=device,
                          prefetch=cfg.prefetch, readers=cfg.readers, skip_bad_units=cfg.skip_bad_units,
@@ -246,9 +246,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     resume_step = state and state["step"]
     trackers = open_trackers(cfg.report_to, cfg.out, rank=w.rank, resume_step=resume_step, config=asdict(cfg))
     metrics = MetricsLog(cfg.out, resume_step, rank=w.rank, on_progress=channel.put, sinks=trackers.trackers)
-    validator = s.vset and Validator.of(s.vset, cfg, s.dcfg, s.family.bind(s.dcfg, s.settings),
-                                        final_hidden=s.family.needs_final_hidden, rank=w.rank,
-                                        world_size=w.world_size, device=w.device)  # fmt: skip
+    validator = s.vset and Validator.of(s.vset, cfg, s.family.bind(s.dcfg, s.settings), s.loader)
     trace = Trace(cfg.out, w.rank, w.world_size, s.schedule.step, enabled=cfg.trace)
     if tell:
         _announce(s, tell, ckpt.latest() if state else None)
