@@ -9,10 +9,12 @@ import os
 import shutil
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 FAMILY_KEY = "drafter_family"  # where a non-DFlash export's config.json names its family
@@ -51,6 +53,21 @@ def write_export(out_dir: Path, config: dict, tensors: dict[str, Tensor], modeli
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def load_export(path: Path, config: Any, model_class: Callable[[Any], nn.Module], *, dtype: torch.dtype | None,
+                device: torch.device | str, skip: tuple[str, ...] = ()) -> nn.Module:  # fmt: skip
+    """The model of the export in `path`, whose config is `config`: built on the meta device (no
+    wasted init: the weights come from the file) and given model.safetensors' tensors but those
+    named in `skip`. dtype None keeps the file's."""
+    state = load_file(str(Path(path) / "model.safetensors"), device=str(device))
+    state = {k: v for k, v in state.items() if k not in skip}
+    with torch.device("meta"):
+        model = model_class(config)
+    model.load_state_dict(state, strict=True, assign=True)
+    if dtype is not None:
+        model.to(dtype)
+    return model
 
 
 def bf16_state(model: nn.Module) -> dict[str, Tensor]:

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from dflash_cache.cache.spec import CacheSpec, check_drafter_fits
@@ -26,7 +25,7 @@ from dflash_cache.drafters.dflash.config import (
 from dflash_cache.drafters.dflash.model import DFlashDrafter
 from dflash_cache.drafters.dflash.settings import SETTINGS
 from dflash_cache.drafters.losses import chunked_loss
-from dflash_cache.drafters.serving import bf16_state, read_config, write_export
+from dflash_cache.drafters.serving import bf16_state, load_export, read_config, write_export
 from dflash_cache.drafters.settings import DrafterSettings
 
 
@@ -135,15 +134,8 @@ def load_serving(
     path: Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
 ) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load an exported drafter. dtype None keeps the checkpoint's (bf16)."""
-    path = Path(path)
     cfg = DrafterConfig.from_serving_config(read_config(path))
-    state = load_file(str(path / "model.safetensors"), device=str(device))
-    with torch.device("meta"):  # no wasted init: the weights come from the file
-        model = DFlashDrafter(cfg)
-    model.load_state_dict(state, strict=True, assign=True)
-    if dtype is not None:
-        model.to(dtype)
-    return model, cfg
+    return load_export(path, cfg, DFlashDrafter, dtype=dtype, device=device), cfg
 
 
 FAMILY = Family(

@@ -7,7 +7,6 @@ import dataclasses
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from dflash_cache.cache.spec import CacheSpec
@@ -29,7 +28,7 @@ from dflash_cache.drafters.dspark.config import (
 from dflash_cache.drafters.dspark.model import DSparkDrafter
 from dflash_cache.drafters.dspark.objective import objective
 from dflash_cache.drafters.dspark.settings import SETTINGS, DSparkSettings
-from dflash_cache.drafters.serving import bf16_state, read_config, write_export
+from dflash_cache.drafters.serving import bf16_state, load_export, read_config, write_export
 
 
 def config(settings: DSparkSettings, spec: CacheSpec) -> DSparkConfig:
@@ -92,15 +91,9 @@ def load_serving(path: Path, *, dtype: torch.dtype | None = None, device: torch.
                  ) -> tuple[DSparkDrafter, DSparkConfig]:  # fmt: skip
     """Load our export or a DeepSpec checkpoint (its embed_tokens / lm_head copies are not part of
     the drafter: the target's are used)."""
-    path = Path(path)
     cfg = DSparkConfig.from_serving_config(read_config(path))
-    state = load_file(str(path / "model.safetensors"), device=str(device))
-    state = {k: v for k, v in state.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
-    with torch.device("meta"):
-        model = DSparkDrafter(cfg)
-    model.load_state_dict(state, strict=True, assign=True)
-    if dtype is not None:
-        model.to(dtype)
+    model = load_export(path, cfg, DSparkDrafter, dtype=dtype, device=device, skip=("embed_tokens.weight",
+                                                                                   "lm_head.weight"))  # fmt: skip
     return model, cfg
 
 

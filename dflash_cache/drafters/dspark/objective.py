@@ -44,7 +44,7 @@ def dspark_anchors(loss_mask: Tensor, max_anchors: int, generator: torch.Generat
 def make_dspark_blocks(input_ids: Tensor, loss_mask: Tensor, offsets: Tensor, *, block_size: int,
                        mask_token_id: int, max_anchors: int, generator: torch.Generator,
                        gamma: float = GAMMA) -> DSparkBlocks:  # fmt: skip
-    """Anchors per sequence and the blocks of a packed batch in DSpark's layout (module docstring):
+    """Anchors per sequence and the blocks of a packed batch in DSpark's layout (the package's docstring):
     labels [nb, B] the tokens at anchor + 1 + k, weights exp(-k / gamma) on each block's contiguous
     prefix of supervised labels inside the sequence, 0 after it."""
     input_ids, loss_mask, offsets = input_ids.cpu(), loss_mask.cpu(), offsets.cpu().long()
@@ -68,7 +68,7 @@ def make_dspark_blocks(input_ids: Tensor, loss_mask: Tensor, offsets: Tensor, *,
 
 def objective(model: nn.Module, embed: Tensor, head: Tensor, batch: TrainingBatch, dcfg: DSparkConfig,
               settings: DSparkSettings, generator: torch.Generator, reduce: bool = False) -> Output:  # fmt: skip
-    """DSpark's loss on one batch (module docstring). With `reduce` (training) the weights'
+    """DSpark's loss on one batch (the package's docstring). With `reduce` (training) the weights'
     denominator is summed over the data-parallel ranks and the loss multiplied by their number,
     so that DDP's mean of the gradients is the gradient of the global weighted mean."""
     ids, mask, offsets = batch.host
