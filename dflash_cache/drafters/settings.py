@@ -12,6 +12,8 @@ from dflash_cache.settings import setting
 
 @dataclass
 class DrafterSettings:
+    """The backbone's settings: what every family's config and objective read."""
+
     draft_layers: int = setting(5, "Drafter decoder layers.", min=1)
     block_size: int | None = setting(None, "Block size B (default: the family's, 16 for dflash, 7 for dspark).")
     layers: list[int] | None = setting(None, "Subset of the cached layer ids (default: all cached).",

@@ -15,6 +15,8 @@ HEAD_TYPES: tuple[str, ...] = get_args(MarkovHead)
 
 @dataclass
 class DSparkSettings(DrafterSettings):
+    """The backbone's settings and DSpark's own: its heads and its loss weights."""
+
     markov_rank: int = setting(256, "dspark: rank of the Markov head, which conditions each slot's logits on the "
                                "previous token (0: no Markov head).", min=0)  # fmt: skip
     markov_head: MarkovHead = setting("vanilla", "dspark: the Markov head's type.")
