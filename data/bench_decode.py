@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
-from dflash_cache.drafters.dflash import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
+from dflash_cache.drafters.dflash.model import DFlashDrafter  # noqa: E402
 from dflash_cache.generate import BlockProposer, Engine, Request, StopRule  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 

@@ -30,7 +30,9 @@ except ModuleNotFoundError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cache.bench import QWEN3_8B, lognormal_lengths, shape_of
-from dflash_cache.drafters.dflash import DFlashDrafter, DrafterConfig, StepFlops
+from dflash_cache.drafters.dflash.config import DrafterConfig
+from dflash_cache.drafters.dflash.family import FAMILY, StepFlops
+from dflash_cache.drafters.dflash.model import DFlashDrafter
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.metrics import peak_flops
 from dflash_cache.train.stage import train_step
@@ -116,8 +118,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     data = [make_batch(b, dcfg.num_context_layers * hidden, vocab, g) for b in batches]
 
+    objective = FAMILY.bind(dcfg, cfg.drafter_settings(), reduce=True)
+
     def step(i: int) -> tuple[int, torch.Tensor, int]:
-        blocks = train_step(model, embed, head, data[i], dcfg, cfg, torch.Generator().manual_seed(i)).blocks
+        blocks = train_step(objective, model, embed, head, data[i], torch.Generator().manual_seed(i)).blocks
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

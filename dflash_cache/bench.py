@@ -24,14 +24,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import resolve_token_budget as extract_budget
-from dflash_cache.train.config import QWEN3_8B, TrainConfig, drafter_config, run_token_budget
+from dflash_cache.train.config import TrainConfig, drafter_config
+from dflash_cache.train.cost import QWEN3_8B, run_token_budget
+
+if TYPE_CHECKING:
+    from dflash_cache.train.loader import Batch
 
 
 def _qwen3_5(layers: int, hidden: int, intermediate: int, heads: int, linear_value_heads: int) -> dict:
@@ -555,32 +559,15 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | 
     `cold` evicts the cache's files from the page cache first, so the loader reads the disk.
     `loader_GBps` (bytes on disk read per second by the loader) and `step_GBps` (what the
     in-memory step would consume) set the loader against `bench disk`'s bandwidth."""
-    from dflash_cache.cache.spec import read_spec
-    from dflash_cache.devices import Worker
     from dflash_cache.train.metrics import peak_flops
-    from dflash_cache.train.stage import setup, train_step
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
                       block_size=block_size, draft_layers=draft_layers, drafter=drafter,
                       **({"readers": readers} if readers else {}))  # fmt: skip
-    if token_budget is None:  # the stage's default for this drafter on a cache too large to cap it
-        spec = read_spec(cache)
-        cfg.token_budget = run_token_budget(cfg, drafter_config(cfg, spec), spec, device, few_steps_cap=False)
-    s = setup(Worker(0, 1, device), cfg)  # writes nothing to `out`
-    flops, useful = s.family.flops(s.model), []
-
-    def step(batch) -> None:
-        out = train_step(s.model, s.embed, s.head, batch, s.dcfg, cfg, s.anchors(batch))
-        s.opt.step()
-        s.opt.zero_grad(set_to_none=True)
-        blocks = out.blocks
-        useful.append((blocks.layout.num_blocks, batch.num_tokens, blocks.layout.block_anchor.sum(),
-                       0 if out.scored is None else out.scored))  # fmt: skip
-
-    loader = s.loader
+    steps_of = _BenchSteps(cfg, device)
+    s, loader = steps_of.setup, steps_of.setup.loader
     n = min(steps + warmup, loader.num_batches(0))
-    times: dict[str, float] = {}
     files = [p for p in cache.glob("units/**/*") if p.is_file()]
     disk_bytes_per_token = sum(p.stat().st_size for p in files) / max(1, loader.epoch_tokens)
     # Every batch's shapes are compiled before either phase is timed: the compiled stages meet
@@ -588,30 +575,19 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | 
     # left those compiles inside the loader phase (0.59x on an H200 where the run itself showed
     # no loader wait).
     for batch in itertools.islice(loader.epoch(0), n):
-        step(batch)
+        steps_of.step(batch)
     if cold:
         drop_page_cache(files)
-    it = loader.epoch(0)
-    for _ in range(warmup):
-        next(it)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    wait0 = loader.wait_seconds
-    useful.clear()
-    with PeakRSS() as rss, _timer(device, times, "loader"):
-        for _ in range(warmup, n):
-            step(next(it))
-    wait = loader.wait_seconds - wait0
-    peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    times: dict[str, float] = {}
+    wait, peak_gpu, peak_rss = _loader_phase(steps_of, warmup, n, times)
     kept = list(itertools.islice(loader.epoch(0), warmup, n))
-    useful.clear()
+    steps_of.useful.clear()
     with _timer(device, times, "memory"):  # the very same batches, already on the device
         for batch in kept:
-            step(batch)
+            steps_of.step(batch)
     measured = len(kept)
     context_tokens = sum(b.num_tokens for b in kept)
-    tflops = sum(flops(nb, ctx, int(anchors), int(scored)) for nb, ctx, anchors, scored in useful) / times["memory"]
-    tflops /= 1e12
+    tflops = steps_of.useful_flops() / times["memory"] / 1e12
     peak = peak_flops(device)
     loader.close()
     return {
@@ -620,11 +596,64 @@ def train(cache: Path, *, steps: int = 20, warmup: int = 3, token_budget: int | 
         "drafter_hidden": s.dcfg.hidden_size, "drafter_layers": s.dcfg.num_hidden_layers,
         "loader_steps_s": measured / times["loader"], "memory_steps_s": measured / times["memory"],
         "ratio": times["memory"] / times["loader"], "loader_wait_per_step_s": wait / max(1, measured),
-        "context_tok_s": context_tokens / times["loader"], "peak_gpu_GB": peak_gpu / 1e9, "peak_rss_GB": rss.peak / 1e9,
+        "context_tok_s": context_tokens / times["loader"], "peak_gpu_GB": peak_gpu / 1e9, "peak_rss_GB": peak_rss / 1e9,
         "readers": cfg.readers, "memory_tflops": tflops, "memory_mfu": tflops * 1e12 / peak if peak else None,
         "cold": cold, "loader_GBps": context_tokens * disk_bytes_per_token / times["loader"] / 1e9,
         "step_GBps": context_tokens * disk_bytes_per_token / times["memory"] / 1e9,
     }  # fmt: skip
+
+
+class _BenchSteps:
+    """The train stage's own drafter, optimizer and loader on one rank (`stage.setup`, writing nothing
+    to `cfg.out`), and its steps: each one a forward, backward and optimizer step, whose useful-FLOPs
+    terms (`Family.flops`) are kept in `useful`. Without a token budget, the stage's default for this
+    drafter on a cache too large to cap it."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device):
+        from dflash_cache.cache.spec import read_spec
+        from dflash_cache.devices import Worker
+        from dflash_cache.train.stage import setup
+
+        if cfg.token_budget is None:
+            spec = read_spec(cfg.cache)
+            cfg.token_budget = run_token_budget(cfg, drafter_config(cfg, spec), spec, device, few_steps_cap=False)
+        self.setup = setup(Worker(0, 1, device), cfg)
+        self.flops = self.setup.family.flops(self.setup.model)
+        self.useful: list[tuple] = []  # (blocks, context tokens, sum of anchors, scored slots) a step
+
+    def step(self, batch: Batch) -> None:
+        from dflash_cache.train.stage import train_step
+
+        s = self.setup
+        out = train_step(s.objective, s.model, s.embed, s.head, batch, s.anchors(batch), s.cfg.grad_accum)
+        s.opt.step()
+        s.opt.zero_grad(set_to_none=True)
+        blocks = out.blocks
+        self.useful.append((blocks.layout.num_blocks, batch.num_tokens, blocks.layout.block_anchor.sum(),
+                            0 if out.scored is None else out.scored))  # fmt: skip
+
+    def useful_flops(self) -> float:
+        """The useful FLOPs of the steps in `useful`."""
+        return sum(self.flops(nb, ctx, int(anchors), int(scored)) for nb, ctx, anchors, scored in self.useful)
+
+
+def _loader_phase(steps_of: _BenchSteps, warmup: int, n: int, times: dict[str, float]) -> tuple[float, int, int]:
+    """Batches `warmup` to `n` of epoch 0 stepped as the real loader streams them (times["loader"]);
+    returns the loader's wait over them, the peak GPU memory (bytes, 0 on a CPU) and the peak RSS."""
+    loader, device = steps_of.setup.loader, steps_of.setup.worker.device
+    it = loader.epoch(0)
+    for _ in range(warmup):
+        next(it)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    wait0 = loader.wait_seconds
+    steps_of.useful.clear()
+    with PeakRSS() as rss, _timer(device, times, "loader"):
+        for _ in range(warmup, n):
+            steps_of.step(next(it))
+    wait = loader.wait_seconds - wait0
+    peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return wait, peak_gpu, rss.peak
 
 
 def cache_lengths(cache: Path) -> tuple[np.ndarray, list[int] | None]:
@@ -633,7 +662,8 @@ def cache_lengths(cache: Path) -> tuple[np.ndarray, list[int] | None]:
     from dflash_cache.train.batching import SampleTable
     from dflash_cache.train.loader import open_units
 
-    return SampleTable.from_units(open_units(cache)[0]).length, list(read_spec(cache).plan.bucket_edges) or None
+    spec = read_spec(cache)
+    return SampleTable.from_units(open_units(cache, spec=spec)[0]).length, list(spec.plan.bucket_edges) or None
 
 
 def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: int | None = TrainConfig.block_size,
@@ -642,10 +672,10 @@ def rank_balance(lengths: np.ndarray, *, token_budget: int = 4096, block_size: i
                  seed: int = 0) -> dict[str, Any]:  # fmt: skip
     """Predicted DDP speed-up over one rank, batches dealt as they come against dealt by cost (what
     `dflash train` does). A step lasts as long as its costliest rank's batch, with a batch's cost
-    modelled by `objective.drafter_cost`; no timing, so it runs anywhere, on a cache's lengths."""
+    modelled by `cost.drafter_cost`; no timing, so it runs anywhere, on a cache's lengths."""
     from dflash_cache.cache.spec import default_bucket_edges
     from dflash_cache.train.batching import SampleTable, pack_and_deal
-    from dflash_cache.train.objective import drafter_cost
+    from dflash_cache.train.cost import drafter_cost
 
     lengths = np.asarray(lengths, dtype=np.int64)
     table = SampleTable(np.zeros_like(lengths), np.zeros_like(lengths), lengths, np.arange(len(lengths)))

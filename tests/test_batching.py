@@ -70,7 +70,7 @@ def test_balanced_dealing_evens_out_each_steps_compute():
     stays shuffled, and changes nothing for one rank."""
     from dflash_cache.bench import lognormal_lengths, rank_balance
     from dflash_cache.cache.spec import default_bucket_edges
-    from dflash_cache.train.objective import drafter_cost
+    from dflash_cache.train.cost import drafter_cost
 
     lengths = lognormal_lengths(4000).astype(np.int64)
     figures = rank_balance(lengths, ranks=(2, 4, 8))

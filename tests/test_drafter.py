@@ -10,14 +10,14 @@ from safetensors import safe_open
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
 from dflash_cache.cache.spec import default_layer_ids
-from dflash_cache.train import objective
+from dflash_cache.drafters import attention
+from dflash_cache.drafters.attention import BlockLayout
 from dflash_cache.train.drafter import (
     DFlashDrafter,
     DrafterConfig,
     load_serving,
     save_serving,
 )
-from dflash_cache.train.objective import BlockLayout
 
 B = 4
 LENGTHS = [13, 3, 29, 7]  # the 3-token sequence is shorter than a block: it gets no blocks
@@ -120,7 +120,7 @@ def reference_forward(model, cfg, embeds, context, offsets):
 # chunk_elems 40 cuts every sequence into several SDPA pieces
 @pytest.mark.parametrize("heads,kv_heads,chunk_elems", [(4, 2, 1 << 23), (4, 2, 40), (4, 1, 1 << 23), (2, 2, 1 << 23)])
 def test_forward_matches_per_block_reference(heads, kv_heads, chunk_elems, monkeypatch):
-    monkeypatch.setattr(objective, "SDPA_CHUNK_ELEMS", chunk_elems)
+    monkeypatch.setattr(attention, "SDPA_CHUNK_ELEMS", chunk_elems)
     cfg = tiny_config(heads, kv_heads)
     model = random_model(cfg)
     embeds, context, layout, offsets = packed_batch(cfg)
@@ -333,7 +333,7 @@ def test_flex_path_matches_sdpa_path(dtype):
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
     results = []
     for impl in ("flex", "sdpa"):
-        out = objective.block_attention(q, kc, vc, kb, vb, layout, impl=impl)
+        out = attention.block_attention(q, kc, vc, kb, vb, layout, impl=impl)
         grads = torch.autograd.grad((out * probe).sum(), (q, kc, vc, kb, vb))
         results.append((out, grads))
     torch.testing.assert_close(results[0][0], results[1][0], **tol)

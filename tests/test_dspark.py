@@ -22,12 +22,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_cache import drafters
 from dflash_cache.devices import launch, process_group
-from dflash_cache.drafters import dspark
-from dflash_cache.drafters.dflash import DrafterConfig
-from dflash_cache.drafters.dspark import DSparkConfig, DSparkDrafter, make_dspark_blocks
+from dflash_cache.drafters.attention import BlockLayout
+from dflash_cache.drafters.dflash.config import DrafterConfig
+from dflash_cache.drafters.dspark import family as dspark
+from dflash_cache.drafters.dspark.config import DSparkConfig
+from dflash_cache.drafters.dspark.model import DSparkDrafter
+from dflash_cache.drafters.dspark.objective import DEN_EPS, make_dspark_blocks
+from dflash_cache.drafters.losses import chunked_tv_loss
 from dflash_cache.train.checkpoint import Checkpointer
 from dflash_cache.train.config import TrainConfig, TrainError
-from dflash_cache.train.objective import BlockLayout, chunked_tv_loss
 from dflash_cache.train.stage import export as export_run
 from dflash_cache.train.stage import run as train
 
@@ -212,7 +215,7 @@ def test_ddp_sums_the_loss_denominator_over_the_ranks(tmp_path):
                              small_cfg(), tcfg, torch.Generator().manual_seed(r)) for r in (0, 1)]  # fmt: skip
     dens = [float(o.terms["ce"][1]) for o in outs]
     assert abs(dens[0] - dens[1]) > 1  # the two ranks weigh differently
-    pooled = sum(o.loss * (d + dspark.DEN_EPS) for o, d in zip(outs, dens, strict=True)) / (sum(dens) + dspark.DEN_EPS)
+    pooled = sum(o.loss * (d + DEN_EPS) for o, d in zip(outs, dens, strict=True)) / (sum(dens) + DEN_EPS)
     pooled.backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(got[0][name], got[1][name])
@@ -330,10 +333,9 @@ def test_block_proposer_drafts_as_the_training_forward_does():
     block attending to them) drafts, for both families, what the family's `draft` makes of the
     model's training forward over one block whose context is every position before it; DFlash
     drafts B - 1 tokens a block, DSpark B."""
-    from dflash_cache.drafters.dflash import DFlashDrafter
+    from dflash_cache.drafters.dflash.model import DFlashDrafter
     from dflash_cache.generate import BlockProposer
     from dflash_cache.generate.requests import Chooser
-    from dflash_cache.train.objective import BlockLayout
 
     torch.manual_seed(0)
     dcfg = DrafterConfig.from_target(GEOMETRY, target_layer_ids=[1, 3, 5], mask_token_id=V - 1, num_draft_layers=2,

@@ -25,10 +25,12 @@ from conftest import pypi_package
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_cache import drafters
-from dflash_cache.drafters import dspark
-from dflash_cache.drafters.dspark import DSparkConfig, DSparkDrafter, make_dspark_blocks
+from dflash_cache.drafters.attention import BlockLayout
+from dflash_cache.drafters.dspark import family as dspark
+from dflash_cache.drafters.dspark.config import DSparkConfig
+from dflash_cache.drafters.dspark.model import DSparkDrafter
+from dflash_cache.drafters.dspark.objective import make_dspark_blocks
 from dflash_cache.train.config import TrainConfig
-from dflash_cache.train.objective import BlockLayout
 
 H, V, K, B, R = 32, 101, 3, 5, 8
 TARGET = {"model_type": "qwen3", "hidden_size": H, "num_hidden_layers": 8, "num_attention_heads": 4,
@@ -76,7 +78,7 @@ def one_rank_group(tmp_path_factory):
 
 
 def dcfg_for(head: str = "vanilla", **overrides) -> DSparkConfig:
-    from dflash_cache.drafters.dflash import DrafterConfig
+    from dflash_cache.drafters.dflash.config import DrafterConfig
 
     base = DrafterConfig.from_target(TARGET, target_layer_ids=LAYERS, mask_token_id=MASK_ID, num_draft_layers=2,
                                      block_size=B)  # fmt: skip

@@ -27,6 +27,7 @@ from dflash_cache import bench
 from dflash_cache.app_config import EvalConfig, RegenConfig
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import read_frozen
+from dflash_cache.drafters.attention import BlockLayout
 from dflash_cache.extract import stage as extract_stage
 from dflash_cache.extract.target import (
     TargetError,
@@ -42,7 +43,6 @@ from dflash_cache.generate import Request
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.drafter import DrafterConfig, load_serving
-from dflash_cache.train.objective import BlockLayout
 
 sys.path.insert(0, str(ROOT / "data"))
 import make_family_targets as fam  # noqa: E402

@@ -13,12 +13,12 @@ from conftest import CHAT, ROOT, TINY_TARGET, extract_config
 from transformers import AutoConfig, AutoTokenizer
 
 from dflash_cache.cache.spec import CacheSpec, read_spec
+from dflash_cache.drafters.dflash import family as dflash_family
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.mask import choose_mask_token, data_token_ids, unused_special_tokens
 from dflash_cache.extract.stage import prepare, run
 from dflash_cache.settings import SettingsError, resolve
-from dflash_cache.train import objective
 from dflash_cache.train import stage as train_mod
 
 sys.path.insert(0, str(ROOT / "data"))
@@ -177,14 +177,14 @@ def test_mask_id_reaches_cache_blocks_and_export(tmp_path, targets, monkeypatch,
     assert recorded["mask_token_id"] == want and recorded["mask_token"]["rule"] == rule
 
     blocks = []
-    real = objective.make_blocks
+    real = dflash_family.make_blocks
 
     def spy(*args, **kwargs):
         b = real(*args, **kwargs)
         blocks.append(b)
         return b
 
-    monkeypatch.setattr(objective, "make_blocks", spy)  # forward_blocks builds every batch's blocks
+    monkeypatch.setattr(dflash_family, "make_blocks", spy)  # forward_blocks builds every batch's blocks
     cfg = train_mod.TrainConfig(cache=cache, out=tmp_path / "run", epochs=1, max_steps=2, token_budget=1024,
                                 max_anchors=8, draft_layers=1, log_every=1)  # fmt: skip
     summary = train_mod.run(cfg)

@@ -8,7 +8,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_cache.bench import QWEN3_8B
-from dflash_cache.drafters.dflash import DFlashDrafter, DrafterConfig, StepFlops
+from dflash_cache.drafters.dflash import family as dflash
+from dflash_cache.drafters.dflash.config import DrafterConfig
+from dflash_cache.drafters.dflash.family import StepFlops
+from dflash_cache.drafters.dflash.model import DFlashDrafter
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.metrics import MetricsLog, peak_flops
 from dflash_cache.train.stage import train_step
@@ -49,7 +52,8 @@ def test_linear_terms_match_the_matrix_products_of_a_step():
     embed, head = torch.randn(97, 32), torch.randn(97, 32)
     train_cfg = TrainConfig(cache=Path("."), out=Path("."), max_anchors=512)
     with FlopCounterMode(display=False) as counter:
-        blocks = train_step(model, embed, head, batch, cfg, train_cfg, torch.Generator().manual_seed(0)).blocks
+        objective = dflash.FAMILY.bind(cfg, train_cfg.drafter_settings(), reduce=True)
+        blocks = train_step(objective, model, embed, head, batch, torch.Generator().manual_seed(0)).blocks
     counts = counter.get_flop_counts()["Global"]
     matmuls = sum(v for op, v in counts.items() if "bmm" not in str(op))
     flops = StepFlops(model)

@@ -8,18 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_cache.train import objective
-from dflash_cache.train.objective import (
-    BlockLayout,
-    block_attention,
-    block_metrics,
-    chunked_loss,
-    default_gamma,
-    make_blocks,
-    sample_anchors,
-    slot_weights,
-    summarize_metrics,
-)
+from dflash_cache.drafters import attention
+from dflash_cache.drafters.attention import BlockLayout, block_attention
+from dflash_cache.drafters.blocks import default_gamma, make_blocks, sample_anchors, slot_weights
+from dflash_cache.drafters.losses import chunked_loss
+from dflash_cache.train.metrics import block_metrics, summarize_metrics
 
 # ----------------------------------------------------------------------------- chunked loss
 
@@ -228,7 +221,7 @@ def dense_rule_attention(q, kc, vc, kb, vb, seq, anchor, ctx_seq, ctx_pos, bsz):
 
 @pytest.mark.parametrize("chunk_elems", [1 << 23, 30])
 def test_block_attention_sdpa_matches_dense_rule(chunk_elems, monkeypatch):
-    monkeypatch.setattr(objective, "SDPA_CHUNK_ELEMS", chunk_elems)
+    monkeypatch.setattr(attention, "SDPA_CHUNK_ELEMS", chunk_elems)
     bsz, lengths = 3, [9, 2, 14]
     offsets = torch.tensor([0] + lengths).cumsum(0)
     seq, anchor = [0, 0, 0, 2, 2, 2, 2], [0, 4, 6, 1, 2, 7, 11]

@@ -17,8 +17,8 @@ from conftest import ROOT, TINY_TARGET, hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache import evaluate as ev
+from dflash_cache.drafters.attention import BlockLayout
 from dflash_cache.train.drafter import AUTO_MAP, MODELING_FILE, DFlashDrafter, DrafterConfig, load_serving, save_serving
-from dflash_cache.train.objective import BlockLayout
 
 B = 4
 CTX = 13  # context positions before the first block; the cached case continues to CTX2

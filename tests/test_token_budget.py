@@ -10,7 +10,7 @@ from conftest import ROOT
 
 from dflash_cache import bench
 from dflash_cache.cache.spec import SpecError, read_spec
-from dflash_cache.train.config import (
+from dflash_cache.train.cost import (
     DENSEST_BLOCKS,
     MEMORY_USE,
     QWEN3_8B,

@@ -1,37 +1,43 @@
 """What a drafter family is: the one small interface the trainer, validation, metrics, bench,
 export and decoding call (ARCHITECTURE.md, "Drafter families").
 
-A family module (`dflash.py`, `dspark.py`, ...) builds one `Family` and registers it by name
-(`drafters.register`); everything else looks it up with `drafters.family(name)`, never by an `if`
-on the name. The shared pieces a family is built from stay in `train/objective.py`: the block
-layout, the block attention rule and the chunked loss.
+A family is a package of this folder whose `family.py` builds one `Family` and whose `settings.py`
+names its settings dataclass; `drafters.family(name)` looks it up, and nothing outside the family
+branches on its name. The shared pieces a family is built from are modules of this folder: the
+block layout and attention rule (`attention.py`), anchors and blocks (`blocks.py`), the chunked
+losses (`losses.py`), the serving files (`serving.py`) and the decoding helpers (`decoding.py`).
+Light: importing it loads no torch.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from safetensors.torch import save_file
-from torch import Tensor, nn
+from dflash_cache.drafters.settings import DrafterSettings
 
 if TYPE_CHECKING:
+    import torch
+    from torch import Tensor, nn
+
     from dflash_cache.cache.spec import CacheSpec
-    from dflash_cache.train.config import TrainConfig
-    from dflash_cache.train.loader import Batch
-    from dflash_cache.train.objective import Blocks
+    from dflash_cache.drafters.blocks import Blocks
 
 # choose(logits [b, V]) -> (tokens [b], the probabilities they were drawn from [b, V] or None)
-Choose = Callable[[Tensor], tuple[Tensor, Tensor | None]]
-FAMILY_KEY = "drafter_family"  # where a non-DFlash export's config.json names its family
+Choose = Callable[["Tensor"], "tuple[Tensor, Tensor | None]"]
+
+
+class TrainingBatch(Protocol):
+    """What an objective reads of a packed training batch (the train stage's loader hands these over)."""
+
+    host: tuple[Tensor, Tensor, Tensor]  # CPU copies of (input_ids, loss_mask, offsets [S+1])
+    context: Tensor  # [N, K*H] the tapped target layers, on the device
+    final: Tensor | None  # [N, H] the target's final hidden state, for a family that asks for it
+
+
+# objective(model, embed, head, batch, generator) -> Output: a family's objective bound to a run (`Family.bind`)
+Objective = Callable[["nn.Module", "Tensor", "Tensor", TrainingBatch, "torch.Generator"], "Output"]
 
 
 @dataclass
@@ -54,21 +60,23 @@ class Output:
 
 @dataclass(frozen=True)
 class Family:
-    """One drafter family. Every member is a plain function of the family's module.
+    """One drafter family. Every member is a plain function or class of the family's package.
 
     - `architectures`: the config.json architectures its exports have, and those of checkpoints of
       other tools in the same layout that it loads;
     - `default_block_size`: the block size when the run sets none;
     - `needs_final_hidden`: trains on the target's final hidden state (`extract --final-hidden`);
-    - `config(cfg, spec)`: the family's config (geometry and heads) from the run's settings and the
-      cache's target, refusing settings that cannot work (TrainError naming the setting);
-    - `identity(cfg)`: the settings beyond the common ones that change the math (a resume must match);
+    - `settings`: its settings dataclass, `DrafterSettings` or an extension of it. Its own fields
+      (those beyond `DrafterSettings`) change the model or the loss: a resume must match them;
+    - `config(settings, spec)`: the family's config (geometry and heads) from the run's settings and
+      the cache's target; ValueError for settings that cannot work (naming the setting), a
+      SpecError for a drafter that does not fit the cache;
     - `model(config)`: the draft model. It keeps DFlash's backbone attributes (`fc`, `hidden_norm`,
       `layers`, `norm`, `_rope`) and `forward(block_embeds, context, layout, attention=None)`, which
       returns the final-normed block hidden states;
-    - `objective(model, embed, head, batch, config, cfg, generator, reduce=False) -> Output`: blocks
-      from anchors, the model, the loss; `reduce`: the loss's denominators are summed over the
-      data-parallel ranks (training) rather than taken per rank (validation);
+    - `objective(model, embed, head, batch, config, settings, generator, reduce=False) -> Output`:
+      blocks from anchors, the model, the loss; `reduce`: the loss's denominators are summed over
+      the data-parallel ranks (training) rather than taken per rank (validation);
     - `flops(model)`: a callable (blocks, context tokens, sum of anchors, scored slots) -> useful
       FLOPs of a training step, forward and backward (MFU);
     - `serving_config(config)` / `from_serving_config(dict)`: the export's config.json and back;
@@ -86,8 +94,8 @@ class Family:
     architectures: tuple[str, ...]  # the `architectures` of the exports (and foreign checkpoints) it loads
     default_block_size: int
     needs_final_hidden: bool
-    config: Callable[[TrainConfig, CacheSpec], Any]
-    identity: Callable[[TrainConfig], dict[str, Any]]
+    settings: type[DrafterSettings]
+    config: Callable[[DrafterSettings, CacheSpec], Any]
     model: Callable[[Any], nn.Module]
     objective: Callable[..., Output]
     flops: Callable[[nn.Module], Callable[[int, int, int, int], float]]
@@ -98,109 +106,23 @@ class Family:
     block_input: Callable[[Tensor, int, int], Tensor]
     draft: Callable[[nn.Module, Tensor, Tensor, Tensor, Choose], tuple[Tensor, Tensor | None]]
 
+    def bind(self, config: Any, settings: DrafterSettings, *, reduce: bool = False) -> Objective:
+        """The objective with a run's config and settings bound, as the trainer and validation call it
+        for every batch; `reduce` as for `objective`."""
 
-def mask_block(anchor_tokens: Tensor, block_size: int, mask_token_id: int) -> Tensor:
-    """[b, B]: slot 0 the anchor (the last committed token), the other slots the mask token: the
-    block input of DFlash and of DSpark alike."""
-    block = torch.full((anchor_tokens.shape[0], block_size), mask_token_id, dtype=torch.long,
-                       device=anchor_tokens.device)  # fmt: skip
-    block[:, 0] = anchor_tokens
-    return block
+        def objective(model: nn.Module, embed: Tensor, head: Tensor, batch: TrainingBatch,
+                      generator: torch.Generator) -> Output:  # fmt: skip
+            return self.objective(model, embed, head, batch, config, settings, generator, reduce=reduce)
 
+        return objective
 
-def choose_each(logits: Tensor, choose: Choose) -> tuple[Tensor, Tensor | None]:
-    """Tokens for logits [b, n, V], one position at a time, in order (`choose` may keep state)."""
-    picked = [choose(logits[:, i]) for i in range(logits.shape[1])]
-    tokens = torch.stack([t for t, _ in picked], dim=1)
-    probs = None if any(p is None for _, p in picked) else torch.stack([p for _, p in picked], dim=1)
-    return tokens, probs
+    def own_settings(self) -> tuple[str, ...]:
+        """The names of the settings this family adds to `DrafterSettings`."""
+        common = {f.name for f in fields(DrafterSettings)}
+        return tuple(f.name for f in fields(self.settings) if f.name not in common)
 
 
-def write_export(out_dir: Path, config: dict, tensors: dict[str, Tensor], modeling_source: Path,
-                 modeling_file: str, extra: dict[str, Path] | None = None) -> None:  # fmt: skip
-    """Write config.json + model.safetensors + the remote-code modeling file (and `extra` files:
-    name -> source) into out_dir, atomically: everything is written to a temporary sibling
-    directory that is then renamed into place (an existing out_dir is moved aside first and
-    removed after)."""
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        tmp.chmod(0o755)
-        with open(tmp / "config.json", "w") as f:
-            json.dump(config, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        files = {modeling_file: modeling_source, **(extra or {})}
-        for name, source in files.items():
-            shutil.copyfile(source, tmp / name)
-        for name in ("model.safetensors", *files):
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-        old = None
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-            out_dir.rename(old)
-        tmp.rename(out_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def bf16_state(model: nn.Module) -> dict[str, Tensor]:
-    """The model's state dict as contiguous bf16 CPU tensors: what an export stores."""
-    return {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-
-
-def geometry(d: dict) -> dict:
-    """The Qwen3/Llama geometry fields shared by a target's and a drafter's config.json."""
-    heads = d["num_attention_heads"]
-    theta, scaling = rope_from(d)
-    return {
-        "hidden_size": d["hidden_size"],
-        "num_attention_heads": heads,
-        "num_key_value_heads": d.get("num_key_value_heads") or heads,
-        "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
-        "intermediate_size": d["intermediate_size"],
-        "vocab_size": d["vocab_size"],
-        "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
-        "rope_theta": theta,
-        "rope_scaling": scaling,
-        "max_position_embeddings": d.get("max_position_embeddings", 32768),
-        "hidden_act": d.get("hidden_act", "silu"),
-    }
-
-
-def rope_from(d: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling) from a config dict in the transformers 4 style (rope_theta,
-    rope_scaling) or the 5 style (rope_parameters). Scaling is None for plain RoPE."""
-    params = dict(d.get("rope_parameters") or {})
-    theta = d.get("rope_theta") or params.pop("rope_theta", None) or 10000.0
-    scaling = dict(d.get("rope_scaling") or params)
-    scaling.pop("rope_theta", None)
-    if "type" in scaling:
-        scaling.setdefault("rope_type", scaling.pop("type"))
-    if scaling.get("rope_type", "default") == "default":
-        return float(theta), None
-    return float(theta), scaling
-
-
-def target_text_config(target_config: dict) -> dict:
-    """The text model's part of a target config.json (a multimodal config nests it)."""
-    if "hidden_size" not in target_config and "text_config" in target_config:
-        return target_config["text_config"]
-    return target_config
-
-
-def read_config(path: Path) -> dict:
-    return json.loads((Path(path) / "config.json").read_text())
-
-
-def batch_final(batch: Batch) -> Tensor:
+def batch_final(batch: TrainingBatch) -> Tensor:
     """The batch's final hidden state; the loader hands it over when the family asks for it."""
     if batch.final is None:
         raise ValueError("this drafter family trains on the target's final hidden state: load the batches with "

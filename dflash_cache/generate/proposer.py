@@ -7,7 +7,7 @@ states (fc, hidden_norm) and writes their keys and values into the row's slots a
 positions. `propose` runs the block [last token, mask x (B-1)] at positions p..p+B-1: its own keys
 and values are written at those positions too, and each block query sees every slot position
 below p + B, i.e. the context before the anchor and the whole block, bidirectionally: the
-attention rule of training (`train.objective.block_attention`). Entries past a row's committed
+attention rule of training (`drafters.attention.block_attention`). Entries past a row's committed
 length are never visible before they are rewritten with the committed tokens' context.
 
 The family decides the block's input and how drafts come out of the block's hidden states

@@ -1,5 +1,5 @@
-"""The DFlash drafter under its older import path: the family lives in `dflash_cache.drafters.dflash`
-(ARCHITECTURE.md, "Drafter families"). `load_serving` here loads DFlash exports only, and refuses
+"""The DFlash drafter on its own: the DFlash family's model, config and serving export
+(`dflash_cache.drafters.dflash`), with a `load_serving` that loads DFlash exports only and refuses
 another family's with a message that says so; `dflash_cache.drafters.load_serving` loads any."""
 
 from __future__ import annotations
@@ -8,29 +8,28 @@ from pathlib import Path
 
 import torch
 
-from dflash_cache.drafters.base import read_config
-from dflash_cache.drafters.dflash import (
+from dflash_cache.drafters import family_of_export
+from dflash_cache.drafters.dflash.config import (
     AUTO_MAP,
     INITIALIZER_RANGE,
     MODELING_FILE,
     MODELING_SOURCE,
-    DFlashDrafter,
     DrafterConfig,
-    save_serving,
 )
-from dflash_cache.drafters.dflash import load_serving as _load_dflash
+from dflash_cache.drafters.dflash.family import load_serving as load_dflash
+from dflash_cache.drafters.dflash.family import save_serving
+from dflash_cache.drafters.dflash.model import DFlashDrafter
+from dflash_cache.drafters.serving import read_config
 
 
 def load_serving(
     path: Path, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
 ) -> tuple[DFlashDrafter, DrafterConfig]:
     """Load an exported DFlash drafter (ValueError for another family's export)."""
-    from dflash_cache.drafters import family_of_export
-
     name = family_of_export(read_config(path))
     if name != "dflash":
         raise ValueError(f"{path} holds a {name} drafter, and this path decodes DFlash drafters only")
-    return _load_dflash(path, dtype=dtype, device=device)
+    return load_dflash(path, dtype=dtype, device=device)
 
 
 __all__ = [

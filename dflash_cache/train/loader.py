@@ -69,10 +69,10 @@ from dflash_cache.train.follow import UnitFeed, Window, is_complete
 PIECE_CHUNKS = 8  # chunks per reader task: about 32 MiB of hidden states
 
 
-def open_units(
-    cache_dir: Path, *, skip_bad_units: bool = False, only: Iterable[int] | None = None
-) -> tuple[dict[int, UnitReader], list[str]]:
-    """Open every committed unit (or the ids in `only`) once, checked against cache.json.
+def open_units(cache_dir: Path, *, skip_bad_units: bool = False, only: Iterable[int] | None = None,
+               spec: CacheSpec | None = None) -> tuple[dict[int, UnitReader], list[str]]:  # fmt: skip
+    """Open every committed unit (or the ids in `only`) once, checked against cache.json (`spec`,
+    read here when not given).
 
     A unit that fails (manifest vs file sizes, offsets, array shapes) raises `CorruptUnit` naming
     it, unless `skip_bad_units`: then it is left out and described in the returned problems,
@@ -84,7 +84,7 @@ def open_units(
     which checks them here so that a bad unit stays out of the epoch's plan.
     """
     cache_dir = Path(cache_dir)
-    spec = read_spec(cache_dir)
+    spec = spec or read_spec(cache_dir)
     wanted = None if only is None else set(only)
     readers: dict[int, UnitReader] = {}
     problems: list[str] = []
@@ -227,85 +227,25 @@ class BatchStream:
 
     def run(self, source: _Source, epoch: int, start: int) -> Iterator[Batch]:
         """The source's batches on the device, in order; the first is batch `start` of `epoch`."""
-        free: list[_Slot] = list(self.host_slots)
-        pending: deque[_Pending] = deque()  # reads submitted, in batch order
-        copying: deque[tuple[_Slot, torch.cuda.Event | None]] = deque()  # copies whose slot is not free yet
-        held: list[Planned] = []  # the next batch, taken from the source, waiting for a slot
-
-        def reclaim(block: bool) -> None:
-            # A slot is free again once the copy out of it has completed (event query). When
-            # nothing else can make progress, wait for the oldest copy (event synchronize).
-            while copying and (copying[0][1] is None or copying[0][1].query()):
-                free.append(copying.popleft()[0])
-            if block and not free and copying:
-                t0 = time.perf_counter()
-                copying[0][1].synchronize()
-                self.wait_seconds += time.perf_counter() - t0
-                free.append(copying.popleft()[0])
-
-        def submit(block: bool = False) -> None:
-            # Hand free slots to the readers, one batch per slot, in batch order. Only when
-            # nothing is being read (the consumer would have nothing to take) does it wait for
-            # the source (a followed extraction) or for a slot.
-            while True:
-                if not held:
-                    t0 = time.perf_counter()
-                    batch = source.next(block=block and not pending)
-                    self.wait_seconds += time.perf_counter() - t0
-                    if batch is None:
-                        return
-                    held.append(batch)
-                reclaim(block=not pending)
-                if not free:
-                    return
-                slot = free.pop()
-                self.peak_slots_in_use = max(self.peak_slots_in_use, len(self.host_slots) - len(free))
-                pending.append(self._submit_reads(held.pop(), slot))
-
-        def stage(block: bool) -> _Staged | None:
-            # Issue the device copy of the next batch in order, once all its samples are decoded
-            # (futures in batch order: whichever reader finishes first, batch i stays batch i).
-            if not pending:
-                return None
-            job = pending[0]
-            if not block and not all(f.done() and f.exception() is None for f in job.futures):
-                return None  # not ready, or failed: the blocking path raises it in its turn
-            t0 = time.perf_counter()
-            try:
-                for f in job.futures:
-                    f.result()  # a CorruptUnit raised by a reader propagates here, naming the unit
-            finally:
-                self.wait_seconds += time.perf_counter() - t0
-            pending.popleft()
-            staged = self._copy_to_device(job)
-            copying.append((job.slot, staged.event))
-            return staged
-
+        flight = _InFlight(self, source)
         try:
-            submit(block=True)
-            nxt = stage(block=True)
+            flight.submit(block=True)
+            nxt = flight.stage(block=True)
             while nxt is not None:
                 current, nxt = nxt, None
-                submit()
+                flight.submit()
                 # Copy batch i+1 while the trainer works on batch i, if its reads are done;
                 # otherwise yield batch i now and stage i+1 when the trainer asks for it.
-                nxt = stage(block=False)
-                submit()
+                nxt = flight.stage(block=False)
+                flight.submit()
                 yield self._hand_over(current, epoch, start)
                 start += 1
                 current = None  # the loader's reference: at most this batch and the next on the device
                 if nxt is None:
-                    submit(block=True)
-                    nxt = stage(block=True)
+                    flight.submit(block=True)
+                    nxt = flight.stage(block=True)
         finally:
-            source.close()
-            for job in pending:
-                for f in job.futures:
-                    f.cancel()
-            wait_futures([f for job in pending for f in job.futures])  # readers must leave the slots
-            for _, event in copying:
-                if event is not None:
-                    event.synchronize()
+            flight.close()
 
     def _submit_reads(self, planned: Planned, slot: _Slot) -> _Pending:
         """Reader tasks that decode the batch into the slot: one per sample, and a long sample cut
@@ -394,21 +334,97 @@ class BatchStream:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+class _InFlight:
+    """One `BatchStream.run`'s batches between the source and the consumer: the free host slots,
+    the reads submitted (in batch order), the copies whose slot is not free yet, and the next batch
+    taken from the source while it waits for a slot. The time the consumer waits here is added to
+    the stream's `wait_seconds`."""
+
+    def __init__(self, stream: BatchStream, source: _Source):
+        self.stream, self.source = stream, source
+        self.free: list[_Slot] = list(stream.host_slots)
+        self.pending: deque[_Pending] = deque()
+        self.copying: deque[tuple[_Slot, torch.cuda.Event | None]] = deque()
+        self.held: list[Planned] = []
+
+    def reclaim(self, block: bool) -> None:
+        """A slot is free again once the copy out of it has completed (event query). When nothing
+        else can make progress (`block`), wait for the oldest copy (event synchronize)."""
+        copying, free = self.copying, self.free
+        while copying and (copying[0][1] is None or copying[0][1].query()):
+            free.append(copying.popleft()[0])
+        if block and not free and copying:
+            t0 = time.perf_counter()
+            copying[0][1].synchronize()
+            self.stream.wait_seconds += time.perf_counter() - t0
+            free.append(copying.popleft()[0])
+
+    def submit(self, block: bool = False) -> None:
+        """Hand free slots to the readers, one batch per slot, in batch order. Only when nothing is
+        being read (the consumer would have nothing to take) does it wait for the source (a
+        followed extraction) or for a slot."""
+        stream = self.stream
+        while True:
+            if not self.held:
+                t0 = time.perf_counter()
+                batch = self.source.next(block=block and not self.pending)
+                stream.wait_seconds += time.perf_counter() - t0
+                if batch is None:
+                    return
+                self.held.append(batch)
+            self.reclaim(block=not self.pending)
+            if not self.free:
+                return
+            slot = self.free.pop()
+            stream.peak_slots_in_use = max(stream.peak_slots_in_use, len(stream.host_slots) - len(self.free))
+            self.pending.append(stream._submit_reads(self.held.pop(), slot))
+
+    def stage(self, block: bool) -> _Staged | None:
+        """Issue the device copy of the next batch in order, once all its samples are decoded
+        (futures in batch order: whichever reader finishes first, batch i stays batch i)."""
+        if not self.pending:
+            return None
+        job = self.pending[0]
+        if not block and not all(f.done() and f.exception() is None for f in job.futures):
+            return None  # not ready, or failed: the blocking path raises it in its turn
+        t0 = time.perf_counter()
+        try:
+            for f in job.futures:
+                f.result()  # a CorruptUnit raised by a reader propagates here, naming the unit
+        finally:
+            self.stream.wait_seconds += time.perf_counter() - t0
+        self.pending.popleft()
+        staged = self.stream._copy_to_device(job)
+        self.copying.append((job.slot, staged.event))
+        return staged
+
+    def close(self) -> None:
+        """Stop the source, cancel the reads not started, and wait until no reader or copy uses a slot."""
+        self.source.close()
+        for job in self.pending:
+            for f in job.futures:
+                f.cancel()
+        wait_futures([f for job in self.pending for f in job.futures])  # readers must leave the slots
+        for _, event in self.copying:
+            if event is not None:
+                event.synchronize()
+
+
 class UnitIndex:
     """The cache's committed units, each opened once (one `UnitReader` per unit), and the
     `SampleTable` over them; only those `keep` accepts, when given (validation holds some out).
     While an extraction is followed it grows: `window` opens the units of a follow window,
     `refresh` takes every unit committed since. Completeness is about every unit of the plan."""
 
-    def __init__(self, cache_dir: Path, num_units: int, *, skip_bad_units: bool, follow: bool,
+    def __init__(self, cache_dir: Path, spec: CacheSpec, *, skip_bad_units: bool, follow: bool,
                  on_warning: Callable[[str], None] | None, keep: Callable[[int], bool] | None = None):  # fmt: skip
-        self.cache_dir, self.num_units = cache_dir, num_units
+        self.cache_dir, self.spec, self.num_units = cache_dir, spec, spec.plan.num_units
         self.skip_bad_units, self.follow, self.on_warning, self.keep = skip_bad_units, follow, on_warning, keep
         self.readers: dict[int, UnitReader] = {}
         self.dropped: list[str] = []
         self.open(None)
         self.table = SampleTable.from_units(self.readers)
-        self.complete = is_complete(cache_dir, num_units)
+        self.complete = is_complete(cache_dir, self.num_units)
 
     def open(self, units: Iterable[int] | None) -> None:
         """Open the given units (all committed ones: None) that are not open yet and that `keep`
@@ -416,7 +432,7 @@ class UnitIndex:
         if self.keep is not None:
             units = [u for u in (committed_units(self.cache_dir) if units is None else units) if self.keep(u)]
         new = None if units is None else [u for u in units if u not in self.readers]
-        readers, problems = open_units(self.cache_dir, skip_bad_units=self.skip_bad_units, only=new)
+        readers, problems = open_units(self.cache_dir, skip_bad_units=self.skip_bad_units, only=new, spec=self.spec)
         self.readers.update(readers)
         self.dropped += problems
         if problems and self.on_warning is not None:
@@ -437,6 +453,48 @@ class UnitIndex:
         return SampleTable.from_units({u: self.readers[u] for u in units if u in self.readers})
 
 
+class RankPlan:
+    """This rank's share of each epoch's batches, planned by `batching.py` over the unit index: a pure
+    function of the indexed samples, the packing (seed, token budget, bucket edges, and the batch
+    cost that balances DDP steps) and the ranks. The last epoch's plan is kept."""
+
+    def __init__(self, units: UnitIndex, packing: dict[str, Any], rank: int, world_size: int):
+        self.units, self.packing, self.rank, self.world_size = units, packing, rank, world_size
+        self._last: tuple[tuple, list[Planned]] | None = None  # ((epoch, parts), this rank's plan)
+
+    def follows(self, epoch: int, state: dict | None = None) -> bool:
+        """Whether `epoch` follows the extraction: epoch 0 of an incomplete cache, or of a
+        checkpoint taken while following (`state`: its windows)."""
+        return epoch == 0 and (state is not None or (self.units.follow and not self.units.complete))
+
+    def epoch(self, epoch: int, parts: list[list[int]] = (), follow_state: dict | None = None) -> list[Planned]:
+        """This rank's batches of `epoch`; with `parts` (the epoch began on other world sizes), those
+        of the epoch's rest (`rest_of_epoch`), part 0 replayed from `follow_state` if it followed."""
+        key = (epoch, tuple(tuple(p) for p in parts))
+        if self._last is None or self._last[0] != key:
+            self.units.refresh()
+            table = self.units.table
+            if not parts:
+                per_rank = epoch_batches(table, epoch=epoch, world_size=self.world_size, **self.packing)
+            else:
+                left, begin = None, 0
+                if self.follows(epoch, follow_state):  # the rows its windows left, as they ran
+                    windows = ((self.units.window(w.units), w.final) for w in _windows(follow_state))
+                    size, done = parts[0]
+                    left = followed_rest(table, windows, batches=done, world_size=size, **self.packing)
+                    begin = 1
+                per_rank = rest_of_epoch(table, epoch=epoch, world_size=self.world_size, parts=list(parts),
+                                         left=left, begin=begin, **self.packing)  # fmt: skip
+            self._last = (key, rank_plan(table, per_rank, self.rank))
+        return self._last[1]
+
+    def window(self, index: int, w: Window, carry: SampleTable) -> tuple[list[Planned], SampleTable]:
+        """This rank's batches of follow window number `index`, and the rows carried to the next."""
+        table, per_rank, carry = window_batches(index, self.units.window(w.units), carry, final=w.final,
+                                                world_size=self.world_size, **self.packing)  # fmt: skip
+        return rank_plan(table, per_rank, self.rank), carry
+
+
 class CacheLoader:
     """Streams a cache's batches to one rank's device with bounded host and device memory.
 
@@ -454,7 +512,8 @@ class CacheLoader:
     position; later epochs shuffle over the whole cache.
 
     `final_hidden`: also hand over the target's final hidden state (`Batch.final`); the cache must
-    hold it (`dflash extract --final-hidden`).
+    hold it (`dflash extract --final-hidden`). `spec`: the cache's cache.json, when the caller has
+    read it already.
     """
 
     def __init__(self, cache_dir: Path, *, layer_ids: list[int] | None = None, token_budget: int, seed: int = 0,
@@ -462,31 +521,27 @@ class CacheLoader:
                  skip_bad_units: bool = False, follow: bool = True, control_group: dist.ProcessGroup | None = None,
                  on_status: Callable[[dict], None] | None = None, on_warning: Callable[[str], None] | None = None,
                  batch_cost: BatchCost | None = None, units: Callable[[int], bool] | None = None,
-                 final_hidden: bool = False):  # fmt: skip
+                 final_hidden: bool = False, spec: CacheSpec | None = None):  # fmt: skip
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if prefetch < 0 or readers < 1 or token_budget < 1:
             raise ValueError("prefetch must be >= 0, readers >= 1 and token_budget >= 1")
         self.cache_dir = Path(cache_dir)
-        self.spec = read_spec(self.cache_dir)
+        self.spec = spec or read_spec(self.cache_dir)
         self.layer_ids = list(self.spec.layers.ids) if layer_ids is None else list(layer_ids)
         positions = _layer_positions(self.spec, self.layer_ids)
         check_drafter_fits(self.spec, layer_ids=self.layer_ids, final_hidden=final_hidden)
+        self.final_hidden = final_hidden
         row = RowFormat.of(self.spec)
         row = row if final_hidden else dataclasses.replace(row, final=0)
         self.rank, self.world_size = rank, world_size
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
+        self.device = _full_device(device)
         bucket_edges = list(self.spec.plan.bucket_edges) or default_bucket_edges(self.spec.data.max_length)
-        # how batches are planned (batching.py): a batch's compute from its sample lengths balances DDP steps
-        self.packing = {"seed": seed, "token_budget": token_budget, "bucket_edges": bucket_edges,
-                        "batch_cost": batch_cost}  # fmt: skip
-
-        self.units = UnitIndex(self.cache_dir, self.spec.plan.num_units, skip_bad_units=skip_bad_units, follow=follow,
+        self.units = UnitIndex(self.cache_dir, self.spec, skip_bad_units=skip_bad_units, follow=follow,
                                on_warning=on_warning, keep=units)  # fmt: skip
-        self.follow = follow
+        # how batches are planned (batching.py): a batch's compute from its sample lengths balances DDP steps
+        self.plan = RankPlan(self.units, {"seed": seed, "token_budget": token_budget, "bucket_edges": bucket_edges,
+                                          "batch_cost": batch_cost}, rank, world_size)  # fmt: skip
         self.control_group = control_group
         self.on_status = on_status
         self.position = Position(samples=[0] * world_size)
@@ -499,14 +554,14 @@ class CacheLoader:
             longest = max(longest, self.spec.data.max_length)
         self.slot_rows = max(token_budget, longest)
         self.stream = BatchStream(self.units.readers, row=row, slot_rows=self.slot_rows,
-                                  device=device, layer_index=positions, prefetch=prefetch, threads=readers,
+                                  device=self.device, layer_index=positions, prefetch=prefetch, threads=readers,
                                   piece_rows=self.spec.storage.chunk_tokens * PIECE_CHUNKS)  # fmt: skip
-        self._batches: tuple[tuple, list[Planned]] | None = None  # ((epoch, parts), this rank's plan)
         self._active: Iterator[Batch] | None = None
 
     table = property(lambda self: self.units.table)
     complete = property(lambda self: self.units.complete)
     dropped = property(lambda self: self.units.dropped)
+    token_budget = property(lambda self: self.plan.packing["token_budget"])
     wait_seconds = property(lambda self: self.stream.wait_seconds)
     host_slots = property(lambda self: self.stream.host_slots)
     peak_slots_in_use = property(lambda self: self.stream.peak_slots_in_use)
@@ -553,52 +608,30 @@ class CacheLoader:
             follow = self._follow.state() if self._follow is not None else p.follow
         return {"epoch": p.epoch, "batch": p.batch, "samples": list(p.samples), "follow": follow,
                 "world_size": self.world_size, "parts": [list(x) for x in p.parts],
-                "token_budget": self.packing["token_budget"]}  # fmt: skip
+                "token_budget": self.token_budget}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a checkpoint's position, also one saved on another number of ranks: the
         rest of its epoch is then dealt to these (`batching.resume_parts`), and rank 0 carries the
         samples the old ranks consumed."""
-        budget = state.get("token_budget", self.packing["token_budget"])  # older checkpoints: not recorded
-        if budget != self.packing["token_budget"]:  # the default follows the GPU's memory (config.py)
+        budget = state.get("token_budget", self.token_budget)  # older checkpoints: not recorded
+        if budget != self.token_budget:  # the default follows the GPU's memory (cost.py)
             raise SpecError(f"token_budget: the checkpoint's batches hold {budget} tokens, this run's "
-                            f"{self.packing['token_budget']} (another GPU?); resume with --token-budget {budget}")
+                            f"{self.token_budget} (another GPU?); resume with --token-budget {budget}")
         saved = list(state["samples"])
         samples = saved if len(saved) == self.world_size else [sum(saved)] + [0] * (self.world_size - 1)
         self.position = Position(state["epoch"], state["batch"], samples, resume_parts(state, self.world_size),
                                  state.get("follow"))  # fmt: skip
 
     def follows(self, epoch: int, state: dict | None = None) -> bool:
-        """Whether `epoch` follows the extraction: epoch 0 of an incomplete cache, or of a
-        checkpoint taken while following (`state`: its windows)."""
-        return epoch == 0 and (state is not None or (self.follow and not self.complete))
+        """Whether `epoch` follows the extraction (`RankPlan.follows`)."""
+        return self.plan.follows(epoch, state)
 
     # -- planning -----------------------------------------------------------------------------
 
     def num_batches(self, epoch: int) -> int:
         """Batches this rank gets in `epoch` of a complete cache: the same on every rank."""
-        return len(self._rank_batches(epoch))
-
-    def _rank_batches(self, epoch: int, parts: list[list[int]] = (), follow_state: dict | None = None
-                      ) -> list[Planned]:  # fmt: skip
-        """This rank's batches of `epoch`; with `parts` (the epoch began on other world sizes), those
-        of the epoch's rest (`rest_of_epoch`), part 0 replayed from `follow_state` if it followed."""
-        key = (epoch, tuple(tuple(p) for p in parts))
-        if self._batches is None or self._batches[0] != key:
-            self.units.refresh()
-            if not parts:
-                per_rank = epoch_batches(self.table, epoch=epoch, world_size=self.world_size, **self.packing)
-            else:
-                left, begin = None, 0
-                if self.follows(epoch, follow_state):  # the rows its windows left, as they ran
-                    windows = ((self.units.window(w.units), w.final) for w in _windows(follow_state))
-                    size, done = parts[0]
-                    left = followed_rest(self.table, windows, batches=done, world_size=size, **self.packing)
-                    begin = 1
-                per_rank = rest_of_epoch(self.table, epoch=epoch, world_size=self.world_size, parts=list(parts),
-                                         left=left, begin=begin, **self.packing)  # fmt: skip
-            self._batches = (key, rank_plan(self.table, per_rank, self.rank))
-        return self._batches[1]
+        return len(self.plan.epoch(epoch))
 
     # -- streaming ----------------------------------------------------------------------------
 
@@ -619,7 +652,7 @@ class CacheLoader:
             source: _Source = self._follow
         else:
             self._follow = None
-            batches = self._rank_batches(epoch, parts, follow_state)
+            batches = self.plan.epoch(epoch, parts, follow_state)
             begin = parts[-1][1] if parts else 0
             if not begin <= start_batch <= begin + len(batches):
                 raise ValueError(f"start_batch {start_batch} is outside {begin}..{begin + len(batches)} "
@@ -650,6 +683,14 @@ def _layer_positions(spec: CacheSpec, layer_ids: list[int]) -> list[int]:
     if len(set(positions)) != len(positions) or positions != sorted(positions):
         raise SpecError(f"layers: {layer_ids} must be distinct and in the cache's order {cached}")
     return positions
+
+
+def _full_device(device: torch.device | str) -> torch.device:
+    """`device` with its index: a bare "cuda" is the current CUDA device."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _windows(follow_state: dict | None) -> list[Window]:
@@ -707,10 +748,7 @@ class _FollowSource(_Source):
                                  on_status=self._status if loader.on_status is not None else None)  # fmt: skip
 
     def _add(self, w: Window) -> None:
-        ld = self.loader
-        table, per_rank, self.carry = window_batches(len(self.windows), ld.units.window(w.units), self.carry,
-                                                     final=w.final, world_size=ld.world_size, **ld.packing)
-        mine = rank_plan(table, per_rank, ld.rank)
+        mine, self.carry = self.loader.plan.window(len(self.windows), w, self.carry)
         self.todo.extend((planned, len(self.windows)) for planned in mine)
         self.windows.append(w)
         self.final = w.final

@@ -1,7 +1,8 @@
-"""Training metrics: what the steps since the last line did (`StepWindow`, summed across DDP
-ranks), the records of a run (`MetricsLog`: metrics.jsonl and the progress bar), the per-rank
-audit trail of `--trace`, and the hardware peak the useful FLOPs of a step (the drafter family's
-count, `Family.flops`) are measured against (MFU)."""
+"""Training metrics: a batch's block metrics (per-slot accuracy and the implied acceptance length, as
+sums that reduce across ranks and batches), what the steps since the last line did (`StepWindow`,
+summed across DDP ranks), the records of a run (`MetricsLog`: metrics.jsonl and the progress bar),
+the per-rank audit trail of `--trace`, and the hardware peak the useful FLOPs of a step (the
+drafter family's count, `Family.flops`) are measured against (MFU)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
-from dflash_cache.train.objective import block_metrics, summarize_metrics
+from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from dflash_cache.drafters import Output
@@ -30,6 +29,40 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in PEAK_BF16.items() if key in name), None)
+
+
+def block_metrics(correct: Tensor, weights: Tensor, first: int = 1) -> dict[str, Tensor]:
+    """Raw sums for per-slot accuracy and implied acceptance length, all-reducible across ranks.
+
+    correct, weights: [nb, B]. A slot counts where its weight > 0. Per block, the implied
+    acceptance length is 1 + the run of correct slots from slot `first` (the first drafted one:
+    1 in DFlash's blocks), ended by the first wrong or unweighted slot. Turn the (summed) result
+    into JSON-ready floats with summarize_metrics.
+    """
+    valid = weights > 0
+    hit = correct.bool() & valid
+    accept = 1 + hit[:, first:].long().cumprod(dim=1).sum(dim=1)
+    return {
+        "slot_correct": hit.sum(0).double(),
+        "slot_count": valid.sum(0).double(),
+        "accept_sum": accept.sum().double(),
+        "blocks": torch.tensor(float(correct.shape[0]), dtype=torch.float64, device=correct.device),
+    }
+
+
+def summarize_metrics(sums: dict[str, Tensor], first: int = 1) -> dict:
+    """Plain floats and lists from block_metrics sums: slot_acc[i] is the accuracy of the i-th
+    drafted token, slot first + i (DFlash: slot_acc[k-1] is slot k's; 0.0 where a slot had no
+    counted tokens), accept_len is the mean over blocks."""
+    correct = sums["slot_correct"].tolist()[first:]
+    count = sums["slot_count"].tolist()[first:]
+    blocks = float(sums["blocks"])
+    return {
+        "slot_acc": [c / n if n > 0 else 0.0 for c, n in zip(correct, count, strict=True)],
+        "slot_count": [int(n) for n in count],
+        "accept_len": float(sums["accept_sum"]) / blocks if blocks > 0 else 0.0,
+        "blocks": int(blocks),
+    }
 
 
 def all_reduce_sums(sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

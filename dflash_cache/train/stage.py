@@ -6,8 +6,9 @@ The loop (`_train`) fits on one screen; its parts sit behind narrow interfaces:
   train` measures the very same objects. The drafter comes from its family (`--drafter`,
   `dflash_cache.drafters`): its config, model, objective, FLOPs count and export;
 - the checkpointer restores them and decides when to save, gathering each one's `state_dict()`;
-- `train_step` is one forward and backward of the family's objective (DFlash: blocks from anchors,
-  frozen embedding, drafter, chunked decayed loss);
+- `train_step` is one forward and backward of the family's objective, bound once to the run's
+  drafter config and settings (DFlash: blocks from anchors, frozen embedding, drafter, chunked
+  decayed loss);
 - `StepWindow` sums what the steps did, `MetricsLog.log` takes every record of the run and hands
   it to the experiment trackers (`tracking.py`, `--report-to`);
 - `Validator` (`validate.py`) validates every N steps on held-out units or a second cache, which the
@@ -36,14 +37,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dflash_cache.cache.spec import CacheSpec, SpecError, read_spec
 from dflash_cache.cache.store import read_frozen
 from dflash_cache.devices import GpuThrottle, Worker, launch, process_group, torchrun_worker, worker_threads
-from dflash_cache.drafters import Family, Output
+from dflash_cache.drafters import DrafterSettings, Family, Objective, Output
 from dflash_cache.progress import ProgressSink, Reporter
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
-from dflash_cache.train.config import FEW_STEPS, TrainConfig, TrainError, drafter_config, run_token_budget
+from dflash_cache.train.config import TrainConfig, TrainError, drafter_config
+from dflash_cache.train.cost import FEW_STEPS, drafter_cost, run_token_budget
 from dflash_cache.train.follow import is_complete, wait_for_cache
 from dflash_cache.train.loader import Batch, CacheLoader
 from dflash_cache.train.metrics import MetricsLog, StepWindow, Trace, clock
-from dflash_cache.train.objective import drafter_cost
 from dflash_cache.train.schedule import Schedule
 from dflash_cache.train.tracking import check_available, open_trackers, parse_report_to
 from dflash_cache.train.validate import EXPORT_LAST, BestExport, Validator, ValSet
@@ -52,13 +53,14 @@ RUN_JSON = "train.json"
 EXPORT = "export"  # the best drafter by validation acceptance; without validation, the last (EXPORT_LAST)
 
 
-def train_step(model, embed: torch.Tensor, head: torch.Tensor, batch: Batch, dcfg: Any, cfg: TrainConfig,
-               generator: torch.Generator) -> Output:
-    """One forward of the drafter family's objective (DFlash: blocks from anchors, frozen
-    embedding, drafter, chunked decayed loss) and its backward. Returns the objective's output:
-    the loss, its named terms, which block tokens were predicted right, and the blocks."""
-    out = cfg.family().objective(model, embed, head, batch, dcfg, cfg, generator, reduce=True)
-    (out.loss / cfg.grad_accum).backward()
+def train_step(objective: Objective, model: torch.nn.Module, embed: torch.Tensor, head: torch.Tensor, batch: Batch,
+               generator: torch.Generator, grad_accum: int = 1) -> Output:  # fmt: skip
+    """One forward of the drafter family's objective (`Family.bind`, with `reduce`: DFlash: blocks
+    from anchors, frozen embedding, drafter, chunked decayed loss) and its backward, scaled for
+    `grad_accum` batches a step. Returns the objective's output: the loss, its named terms, which
+    block tokens were predicted right, and the blocks."""
+    out = objective(model, embed, head, batch, generator)
+    (out.loss / grad_accum).backward()
     return out
 
 
@@ -94,7 +96,7 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
         except SpecError as e:
             raise TrainError(f"the drafter does not fit the cache: {e}") from None
         check_available(parse_report_to(cfg.report_to))  # refused before anything is written
-        vset = _val_set(cfg, spec, dcfg)
+        vset = _val_set(cfg, spec, dcfg, cfg.family())
         if cfg.val_fraction and vset is None:
             reporter.channel.put({"warning": f"--val-fraction {cfg.val_fraction}: the cache plans a single unit, "
                                              "none to hold out; training without validation"})  # fmt: skip
@@ -110,10 +112,10 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
             **{k: v for k, v in totals.items() if k != "bar"}}  # fmt: skip
 
 
-def _val_set(cfg: TrainConfig, spec: CacheSpec, dcfg: Any) -> ValSet | None:
+def _val_set(cfg: TrainConfig, spec: CacheSpec, dcfg: Any, family: Family) -> ValSet | None:
     """The validation samples `--val-fraction`/`--val-cache` ask for (checked), or None."""
     return ValSet.choose(cfg.cache, spec, fraction=cfg.val_fraction, val_cache=cfg.val_cache,
-                         layer_ids=dcfg.target_layer_ids, final_hidden=cfg.family().needs_final_hidden)  # fmt: skip
+                         layer_ids=dcfg.target_layer_ids, final_hidden=family.needs_final_hidden)  # fmt: skip
 
 
 def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: Any) -> None:
@@ -172,6 +174,8 @@ class Setup:
     worker: Worker
     family: Family
     dcfg: Any  # the family's config
+    settings: DrafterSettings  # the family's settings: what it is given of `cfg`
+    objective: Objective  # the family's, bound to dcfg and settings once, its losses reduced over the ranks
     model: torch.nn.Module
     ddp: torch.nn.Module  # the model under DDP, or the model itself on one rank
     embed: torch.Tensor  # the target's frozen token embedding and LM head, from the cache
@@ -195,17 +199,17 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
     """The drafter (the same initial weights on every rank), the frozen embedding and head, DDP,
     the optimizer, the loader of this rank's batches, and the schedule (its length is set once a
     checkpoint has told the loader where it stands). Nothing is written to the run directory."""
-    spec = read_spec(cfg.cache)
-    family = cfg.family()
+    spec = read_spec(cfg.cache)  # once: the loader and validation take it from here
+    family, settings = cfg.family(), cfg.drafter_settings()
     dcfg = drafter_config(cfg, spec)
-    vset = _val_set(cfg, spec, dcfg)
+    vset = _val_set(cfg, spec, dcfg, family)
     device, cuda = w.device, w.device.type == "cuda"
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = family.model(dcfg).to(device)
     embed, head = (t.to(device, torch.bfloat16 if cuda else torch.float32) for t in read_frozen(cfg.cache))
     ddp = _data_parallel(model, device, cfg.grad_reduce) if w.world_size > 1 else model
     cost = partial(drafter_cost, block_size=dcfg.block_size, max_anchors=cfg.max_anchors)  # balances DDP steps
-    loader = CacheLoader(cfg.cache, layer_ids=dcfg.target_layer_ids,
+    loader = CacheLoader(cfg.cache, spec=spec, layer_ids=dcfg.target_layer_ids,
                          token_budget=run_token_budget(cfg, dcfg, spec, device), seed=cfg.seed, rank=w.rank,
                          world_size=w.world_size, device=device,
                          prefetch=cfg.prefetch, readers=cfg.readers, skip_bad_units=cfg.skip_bad_units,
@@ -214,7 +218,8 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
                          final_hidden=family.needs_final_hidden)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=cuda)  # fmt: skip
-    return Setup(cfg, w, family, dcfg, model, ddp, embed, head, opt, loader, Schedule(cfg.lr, cfg.warmup), vset)
+    return Setup(cfg, w, family, dcfg, settings, family.bind(dcfg, settings, reduce=True), model, ddp, embed, head,
+                 opt, loader, Schedule(cfg.lr, cfg.warmup), vset)  # fmt: skip
 
 
 def optimizer_step(s: Setup) -> None:
@@ -241,7 +246,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     resume_step = state and state["step"]
     trackers = open_trackers(cfg.report_to, cfg.out, rank=w.rank, resume_step=resume_step, config=asdict(cfg))
     metrics = MetricsLog(cfg.out, resume_step, rank=w.rank, on_progress=channel.put, sinks=trackers.trackers)
-    validator = s.vset and Validator.of(s.vset, cfg, s.dcfg, rank=w.rank, world_size=w.world_size, device=w.device)
+    validator = s.vset and Validator.of(s.vset, cfg, s.family.bind(s.dcfg, s.settings), s.loader)
     trace = Trace(cfg.out, w.rank, w.world_size, s.schedule.step, enabled=cfg.trace)
     if tell:
         _announce(s, tell, ckpt.latest() if state else None)
@@ -260,7 +265,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
             micro += 1
             last_micro = micro % cfg.grad_accum == 0
             with nullcontext() if last_micro or s.ddp is s.model else s.ddp.no_sync():
-                out = train_step(s.ddp, s.embed, s.head, batch, s.dcfg, cfg, s.anchors(batch))
+                out = train_step(s.objective, s.ddp, s.embed, s.head, batch, s.anchors(batch), cfg.grad_accum)
             window.add(out, batch.num_tokens)
             s.schedule.consumed(batch.step_tokens)
             trace.batch(batch.epoch, batch.index, batch.sample_index)

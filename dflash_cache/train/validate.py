@@ -29,7 +29,7 @@ validation is bitwise what it would have been without it):
   that differs from its own greedy choice, and adds one token of its own (the 1). On data the
   target regenerated greedily (`dflash regen`), the cached next tokens are its greedy choices, so
   the figure is exact for those positions; on other data it measures agreement with the data.
-  A slot the loss mask leaves out ends the run, as `objective.block_metrics` counts it.
+  A slot the loss mask leaves out ends the run, as `metrics.block_metrics` counts it.
 
 `BestExport` keeps `export/` on the best validation acceptance and `export-last/` on the last weights.
 """
@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,17 +48,12 @@ import torch
 
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, read_spec
 from dflash_cache.cache.store import committed_units
-from dflash_cache.train.config import run_token_budget
+from dflash_cache.drafters import Objective
 from dflash_cache.train.loader import Batch, CacheLoader
-from dflash_cache.train.metrics import all_reduce_sums
-from dflash_cache.train.objective import block_metrics, summarize_metrics
+from dflash_cache.train.metrics import all_reduce_sums, block_metrics, summarize_metrics
 
 if TYPE_CHECKING:
-    from dflash_cache.drafters import Output
     from dflash_cache.train.config import TrainConfig
-
-# objective(model, embed, head, batch, generator): the drafter family's, bound to the run's settings
-Objective = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor, Batch, torch.Generator], "Output"]
 
 VAL_KEY = 0x7A1  # in the validation anchors' seed, apart from training's (seed, epoch, batch, rank)
 EXPORT, EXPORT_LAST = "export", "export-last"
@@ -79,11 +74,12 @@ def held_out_units(num_units: int, fraction: float) -> frozenset[int]:
     return frozenset(rank[:k])
 
 
-def check_val_cache(train_dir: Path, val_dir: Path, layer_ids: list[int], final_hidden: bool = False) -> CacheSpec:
+def check_val_cache(train_dir: Path, val_dir: Path, layer_ids: list[int], final_hidden: bool = False,
+                    train_spec: CacheSpec | None = None) -> CacheSpec:  # fmt: skip
     """Refuse a validation cache that is the training cache, comes from other target weights or
     another tokenizer, or lacks the drafter's layers (or the final hidden state it trains on),
-    naming the field; returns its spec."""
-    train, val = read_spec(train_dir), read_spec(val_dir)
+    naming the field; returns its spec. `train_spec`: the training cache's, when already read."""
+    train, val = train_spec or read_spec(train_dir), read_spec(val_dir)
     if Path(train_dir).resolve() == Path(val_dir).resolve() or (train.created, train.data.fingerprint) == (
             val.created, val.data.fingerprint):  # fmt: skip
         raise SpecError(f"--val-cache {val_dir} is the training cache; hold out part of it with --val-fraction")
@@ -99,10 +95,12 @@ def check_val_cache(train_dir: Path, val_dir: Path, layer_ids: list[int], final_
 
 @dataclass(frozen=True)
 class ValSet:
-    """The validation samples: the `units` of `cache` (None: every unit of a second cache)."""
+    """The validation samples: the `units` of `cache` (None: every unit of a second cache), and the
+    cache's `spec` when it has been read."""
 
     cache: Path
     units: frozenset[int] | None = None
+    spec: CacheSpec | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def choose(cls, train_cache: Path, spec: CacheSpec, *, fraction: float = 0.0, val_cache: Path | None = None,
@@ -112,10 +110,9 @@ class ValSet:
         if val_cache is not None and fraction > 0:
             raise SpecError("--val-cache and --val-fraction: choose one")
         if val_cache is not None:
-            check_val_cache(train_cache, val_cache, layer_ids, final_hidden)
-            return cls(Path(val_cache))
+            return cls(Path(val_cache), spec=check_val_cache(train_cache, val_cache, layer_ids, final_hidden, spec))
         held = held_out_units(spec.plan.num_units, fraction)
-        return cls(Path(train_cache), held) if held else None
+        return cls(Path(train_cache), held, spec) if held else None
 
     def includes(self, unit: int) -> bool:
         return self.units is None or unit in self.units
@@ -159,22 +156,16 @@ class Validator:
         self.units: frozenset[int] = frozenset()
 
     @classmethod
-    def of(cls, vset: ValSet, cfg: TrainConfig, dcfg: Any, *, rank: int, world_size: int,
-           device: torch.device) -> Validator:  # fmt: skip
-        """The validator of a training run: its family's objective, seed, batch size and readers,
-        every `val_every` steps (default: every `save_every`, so each checkpoint follows a
-        validation)."""
-        family = cfg.family()
-        budget = run_token_budget(cfg, dcfg, read_spec(cfg.cache), device)  # the training batches' size
-        loader = partial(open_loader, vset, layer_ids=dcfg.target_layer_ids, token_budget=budget, seed=cfg.seed,
-                         rank=rank, world_size=world_size, device=device, readers=cfg.readers,
-                         final_hidden=family.needs_final_hidden)  # fmt: skip
-
-        def objective(model, embed, head, batch, generator):  # noqa: ANN001, ANN202 - Objective
-            return family.objective(model, embed, head, batch, dcfg, cfg, generator)
-
-        return cls(vset, every=cfg.val_every or cfg.save_every, objective=objective, seed=cfg.seed, rank=rank,
-                   loader=loader)  # fmt: skip
+    def of(cls, vset: ValSet, cfg: TrainConfig, objective: Objective, training: CacheLoader) -> Validator:
+        """The validator of a training run: `objective` (its family's, bound to the run, each rank's own
+        loss normalisation), the run's seed and readers, the layers, batch size, rank and device of its
+        `training` loader, every `val_every` steps (default: every `save_every`, so each checkpoint
+        follows a validation)."""
+        loader = partial(open_loader, vset, layer_ids=training.layer_ids, token_budget=training.token_budget,
+                         seed=cfg.seed, rank=training.rank, world_size=training.world_size, device=training.device,
+                         readers=cfg.readers, final_hidden=training.final_hidden, spec=vset.spec)  # fmt: skip
+        return cls(vset, every=cfg.val_every or cfg.save_every, objective=objective, seed=cfg.seed,
+                   rank=training.rank, loader=loader)  # fmt: skip
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -232,12 +223,13 @@ class Validator:
 
 
 def open_loader(vset: ValSet, units: frozenset[int], *, layer_ids: list[int], token_budget: int, seed: int,
-                rank: int, world_size: int, device: torch.device, readers: int = 4,
-                final_hidden: bool = False) -> CacheLoader:  # fmt: skip
+                rank: int, world_size: int, device: torch.device, readers: int = 4, final_hidden: bool = False,
+                spec: CacheSpec | None = None) -> CacheLoader:  # fmt: skip
     """A loader of the validation `units` only, not following: one host slot (validation is
-    short and rare), this rank's share of the batches (and the final hidden state, if asked)."""
+    short and rare), this rank's share of the batches (and the final hidden state, if asked).
+    `spec`: the validation cache's, when the caller has read it."""
     kwargs = {} if vset.units is None else {"units": lambda u: u in units}
-    return CacheLoader(vset.cache, layer_ids=layer_ids, token_budget=token_budget, seed=seed, rank=rank,
+    return CacheLoader(vset.cache, spec=spec, layer_ids=layer_ids, token_budget=token_budget, seed=seed, rank=rank,
                        world_size=world_size, device=device, prefetch=0, readers=readers, follow=False,
                        final_hidden=final_hidden, **kwargs)  # fmt: skip
 

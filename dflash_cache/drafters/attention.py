@@ -1,0 +1,302 @@
+"""The block attention rule and the layout it reads (the rules: ARCHITECTURE.md, "Where each rule lives").
+
+A batch is packed: S sequences concatenated with `offsets [S+1]`, and blocks of B tokens sit at
+anchors in them (`blocks.py`). Block j attends to the context of its own sequence strictly before
+its anchor and bidirectionally to its own B tokens, never to other blocks; `block_attention`
+implements that rule with flex attention on GPU and with an exact chunked SDPA elsewhere.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from dflash_cache.drafters.compile import compile_for_cuda
+
+_flex_compiled = compile_for_cuda(flex_attention, dynamic=None)
+_flex_broken = False  # set once if the compiled kernel fails; then the SDPA path is used
+
+# Budget, in attention-matrix elements per head, for one SDPA call of the exact path.
+SDPA_CHUNK_ELEMS = 1 << 23
+TILE = 128  # flex attention's block size, for queries and keys
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclass
+class BlockLayout:
+    """Where every context token and every block of a packed batch sits.
+
+    Blocks must be grouped by sequence in sequence order (make_blocks guarantees it); the
+    exact attention path relies on that to cut the batch into per-sequence pieces.
+    """
+
+    block_size: int
+    ctx_seq: Tensor  # [Nc] sequence id of each context token
+    ctx_pos: Tensor  # [Nc] position of each context token within its sequence
+    block_seq: Tensor  # [nb] sequence of each block
+    block_anchor: Tensor  # [nb] anchor position (within its sequence) of each block
+    offsets: Tensor  # [S+1] int64: sequence s is context rows offsets[s]:offsets[s+1]
+    _flex_mask: object | None = field(default=None, init=False, repr=False, compare=False)
+    _sdpa_plan: list | None = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls, offsets: Tensor, block_seq: Tensor, block_anchor: Tensor, block_size: int
+    ) -> BlockLayout:
+        """Layout from sequence offsets and each block's (sequence, anchor)."""
+        offsets = offsets.to(torch.int64)
+        lengths = offsets.diff()
+        seq_ids = torch.arange(len(lengths), device=offsets.device)
+        ctx_seq = torch.repeat_interleave(seq_ids, lengths)
+        ctx_pos = torch.arange(int(offsets[-1]), device=offsets.device) - offsets[ctx_seq]
+        return cls(
+            block_size=block_size,
+            ctx_seq=ctx_seq,
+            ctx_pos=ctx_pos,
+            block_seq=block_seq.to(device=offsets.device, dtype=torch.int64),
+            block_anchor=block_anchor.to(device=offsets.device, dtype=torch.int64),
+            offsets=offsets,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_seq.shape[0]
+
+    @property
+    def num_context(self) -> int:
+        return self.ctx_seq.shape[0]
+
+    def query_positions(self) -> Tensor:
+        """[nb*B] RoPE position of every block token: anchor + slot."""
+        slots = torch.arange(self.block_size, device=self.block_anchor.device)
+        return (self.block_anchor[:, None] + slots).reshape(-1)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> BlockLayout:
+        def mv(t: Tensor) -> Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        return BlockLayout(
+            self.block_size,
+            mv(self.ctx_seq),
+            mv(self.ctx_pos),
+            mv(self.block_seq),
+            mv(self.block_anchor),
+            mv(self.offsets),
+        )
+
+    def flex_block_mask(self) -> BlockMask:
+        """The flex BlockMask of the attention rule over [context ; block tokens], built once.
+
+        The tiles each query tile must visit come straight from the layout (`kv_tiles`), so no
+        [Q, KV] mask is ever evaluated and nothing is compiled per batch shape; `mask_mod`
+        decides inside the visited tiles. Every lookup table is padded past the next multiple of
+        128 with ids that match nothing, so the mask_mod stays in bounds in padded tiles too.
+        """
+        if self._flex_mask is not None:
+            return self._flex_mask
+        B, nc, dev = self.block_size, self.num_context, self.block_seq.device
+        nq = self.num_blocks * B
+
+        def padded(t: Tensor, fill: int) -> Tensor:
+            n = t.shape[0]
+            return F.pad(t, (0, -n % 128 + 128), value=fill)
+
+        blk = torch.arange(nq, device=dev) // B
+        q_seq = padded(self.block_seq.repeat_interleave(B), -2)
+        q_anchor = padded(self.block_anchor.repeat_interleave(B), -2)
+        q_blk = padded(blk, -2)
+        kv_seq = padded(torch.cat([self.ctx_seq, torch.full_like(blk, -1)]), -3)
+        kv_pos = padded(torch.cat([self.ctx_pos, torch.zeros_like(blk)]), -3)
+        kv_blk = padded(torch.cat([torch.full_like(self.ctx_seq, -1), blk]), -3)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            in_context = (kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
+            return in_context | (kv_blk[kv_idx] == q_blk[q_idx])
+
+        counts, indices, full_counts, full_indices = self.kv_tiles()
+        self._flex_mask = BlockMask.from_kv_blocks(
+            counts[None, None], indices[None, None], full_counts[None, None], full_indices[None, None],
+            BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(nq, nc + nq),
+        )  # fmt: skip
+        return self._flex_mask
+
+    def kv_tiles(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """For each 128-query tile, the 128-key tiles it may attend to, split as flex wants them:
+        (counts [Qt], indices [Qt, KVt]) of the partial tiles, where mask_mod decides pair by
+        pair, and (full_counts, full_indices) of the full tiles, where every pair is allowed and
+        mask_mod never runs. The first `counts[t]` entries of row t are used; int32.
+
+        A query tile holds the tokens of a run of consecutive blocks, grouped by sequence. Their
+        context lies between the start of the first block's sequence and the furthest
+        `sequence start + anchor` among them (one contiguous range that may include some tiles
+        of sequences in between: mask_mod masks those), and their own block keys sit at
+        `Nc + query index`. When the tile's blocks all belong to one sequence, the context tiles
+        before its smallest anchor are full: at long context that is nearly all of them, and
+        skipping mask_mod there is what makes the attention kernel fast (BENCHMARKS.md).
+        """
+        B, nc, dev = self.block_size, self.num_context, self.block_seq.device
+        nq = self.num_blocks * B
+        n_qt, n_kvt = -(-nq // TILE), -(-(nc + nq) // TILE)
+        starts = self.offsets[self.block_seq]  # context start of each block's sequence
+        ends = starts + self.block_anchor  # one past the last visible context token
+        first_tile = torch.arange(self.num_blocks, device=dev) * B // TILE  # a block may straddle
+        last_tile = ((torch.arange(self.num_blocks, device=dev) + 1) * B - 1) // TILE  # two tiles
+
+        def per_tile(values: Tensor, reduce: str, init: int) -> Tensor:
+            out = torch.full((n_qt,), init, dtype=torch.int64, device=dev)
+            for tile in (first_tile, last_tile):
+                out.scatter_reduce_(0, tile, values, reduce)
+            return out
+
+        lo, hi, min_end = per_tile(starts, "amin", nc), per_tile(ends, "amax", 0), per_tile(ends, "amin", nc)
+        one_seq = per_tile(self.block_seq, "amin", 1 << 62) == per_tile(self.block_seq, "amax", -1)
+        t = torch.arange(n_qt, device=dev)
+        # own keys: the whole blocks the tile's queries belong to (at nc + their token indices)
+        own_lo = (nc + t * TILE // B * B) // TILE
+        own_hi = (nc + torch.clamp(-(-(t + 1) * TILE // B) * B, max=nq) - 1) // TILE
+        ctx_lo = lo // TILE
+        ctx_hi = torch.minimum((hi - 1) // TILE, own_lo - 1)  # a shared tile is counted as own
+        n_ctx = torch.where(hi > lo, ctx_hi - ctx_lo + 1, 0).clamp(min=0)
+        # full context tiles: wholly inside [sequence start, start + smallest anchor)
+        full_lo = -(-lo // TILE)
+        n_full = torch.where(one_seq & (hi > lo), min_end // TILE - full_lo, 0).clamp(min=0)
+        before = torch.where(n_full > 0, full_lo - ctx_lo, n_ctx)
+        after = torch.where(n_full > 0, ctx_hi - (full_lo + n_full) + 1, 0)
+        counts, indices = _tile_runs([(ctx_lo, before), (full_lo + n_full, after), (own_lo, own_hi - own_lo + 1)],
+                                     n_kvt)  # fmt: skip
+        full_counts, full_indices = _tile_runs([(full_lo, n_full)], n_kvt)
+        return counts, indices, full_counts, full_indices
+
+    def sdpa_plan(self) -> list[tuple[int, int, int, int]]:
+        """(q_start, q_end, ctx_start, ctx_len) pieces for the exact path, in query order.
+
+        A piece is a run of consecutive blocks of one sequence; its context is that sequence's
+        prefix up to the largest anchor in the run. Runs are cut so that a piece's score matrix
+        stays near SDPA_CHUNK_ELEMS elements per head.
+        """
+        if self._sdpa_plan is not None:
+            return self._sdpa_plan
+        B = self.block_size
+        seqs = self.block_seq.tolist()
+        anchors = self.block_anchor.tolist()
+        offsets = self.offsets.tolist()
+        plan: list[tuple[int, int, int, int]] = []
+        j = 0
+        while j < len(seqs):
+            s, start = seqs[j], j
+            if start > 0 and s < seqs[start - 1]:
+                raise ValueError("blocks must be grouped by sequence, in sequence order")
+            while j < len(seqs) and seqs[j] == s:
+                nq = (j - start + 1) * B
+                if j > start and nq * (anchors[j] + nq) > SDPA_CHUNK_ELEMS:
+                    break
+                j += 1
+            plan.append((start * B, j * B, offsets[s], max(anchors[start:j])))
+        self._sdpa_plan = plan
+        return plan
+
+
+def _tile_runs(runs: list[tuple[Tensor, Tensor]], width: int) -> tuple[Tensor, Tensor]:
+    """Rows of tile ids made of consecutive runs: run i of row t is `length[t]` ids from
+    `start[t]`. Returns (counts [rows] int32, indices [rows, width] int32, zero past the count)."""
+    j = torch.arange(width, device=runs[0][0].device)
+    indices = torch.zeros(runs[0][0].shape[0], width, dtype=torch.int64, device=j.device)
+    done = torch.zeros_like(runs[0][0])
+    for start, length in runs:
+        inside = (j >= done[:, None]) & (j < (done + length)[:, None])
+        indices = torch.where(inside, start[:, None] + j - done[:, None], indices)
+        done = done + length
+    return done.to(torch.int32), indices.to(torch.int32)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def block_attention(
+    q: Tensor,
+    k_ctx: Tensor,
+    v_ctx: Tensor,
+    k_blk: Tensor,
+    v_blk: Tensor,
+    layout: BlockLayout,
+    scale: float | None = None,
+    impl: str | None = None,
+) -> Tensor:
+    """Attention of block queries over [own-sequence context before the anchor ; own block].
+
+    q [nq, Hq, D] with nq = nb*B; k_ctx, v_ctx [Nc, Hkv, D]; k_blk, v_blk [nq, Hkv, D]; Hq a
+    multiple of Hkv (GQA: query head h reads kv head h // (Hq/Hkv)). Returns [nq, Hq, D].
+    impl: "flex", "sdpa", or None (flex on CUDA when it works, else sdpa).
+    """
+    global _flex_broken
+    if q.shape[0] == 0:
+        return q * 0  # keeps the graph for an empty batch
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if impl is None:
+        use_flex = q.is_cuda and _flex_compiled is not None and not _flex_broken
+        if use_flex:
+            try:
+                return _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # compile/kernel failure: fall back once, loudly
+                _flex_broken = True
+                warnings.warn(
+                    f"flex_attention failed ({type(e).__name__}: {e}); "
+                    "falling back to the exact SDPA path",
+                    stacklevel=2,
+                )
+        impl = "sdpa"
+    if impl == "flex":
+        return _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale)
+    if impl == "sdpa":
+        return _sdpa_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale)
+    raise ValueError(f"unknown attention impl {impl!r}")
+
+
+def _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale) -> Tensor:
+    fn = _flex_compiled if _flex_compiled is not None else flex_attention
+    k = torch.cat([k_ctx, k_blk]).transpose(0, 1).unsqueeze(0)
+    v = torch.cat([v_ctx, v_blk]).transpose(0, 1).unsqueeze(0)
+    out = fn(
+        q.transpose(0, 1).unsqueeze(0),
+        k,
+        v,
+        block_mask=layout.flex_block_mask(),
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+def _sdpa_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale) -> Tensor:
+    """Exact attention without a [nq, nq] score block: each query scores its sequence's context
+    prefix and its own block's B keys, and one softmax runs over both. Most of a dense
+    [context ; all blocks] mask would be masked out, so this is several times cheaper on CPU."""
+    B = layout.block_size
+    groups = q.shape[1] // k_ctx.shape[1]
+    anchors = layout.block_anchor
+    acc = torch.promote_types(q.dtype, torch.float32)  # softmax in float32 at least
+    outs = []
+    for q0, q1, c0, n_ctx in layout.sdpa_plan():
+        nb = (q1 - q0) // B
+        qs = q[q0:q1].view(nb, B, *q.shape[1:]).transpose(1, 2)  # [nb, Hq, B, D]
+        kc = k_ctx[c0 : c0 + n_ctx].repeat_interleave(groups, dim=1).transpose(0, 1)  # [Hq, T, D]
+        vc = v_ctx[c0 : c0 + n_ctx].repeat_interleave(groups, dim=1).transpose(0, 1)
+        kb = k_blk[q0:q1].view(nb, B, *k_blk.shape[1:]).repeat_interleave(groups, dim=2).transpose(1, 2)
+        vb = v_blk[q0:q1].view(nb, B, *v_blk.shape[1:]).repeat_interleave(groups, dim=2).transpose(1, 2)
+        s_ctx = torch.einsum("nhbd,htd->nhbt", qs, kc).to(acc) * scale
+        visible = torch.arange(n_ctx, device=q.device) < anchors[q0 // B : q1 // B, None]  # [nb, T]
+        s_ctx = s_ctx.masked_fill(~visible[:, None, None, :], float("-inf"))
+        s_blk = torch.einsum("nhbd,nhcd->nhbc", qs, kb).to(acc) * scale
+        p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1).to(v_ctx.dtype)
+        o = torch.einsum("nhbt,htd->nhbd", p[..., :n_ctx], vc) + torch.einsum("nhbc,nhcd->nhbd", p[..., n_ctx:], vb)
+        outs.append(o.transpose(1, 2).reshape(q1 - q0, *q.shape[1:]))
+    return torch.cat(outs)

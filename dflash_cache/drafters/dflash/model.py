@@ -1,0 +1,180 @@
+"""The DFlash draft model over a packed batch of blocks (the family's docstring says what it computes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+from transformers.activations import ACT2FN
+from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from dflash_cache.drafters.attention import BlockLayout, block_attention
+from dflash_cache.drafters.compile import compile_for_cuda
+from dflash_cache.drafters.dflash.config import INITIALIZER_RANGE, DrafterConfig
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm's arithmetic (normalize in float32, cast back, scale), but float64 inputs
+    stay float64 so that exactness tests can be tight."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x if x.dtype == torch.float64 else x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE (rotate-half convention) on x [N, heads, D] with cos/sin [N, D]."""
+    cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.n_kv * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.n_kv * d, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def project(self, x: Tensor, ctx: Tensor, rope_q, rope_k) -> tuple[Tensor, ...]:
+        """(q, k_ctx, v_ctx, k_blk, v_blk): the block tokens' queries, keys and values and the
+        context's keys and values, normed and rotated, in one dtype."""
+        nq, nc, d = x.shape[0], ctx.shape[0], self.head_dim
+        q = rotate(self.q_norm(self.q_proj(x).view(nq, self.n_heads, d)), *rope_q)
+        k_blk = rotate(self.k_norm(self.k_proj(x).view(nq, self.n_kv, d)), *rope_q)
+        k_ctx = rotate(self.k_norm(self.k_proj(ctx).view(nc, self.n_kv, d)), *rope_k)
+        v_blk = self.v_proj(x).view(nq, self.n_kv, d)
+        v_ctx = self.v_proj(ctx).view(nc, self.n_kv, d)
+        dt = v_blk.dtype  # under autocast the norms give float32 while v is bf16
+        return q.to(dt), k_ctx.to(dt), v_ctx, k_blk.to(dt), v_blk
+
+    def forward(
+        self,
+        x: Tensor,
+        ctx: Tensor,
+        rope_q: tuple[Tensor, Tensor],
+        rope_k: tuple[Tensor, Tensor],
+        layout: BlockLayout,
+        attention: str | None = None,
+    ) -> Tensor:
+        out = block_attention(*self.project(x, ctx, rope_q, rope_k), layout, self.head_dim**-0.5, attention)
+        return self.o_proj(out.flatten(1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_k, layout: BlockLayout, attention: str | None = None
+                ) -> Tensor:
+        if not (x.is_cuda and _attention_inputs_cuda is not None and _mlp_block_cuda is not None):
+            x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, layout, attention)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        # The same arithmetic, with everything around the attention kernel compiled: the norms,
+        # RoPE, casts and SiLU fuse into a few kernels around the GEMMs (BENCHMARKS.md, session 6).
+        attn = self.self_attn
+        out = block_attention(*_attention_inputs_cuda(self, x, ctx, rope_q, rope_k), layout, attn.head_dim**-0.5,
+                              attention)
+        return _mlp_block_cuda(self, x, out)
+
+
+def _attention_inputs(layer: DecoderLayer, x: Tensor, ctx: Tensor, rope_q, rope_k) -> tuple[Tensor, ...]:
+    return layer.self_attn.project(layer.input_layernorm(x), ctx, rope_q, rope_k)
+
+
+def _mlp_block(layer: DecoderLayer, x: Tensor, attn_out: Tensor) -> Tensor:
+    x = x + layer.self_attn.o_proj(attn_out.flatten(1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+_attention_inputs_cuda = compile_for_cuda(_attention_inputs)
+_mlp_block_cuda = compile_for_cuda(_mlp_block)
+
+
+class DFlashDrafter(nn.Module):
+    """The DFlash draft model over a packed batch of blocks (see the module docstring)."""
+
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(cfg.num_context_layers * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gradient_checkpointing = False  # recompute each layer in backward to save memory
+        # RoPE frequencies (scaled types too) from transformers' Qwen3 code. A plain attribute,
+        # not a buffer: Module.to(bfloat16) must not round it, and it is no checkpoint entry.
+        with torch.device("cpu"):
+            rotary = Qwen3RotaryEmbedding(
+                Qwen3Config(
+                    hidden_size=h,
+                    num_attention_heads=cfg.num_attention_heads,
+                    head_dim=cfg.head_dim,
+                    max_position_embeddings=cfg.max_position_embeddings,
+                    rope_parameters=cfg.rope_parameters(),
+                )
+            )
+        self._inv_freq = rotary.inv_freq.float()
+        self._rope_scale = float(rotary.attention_scaling)
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=INITIALIZER_RANGE)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        cdt = torch.float64 if dtype == torch.float64 else torch.float32
+        if self._inv_freq.device != positions.device:
+            self._inv_freq = self._inv_freq.to(positions.device)
+        freqs = positions.to(cdt)[:, None] * self._inv_freq.to(cdt)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self._rope_scale).to(dtype), (emb.sin() * self._rope_scale).to(dtype)
+
+    def forward(self, block_embeds: Tensor, context: Tensor, layout: BlockLayout, attention: str | None = None
+                ) -> Tensor:
+        """block_embeds [nb*B, H]: target embeddings of the block tokens; context [Nc, K*H]: the
+        batch's packed tapped target hidden states. Returns the final-normed hidden [nb*B, H];
+        the caller applies the frozen LM head. `attention`: the backend, "flex" or "sdpa"; None
+        picks flex on CUDA where it works (`attention.block_attention`)."""
+        ctx = self.hidden_norm(self.fc(context))
+        rope_q = self._rope(layout.query_positions(), block_embeds.dtype)
+        rope_k = self._rope(layout.ctx_pos, block_embeds.dtype)
+        x = block_embeds
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, ctx, rope_q, rope_k, layout, attention, use_reentrant=False)
+            else:
+                x = layer(x, ctx, rope_q, rope_k, layout, attention)
+        return self.norm(x)
