@@ -12,7 +12,7 @@ with `--final-hidden` also holds the target's last hidden state after its final 
 head's input) in arrays of its own, `final_hidden` and (fp8) `final_scale`, in the same storage,
 so a drafter that does not need it never reads it. `encode_hidden` and `decode_hidden` are the
 only code that converts between the storages, and this is the only module that imports zarr.
-Where each rule lives: ARCHITECTURE.md.
+Where each rule lives: docs/architecture.md.
 """
 
 from __future__ import annotations

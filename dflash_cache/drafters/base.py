@@ -1,5 +1,5 @@
 """What a drafter family is: the one small interface the trainer, validation, metrics, bench,
-export and decoding call (ARCHITECTURE.md, "Drafter families").
+export and decoding call (docs/architecture.md, "Drafter families").
 
 A family module (`dflash.py`, `dspark.py`, ...) builds one `Family` and registers it by name
 (`drafters.register`); everything else looks it up with `drafters.family(name)`, never by an `if`

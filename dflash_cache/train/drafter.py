@@ -1,5 +1,5 @@
 """The DFlash drafter under its older import path: the family lives in `dflash_cache.drafters.dflash`
-(ARCHITECTURE.md, "Drafter families"). `load_serving` here loads DFlash exports only, and refuses
+(docs/architecture.md, "Drafter families"). `load_serving` here loads DFlash exports only, and refuses
 another family's with a message that says so; `dflash_cache.drafters.load_serving` loads any."""
 
 from __future__ import annotations

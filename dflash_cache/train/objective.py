@@ -1,5 +1,5 @@
 """The DFlash training objective: anchors, block layout, the block attention rule, and a chunked,
-slot-decayed cross-entropy (the rules: ARCHITECTURE.md, "Where each rule lives"). The layout,
+slot-decayed cross-entropy (the rules: docs/architecture.md, "Where each rule lives"). The layout,
 the attention rule, anchor picking, the chunked LM-head loop and the block metrics are shared by
 every drafter family (`dflash_cache.drafters`); the DFlash family's objective is `forward_blocks`.
 
