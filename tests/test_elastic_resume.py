@@ -111,7 +111,7 @@ def _train(cache: Path, run: Path, procs: int) -> subprocess.Popen:
 
 
 def _lr(done: float, total: float, peak: float = 6e-4, warmup: float = 0.04) -> float:
-    """The schedule as README states it: linear warmup over 4% of the tokens, then cosine to zero."""
+    """The schedule as docs/guides/train.md states it: linear warmup over 4% of the tokens, then cosine to zero."""
     if done < warmup * total:
         return peak * done / (warmup * total)
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (done - warmup * total) / (total - warmup * total))))

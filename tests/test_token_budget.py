@@ -46,7 +46,7 @@ def test_the_8b_shaped_default_is_unchanged_on_an_h200():
 
 
 def test_the_memory_model_matches_the_8b_measurement():
-    """BENCHMARKS.md, session 6: the 8B-shaped drafter's batch of most blocks (5,763 of 16 tokens
+    """BENCHMARKS.md, "Training step": the 8B-shaped drafter's batch of most blocks (5,763 of 16 tokens
     in 8,192) peaked at 100.6 GB; the model predicts a little more, never less."""
     cost = StepCost.of(drafter(QWEN3_8B))
     predicted = cost.fixed_bytes + 5763 * cost.block_size * cost.bytes

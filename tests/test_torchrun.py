@@ -1,7 +1,7 @@
 """Both stages under torchrun across two "nodes" (two torchrun launches on 127.0.0.1 with gloo),
 against independent runs: extract against one in-process extraction (bitwise the same cache),
 train against a `--procs 2` run of the same world size (the same weights, metrics and traces).
-README.md's multi-node recipe is these commands with a real host in place of 127.0.0.1."""
+docs/guides/multi-gpu.md's torchrun recipe is these commands with a real host in place of 127.0.0.1."""
 
 from __future__ import annotations
 

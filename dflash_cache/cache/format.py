@@ -12,7 +12,7 @@ with `--final-hidden` also holds the target's last hidden state after its final 
 head's input) in arrays of its own, `final_hidden` and (fp8) `final_scale`, in the same storage,
 so a drafter that does not need it never reads it. `encode_hidden` and `decode_hidden` are the
 only code that converts between the storages, and this is the only module that imports zarr.
-Where each rule lives: ARCHITECTURE.md.
+Where each rule lives: docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -479,7 +479,7 @@ class ShardRows:
 
     Zarr passes every chunk of a read through its one event loop and copies it twice on the way
     into `out`; at long context that, not the disk, bounded the loader when the cache sat in the
-    page cache (BENCHMARKS.md, session 7). This reads the shard index once (its crc32c checked),
+    page cache (BENCHMARKS.md, "Long-context loader"). This reads the shard index once (its crc32c checked),
     then per read one `preadv` of the chunks' compressed bytes and a zstd decode of each chunk
     straight into the caller's rows, the chunks on several cores (zstd checks each chunk's
     content checksum). It serves only

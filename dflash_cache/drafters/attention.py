@@ -1,4 +1,4 @@
-"""The block attention rule and the layout it reads (the rules: ARCHITECTURE.md, "Where each rule lives").
+"""The block attention rule and the layout it reads (the rules: docs/architecture.md, "Where each rule lives").
 
 A batch is packed: S sequences concatenated with `offsets [S+1]`, and blocks of B tokens sit at
 anchors in them (`blocks.py`). Block j attends to the context of its own sequence strictly before

@@ -1,5 +1,5 @@
 """What a drafter family is: the one small interface the trainer, validation, metrics, bench,
-export and decoding call (ARCHITECTURE.md, "Drafter families").
+export and decoding call (docs/architecture.md, "Drafter families").
 
 A family is a package of this folder whose `family.py` builds one `Family` and whose `settings.py`
 names its settings dataclass; `drafters.family(name)` looks it up, and nothing outside the family

@@ -20,14 +20,14 @@ def compile_for_cuda(fn: Callable, **kwargs) -> Callable | None:
     The compiled pieces are small stages that run inside a DDP module's forward. Dynamo's DDP
     optimizer would split each of them at gradient-bucket boundaries, which only pays for a
     whole-model compile; on two H200s it kept rank 0 compiling for minutes while rank 1 waited
-    in the first all-reduce (BENCHMARKS.md, session 7). DDP already overlaps the all-reduce with
+    in the first all-reduce (BENCHMARKS.md, "Compiled stages under DDP"). DDP already overlaps the all-reduce with
     the backward through its own bucket hooks, so it is turned off.
 
     Inductor fuses two reductions of different loop orders only above a size it checks with a
     guard on the token count, so the first batch on the other side of 5,120 context tokens
     recompiled the layer stages mid-run (a 20 s stall on an H200). Its non-strict mode skips
     those size checks: two recompiles fewer a process, at the same step time (BENCHMARKS.md,
-    session 9)."""
+    "Recompiles")."""
     torch._dynamo.config.optimize_ddp = False
     try:
         return torch.compile(fn, **{"dynamic": True, "options": _INDUCTOR_OPTIONS, **kwargs})

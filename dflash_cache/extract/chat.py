@@ -1,7 +1,7 @@
 """A conversation -> (input_ids, loss_mask) through the tokenizer's chat template.
 
 A drafter learns only where ``loss_mask`` is 1 (anchors and loss positions are response tokens;
-ARCHITECTURE.md, "Where each rule lives"), so the mask is the one thing here that must never be
+docs/architecture.md, "Where each rule lives"), so the mask is the one thing here that must never be
 silently wrong:
 
 - With ``{% generation %}`` markers in the chat template, transformers' assistant-token mask is

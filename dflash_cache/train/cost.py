@@ -21,7 +21,7 @@ FEW_STEPS = 1000
 CPU_BUDGET = 2048
 # 8192 context tokens x 512 anchors ran the default 8B-shaped drafter at 53% MFU on an H200 (51% at
 # 4096) and fits even the batch of most blocks: 100.6 GB peak for 5,763 blocks of 16 in a batch of
-# only 64-256-token samples (BENCHMARKS.md, session 6).
+# only 64-256-token samples (BENCHMARKS.md, "Training step").
 GPU_BUDGET = 8192
 QWEN3_8B = {
     "model_type": "qwen3", "num_hidden_layers": 36, "hidden_size": 4096, "intermediate_size": 12288,

@@ -99,7 +99,7 @@ class DecoderLayer(nn.Module):
             x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, layout, attention)
             return x + self.mlp(self.post_attention_layernorm(x))
         # The same arithmetic, with everything around the attention kernel compiled: the norms,
-        # RoPE, casts and SiLU fuse into a few kernels around the GEMMs (BENCHMARKS.md, session 6).
+        # RoPE, casts and SiLU fuse into a few kernels around the GEMMs (BENCHMARKS.md, "Training step").
         attn = self.self_attn
         out = block_attention(*_attention_inputs_cuda(self, x, ctx, rope_q, rope_k), layout, attn.head_dim**-0.5,
                               attention)
