@@ -74,22 +74,6 @@ def shape_config(name: str) -> dict:
     return SHAPES[name]
 
 
-def linear_attention_kernels() -> dict[str, bool]:
-    """Whether the optional kernels that transformers uses for gated delta-net layers import here:
-    flash-linear-attention's `fla.ops.gated_delta_rule` (the pip package fla-core) and
-    `causal_conv1d`. Without them transformers runs its slow torch path (and says so)."""
-    import importlib
-
-    found = {}
-    for name, module in (("fla", "fla.ops.gated_delta_rule"), ("causal_conv1d", "causal_conv1d")):
-        try:
-            importlib.import_module(module)
-            found[name] = True
-        except Exception:  # noqa: BLE001 - not installed, or its triton/CUDA build does not load: the torch path
-            found[name] = False
-    return found
-
-
 LONG_MAX = 32768
 
 
@@ -444,6 +428,8 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
             copy_out(stream, buf, int(unit.offsets[b.start]), int(unit.offsets[b.stop]),
                      encode_rows(target(inp), index, row))
     assert len(committed_units(out)) == len(plan.units)
+    from dflash_cache.extract.target import linear_attention_kernels
+
     hybrid = "linear_attention" in config.get("layer_types", ())
     return {
         "model_type": config["model_type"],

@@ -10,7 +10,9 @@ is cut, and the base model's last_hidden_state (after the final norm) is kept to
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -209,10 +211,39 @@ def load_target(
     dtype = compute_dtype_for(device)
     model = load_causal_lm(path, dtype, revision)
     model.eval().requires_grad_(False)
+    if device.type == "cuda" and has_recurrent_layers(model) and linear_attention_kernels()["fla"]:
+        warnings.warn(SLOW_KERNELS, stacklevel=2)
     num_layers = int(text_config(model.config.to_dict())["num_hidden_layers"])
     tapped = TappedTarget(model, layer_ids, num_layers, final)
     tapped.base.to(device)
     return tapped, model, dtype
+
+
+def has_recurrent_layers(model: nn.Module) -> bool:
+    """Layers whose state is a recurrence (linear attention, SSM) rather than cropable keys."""
+    types = text_config(model.config.to_dict()).get("layer_types") or []
+    return any(t not in ("full_attention", "sliding_attention", "chunked_attention") for t in types)
+
+
+def linear_attention_kernels() -> dict[str, bool]:
+    """Whether the optional kernels that transformers uses for gated delta-net layers import here:
+    flash-linear-attention's `fla.ops.gated_delta_rule` (the pip package fla-core) and
+    `causal_conv1d`. Without them transformers runs its slow torch path (and says so)."""
+    found = {}
+    for name, module in (("fla", "fla.ops.gated_delta_rule"), ("causal_conv1d", "causal_conv1d")):
+        try:
+            importlib.import_module(module)
+            found[name] = True
+        except Exception:  # noqa: BLE001 - not installed, or its triton/CUDA build does not load: the torch path
+            found[name] = False
+    return found
+
+
+SLOW_KERNELS = (
+    "flash-linear-attention (fla-core) is installed, so transformers runs the gated delta-net layers through its "
+    "kernels; on an H200 they made extraction of the Qwen3.5-9B shape far slower than the torch path (no 100K-token "
+    "run finished in 140 s; the torch path runs at 0.97x the bare forward; BENCHMARKS.md, \"Hybrid targets\"): "
+    "uninstall fla-core for extraction")
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, revision: str | None = None) -> nn.Module:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_cache.extract.target import LayerTaps, text_config
+from dflash_cache.extract.target import LayerTaps, has_recurrent_layers, text_config
 from dflash_cache.generate.decoder import Decoder
 from dflash_cache.generate.slots import SlotCache, SlotStep
 
@@ -126,12 +126,6 @@ def _new_cache(model: nn.Module):
         return DynamicCache(config=model.config)
     except TypeError:  # older transformers: no config argument
         return DynamicCache()
-
-
-def has_recurrent_layers(model: nn.Module) -> bool:
-    """Layers whose state is a recurrence (linear attention, SSM) rather than cropable keys."""
-    types = text_config(model.config.to_dict()).get("layer_types") or []
-    return any(t not in ("full_attention", "sliding_attention", "chunked_attention") for t in types)
 
 
 class CachedTarget:
