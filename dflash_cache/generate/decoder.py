@@ -3,12 +3,15 @@
 Decoding a small model at batch 1 costs the number of kernels a step launches, not the bytes it
 reads: a step of SmolLM2-135M reads 0.27 GB of weights (0.06 ms on an H200) but transformers'
 layers launch about 45 kernels each. This forward reads the weights of a loaded transformers
-model (Llama, Qwen2, Qwen3, Mistral: `targets.SLOT_MODEL_TYPES`) and runs each layer as
-attention-in (norm, one fused q/k/v projection, q/k norms, RoPE), slot attention, and
-attention-out (output projection, residual, norm, one fused gate/up projection, the activation,
-the down projection, residual). On a GPU the two halves are compiled (`torch.compile`, which
-fuses the elementwise work between the matrix products) for the fixed shapes of a decode step,
-and the engine captures the whole step as one CUDA graph.
+model (Llama, Qwen2, Qwen3, Mistral: `targets.SLOT_MODEL_TYPES`) and runs its layers as a
+`LayerStack`: per layer attention-in (norm, one fused q/k/v projection, q/k norms and RoPE on
+queries and keys as one tensor), slot attention, and attention-out (output projection, residual,
+norm, one fused gate/up projection, the activation, the down projection, residual), where a
+layer's attention-out and the next layer's attention-in are one piece, so the residual add fuses
+with the next norm. On a GPU the pieces are compiled (`torch.compile`, which fuses the elementwise
+work between the matrix products) for the fixed shapes of a decode step, and the engine captures
+the whole step as one CUDA graph. The drafter's layers, of the same structure, run the same way
+(`proposer.BlockProposer`).
 
 The fused projections are the model's own weights: its q/k/v and gate/up parameters become views
 into one tensor each, so nothing is held twice and the model itself keeps working. The

@@ -21,7 +21,7 @@ Tensors are token-major: queries, keys and values [b, T, heads, head_dim].
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +69,10 @@ class SlotStep:
     seen: Tensor | None = None
     rows: Tensor | None = None
     causal: bool = True
+    slot: Tensor = field(init=False)  # [b, 1]: the slot each batch row writes
+    cu_q: Tensor | None = field(init=False, default=None)  # flash's query offsets, its key offsets' index
+    step_index: Tensor | None = field(init=False, default=None)
+    seqused: Tensor | None = field(init=False, default=None)  # seen, as flash takes it
 
     def __post_init__(self) -> None:
         b, T = self.positions.shape
