@@ -35,7 +35,7 @@ class RegenConfig:
     out: Path = setting(help="Output .jsonl (parts are kept in OUT.parts/ until done; rerun to resume).")
     max_new_tokens: int = setting(512, "Longest regenerated turn.", min=1)
     temperature: float = setting(0.0, "0: greedy.", min=0)
-    seed: int = setting(0, "Sampling seed (each part is seeded by its id).")
+    seed: int = setting(0, "Sampling seed (each request is seeded by it, its row and its turn).")
     batch_size: int | None = setting(None, "Rows decoded at once by the embedded engine (default 256 on a GPU, fewer "
                                      "if its memory does not hold them; 32 on a CPU); the output does not depend "
                                      "on it.", min=1)  # fmt: skip
