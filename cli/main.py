@@ -290,7 +290,7 @@ def eval_(
     json_out: Path | None = typer.Option(None, "--json-out", help="Also write the full result as JSON here "
                                          "(`--config` reads its settings back)."),
     histogram_png: Path | None = typer.Option(None, "--histogram-png", help="Also draw the acceptance histogram "
-                                              "as a PNG here (needs matplotlib: dflash-cache[report])."),
+                                              "as a PNG here (needs matplotlib: pip install -e \".\\[report]\")."),
 ) -> None:
     """Speculative decoding with a drafter: tau, acceptance histogram, speedup over the target alone.
 
