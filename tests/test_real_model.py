@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import CHAT, ROOT, read_cache, reference_dflash, smollm2_gguf
+from conftest import CHAT, ROOT, read_cache, reference_dflash, require_llama_cpp, smollm2_gguf
 from test_chat_masks import expected_mask
 from test_serving_export import one_block
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -71,6 +71,7 @@ def test_the_conversion_is_the_gguf_that_llama_cpp_runs(smollm2):
     97% top-1 agreement, 3% relative error)."""
     from llama_cpp import Llama
 
+    require_llama_cpp()
     config = json.loads((smollm2 / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(smollm2)
     assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config

@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, require_llama_cpp
 
 from dflash_cache.app_config import RegenConfig
 from dflash_cache.errors import UserError
@@ -54,6 +54,7 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> Server:
+        require_llama_cpp()
         cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(GGUF), "--host", "127.0.0.1", "--port",
                str(self.port), "--n_ctx", "2048", "--n_threads", "1", "--seed", "0"]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
