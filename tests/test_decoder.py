@@ -73,3 +73,26 @@ def test_slot_forward_is_the_models_forward(name):
             torch.testing.assert_close(logits[row], ref.logits[src, span], **tol)
             torch.testing.assert_close(states[row], taps[src, span], **tol)
             cut[row] += width
+
+
+def test_a_compiler_failure_falls_back_to_the_eager_layers_with_a_warning():
+    """Where torch.compile fails (injected here: a compiled piece that raises), the step runs the
+    eager layers, says so once, and gives the same logits as a target that never compiled."""
+    model = model_of("qwen3")
+    plain, broken = SlotTarget(model, 1, 32), SlotTarget(model, 1, 32)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("the compiler says no")
+
+    layers = broken.decoder.layers
+    layers.compiled = dict.fromkeys(layers.eager, fails)
+    for t in (plain, broken):
+        t.prefill([0], [tuple(range(5, 12))])
+    ids, positions = torch.tensor([[3, 4]]), torch.tensor([[7, 8]])
+    with pytest.warns(UserWarning, match="torch.compile of the decoder layers failed") as seen:
+        logits, _ = broken.step(ids, positions)
+        again, _ = broken.step(ids, positions)
+    assert len(seen) == 1 and layers.compiled is layers.eager
+    want, _ = plain.step(ids, positions)
+    torch.testing.assert_close(logits, want, rtol=0, atol=0)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)

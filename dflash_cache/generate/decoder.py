@@ -181,9 +181,7 @@ class LayerStack:
             try:
                 return self._run(self.compiled, x, cos, sin, cache, step, taps or [])
             except Exception as e:  # noqa: BLE001 - a compiler failure: run eagerly, loudly
-                warnings.warn(f"torch.compile of the decoder layers failed ({type(e).__name__}: {str(e)[:200]}); "
-                              "running the eager layers", stacklevel=2)  # fmt: skip
-                self.compiled = self.eager
+                self._give_up(e)
         return self._run(self.eager, x, cos, sin, cache, step, taps or [])
 
     def _run(self, fns: dict, x: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, step: SlotStep,
@@ -206,11 +204,23 @@ class LayerStack:
                 compiled: bool = False) -> None:  # fmt: skip
         """Write every layer's keys and values of context states ctx [b, T, H] at `step`'s slots
         and positions (a drafter's context: see `context_kv`)."""
-        fn = self.compiled["kv"] if compiled else context_kv
+        if compiled and self.compiled is not self.eager:
+            try:
+                return self._context(self.compiled["kv"], ctx, cos, sin, cache, step)
+            except Exception as e:  # noqa: BLE001 - a compiler failure: run eagerly, loudly
+                self._give_up(e)
+        self._context(context_kv, ctx, cos, sin, cache, step)
+
+    def _context(self, fn: Callable, ctx: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, step: SlotStep) -> None:
         for i, w in enumerate(self.layers):
             k, v = fn(ctx, *w.kv, cos, sin, self.eps, self.kv_heads)
             cache.k[i].index_put_((step.slot, step.positions), k.to(cache.k[i].dtype))
             cache.v[i].index_put_((step.slot, step.positions), v.to(cache.v[i].dtype))
+
+    def _give_up(self, e: Exception) -> None:
+        warnings.warn(f"torch.compile of the decoder layers failed ({type(e).__name__}: {str(e)[:200]}); "
+                      "running the eager layers", stacklevel=3)  # fmt: skip
+        self.compiled = self.eager
 
 
 class Decoder:
