@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import CHAT, ROOT, TINY_TARGET, extract_config, hf_greedy, read_cache, read_metrics, smollm2_gguf
 from test_evaluate import export_random_drafter
+from test_hybrid import write_rows
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache.app_config import EvalConfig
@@ -38,11 +39,6 @@ import make_family_targets as fam  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda")
 FAMILIES = ("llama3", "qwen3", "gemma", "qwen3_5", "qwen3_5_vl")
-
-
-def write_rows(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def decode(engine: Engine, prompts, max_new: int) -> list[list[int]]:

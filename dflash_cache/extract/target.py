@@ -228,7 +228,8 @@ def has_recurrent_layers(model: nn.Module) -> bool:
 def linear_attention_kernels() -> dict[str, bool]:
     """Whether the optional kernels that transformers uses for gated delta-net layers import here:
     flash-linear-attention's `fla.ops.gated_delta_rule` (the pip package fla-core) and
-    `causal_conv1d`. Without them transformers runs its slow torch path (and says so)."""
+    `causal_conv1d`. transformers takes them whenever they import, and its torch path otherwise;
+    for extraction the torch path measured faster (`SLOW_KERNELS`)."""
     found = {}
     for name, module in (("fla", "fla.ops.gated_delta_rule"), ("causal_conv1d", "causal_conv1d")):
         try:
@@ -242,7 +243,7 @@ def linear_attention_kernels() -> dict[str, bool]:
 SLOW_KERNELS = (
     "flash-linear-attention (fla-core) is installed, so transformers runs the gated delta-net layers through its "
     "kernels; on an H200 they made extraction of the Qwen3.5-9B shape far slower than the torch path (no 100K-token "
-    "run finished in 140 s; the torch path runs at 0.97x the bare forward; BENCHMARKS.md, \"Hybrid targets\"): "
+    "run finished in 140 s; the torch path runs at 0.97x the bare forward; BENCHMARKS.md, \"A hybrid target\"): "
     "uninstall fla-core for extraction")
 
 

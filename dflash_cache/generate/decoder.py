@@ -48,6 +48,13 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+def activation(name: str) -> Callable[[Tensor], Tensor]:
+    """A config's `hidden_act` as a function (SiLU as F.silu, which the compiler fuses)."""
+    from transformers.activations import ACT2FN
+
+    return F.silu if name == "silu" else ACT2FN[name]
+
+
 def _fused(linears: list[nn.Linear], name: str, owner: nn.Module) -> tuple[Tensor, Tensor | None]:
     """One weight (and bias) for several projections of the same input; the projections' own
     parameters become views into it (done once per model: kept on `owner`)."""
@@ -72,7 +79,7 @@ def _fused(linears: list[nn.Linear], name: str, owner: nn.Module) -> tuple[Tenso
 
 @dataclass
 class _Layer:
-    """One decoder layer's weights, as the two halves take them."""
+    """One decoder layer's weights, as `attention_in`, `attention_out` and `context_kv` take them."""
 
     norm_in: Tensor
     qkv: Tensor
@@ -236,12 +243,10 @@ class Decoder:
         self.embed, self.norm, self.rotary = base.embed_tokens.weight, base.norm.weight, base.rotary_emb
         self.eps = float(config.rms_norm_eps)
         heads = config.num_attention_heads
-        first = base.layers[0]
-        act = first.mlp.act_fn
-        act = F.silu if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" else act
         self.layers = LayerStack(list(base.layers), eps=self.eps, heads=heads,
                                  kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                                 scale=float(first.self_attn.scaling), act=act, compile=compile)  # fmt: skip
+                                 scale=float(base.layers[0].self_attn.scaling), act=activation(config.hidden_act),
+                                 compile=compile)  # fmt: skip
         self.layer_ids = list(layer_ids or [])
 
     @torch.inference_mode()

@@ -22,11 +22,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers.activations import ACT2FN
 
 from dflash_cache import drafters
 from dflash_cache.drafters import Family
-from dflash_cache.generate.decoder import LayerStack
+from dflash_cache.generate.decoder import LayerStack, activation
 from dflash_cache.generate.slots import SlotCache, SlotStep
 
 
@@ -55,10 +54,9 @@ class BlockProposer:
                                dtype=weight.dtype, device=weight.device)  # fmt: skip
         self.slots, self.length = slots, self.cache.length
         self.num_drafts = 0  # tokens a block drafts: the family's, known from the first proposal
-        act = F.silu if cfg.hidden_act == "silu" else ACT2FN[cfg.hidden_act]
         self.layers = LayerStack(list(model.layers), eps=cfg.rms_norm_eps, heads=cfg.num_attention_heads,
-                                 kv_heads=cfg.num_key_value_heads, scale=cfg.head_dim**-0.5, act=act,
-                                 compile=compile)  # fmt: skip
+                                 kv_heads=cfg.num_key_value_heads, scale=cfg.head_dim**-0.5,
+                                 act=activation(cfg.hidden_act), compile=compile)  # fmt: skip
 
     @torch.inference_mode()
     def add_context(self, states: Tensor, positions: Tensor, rows: Tensor | None = None) -> None:
