@@ -49,13 +49,16 @@ def decode(engine: Engine, prompts, max_new: int) -> list[list[int]]:
 # ------------------------------------------------------------------------------ the slot engine
 
 
-def test_slot_attention_flash_equals_the_masked_path():
-    """Flash attention over the padded slot buffers (per-row key counts) against the masked SDPA
-    path in float32, for decode steps, causal verify steps and the drafter's bidirectional block."""
-    assert slot_module._VARLEN_FLASH, "this torch's flash attention takes no per-row key counts"
+@pytest.mark.parametrize("kernel", ["triton", "flash"])
+def test_slot_attention_kernels_equal_the_masked_path(kernel, monkeypatch):
+    """Each GPU kernel over the padded slot buffers (per-row key counts: the Triton kernel, flash's
+    varlen path) against the masked SDPA path in float32, for decode steps, causal verify steps and
+    the drafter's bidirectional block, with grouped-query heads and rows of other slots."""
+    assert slot_module._KERNELS[kernel], f"{kernel} attention is not available here"
+    monkeypatch.setitem(slot_module._KERNELS, "triton" if kernel == "flash" else "flash", False)
     g = torch.Generator(device=CUDA).manual_seed(0)
     S, L, heads, kv, d = 5, 96, 8, 2, 64
-    for T, causal in ((1, True), (9, True), (9, False)):
+    for T, causal in ((1, True), (9, True), (9, False), (17, True)):
         cache = SlotCache(1, S, L, kv, d, dtype=torch.bfloat16, device=CUDA)
         cache.k[0].normal_(generator=g)
         cache.v[0].normal_(generator=g)
@@ -64,14 +67,18 @@ def test_slot_attention_flash_equals_the_masked_path():
         q = torch.randn(S, T, heads, d, device=CUDA, generator=g, dtype=torch.bfloat16)
         k = torch.randn(S, T, kv, d, device=CUDA, generator=g, dtype=torch.bfloat16)
         v = torch.randn(S, T, kv, d, device=CUDA, generator=g, dtype=torch.bfloat16)
-        step = SlotStep(positions, seen=seen, causal=causal)
-        got = slot_attention(cache, 0, q, k, v, step, d**-0.5).float()
-        ref_cache = SlotCache(1, S, L, kv, d, dtype=torch.float32, device=CUDA)
-        ref_cache.k[0].copy_(cache.k[0])
-        ref_cache.v[0].copy_(cache.v[0])
-        want = slot_module._masked(q.float(), ref_cache.k[0], ref_cache.v[0], step, d**-0.5)
-        err = float((got - want).norm() / want.norm())
-        assert err < 1e-2, (T, causal, err)
+        for rows in (None, torch.tensor([4, 0, 2], device=CUDA)):
+            picked = slice(None) if rows is None else rows
+            step = SlotStep(positions[picked], seen=seen[picked], rows=rows, causal=causal)
+            got = slot_attention(cache, 0, q[picked], k[picked], v[picked], step, d**-0.5).float()
+            ref_cache = SlotCache(1, S, L, kv, d, dtype=torch.float32, device=CUDA)
+            ref_cache.k[0].copy_(cache.k[0])
+            ref_cache.v[0].copy_(cache.v[0])
+            want = slot_module._masked(q[picked].float(), ref_cache.k[0][picked], ref_cache.v[0][picked], step,
+                                       d**-0.5)  # fmt: skip
+            err = float((got - want).norm() / want.norm())
+            assert err < 1e-2, (kernel, T, causal, rows, err)
+    assert slot_module._KERNELS[kernel], "the kernel's own first-call check turned it off"
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,13 @@ re-layout (the stale entries past a row's length are never seen before they are 
 and a row that finishes frees its slot for the next prompt (continuous batching). Nothing is
 allocated per step, so a decode step can be captured in a CUDA graph.
 
-`slot_attention` writes a step's new keys and values at their positions, then lets each row's
-queries see the first `seen[r]` positions of its slot (causally among the step's own tokens, or
-all of them). On a GPU that is flash attention over the padded buffer with per-row key counts
-(`seqused_k`), which reads only each row's used keys, with grouped-query heads as they are; on a
-CPU an SDPA call with the equivalent mask. What every layer of a forward shares (positions, key
-counts, flash's sequence offsets) is a `SlotStep`, made once per forward.
+`slot_attention` writes a step's new keys and values at their positions (unless the caller's
+compiled layer already did), then lets each row's queries see the first `seen[r]` positions of its
+slot (causally among the step's own tokens, or all of them). On a GPU that is one Triton kernel
+over the padded buffer (`slot_kernel`), or flash attention with per-row key counts (`seqused_k`)
+for long buffers; both read only each row's used keys, with grouped-query heads as they are. On a
+CPU it is an SDPA call with the equivalent mask. What every layer of a forward shares (positions,
+key counts, flash's sequence offsets) is a `SlotStep`, made once per forward.
 
 Tensors are token-major: queries, keys and values [b, T, heads, head_dim].
 """
@@ -27,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_cache.generate import slot_kernel
+
 
 class SlotCache:
     """Per-layer key and value buffers [slots, length, kv_heads, head_dim]."""
@@ -36,6 +39,9 @@ class SlotCache:
         shape = (slots, length, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        for buf in self.k + self.v:  # the compiled layers write them: one compilation for every cache size
+            torch._dynamo.maybe_mark_dynamic(buf, 0)
+            torch._dynamo.maybe_mark_dynamic(buf, 1)
         self.slots, self.length = slots, length
 
     @staticmethod
@@ -51,8 +57,10 @@ def _has_varlen_flash() -> bool:
         return False
 
 
-_VARLEN_FLASH = _has_varlen_flash()
-_flash_checked = False  # the first flash call is compared with the masked path; a mismatch turns flash off
+# The GPU kernels a step may use, in order of preference; the first call of each is compared with
+# the masked path, and a mismatch turns it off.
+_KERNELS = {"triton": slot_kernel.available(), "flash": _has_varlen_flash()}
+_checked: set[str] = set()
 
 
 @dataclass
@@ -72,7 +80,8 @@ class SlotStep:
     slot: Tensor = field(init=False)  # [b, 1]: the slot each batch row writes
     cu_q: Tensor | None = field(init=False, default=None)  # flash's query offsets, its key offsets' index
     step_index: Tensor | None = field(init=False, default=None)
-    seqused: Tensor | None = field(init=False, default=None)  # seen, as flash takes it
+    seqused: Tensor | None = field(init=False, default=None)  # seen, as the GPU kernels take it
+    _key_offsets: dict = field(init=False, default_factory=dict)  # flash's, per buffer length
 
     def __post_init__(self) -> None:
         b, T = self.positions.shape
@@ -85,34 +94,55 @@ class SlotStep:
 
 
 def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, value: Tensor, step: SlotStep,
-                   scale: float | None) -> Tensor:  # fmt: skip
-    """Write key/value [b, T, kv_heads, D] of a step's tokens into their slots, then attend;
-    returns [b, T, heads, D] (see `SlotStep` for what each query sees)."""
+                   scale: float | None, *, write: bool = True) -> Tensor:  # fmt: skip
+    """Write key/value [b, T, kv_heads, D] of a step's tokens into their slots (`write`; False when
+    the caller wrote them), then attend; returns [b, T, heads, D] (see `SlotStep` for what each
+    query sees)."""
     k_buf, v_buf = cache.k[layer], cache.v[layer]
-    k_buf.index_put_((step.slot, step.positions), key.to(k_buf.dtype))
-    v_buf.index_put_((step.slot, step.positions), value.to(v_buf.dtype))
+    if write:
+        k_buf.index_put_((step.slot, step.positions), key.to(k_buf.dtype))
+        v_buf.index_put_((step.slot, step.positions), value.to(v_buf.dtype))
     if step.seen is None:
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=query.shape[1] > 1, scale=scale,
                                              enable_gqa=query.shape[2] != key.shape[2])  # fmt: skip
         return out.transpose(1, 2)
-    keys, values = (k_buf, v_buf) if step.rows is None else (k_buf[step.rows], v_buf[step.rows])
-    d = query.shape[-1]
-    if _VARLEN_FLASH and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and d <= 256:
-        out = _flash(query, keys, values, step, scale)
-        if not _flash_checked:
-            _check_flash(out, _masked(query, keys, values, step, scale))
-        if _VARLEN_FLASH:
+    if query.is_cuda:
+        out = _on_gpu(query, k_buf, v_buf, step, scale)
+        if out is not None:
             return out
+    keys, values = (k_buf, v_buf) if step.rows is None else (k_buf[step.rows], v_buf[step.rows])
     return _masked(query, keys, values, step, scale)
 
 
-def _flash(query: Tensor, keys: Tensor, values: Tensor, step: SlotStep, scale: float | None) -> Tensor:
+def _on_gpu(query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep, scale: float | None) -> Tensor | None:
+    """A step's attention through the first GPU kernel that serves it, or None."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    for name in ("triton", "flash"):
+        if not _KERNELS[name]:
+            continue
+        if name == "triton" and slot_kernel.fits(query, k_buf):
+            out = slot_kernel.attention(query, k_buf, v_buf, step.slot[:, 0], step.seqused, step.causal, scale)
+        elif name == "flash" and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+            out = _flash(query, k_buf, v_buf, step, scale)
+        else:
+            continue
+        if name not in _checked:
+            _check(name, out, query, k_buf, v_buf, step, scale)
+        if _KERNELS[name]:
+            return out
+    return None
+
+
+def _flash(query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep, scale: float) -> Tensor:
+    keys, values = (k_buf, v_buf) if step.rows is None else (k_buf[step.rows], v_buf[step.rows])
     b, T, heads, d = query.shape
     S, L = keys.shape[:2]
+    if L not in step._key_offsets:  # once per forward, not once per layer
+        step._key_offsets[L] = step.step_index * L
     out = torch.ops.aten._flash_attention_forward(
         query.reshape(b * T, heads, d), keys.view(S * L, *keys.shape[2:]), values.view(S * L, *values.shape[2:]),
-        step.cu_q, step.step_index * L, T, L, 0.0, step.causal and T > 1, False, scale=scale,
+        step.cu_q, step._key_offsets[L], T, L, 0.0, step.causal and T > 1, False, scale=scale,
         seqused_k=step.seqused,
     )[0]  # fmt: skip
     return out.view(b, T, heads, d)
@@ -133,13 +163,15 @@ def _masked(query: Tensor, keys: Tensor, values: Tensor, step: SlotStep, scale: 
     return out.reshape(b, heads, T, d).transpose(1, 2)
 
 
-def _check_flash(flash: Tensor, masked: Tensor) -> None:
-    """Once a process: flash attention over the slots must agree with the masked path (bf16
-    rounding apart), else the masked path is used from then on, with a warning."""
-    global _VARLEN_FLASH, _flash_checked
-    _flash_checked = True
-    err = float((flash.float() - masked.float()).norm() / masked.float().norm().clamp_min(1e-6))
+def _check(name: str, out: Tensor, query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep,
+           scale: float) -> None:  # fmt: skip
+    """Once a process per kernel: its attention over the slots must agree with the masked path (bf16
+    rounding apart), else it is not used from then on, with a warning."""
+    _checked.add(name)
+    keys, values = (k_buf, v_buf) if step.rows is None else (k_buf[step.rows], v_buf[step.rows])
+    masked = _masked(query, keys, values, step, scale).float()
+    err = float((out.float() - masked).norm() / masked.norm().clamp_min(1e-6))
     if not err < 2e-2:
-        _VARLEN_FLASH = False
-        warnings.warn(f"flash attention over the slot cache disagrees with the masked path (relative error "
-                      f"{err:.3g}); using the masked path", stacklevel=3)  # fmt: skip
+        _KERNELS[name] = False
+        warnings.warn(f"{name} attention over the slot cache disagrees with the masked path (relative error "
+                      f"{err:.3g}); not using it", stacklevel=4)  # fmt: skip
