@@ -6,14 +6,17 @@ what a speculative step costs against a plain one.
 For a random-weight target of a named shape (`dflash_cache.bench.SHAPES`, which never says its stop
 token, so every prompt decodes to --max-new-tokens), one row at a time:
 
-- the target alone through the engine three ways, side by side: eager layers, the step captured as
-  a CUDA graph, and the compiled layers captured (the default on a GPU); tokens/s against the
+- the target alone through the engine four ways, side by side: eager layers, the step captured as
+  a CUDA graph, and the compiled layers captured (the default on a GPU) with the slot attention of
+  flash's split-kv kernels and with its own Triton kernel (the default); tokens/s against the
   weight-bandwidth bound (bandwidth / weight bytes: every decode step reads every weight once);
-- the cost of a verify step of B+1 tokens against a one-token step, each a replayed graph;
+- the cost of a verify step of B+1 tokens against a one-token step, each a replayed graph, for both
+  attention kernels, at the prompt's context and at longer ones, and for a batch of rows;
 - a speculative step with a random DFlash drafter of the target's shape (its drafts are rejected,
   so every step commits one token): its cost over a plain step, which is what a drafter's tau must
   beat (speedup = tau x plain step / speculative step);
-- a profile of the compiled step: kernels a step launches and their summed time, beside the step.
+- a profile of the compiled plain and speculative steps: the kernels each launches and their summed
+  time, beside the step.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dflash.model import DFlashDrafter  # noqa: E402
-from dflash_cache.generate import BlockProposer, Engine, Request, StopRule  # noqa: E402
+from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, slots  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -73,38 +76,57 @@ def replay_ms(fn, reps: int = 200) -> float:
     return statistics.median(times)
 
 
-def step_costs(target: SlotTarget, context: int, block: int) -> dict:
-    """Replayed-graph time of a one-token step and of a verify step of `block` tokens, one row at
-    position `context`."""
-    target.prefill([0], [tuple(range(3, 3 + context))])
+class attention_kernel:  # noqa: N801 - a context manager used like a function
+    """Within it, slot attention on the GPU uses only `name` ("triton" or "flash")."""
+
+    def __init__(self, name: str):
+        self.name, self.saved = name, dict(slots._KERNELS)
+
+    def __enter__(self):
+        slots._KERNELS.update({k: v and k == self.name for k, v in self.saved.items()})
+
+    def __exit__(self, *exc):
+        slots._KERNELS.update(self.saved)
+
+
+def step_costs(target: SlotTarget, context: int, block: int, rows: int = 1) -> dict:
+    """Replayed-graph time of a one-token step and of a verify step of `block` tokens, `rows` rows
+    at position `context`."""
+    target.prefill(list(range(rows)), [tuple(range(3, 3 + context))] * rows)
     out = {}
     for width in (1, block):
-        ids = torch.randint(0, 1000, (1, width), device=CUDA)
-        positions = (context + torch.arange(width, device=CUDA))[None]
+        ids = torch.randint(0, 1000, (rows, width), device=CUDA)
+        positions = (context + torch.arange(width, device=CUDA)).expand(rows, -1)
         out[width] = replay_ms(lambda ids=ids, positions=positions: target.step(ids, positions))
     return {"decode_step_ms": out[1], f"verify_step_{block}_ms": out[block], "verify_over_decode": out[block] / out[1]}
 
 
-def kernel_profile(target: SlotTarget, context: int, steps: int = 20) -> dict:
-    """Kernels a compiled (not captured) one-token step launches, and their summed GPU time."""
+def kernel_profile(step, steps: int = 20) -> dict:
+    """Kernels a call of `step` (compiled, not captured) launches, and their summed GPU time."""
     from torch.profiler import ProfilerActivity, profile
 
-    target.prefill([0], [tuple(range(3, 3 + context))])
-    ids, positions = torch.tensor([[5]], device=CUDA), torch.tensor([[context]], device=CUDA)
     for _ in range(3):
-        target.step(ids, positions)
+        step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            target.step(ids, positions)
+            step()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
     for e in kernels:
-        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time_total / steps
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
-    return {"kernels_per_step": len(kernels) / steps, "kernel_us_per_step": sum(by_name.values()),
-            "top_kernels_us": [[name[:90], round(us, 1)] for name, us in top]}  # fmt: skip
+        by_name.setdefault(e.name, [0.0, 0])
+        by_name[e.name][0] += e.device_time_total / steps
+        by_name[e.name][1] += 1 / steps
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:16]
+    return {"kernels_per_step": len(kernels) / steps, "kernel_us_per_step": sum(v[0] for v in by_name.values()),
+            "top_kernels_us_count": [[name[:90], round(us, 1), round(n, 1)] for name, (us, n) in top]}  # fmt: skip
+
+
+def plain_profile(target: SlotTarget, context: int) -> dict:
+    target.prefill([0], [tuple(range(3, 3 + context))])
+    ids, positions = torch.tensor([[5]], device=CUDA), torch.tensor([[context]], device=CUDA)
+    return kernel_profile(lambda: target.step(ids, positions))
 
 
 def main() -> None:
@@ -115,6 +137,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--batch-rows", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model = random_model(args.shape, CUDA)
@@ -127,39 +150,60 @@ def main() -> None:
                     "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                     "max_new_tokens": args.max_new_tokens, "engine": {}}  # fmt: skip
     outputs = {}
-    for name, compile, graphs in (("eager", False, False), ("graphs", False, True), ("compiled graphs", True, True)):
+    runs = (("eager", False, False, "triton"), ("graphs", False, True, "triton"),
+            ("compiled graphs, flash", True, True, "flash"), ("compiled graphs", True, True, "triton"))  # fmt: skip
+    for name, compile, graphs, kernel in runs:
         target = SlotTarget(model, 1, length, compile=compile)
-        seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([]), graphs=graphs), prompts,
-                                                             args.max_new_tokens)  # fmt: skip
+        with attention_kernel(kernel):
+            seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([]), graphs=graphs),
+                                                                 prompts, args.max_new_tokens)  # fmt: skip
         result["engine"][name] = {"tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
                                   "fraction_of_bound": tokens / seconds / result["bound_tok_s"]}  # fmt: skip
         print(name, json.dumps(result["engine"][name]), flush=True)
     result["graphs_equal_eager"] = outputs["graphs"] == outputs["eager"]
     result["compiled_equal_eager"] = outputs["compiled graphs"] == outputs["eager"]
 
+    block = args.block_size + 1
+    target = SlotTarget(model, 1, max(length, 4096 + block), compile=True)
+    result["steps"] = {}
+    for kernel in ("flash", "triton"):
+        with attention_kernel(kernel):
+            for context in (args.prompt_tokens, 1024, 4000):
+                result["steps"][f"{kernel}, context {context}"] = step_costs(target, context, block)
+    batch = SlotTarget(model, args.batch_rows, length, compile=True)
+    for kernel in ("flash", "triton"):
+        with attention_kernel(kernel):
+            result["steps"][f"{kernel}, {args.batch_rows} rows"] = step_costs(batch, args.prompt_tokens, block,
+                                                                              args.batch_rows)  # fmt: skip
+    del batch
+    print("steps", json.dumps(result["steps"], indent=1), flush=True)
     target = SlotTarget(model, 1, length, compile=True)
-    result["steps"] = step_costs(target, args.prompt_tokens, args.block_size + 1)
-    print("steps", json.dumps(result["steps"]), flush=True)
-    result["profile"] = kernel_profile(target, args.prompt_tokens)
+    result["profile"] = plain_profile(target, args.prompt_tokens)
     print("profile", json.dumps(result["profile"]), flush=True)
 
     layers = [1, 2, 3, 4, 5][: args.draft_layers] if model.config.num_hidden_layers < 8 else None
-    dcfg = DrafterConfig.from_target(model.config.to_dict(), target_layer_ids=layers, mask_token_id=0,
-                                     num_draft_layers=args.draft_layers, block_size=args.block_size)  # fmt: skip
-    torch.manual_seed(0)
-    drafter = DFlashDrafter(dcfg).to(CUDA, torch.bfloat16).eval().requires_grad_(False)
-    target = SlotTarget(model, 1, length, dcfg.target_layer_ids, compile=True)
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    proposer = BlockProposer(drafter, embed=embed, head=head, slots=1, length=length, block_size=args.block_size)
-    seconds, tokens, steps, spec = timed_stream(Engine(target, StopRule([]), proposer=proposer), prompts,
-                                                args.max_new_tokens)  # fmt: skip
     plain_ms = result["engine"]["compiled graphs"]["ms_per_token"]
-    spec_ms = 1e3 * seconds / steps
-    result["speculative"] = {"draft_layers": args.draft_layers, "block_size": args.block_size,
-                             "tau": tokens / steps, "step_ms": spec_ms, "over_plain_step": spec_ms / plain_ms,
-                             "speedup_at_tau": {t: t * plain_ms / spec_ms for t in (1.6, 2.0, 3.0, 4.0)},
-                             "same_as_target": spec == outputs["compiled graphs"]}  # fmt: skip
-    print("speculative", json.dumps(result["speculative"]), flush=True)
+    result["speculative"] = {}
+    for draft_layers in sorted({1, args.draft_layers}):
+        dcfg = DrafterConfig.from_target(model.config.to_dict(), target_layer_ids=layers, mask_token_id=0,
+                                         num_draft_layers=draft_layers, block_size=args.block_size)  # fmt: skip
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(dcfg).to(CUDA, torch.bfloat16).eval().requires_grad_(False)
+        target = SlotTarget(model, 1, length, dcfg.target_layer_ids, compile=True)
+        proposer = BlockProposer(drafter, embed=embed, head=head, slots=1, length=length, block_size=args.block_size)
+        engine = Engine(target, StopRule([]), proposer=proposer)
+        seconds, tokens, steps, spec = timed_stream(engine, prompts, args.max_new_tokens)
+        spec_ms = 1e3 * seconds / steps
+        last, pos, seed = engine.last.clone(), engine.pos.clone(), engine.seed.clone()
+        pos.fill_(args.prompt_tokens)
+        profile = kernel_profile(lambda: engine._step.fn(last, pos, seed))  # noqa: B023 - called here
+        result["speculative"][f"{draft_layers} layers"] = {
+            "draft_layers": draft_layers, "block_size": args.block_size, "tau": tokens / steps, "step_ms": spec_ms,
+            "over_plain_step": spec_ms / plain_ms,
+            "speedup_at_tau": {t: t * plain_ms / spec_ms for t in (1.6, 2.0, 3.0, 4.0)},
+            "same_as_target": spec == outputs["compiled graphs"], "profile": profile}  # fmt: skip
+        print("speculative", json.dumps(result["speculative"][f"{draft_layers} layers"]), flush=True)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")

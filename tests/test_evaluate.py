@@ -23,7 +23,7 @@ from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import default_layer_ids
 from dflash_cache.drafters.attention import BlockLayout
 from dflash_cache.generate import BlockProposer, Engine, Request, StopRule
-from dflash_cache.generate.requests import Chooser, speculative_accept
+from dflash_cache.generate.requests import Chooser, DraftChooser, speculative_accept
 from dflash_cache.generate.targets import CachedTarget, SlotTarget
 from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, load_serving, save_serving
 
@@ -298,6 +298,28 @@ def test_speculative_sampling_rule_keeps_target_distribution():
     none = torch.full_like(drafts, -1)  # no draft: never accepted, and the token is a sample of p itself
     a, token = speculative_accept(none, q.expand(n, 1, V), logits, chooser, torch.zeros(n, dtype=torch.long))
     assert not a.any() and torch.allclose(torch.bincount(token, minlength=V) / n, p0, atol=0.015)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_drafts_chosen_at_once_are_the_ones_chosen_one_by_one(temperature):
+    """A block's drafts in one choice (`DraftChooser.each`, what the engine uses) are the tokens and
+    probabilities of choosing them position by position, each with its own noise key."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 7, 50, generator=g) * 3
+    base, seed = torch.tensor([4, 19, 0]), torch.tensor([1, 2, 3])
+    one = DraftChooser(Chooser(temperature, seed), base)
+    one(logits[:, 0])  # a call before: the block's keys continue from it
+    picked = [one(logits[:, i]) for i in range(1, 7)]
+    many = DraftChooser(Chooser(temperature, seed), base)
+    many(logits[:, 0])
+    tokens, probs = many.each(logits[:, 1:])
+    assert torch.equal(tokens, torch.stack([t for t, _ in picked], 1))
+    if temperature:
+        torch.testing.assert_close(probs, torch.stack([q for _, q in picked], 1), rtol=0, atol=0)
+        assert len(set(tokens.flatten().tolist())) > 3  # sampled, not the argmax of every row
+    else:
+        assert probs is None and torch.equal(tokens, logits[:, 1:].argmax(-1))
+    assert many.calls == one.calls == 7
 
 
 def test_tau_and_histogram():

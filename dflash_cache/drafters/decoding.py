@@ -19,7 +19,10 @@ def mask_block(anchor_tokens: Tensor, block_size: int, mask_token_id: int) -> Te
 
 
 def choose_each(logits: Tensor, choose: Choose) -> tuple[Tensor, Tensor | None]:
-    """Tokens for logits [b, n, V], one position at a time, in order (`choose` may keep state)."""
+    """Tokens for logits [b, n, V], one position at a time, in order (`choose` may keep state), or
+    all at once where `choose` offers that (an `each` method that gives what the n calls give)."""
+    if hasattr(choose, "each"):
+        return choose.each(logits)
     picked = [choose(logits[:, i]) for i in range(logits.shape[1])]
     tokens = torch.stack([t for t, _ in picked], dim=1)
     probs = None if any(p is None for _, p in picked) else torch.stack([p for _, p in picked], dim=1)

@@ -4,14 +4,21 @@ Decoding a small model at batch 1 costs the number of kernels a step launches, n
 reads: a step of SmolLM2-135M reads 0.27 GB of weights (0.06 ms on an H200) but transformers'
 layers launch about 45 kernels each. This forward reads the weights of a loaded transformers
 model (Llama, Qwen2, Qwen3, Mistral: `targets.SLOT_MODEL_TYPES`) and runs its layers as a
-`LayerStack`: per layer attention-in (norm, one fused q/k/v projection, q/k norms and RoPE on
-queries and keys as one tensor), slot attention, and attention-out (output projection, residual,
-norm, one fused gate/up projection, the activation, the down projection, residual), where a
-layer's attention-out and the next layer's attention-in are one piece, so the residual add fuses
-with the next norm. On a GPU the pieces are compiled (`torch.compile`, which fuses the elementwise
-work between the matrix products) for the fixed shapes of a decode step, and the engine captures
-the whole step as one CUDA graph. The drafter's layers, of the same structure, run the same way
-(`proposer.BlockProposer`).
+`LayerStack` of pieces:
+
+- the prologue: the embedding and the rotary tables of the step's positions;
+- attention-in: norm, one fused q/k/v projection, q/k norms and RoPE on queries and keys as one
+  tensor, and the new keys and values written into the cache;
+- slot attention (`slots.slot_attention`, one kernel on a GPU);
+- attention-out: output projection, residual, norm, one fused gate/up projection, the activation,
+  the down projection, residual. A layer's attention-out and the next layer's attention-in are one
+  piece (a seam), so the residual add fuses with the next norm, and the last layer's takes the
+  final norm.
+
+On a GPU the pieces are compiled (`torch.compile`, which fuses the elementwise work between the
+matrix products, the cache writes included) for the fixed shapes of a step, and the engine
+captures the whole step as one CUDA graph. The drafter's layers, of the same structure, run the
+same way (`proposer.BlockProposer`), with one more piece: the context's keys and values.
 
 The fused projections are the model's own weights: its q/k/v and gate/up parameters become views
 into one tensor each, so nothing is held twice and the model itself keeps working. The
@@ -124,18 +131,27 @@ class _Layer:
 
 
 def attention_in(x: Tensor, norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, q_norm: Tensor | None,
-                 k_norm: Tensor | None, cos: Tensor, sin: Tensor, eps: float, heads: int, kv_heads: int
-                 ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """x [b, T, H] -> queries and keys [b, T, heads + kv_heads, d] (normed, rotated: one tensor,
-    so one kernel), values [b, T, kv_heads, d]. Weights come as plain tensors, so that one
-    compilation serves every layer."""
+                 k_norm: Tensor | None, cos: Tensor, sin: Tensor, kv: tuple, eps: float, heads: int,
+                 kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """x [b, T, H] -> queries [b, T, heads, d], keys and values [b, T, kv_heads, d] (queries and
+    keys normed and rotated as one tensor, so one kernel), the keys and values also written into
+    the cache (`kv`: the layer's key and value buffers, the rows' slots and the positions). Weights
+    come as plain tensors, so that one compilation serves every layer."""
     b, T, _ = x.shape
     h = F.linear(rms_norm(x, norm, eps), qkv, qkv_bias)
     d = h.shape[-1] // (heads + 2 * kv_heads)
     qk, v = h.view(b, T, heads + 2 * kv_heads, d).split([heads + kv_heads, kv_heads], dim=2)
     if q_norm is not None:
         qk = rms_norm(qk, torch.cat([q_norm.expand(heads, d), k_norm.expand(kv_heads, d)]), eps)
-    return rotate(qk, cos, sin), v
+    q, k = rotate(qk, cos, sin).split([heads, kv_heads], dim=2)
+    write_kv(k, v, *kv)
+    return q, k, v
+
+
+def write_kv(k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, slot: Tensor, positions: Tensor) -> None:
+    """Keys and values [b, T, kv_heads, d] into their rows' slots [b, 1] at positions [b, T]."""
+    k_buf.index_put_((slot, positions), k.to(k_buf.dtype))
+    v_buf.index_put_((slot, positions), v.to(v_buf.dtype))
 
 
 def attention_out(x: Tensor, attn: Tensor, o: Tensor, o_bias: Tensor | None, norm: Tensor, gate_up: Tensor,
@@ -147,87 +163,100 @@ def attention_out(x: Tensor, attn: Tensor, o: Tensor, o_bias: Tensor | None, nor
     return x + F.linear(act(gate) * up, down, down_bias)
 
 
-def seam(x: Tensor, attn: Tensor, out: tuple, into: tuple, cos: Tensor, sin: Tensor, eps: float, heads: int,
-         kv_heads: int, act: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+def seam(x: Tensor, attn: Tensor, out: tuple, into: tuple, cos: Tensor, sin: Tensor, kv: tuple, eps: float,
+         heads: int, kv_heads: int, act: Callable[[Tensor], Tensor]) -> tuple[Tensor, ...]:  # fmt: skip
     """Layer i's attention-out and layer i+1's attention-in in one piece (the residual add and the
-    next norm fuse): (the residual stream after layer i, layer i+1's queries and keys, values)."""
+    next norm fuse): (the residual stream after layer i, layer i+1's queries, keys and values)."""
     x = attention_out(x, attn, *out, eps, act)
-    return (x, *attention_in(x, *into, cos, sin, eps, heads, kv_heads))
+    return (x, *attention_in(x, *into, cos, sin, kv, eps, heads, kv_heads))
 
 
-def context_kv(ctx: Tensor, kv: Tensor, kv_bias: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor,
-               eps: float, kv_heads: int) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """A drafter layer's keys and values [b, T, kv_heads, d] of context states ctx [b, T, H]: its
-    k/v projections, k_norm and RoPE on the keys, and no input norm (DFlash's context)."""
+def last(x: Tensor, attn: Tensor, out: tuple, norm: Tensor, eps: float, act: Callable[[Tensor], Tensor]
+         ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """The last layer's attention-out and the final norm: (the residual stream, its normed states)."""
+    x = attention_out(x, attn, *out, eps, act)
+    return x, rms_norm(x, norm, eps)
+
+
+def context_kv(ctx: Tensor, kv_w: Tensor, kv_bias: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor,
+               kv: tuple, eps: float, kv_heads: int) -> None:  # fmt: skip
+    """A drafter layer's keys and values of context states ctx [b, T, H] into the cache (`kv`, as
+    `attention_in` takes it): its k/v projections, k_norm and RoPE on the keys, and no input norm
+    (DFlash's context)."""
     b, T, _ = ctx.shape
-    k, v = F.linear(ctx, kv, kv_bias).view(b, T, 2 * kv_heads, -1).chunk(2, dim=2)
+    k, v = F.linear(ctx, kv_w, kv_bias).view(b, T, 2 * kv_heads, -1).chunk(2, dim=2)
     if k_norm is not None:
         k = rms_norm(k, k_norm, eps)
-    return rotate(k, cos, sin), v
+    write_kv(rotate(k, cos, sin), v, *kv)
 
 
 class LayerStack:
-    """Llama/Qwen3-style decoder layers of one geometry, run over a `SlotCache`: attention-in,
-    slot attention, and the seams between layers, compiled on a GPU for a step's fixed shapes
-    (`compiled=True`; eager pieces, with a warning, if compilation fails)."""
+    """Llama/Qwen3-style decoder layers of one geometry, run over a `SlotCache` as pieces (module
+    docstring), compiled on a GPU for a step's fixed shapes (`compile`; the eager pieces, with a
+    warning, if compilation fails).
+
+    `prologue(inputs, positions)` makes a forward's first residual stream and its rotary tables
+    (x [b, T, H], cos, sin [b, T, d]); `norm` is the final norm's weight. `context_in`, for a
+    drafter, makes its context states and their rotary tables from the target's tapped states."""
 
     def __init__(self, layers: list[nn.Module], *, eps: float, heads: int, kv_heads: int, scale: float,
-                 act: Callable[[Tensor], Tensor], compile: bool) -> None:  # fmt: skip
+                 act: Callable[[Tensor], Tensor], norm: Tensor, prologue: Callable, context_in: Callable | None = None,
+                 compile: bool) -> None:  # fmt: skip
         self.layers = [_Layer.of(layer) for layer in layers]
-        self.eps, self.heads, self.kv_heads, self.scale, self.act = eps, heads, kv_heads, scale, act
-        self.eager = {"in": attention_in, "seam": seam, "out": attention_out, "kv": context_kv}
+        self.eps, self.heads, self.kv_heads, self.scale, self.act, self.norm = eps, heads, kv_heads, scale, act, norm
+        self.eager = {"prologue": prologue, "in": attention_in, "seam": seam, "last": last, "kv": context_kv}
+        if context_in is not None:
+            self.eager["context_in"] = context_in
         self.compiled = self.eager
         if compile and self.layers[0].qkv.is_cuda:
             self.compiled = {k: torch.compile(f, dynamic=False) for k, f in self.eager.items()}
 
-    def run(self, x: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False,
+    def run(self, inputs: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False,
             taps: list[int] | None = None) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
-        """x [b, T, H] through every layer (cos/sin [b, T, d]): the residual stream after the last
-        layer, and after each layer in `taps`."""
+        """`inputs` (what the prologue takes) at `step.positions` through every layer: the final
+        normed states [b, T, H], and the residual stream after each layer in `taps`."""
+        return self._pieces(compiled, lambda fns: self._run(fns, inputs, cache, step, taps or []))
+
+    def context(self, states: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False) -> None:
+        """Write every layer's keys and values of the context made from tapped target states (a
+        drafter's: `context_in`, then `context_kv`) at `step`'s slots and positions."""
+        self._pieces(compiled, lambda fns: self._context(fns, states, cache, step))
+
+    def _pieces(self, compiled: bool, body: Callable[[dict], object]):
         if compiled and self.compiled is not self.eager:
             try:
-                return self._run(self.compiled, x, cos, sin, cache, step, taps or [])
+                return body(self.compiled)
             except Exception as e:  # noqa: BLE001 - a compiler failure: run eagerly, loudly
-                self._give_up(e)
-        return self._run(self.eager, x, cos, sin, cache, step, taps or [])
+                warnings.warn(f"torch.compile of the decoder layers failed ({type(e).__name__}: {str(e)[:200]}); "
+                              "running the eager layers", stacklevel=3)  # fmt: skip
+                self.compiled = self.eager
+        return body(self.eager)
 
-    def _run(self, fns: dict, x: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, step: SlotStep,
-             taps: list[int]) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
+    def _kv(self, cache: SlotCache, i: int, step: SlotStep) -> tuple:
+        return cache.k[i], cache.v[i], step.slot, step.positions
+
+    def _run(self, fns: dict, inputs: Tensor, cache: SlotCache, step: SlotStep, taps: list[int]
+             ) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
         geometry = (self.eps, self.heads, self.kv_heads)
-        qk, v = fns["in"](x, *self.layers[0].into, cos, sin, *geometry)
+        x, cos, sin = fns["prologue"](inputs, step.positions)
+        q, k, v = fns["in"](x, *self.layers[0].into, cos, sin, self._kv(cache, 0, step), *geometry)
         tapped = {}
-        last = len(self.layers) - 1
+        last_layer = len(self.layers) - 1
         for i, w in enumerate(self.layers):
-            attn = slot_attention(cache, i, qk[:, :, : self.heads], qk[:, :, self.heads :], v, step, self.scale)
-            if i < last:
-                x, qk, v = fns["seam"](x, attn, w.out, self.layers[i + 1].into, cos, sin, *geometry, self.act)
+            attn = slot_attention(cache, i, q, k, v, step, self.scale, write=False)
+            if i < last_layer:
+                x, q, k, v = fns["seam"](x, attn, w.out, self.layers[i + 1].into, cos, sin,
+                                         self._kv(cache, i + 1, step), *geometry, self.act)  # fmt: skip
             else:
-                x = fns["out"](x, attn, *w.out, self.eps, self.act)
+                x, normed = fns["last"](x, attn, w.out, self.norm, self.eps, self.act)
             if i in taps:
                 tapped[i] = x
-        return x, tapped
+        return normed, tapped
 
-    def context(self, ctx: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, step: SlotStep, *,
-                compiled: bool = False) -> None:  # fmt: skip
-        """Write every layer's keys and values of context states ctx [b, T, H] at `step`'s slots
-        and positions (a drafter's context: see `context_kv`)."""
-        if compiled and self.compiled is not self.eager:
-            try:
-                return self._context(self.compiled["kv"], ctx, cos, sin, cache, step)
-            except Exception as e:  # noqa: BLE001 - a compiler failure: run eagerly, loudly
-                self._give_up(e)
-        self._context(context_kv, ctx, cos, sin, cache, step)
-
-    def _context(self, fn: Callable, ctx: Tensor, cos: Tensor, sin: Tensor, cache: SlotCache, step: SlotStep) -> None:
+    def _context(self, fns: dict, states: Tensor, cache: SlotCache, step: SlotStep) -> None:
+        ctx, cos, sin = fns["context_in"](states, step.positions)
         for i, w in enumerate(self.layers):
-            k, v = fn(ctx, *w.kv, cos, sin, self.eps, self.kv_heads)
-            cache.k[i].index_put_((step.slot, step.positions), k.to(cache.k[i].dtype))
-            cache.v[i].index_put_((step.slot, step.positions), v.to(cache.v[i].dtype))
-
-    def _give_up(self, e: Exception) -> None:
-        warnings.warn(f"torch.compile of the decoder layers failed ({type(e).__name__}: {str(e)[:200]}); "
-                      "running the eager layers", stacklevel=3)  # fmt: skip
-        self.compiled = self.eager
+            fns["kv"](ctx, *w.kv, cos, sin, self._kv(cache, i, step), self.eps, self.kv_heads)
 
 
 class Decoder:
@@ -240,22 +269,23 @@ class Decoder:
     def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, *, compile: bool = True) -> None:
         base = model.get_decoder()
         config = base.config
-        self.embed, self.norm, self.rotary = base.embed_tokens.weight, base.norm.weight, base.rotary_emb
-        self.eps = float(config.rms_norm_eps)
+        self.embed, self.rotary = base.embed_tokens.weight, base.rotary_emb
         heads = config.num_attention_heads
-        self.layers = LayerStack(list(base.layers), eps=self.eps, heads=heads,
+        self.layers = LayerStack(list(base.layers), eps=float(config.rms_norm_eps), heads=heads,
                                  kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                                  scale=float(base.layers[0].self_attn.scaling), act=activation(config.hidden_act),
-                                 compile=compile)  # fmt: skip
+                                 norm=base.norm.weight, prologue=self._prologue, compile=compile)  # fmt: skip
         self.layer_ids = list(layer_ids or [])
+
+    def _prologue(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        x = F.embedding(ids, self.embed)
+        return x, *self.rotary(x, positions)
 
     @torch.inference_mode()
     def forward(self, ids: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False
                 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         """ids [b, T] into the slots `step` names: (hidden [b, T, H] after the final norm, tapped
         states [b, T, K*H] or None)."""
-        x = F.embedding(ids, self.embed)
-        cos, sin = self.rotary(x, step.positions)
-        x, taps = self.layers.run(x, cos, sin, cache, step, compiled=compiled, taps=self.layer_ids)
+        hidden, taps = self.layers.run(ids, cache, step, compiled=compiled, taps=self.layer_ids)
         states = torch.cat([taps[i] for i in self.layer_ids], -1) if self.layer_ids else None
-        return rms_norm(x, self.norm, self.eps), states
+        return hidden, states

@@ -56,33 +56,39 @@ class BlockProposer:
         self.num_drafts = 0  # tokens a block drafts: the family's, known from the first proposal
         self.layers = LayerStack(list(model.layers), eps=cfg.rms_norm_eps, heads=cfg.num_attention_heads,
                                  kv_heads=cfg.num_key_value_heads, scale=cfg.head_dim**-0.5,
-                                 act=activation(cfg.hidden_act), compile=compile)  # fmt: skip
+                                 act=activation(cfg.hidden_act), norm=model.norm.weight, prologue=self._prologue,
+                                 context_in=self._context_in, compile=compile)  # fmt: skip
+        self._rope(torch.zeros(1, 1, dtype=torch.long, device=weight.device), weight.dtype)  # its tables on the device
 
-    @torch.inference_mode()
-    def add_context(self, states: Tensor, positions: Tensor, rows: Tensor | None = None) -> None:
-        """Tapped target states [b, T, K*H] of the tokens at positions [b, T] of rows `rows` [b]
-        (all slots, in a step: then the compiled layers)."""
+    def _prologue(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        x = F.embedding(ids, self.embed).to(self.model.fc.weight.dtype)
+        return x, *self._rope(positions, x.dtype)
+
+    def _context_in(self, states: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         m = self.model
         ctx = m.hidden_norm(m.fc(states.to(m.fc.weight.dtype)))
-        cos, sin = self._rope(positions, ctx.dtype)
-        self.layers.context(ctx, cos, sin, self.cache, SlotStep(positions, rows=rows), compiled=rows is None)
+        return ctx, *self._rope(positions, ctx.dtype)
 
     def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         cos, sin = self.model._rope(positions.flatten(), dtype)
         return cos.view(*positions.shape, -1), sin.view(*positions.shape, -1)
 
     @torch.inference_mode()
+    def add_context(self, states: Tensor, positions: Tensor, rows: Tensor | None = None) -> None:
+        """Tapped target states [b, T, K*H] of the tokens at positions [b, T] of rows `rows` [b]
+        (all slots, in a step: then the compiled layers)."""
+        self.layers.context(states, self.cache, SlotStep(positions, rows=rows), compiled=rows is None)
+
+    @torch.inference_mode()
     def propose(self, last: Tensor, positions: Tensor, choose: Callable) -> tuple[Tensor, Tensor | None]:
         """Drafts [slots, n] for every row whose last committed token `last` [slots] sits at
         `positions` [slots] (its context: every position before), and their probabilities
         [slots, n, V] when `choose` samples."""
-        m, B = self.model, self.block_size
+        B = self.block_size
         ids = self.block_input(last, B, self.mask_token_id)
-        x = F.embedding(ids, self.embed).to(m.fc.weight.dtype)
         pos = positions[:, None] + torch.arange(B, device=positions.device)
-        cos, sin = self._rope(pos, x.dtype)
         step = SlotStep(pos, seen=positions + B, causal=False)
-        x, _ = self.layers.run(x, cos, sin, self.cache, step, compiled=True)
-        drafts, probs = self.draft(m, m.norm(x), ids, self.head, choose)
+        hidden, _ = self.layers.run(ids, self.cache, step, compiled=True)
+        drafts, probs = self.draft(self.model, hidden, ids, self.head, choose)
         self.num_drafts = drafts.shape[1]
         return drafts, probs

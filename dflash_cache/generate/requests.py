@@ -150,6 +150,20 @@ class DraftChooser:
         self.calls += 1
         return self.chooser.at(self.base + self.calls, DRAFT_STREAM)(logits)
 
+    def each(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
+        """What n calls on logits [b, n, V] position by position give, in one choice over all of
+        them (one kernel where greedy, instead of n)."""
+        b, n, V = logits.shape
+        first = self.calls + 1
+        self.calls += n
+        c = self.chooser
+        if c.temperature <= 0:
+            return logits.argmax(-1), None
+        positions = self.base[:, None] + first + torch.arange(n, device=logits.device)
+        tokens, probs = Chooser(c.temperature, c.seed.repeat_interleave(n), DRAFT_STREAM,
+                                positions.flatten())(logits.reshape(b * n, V))  # fmt: skip
+        return tokens.view(b, n), probs.view(b, n, V)
+
 
 def speculative_accept(drafts: Tensor, q: Tensor | None, logits: Tensor, chooser: Chooser, base: Tensor
                        ) -> tuple[Tensor, Tensor]:  # fmt: skip
