@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dflash.model import DFlashDrafter  # noqa: E402
-from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, slots  # noqa: E402
+from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, decoder, slots  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -150,13 +150,16 @@ def main() -> None:
                     "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                     "max_new_tokens": args.max_new_tokens, "engine": {}}  # fmt: skip
     outputs = {}
-    runs = (("eager", False, False, "triton"), ("graphs", False, True, "triton"),
-            ("compiled graphs, flash", True, True, "flash"), ("compiled graphs", True, True, "triton"))  # fmt: skip
-    for name, compile, graphs, kernel in runs:
+    runs = (("eager", False, False, "triton", True), ("graphs", False, True, "triton", True),
+            ("compiled graphs, flash, cuBLAS", True, True, "flash", False),
+            ("compiled graphs, cuBLAS", True, True, "triton", False), ("compiled graphs", True, True, "triton", True))
+    for name, compile, graphs, kernel, gemv in runs:
         target = SlotTarget(model, 1, length, compile=compile)
+        decoder.GEMV = gemv
         with attention_kernel(kernel):
             seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([]), graphs=graphs),
                                                                  prompts, args.max_new_tokens)  # fmt: skip
+        decoder.GEMV = True
         result["engine"][name] = {"tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
                                   "fraction_of_bound": tokens / seconds / result["bound_tok_s"]}  # fmt: skip
         print(name, json.dumps(result["engine"][name]), flush=True)
@@ -164,11 +167,11 @@ def main() -> None:
     result["compiled_equal_eager"] = outputs["compiled graphs"] == outputs["eager"]
 
     block = args.block_size + 1
-    target = SlotTarget(model, 1, max(length, 4096 + block), compile=True)
+    target = SlotTarget(model, 1, 4096, compile=True)  # the longest buffer the Triton kernel serves
     result["steps"] = {}
     for kernel in ("flash", "triton"):
         with attention_kernel(kernel):
-            for context in (args.prompt_tokens, 1024, 4000):
+            for context in (args.prompt_tokens, 1024, 4096 - block):
                 result["steps"][f"{kernel}, context {context}"] = step_costs(target, context, block)
     batch = SlotTarget(model, args.batch_rows, length, compile=True)
     for kernel in ("flash", "triton"):
@@ -195,9 +198,11 @@ def main() -> None:
         engine = Engine(target, StopRule([]), proposer=proposer)
         seconds, tokens, steps, spec = timed_stream(engine, prompts, args.max_new_tokens)
         spec_ms = 1e3 * seconds / steps
-        last, pos, seed = engine.last.clone(), engine.pos.clone(), engine.seed.clone()
-        pos.fill_(args.prompt_tokens)
-        profile = kernel_profile(lambda: engine._step.fn(last, pos, seed))  # noqa: B023 - called here
+        with torch.inference_mode():
+            last, pos, seed = engine.last.clone(), engine.pos.clone(), engine.seed.clone()
+            pos.fill_(args.prompt_tokens)
+        with torch.inference_mode():  # as the engine runs its steps
+            profile = kernel_profile(lambda: engine._step.fn(last, pos, seed))  # noqa: B023 - called here
         result["speculative"][f"{draft_layers} layers"] = {
             "draft_layers": draft_layers, "block_size": args.block_size, "tau": tokens / steps, "step_ms": spec_ms,
             "over_plain_step": spec_ms / plain_ms,

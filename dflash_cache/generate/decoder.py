@@ -38,6 +38,9 @@ from torch import Tensor, nn
 
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention
 
+RECOMPILE_LIMIT = 64
+GEMV = True  # compiled pieces compute one row's projections as reductions (`linear`)
+
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """transformers' RMSNorm: the statistics in float32 (float64 stays float64), the weight applied
@@ -53,6 +56,16 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear, except for a single row inside a compiled piece (`GEMV`): there a product and a sum,
+    which the compiler makes one reduction kernel, fused with the elementwise work around it, where
+    a matrix-product call costs about 4 us of fixed latency to read a few MB of weights."""
+    if GEMV and torch.compiler.is_compiling() and x.shape[:-1].numel() == 1:
+        y = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+    return F.linear(x, weight, bias)
 
 
 def activation(name: str) -> Callable[[Tensor], Tensor]:
@@ -138,7 +151,7 @@ def attention_in(x: Tensor, norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, 
     the cache (`kv`: the layer's key and value buffers, the rows' slots and the positions). Weights
     come as plain tensors, so that one compilation serves every layer."""
     b, T, _ = x.shape
-    h = F.linear(rms_norm(x, norm, eps), qkv, qkv_bias)
+    h = linear(rms_norm(x, norm, eps), qkv, qkv_bias)
     d = h.shape[-1] // (heads + 2 * kv_heads)
     qk, v = h.view(b, T, heads + 2 * kv_heads, d).split([heads + kv_heads, kv_heads], dim=2)
     if q_norm is not None:
@@ -158,9 +171,9 @@ def attention_out(x: Tensor, attn: Tensor, o: Tensor, o_bias: Tensor | None, nor
                   gate_up_bias: Tensor | None, down: Tensor, down_bias: Tensor | None, eps: float,
                   act: Callable[[Tensor], Tensor]) -> Tensor:  # fmt: skip
     """The residual stream after the layer: x [b, T, H] and the attention's output [b, T, heads, d]."""
-    x = x + F.linear(attn.flatten(2), o, o_bias)
-    gate, up = F.linear(rms_norm(x, norm, eps), gate_up, gate_up_bias).chunk(2, dim=-1)
-    return x + F.linear(act(gate) * up, down, down_bias)
+    x = x + linear(attn.flatten(2), o, o_bias)
+    gate, up = linear(rms_norm(x, norm, eps), gate_up, gate_up_bias).chunk(2, dim=-1)
+    return x + linear(act(gate) * up, down, down_bias)
 
 
 def seam(x: Tensor, attn: Tensor, out: tuple, into: tuple, cos: Tensor, sin: Tensor, kv: tuple, eps: float,
@@ -210,6 +223,12 @@ class LayerStack:
         self.compiled = self.eager
         if compile and self.layers[0].qkv.is_cuda:
             self.compiled = {k: torch.compile(f, dynamic=False) for k, f in self.eager.items()}
+            # A piece compiles once per step shape (rows, tokens), dtype and layer geometry, and the
+            # target's and the drafter's layers share the pieces: an eval of a drafter beside its
+            # target alone needs more than dynamo's default of 8 before it would run them eagerly.
+            config, name = torch._dynamo.config, "recompile_limit"
+            name = name if hasattr(config, name) else "cache_size_limit"  # its name before torch 2.7
+            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
 
     def run(self, inputs: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False,
             taps: list[int] | None = None) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip

@@ -94,9 +94,12 @@ class Engine:
         if proposer is not None and proposer.slots < target.slots:
             raise ValueError("the proposer needs a place for every target row")
         S, device = target.slots, target.device
-        self.last = torch.zeros(S, dtype=torch.long, device=device)
-        self.pos = torch.zeros(S, dtype=torch.long, device=device)
-        self.seed = torch.zeros(S, dtype=torch.long, device=device)
+        # Every tensor of a step is made in inference mode (here and in `stream`), so the compiled
+        # pieces always see the same kind of tensor and compile once per shape.
+        with torch.inference_mode():
+            self.last = torch.zeros(S, dtype=torch.long, device=device)
+            self.pos = torch.zeros(S, dtype=torch.long, device=device)
+            self.seed = torch.zeros(S, dtype=torch.long, device=device)
         self.chooser = Chooser(temperature, self.seed)
         step = self._speculative_step if proposer is not None else self._plain_step
         # A target whose step runs Python bookkeeping per call (transformers' own cache) is never
@@ -133,6 +136,7 @@ class Engine:
 
     # ------------------------------------------------------------------ scheduling
 
+    @torch.inference_mode()
     def stream(self, requests: Iterable[Request | None]) -> Iterator[Completion]:
         """Generate `requests` (see `requests.Backend`), yielding completions as rows end."""
         source = iter(requests)
