@@ -39,7 +39,8 @@ from torch import Tensor, nn
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention
 
 RECOMPILE_LIMIT = 64
-GEMV = True  # compiled pieces compute one row's projections as reductions (`linear`)
+GEMV = True  # compiled pieces compute one row's small projections as reductions (`linear`)
+GEMV_BYTES = 8 << 20  # up to this weight size: above it (Qwen3-8B's) cuBLAS reads faster, measured
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -59,10 +60,12 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """F.linear, except for a single row inside a compiled piece (`GEMV`): there a product and a sum,
-    which the compiler makes one reduction kernel, fused with the elementwise work around it, where
-    a matrix-product call costs about 4 us of fixed latency to read a few MB of weights."""
-    if GEMV and torch.compiler.is_compiling() and x.shape[:-1].numel() == 1:
+    """F.linear, except for a single row and a small weight inside a compiled piece (`GEMV`): there a
+    product and a sum, which the compiler makes one reduction kernel, fused with the elementwise
+    work around it, where a matrix-product call costs about 4 us of fixed latency to read a few MB
+    of weights (BENCHMARKS.md, "Batch-1 decoding")."""
+    small = weight.numel() * weight.element_size() <= GEMV_BYTES
+    if GEMV and small and torch.compiler.is_compiling() and x.shape[:-1].numel() == 1:
         y = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
         return (y if bias is None else y + bias.float()).to(x.dtype)
     return F.linear(x, weight, bias)

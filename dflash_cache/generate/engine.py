@@ -45,8 +45,9 @@ class _Row:
 
 class _Graph:
     """`fn(*inputs)` captured as a CUDA graph on its first call, replayed after; the outputs are the
-    graph's own tensors, overwritten by the next replay. Falls back to eager once, with a warning,
-    if capture fails."""
+    graph's own tensors, overwritten by the next replay. The graph reads and updates the first
+    call's input tensors in place: a later call with those same tensors copies nothing. Falls back
+    to eager once, with a warning, if capture fails."""
 
     def __init__(self, fn: Callable[..., tuple[Tensor, ...]]):
         self.fn, self.graph, self.inputs, self.outputs, self.broken = fn, None, None, None, False
@@ -62,22 +63,34 @@ class _Graph:
                 warnings.warn(f"CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly", stacklevel=2)
                 return self.fn(*inputs)
         for mine, given in zip(self.inputs, inputs, strict=True):
-            mine.copy_(given)
+            if mine is not given:
+                mine.copy_(given)
         self.graph.replay()
         return self.outputs
 
     def _capture(self, inputs: tuple[Tensor, ...]) -> None:
-        self.inputs = tuple(t.clone() for t in inputs)
+        self.inputs = inputs
+        before = [t.clone() for t in inputs]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: the same writes a real step makes, so harmless
+        with torch.cuda.stream(side):  # warm-up: the same cache writes a real step makes, so harmless
             for _ in range(2):
-                self.fn(*self.inputs)
+                self.fn(*inputs)
+            for t, saved in zip(inputs, before, strict=True):  # but not the step's own advance
+                t.copy_(saved)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self.outputs = self.fn(*self.inputs)
         self.graph = graph
+
+
+def _advanced(last: Tensor, pos: Tensor, tokens: Tensor, counts: Tensor) -> Tensor:
+    """Row r commits tokens[r, :counts[r]]: its last token and position move on (in place), and the
+    step's result for the host is [counts, tokens] per row."""
+    last.copy_(tokens.gather(1, (counts - 1)[:, None]).squeeze(1))
+    pos.add_(counts)
+    return torch.cat([counts[:, None], tokens], 1)
 
 
 class Engine:
@@ -114,14 +127,15 @@ class Engine:
         return 1 + (self.proposer.block_size if self.proposer is not None else 0)
 
     # ------------------------------------------------------------------ the two steps
-    # Each returns (tokens [S, m], counts [S]): row r commits tokens[r, :counts[r]].
+    # Each advances `last` and `pos` in place and returns [S, 1 + m]: row r commits the counts[r]
+    # tokens after its count (`_advance`), all of it inside the step's CUDA graph.
 
-    def _plain_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
+    def _plain_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> Tensor:
         logits, _ = self.target.step(last[:, None], pos[:, None])
         token, _ = Chooser(self.temperature, seed).at(pos + 1)(logits[:, 0])
-        return token[:, None], torch.ones_like(pos)
+        return _advanced(last, pos, token[:, None], torch.ones_like(pos))
 
-    def _speculative_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> tuple[Tensor, Tensor]:
+    def _speculative_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> Tensor:
         chooser = Chooser(self.temperature, seed)
         drafts, q = self.proposer.propose(last, pos, DraftChooser(chooser, pos))  # -1: no draft there
         ids = torch.cat([last[:, None], drafts.clamp_min(0)], 1)
@@ -132,7 +146,7 @@ class Engine:
             self.proposer.add_context(states, positions)
         tokens = torch.cat([drafts, torch.zeros_like(bonus)[:, None]], 1)
         tokens.scatter_(1, a[:, None], bonus[:, None])  # drafts[:a], then the target's own token
-        return tokens, a + 1
+        return _advanced(last, pos, tokens, a + 1)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -203,11 +217,8 @@ class Engine:
         yield from done
 
     def _advance(self) -> Iterator[Completion]:
-        tokens, counts = self._step(self.last, self.pos, self.seed)
+        rows = self._step(self.last, self.pos, self.seed).tolist()  # one copy to the host a step
         self.steps += 1
-        self.pos += counts
-        self.last = tokens.gather(1, (counts - 1)[:, None]).squeeze(1)
-        rows = torch.cat([counts[:, None], tokens], 1).tolist()  # one copy to the host a step
         done = [c for i, (n, *t) in enumerate(rows)
                 if self.rows[i] is not None and (c := self._commit(i, t[:n], step=True)) is not None]  # fmt: skip
         self._free()
