@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention
 
 RECOMPILE_LIMIT = 64
-GEMV = True  # compiled pieces compute one row's small projections as reductions (`linear`)
+GEMV = False  # compiled pieces compute one row's small projections as reductions (`linear`)
 GEMV_BYTES = 8 << 20  # up to this weight size: above it (Qwen3-8B's) cuBLAS reads faster, measured
 
 
