@@ -39,8 +39,6 @@ from torch import Tensor, nn
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention
 
 RECOMPILE_LIMIT = 64
-GEMV = False  # compiled pieces compute one row's small projections as reductions (`linear`)
-GEMV_BYTES = 8 << 20  # up to this weight size: above it (Qwen3-8B's) cuBLAS reads faster, measured
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -57,18 +55,6 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """F.linear, except for a single row and a small weight inside a compiled piece (`GEMV`): there a
-    product and a sum, which the compiler makes one reduction kernel, fused with the elementwise
-    work around it, where a matrix-product call costs about 4 us of fixed latency to read a few MB
-    of weights (BENCHMARKS.md, "Batch-1 decoding")."""
-    small = weight.numel() * weight.element_size() <= GEMV_BYTES
-    if GEMV and small and torch.compiler.is_compiling() and x.shape[:-1].numel() == 1:
-        y = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
-        return (y if bias is None else y + bias.float()).to(x.dtype)
-    return F.linear(x, weight, bias)
 
 
 def activation(name: str) -> Callable[[Tensor], Tensor]:
@@ -154,7 +140,7 @@ def attention_in(x: Tensor, norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, 
     the cache (`kv`: the layer's key and value buffers, the rows' slots and the positions). Weights
     come as plain tensors, so that one compilation serves every layer."""
     b, T, _ = x.shape
-    h = linear(rms_norm(x, norm, eps), qkv, qkv_bias)
+    h = F.linear(rms_norm(x, norm, eps), qkv, qkv_bias)
     d = h.shape[-1] // (heads + 2 * kv_heads)
     qk, v = h.view(b, T, heads + 2 * kv_heads, d).split([heads + kv_heads, kv_heads], dim=2)
     if q_norm is not None:
@@ -174,9 +160,9 @@ def attention_out(x: Tensor, attn: Tensor, o: Tensor, o_bias: Tensor | None, nor
                   gate_up_bias: Tensor | None, down: Tensor, down_bias: Tensor | None, eps: float,
                   act: Callable[[Tensor], Tensor]) -> Tensor:  # fmt: skip
     """The residual stream after the layer: x [b, T, H] and the attention's output [b, T, heads, d]."""
-    x = x + linear(attn.flatten(2), o, o_bias)
-    gate, up = linear(rms_norm(x, norm, eps), gate_up, gate_up_bias).chunk(2, dim=-1)
-    return x + linear(act(gate) * up, down, down_bias)
+    x = x + F.linear(attn.flatten(2), o, o_bias)
+    gate, up = F.linear(rms_norm(x, norm, eps), gate_up, gate_up_bias).chunk(2, dim=-1)
+    return x + F.linear(act(gate) * up, down, down_bias)
 
 
 def seam(x: Tensor, attn: Tensor, out: tuple, into: tuple, cos: Tensor, sin: Tensor, kv: tuple, eps: float,

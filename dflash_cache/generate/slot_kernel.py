@@ -8,8 +8,13 @@ of the row's queries of that head's group (grouped-query heads share the keys th
 the row's first `seen` keys in blocks with an online softmax, and writes the result: one kernel,
 no split.
 
-`slot_attention` uses it for steps on a GPU when Triton is importable and the buffer is short
-(`fits`); it checks the first call against the masked path, as it does flash.
+One program walks its row's keys alone, so a long buffer read by one query a head is where flash's
+split-kv parallelism wins. Measured on an H200 (BENCHMARKS.md, "Batch-1 decoding"), one row: a
+decode step is faster here up to about 1024 positions and slower at 4096 (1.86 ms against 0.96
+on the SmolLM2 shape); a verify step of 17 tokens is faster at every length up to 4096 (2.09 ms
+against 3.10). `fits` keeps to those cases, decided by the step's shapes alone, so that a captured
+graph always takes the same path; `slot_attention` checks the first call against the masked path,
+as it does flash's.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ import functools
 import torch
 from torch import Tensor
 
-MAX_LENGTH = 4096  # buffer positions beyond which flash's split-kv parallelism wins
+MAX_LENGTH = 4096  # buffer positions this kernel serves for steps of several tokens
+MAX_DECODE_LENGTH = 1024  # and for one-token steps
 BLOCK_N = 64
 
 
@@ -34,12 +40,13 @@ def available() -> bool:
 
 
 def fits(query: Tensor, keys: Tensor) -> bool:
-    """Whether the kernel serves this step: a half-precision query on a GPU, a head size of 16 to 256
-    (a power of two) and a buffer of at most MAX_LENGTH positions."""
-    d = query.shape[-1]
+    """Whether the kernel serves this step: a half-precision query [b, T, heads, d] on a GPU, a head
+    size of 16 to 256 (a power of two), and a buffer of at most MAX_LENGTH positions for T > 1,
+    MAX_DECODE_LENGTH for T = 1 (module docstring)."""
+    d, T, length = query.shape[-1], query.shape[1], keys.shape[1]
     return (available() and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
             and keys.dtype == query.dtype and 16 <= d <= 256 and d & (d - 1) == 0
-            and keys.shape[1] <= MAX_LENGTH)  # fmt: skip
+            and length <= (MAX_LENGTH if T > 1 else MAX_DECODE_LENGTH))  # fmt: skip
 
 
 @functools.cache
