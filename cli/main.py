@@ -360,6 +360,18 @@ def report(
                                                             f"{Path(r['report']).parent / 'report'}"))  # fmt: skip
 
 
+def _stage_bars(as_json: bool) -> Callable[[str], object]:
+    """The progress bar of each stage of a pipeline command (demo, recipe), by the stage's name."""
+    stage_bars = {"regen": RegenBar, "extract": ExtractBar, "train": TrainBar}
+
+    def bars(stage: str):
+        if as_json:
+            return Quiet()
+        return stage_bars[stage]() if stage in stage_bars else EvalBar(stage)
+
+    return bars
+
+
 @app.command()
 @friendly
 def demo(
@@ -373,13 +385,7 @@ def demo(
 
     _paths(("output_dir", out, "--out"))
     cfg = DemoConfig(out=out, eval_prompts=eval_prompts, **({} if epochs is None else {"epochs": epochs}))
-    stage_bars = {"regen": RegenBar, "extract": ExtractBar, "train": TrainBar}
-
-    def bars(stage: str):
-        if as_json:
-            return Quiet()
-        return stage_bars[stage]() if stage in stage_bars else EvalBar(stage)
-
+    bars = _stage_bars(as_json)
     results = run(cfg, say=(lambda *_: None) if as_json else console.print, bars=bars)
     if as_json:
         print(json.dumps({name: r.to_dict() for name, r in results.items()}, indent=2))
@@ -424,13 +430,7 @@ def recipe(
                        benchmarks=[b.strip() for b in benchmarks.split(",") if b.strip()], eval_limit=eval_limit,
                        max_new_tokens=max_new_tokens, token_budget=token_budget,
                        gpus=parse_gpus(gpus) if gpus else None)  # fmt: skip
-    stage_bars = {"regen": RegenBar, "extract": ExtractBar, "train": TrainBar}
-
-    def bars(stage: str):
-        if as_json:
-            return Quiet()
-        return stage_bars[stage]() if stage in stage_bars else EvalBar(stage)
-
+    bars = _stage_bars(as_json)
     result = run(cfg, say=(lambda *_: None) if as_json else console.print, bars=bars)
     if as_json:
         print(json.dumps(result, indent=2))
