@@ -118,6 +118,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _as_from_a_terminal(cmd) -> subprocess.Popen:
+    """`cmd` in a process group of its own, answering SIGINT as a command typed at a terminal does,
+    even where the suite itself ignores it (a background job of a non-interactive shell ignores
+    SIGINT, and its children inherit that): a handler, unlike SIG_IGN, is reset by exec."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # fmt: skip
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def ctrl_c(cmd, ready, left, reset, attempts=6, timeout=180):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) at a moment the test
     sees: once `ready()` holds, the run is frozen (SIGSTOP to its group), and if `left()` says
@@ -125,8 +140,7 @@ def ctrl_c(cmd, ready, left, reset, attempts=6, timeout=180):
     Frozen, the run cannot finish between the look and the signal. A run that got past its last
     piece of work before it could be frozen is let finish, `reset()`, and started again."""
     for _ in range(attempts):
-        p = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)  # fmt: skip
+        p = _as_from_a_terminal(cmd)
         deadline = time.monotonic() + timeout
         while p.poll() is None and not ready(p) and time.monotonic() < deadline:
             time.sleep(0.002)
@@ -190,8 +204,7 @@ def test_ctrl_c_after_the_work_is_done(tmp_path):
     its summary (exit 0) or the interrupted line (130), never a traceback or death by the signal."""
     data = _rows(tmp_path / "rows.jsonl", 48)
     out = tmp_path / "cache"
-    p = subprocess.Popen(extract_cmd(data, out), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)  # fmt: skip
+    p = _as_from_a_terminal(extract_cmd(data, out))
     total = 3
     while p.poll() is None and len(committed_units(out)) < total:
         time.sleep(0.001)
