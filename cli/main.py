@@ -360,6 +360,11 @@ def report(
                                                             f"{Path(r['report']).parent / 'report'}"))  # fmt: skip
 
 
+def _names(text: str) -> list[str]:
+    """A comma-separated option's items, blanks left out."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _stage_bars(as_json: bool) -> Callable[[str], object]:
     """The progress bar of each stage of a pipeline command (demo, recipe), by the stage's name."""
     stage_bars = {"regen": RegenBar, "extract": ExtractBar, "train": TrainBar}
@@ -416,18 +421,18 @@ def recipe(
     """target + the benchmark packages -> convert, regen, extract, train, eval: drafters measured at batch 1."""
     from dflash_cache.devices import parse_gpus
     from dflash_cache.recipe import RecipeConfig, run
+    from dflash_cache.settings import int_list
 
     def numbers(text: str, name: str) -> list[int]:
         try:
-            return [int(v) for v in text.split(",") if v.strip()]
+            return int_list(text)
         except ValueError:
             raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from None
 
     _paths(("output_dir", out, "--out"))
-    cfg = RecipeConfig(target=target, out=out, rows=rows, regen_tokens=regen_tokens,
-                       families=[f.strip() for f in family.split(",") if f.strip()],
+    cfg = RecipeConfig(target=target, out=out, rows=rows, regen_tokens=regen_tokens, families=_names(family),
                        draft_layers=numbers(draft_layers, "--draft-layers"), epochs=numbers(epochs, "--epochs"),
-                       benchmarks=[b.strip() for b in benchmarks.split(",") if b.strip()], eval_limit=eval_limit,
+                       benchmarks=_names(benchmarks), eval_limit=eval_limit,
                        max_new_tokens=max_new_tokens, token_budget=token_budget,
                        gpus=parse_gpus(gpus) if gpus else None)  # fmt: skip
     bars = _stage_bars(as_json)
@@ -622,7 +627,7 @@ def bench_eval(
     from dflash_cache.extract.data import check_template_kwargs
 
     kwargs = check_template_kwargs(chat_template_kwargs)
-    sets = [s.strip() for s in (benchmarks or ("" if data else ",".join(benchsets.SETS))).split(",") if s.strip()]
+    sets = _names(benchmarks or ("" if data else ",".join(benchsets.SETS)))
     sets += data or []
     _paths(("output_file", json_out, "--json-out"))
     runs = {d.name if d.name != "export" else d.parent.name: d for d in drafter}

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention
+from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention, write_kv
 
 RECOMPILE_LIMIT = 64
 
@@ -148,12 +148,6 @@ def attention_in(x: Tensor, norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, 
     q, k = rotate(qk, cos, sin).split([heads, kv_heads], dim=2)
     write_kv(k, v, *kv)
     return q, k, v
-
-
-def write_kv(k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, slot: Tensor, positions: Tensor) -> None:
-    """Keys and values [b, T, kv_heads, d] into their rows' slots [b, 1] at positions [b, T]."""
-    k_buf.index_put_((slot, positions), k.to(k_buf.dtype))
-    v_buf.index_put_((slot, positions), v.to(v_buf.dtype))
 
 
 def attention_out(x: Tensor, attn: Tensor, o: Tensor, o_bias: Tensor | None, norm: Tensor, gate_up: Tensor,

@@ -40,9 +40,10 @@ class SlotCache:
         shape = (slots, length, kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        for buf in self.k + self.v:  # the compiled layers write them: one compilation for every cache size
-            torch._dynamo.maybe_mark_dynamic(buf, 0)
-            torch._dynamo.maybe_mark_dynamic(buf, 1)
+        if torch.device(device).type == "cuda":  # where the compiled layers write them: one compilation
+            for buf in self.k + self.v:  # for every cache size
+                torch._dynamo.maybe_mark_dynamic(buf, 0)
+                torch._dynamo.maybe_mark_dynamic(buf, 1)
         self.slots, self.length = slots, length
 
     @staticmethod
@@ -101,8 +102,7 @@ def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, val
     query sees)."""
     k_buf, v_buf = cache.k[layer], cache.v[layer]
     if write:
-        k_buf.index_put_((step.slot, step.positions), key.to(k_buf.dtype))
-        v_buf.index_put_((step.slot, step.positions), value.to(v_buf.dtype))
+        write_kv(key, value, k_buf, v_buf, step.slot, step.positions)
     if step.seen is None:
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=query.shape[1] > 1, scale=scale,
@@ -112,31 +112,36 @@ def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, val
         out = _on_gpu(query, k_buf, v_buf, step, scale)
         if out is not None:
             return out
-    keys, values = (k_buf, v_buf) if step.rows is None else (k_buf[step.rows], v_buf[step.rows])
-    return _masked(query, keys, values, step, scale)
+    return _masked(query, *_rows_of(k_buf, v_buf, step), step, scale)
+
+
+def write_kv(k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, slot: Tensor, positions: Tensor) -> None:
+    """Keys and values [b, T, kv_heads, d] into their rows' slots [b, 1] at positions [b, T]."""
+    k_buf.index_put_((slot, positions), k.to(k_buf.dtype))
+    v_buf.index_put_((slot, positions), v.to(v_buf.dtype))
+
+
+def _rows_of(k_buf: Tensor, v_buf: Tensor, step: SlotStep) -> tuple[Tensor, Tensor]:
+    """The buffers' slots of the step's batch rows, in batch order."""
+    return (k_buf, v_buf) if step.rows is None else (k_buf[step.rows], v_buf[step.rows])
 
 
 def _on_gpu(query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep, scale: float | None) -> Tensor | None:
     """A step's attention through the first GPU kernel that serves it, or None."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    for name in ("triton", "flash"):
-        if not _KERNELS[name]:
-            continue
-        if name == "triton" and slot_kernel.fits(query, k_buf):
-            out = slot_kernel.attention(query, k_buf, v_buf, step.slot[:, 0], step.seqused, step.causal, scale)
-        elif name == "flash" and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
-            out = _flash(query, k_buf, v_buf, step, scale)
-        else:
-            continue
-        if name not in _checked:
-            _check(name, out, query, k_buf, v_buf, step, scale)
-        if _KERNELS[name]:
+    if _KERNELS["triton"] and slot_kernel.fits(query, k_buf):
+        out = slot_kernel.attention(query, k_buf, v_buf, step.slot[:, 0], step.seqused, step.causal, scale)
+        if _trusted("triton", out, query, k_buf, v_buf, step, scale):
+            return out
+    if _KERNELS["flash"] and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+        out = _flash(query, k_buf, v_buf, step, scale)
+        if _trusted("flash", out, query, k_buf, v_buf, step, scale):
             return out
     return None
 
 
 def _flash(query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep, scale: float) -> Tensor:
-    keys, values = (k_buf, v_buf) if step.rows is None else (k_buf[step.rows], v_buf[step.rows])
+    keys, values = _rows_of(k_buf, v_buf, step)
     b, T, heads, d = query.shape
     S, L = keys.shape[:2]
     if L not in step._key_offsets:  # once per forward, not once per layer
@@ -164,15 +169,16 @@ def _masked(query: Tensor, keys: Tensor, values: Tensor, step: SlotStep, scale: 
     return out.reshape(b, heads, T, d).transpose(1, 2)
 
 
-def _check(name: str, out: Tensor, query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep,
-           scale: float) -> None:  # fmt: skip
-    """Once a process per kernel: its attention over the slots must agree with the masked path (bf16
-    rounding apart), else it is not used from then on, with a warning."""
-    _checked.add(name)
-    keys, values = (k_buf, v_buf) if step.rows is None else (k_buf[step.rows], v_buf[step.rows])
-    masked = _masked(query, keys, values, step, scale).float()
-    err = float((out.float() - masked).norm() / masked.norm().clamp_min(1e-6))
-    if not err < 2e-2:
-        _KERNELS[name] = False
-        warnings.warn(f"{name} attention over the slot cache disagrees with the masked path (relative error "
-                      f"{err:.3g}); not using it", stacklevel=4)  # fmt: skip
+def _trusted(name: str, out: Tensor, query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep,
+             scale: float) -> bool:  # fmt: skip
+    """Whether a kernel's output may be used. Its first call in a process is compared with the
+    masked path: a disagreement beyond bf16 rounding turns the kernel off, with a warning."""
+    if name not in _checked:
+        _checked.add(name)
+        masked = _masked(query, *_rows_of(k_buf, v_buf, step), step, scale).float()
+        err = float((out.float() - masked).norm() / masked.norm().clamp_min(1e-6))
+        if not err < 2e-2:
+            _KERNELS[name] = False
+            warnings.warn(f"{name} attention over the slot cache disagrees with the masked path (relative error "
+                          f"{err:.3g}); not using it", stacklevel=4)  # fmt: skip
+    return _KERNELS[name]
