@@ -26,6 +26,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -76,17 +78,15 @@ def replay_ms(fn, reps: int = 200) -> float:
     return statistics.median(times)
 
 
-class attention_kernel:  # noqa: N801 - a context manager used like a function
+@contextmanager
+def attention_kernel(name: str) -> Iterator[None]:
     """Within it, slot attention on the GPU uses only `name` ("triton" or "flash")."""
-
-    def __init__(self, name: str):
-        self.name, self.saved = name, dict(slots._KERNELS)
-
-    def __enter__(self):
-        slots._KERNELS.update({k: v and k == self.name for k, v in self.saved.items()})
-
-    def __exit__(self, *exc):
-        slots._KERNELS.update(self.saved)
+    saved = dict(slots._KERNELS)
+    slots._KERNELS.update({k: v and k == name for k, v in saved.items()})
+    try:
+        yield
+    finally:
+        slots._KERNELS.update(saved)
 
 
 def step_costs(target: SlotTarget, context: int, block: int, rows: int = 1) -> dict:
