@@ -330,6 +330,9 @@ def _print_eval(r: dict) -> None:
             print(f"  turn {t['turn']:<8}tau/prompt {t['tau_per_prompt']:.3f}, pooled {t['tau']:.3f} "
                   f"({t['prompts']} prompts)")  # fmt: skip
     print("  accept len   " + "  ".join(f"{n}:{c}" for n, c in enumerate(r["histogram"], 1)))
+    if r["lookup"]:
+        print(f"  prompt lookup tau/prompt {r['lookup']['tau_per_prompt']:.3f}, pooled {r['lookup']['tau']:.3f} "
+              "(the n-gram baseline on the same outputs)")  # fmt: skip
 
 
 @app.command()
@@ -661,8 +664,9 @@ def _print_bench_table(r: dict) -> None:
         s = r["sets"][row["set"]]
         prompts = f"{s['prompts']}" + (f" ({s['turn_prompts']} turns)" if s["turn_prompts"] != s["prompts"] else "")
         by_turn = " / ".join(f"{t:.2f}" for t in row["tau_by_turn"]) if row["tau_by_turn"] else "-"
+        speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"  # prompt lookup is not timed
         table.add_row(row["set"], prompts, row["run"], num(row["tau_per_prompt"], ".3f"), num(row["tau"], ".3f"),
-                      by_turn, f"{row['tok_s']:.1f}", f"{row['speedup']:.2f}x")  # fmt: skip
+                      by_turn, num(row["tok_s"], ".1f"), speedup)  # fmt: skip
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 

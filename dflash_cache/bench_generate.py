@@ -173,9 +173,11 @@ def _one_set(label: str, configs: dict[str, EvalConfig], bars: Callable[[str], P
         if i == 0:
             alone = {"tok_s": r.target_tok_s, "seconds": r.settings["target_seconds"],
                      "new_tokens": r.settings["target_new_tokens"]}  # fmt: skip
+            lookup = r.lookup and {**r.lookup, "block_size": r.settings["block_size"]}
         runs[name] = _run_figures(r, alone["tok_s"])
+    baselines = {"prompt lookup": lookup} if lookup else {}
     return {"prompts": r.settings["prompts"], "turn_prompts": r.settings["turn_prompts"],
-            "batch_size": r.settings["batch_size"], "runs": runs | {"target alone": alone}}  # fmt: skip
+            "batch_size": r.settings["batch_size"], "runs": runs | baselines | {"target alone": alone}}  # fmt: skip
 
 
 def _run_figures(r, target_tok_s: float) -> dict[str, Any]:
@@ -187,12 +189,13 @@ def _run_figures(r, target_tok_s: float) -> dict[str, Any]:
 
 
 def _table_row(f: dict[str, Any]) -> dict[str, Any]:
-    """The printed table's columns of one run (the target alone has speed only)."""
-    if "spec_tok_s" not in f:
+    """The printed table's columns of one run: the target alone has speed only, prompt lookup
+    acceptance only (it is computed from the greedy outputs, not run)."""
+    if "turns" not in f:
         return {"tau_per_prompt": None, "tau": None, "tau_by_turn": None, "tok_s": f["tok_s"], "speedup": 1.0}
     by_turn = [t["tau_per_prompt"] for t in f["turns"]] if len(f["turns"]) > 1 else None
-    return {"tau_per_prompt": f["tau_per_prompt"], "tau": f["tau"], "tau_by_turn": by_turn, "tok_s": f["spec_tok_s"],
-            "speedup": f["speedup"]}  # fmt: skip
+    return {"tau_per_prompt": f["tau_per_prompt"], "tau": f["tau"], "tau_by_turn": by_turn,
+            "tok_s": f.get("spec_tok_s"), "speedup": f.get("speedup")}  # fmt: skip
 
 
 def _bound(target: str, batch: int) -> dict[str, Any]:

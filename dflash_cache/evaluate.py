@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_cache import drafters
+from dflash_cache import drafters, lookup
 from dflash_cache.app_config import EvalConfig
 from dflash_cache.devices import Worker, flush_denormals, worker_threads
 from dflash_cache.dialogue import Dialogue, load_dialogues, reply_decoder, turn_by_turn
@@ -89,7 +89,10 @@ class EvalResult:
 
     tau pools all verification steps of all prompts; tau_per_prompt is the mean over prompts of
     each prompt's own tau (the reference benchmark's figure; see the module docstring). Each turn of
-    a dialogue is a prompt; ``turns`` holds the same figures for each turn apart."""
+    a dialogue is a prompt; ``turns`` holds the same figures for each turn apart. ``lookup`` holds
+    them for prompt lookup (`dflash_cache.lookup`, n-grams of the prompt and the output so far, with
+    the same block size), the baseline that needs no training: under greedy decoding the output
+    does not depend on the drafter, so its acceptance follows from each prompt and output alone."""
 
     tau: float
     tau_per_prompt: float
@@ -102,6 +105,7 @@ class EvalResult:
     samples: list[dict]
     settings: dict = field(default_factory=dict)
     turns: list[dict] = field(default_factory=list)
+    lookup: dict | None = None  # the prompt-lookup drafter on the same prompts (greedy only)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -339,7 +343,9 @@ def evaluate(cfg: EvalConfig, sink: ProgressSink | None = None, *, baseline: boo
 def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _Run], where: dict) -> EvalResult:
     spec, ref = runs["spec"], runs.get("target")
     keys = sorted(spec.completions)  # prompt by prompt, turn by turn
-    samples = [_sample(key, spec.completions[key], ref, prompts.tokenizer) for key in keys]
+    greedy = cfg.temperature == 0
+    samples = [_sample(key, spec.completions[key], ref, prompts.tokenizer, setup.block_size if greedy else None)
+               for key in keys]  # fmt: skip
     lengths = [s["acceptance_lengths"] for s in samples]
     flat = [n for steps in lengths for n in steps]
     spec_tokens = sum(s["new_tokens"] for s in samples)
@@ -353,6 +359,8 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
         spec_tok_s=spec_tok_s, target_tok_s=target_tok_s,
         speedup=spec_tok_s / target_tok_s if target_tok_s > 0 else 0.0, samples=samples,
         turns=_turns(samples),
+        lookup={**_figures([s["lookup_lengths"] for s in samples]), "turns": _turns(samples, "lookup_lengths")}
+        if greedy else None,
         settings={
             "target": str(cfg.target), "drafter": str(cfg.drafter), "data": str(cfg.data),
             "prompts": len(prompts.dialogues), "turn_prompts": len(samples), "first_turn": cfg.first_turn,
@@ -366,25 +374,31 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
     )  # fmt: skip
 
 
-def _sample(key: tuple[int, int], c: Completion, ref: _Run | None, tokenizer) -> dict:
+def _sample(key: tuple[int, int], c: Completion, ref: _Run | None, tokenizer, lookup_block: int | None) -> dict:
+    """One prompt's figures; with `lookup_block` (greedy runs), prompt lookup's acceptance on its output."""
     i, k = key
+    lookup_lengths = None if lookup_block is None else lookup.acceptance_lengths(c.request.prompt, c.ids,
+                                                                                 block_size=lookup_block)  # fmt: skip
     return {
         "index": i, "turn": k + 1, "prompt_tokens": len(c.request.prompt), "new_tokens": len(c.ids),
         "steps": len(c.accepted), "tau": tau(c.accepted), "acceptance_lengths": c.accepted, "finish": c.finish,
         "same_as_target": None if ref is None else c.ids == ref.completions[key].ids,
-        "output": tokenizer.decode(c.ids), "output_ids": c.ids,
+        "output": tokenizer.decode(c.ids), "output_ids": c.ids, "lookup_lengths": lookup_lengths,
     }  # fmt: skip
 
 
-def _turns(samples: list[dict]) -> list[dict]:
+def _figures(lengths: list[list[int]]) -> dict:
+    flat = [n for steps in lengths for n in steps]
+    return {"tau": tau(flat), "tau_per_prompt": tau_per_prompt(lengths), "steps": len(flat)}
+
+
+def _turns(samples: list[dict], lengths: str = "acceptance_lengths") -> list[dict]:
     """Each turn's figures (the first turn of every prompt, the second of those that have one, ...)."""
     out = []
     for turn in sorted({s["turn"] for s in samples}):
         mine = [s for s in samples if s["turn"] == turn]
-        lengths = [s["acceptance_lengths"] for s in mine]
-        flat = [n for steps in lengths for n in steps]
-        out.append({"turn": turn, "prompts": len(mine), "tau": tau(flat), "tau_per_prompt": tau_per_prompt(lengths),
-                    "steps": len(flat), "new_tokens": sum(s["new_tokens"] for s in mine)})  # fmt: skip
+        out.append({"turn": turn, "prompts": len(mine), **_figures([s[lengths] for s in mine]),
+                    "new_tokens": sum(s["new_tokens"] for s in mine)})  # fmt: skip
     return out
 
 

@@ -54,14 +54,33 @@ def acceptance_lengths(
     token comes from the prefill, so an output of length 1 has no step."""
     if block_size < 2:
         raise ValueError(f"block size must be >= 2, got {block_size}")
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
     seq = [*prompt, *output]
     base = len(prompt)
+    # propose()'s answer without its backward scan: for each n, every n-gram of the context that
+    # something follows, with its latest start (a replay of a long output is then linear in it)
+    latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
+    indexed = 0  # the context length whose n-grams are in `latest`
+
+    def drafts(end: int) -> list[int]:
+        nonlocal indexed
+        for n in range(min_ngram, max_ngram + 1):
+            for s in range(max(0, indexed - n), end - n):  # the starts s with s + n < end not yet indexed
+                latest[n][tuple(seq[s : s + n])] = s
+        indexed = end
+        for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
+            s = latest[n].get(tuple(seq[end - n : end]))
+            if s is not None:
+                return seq[s + n : min(s + n + block_size - 1, end)]
+        return []
+
     lengths: list[int] = []
     t = 1
     while t < len(output):
-        drafts = propose(seq[: base + t], block_size - 1, max_ngram, min_ngram)
+        proposed = drafts(base + t)
         a = 0
-        while a < len(drafts) and t + a < len(output) and drafts[a] == output[t + a]:
+        while a < len(proposed) and t + a < len(output) and proposed[a] == output[t + a]:
             a += 1
         committed = min(a + 1, len(output) - t)
         lengths.append(committed)

@@ -135,8 +135,8 @@ def test_bench_eval_runs_the_three_sets_and_a_file(tmp_path):
     r = json.loads(out.read_text())
     assert list(r["sets"]) == ["humaneval", "mt-bench", "sharegpt", "mine"] and r["batch_size"] == 1
     assert [(row["set"], row["run"]) for row in r["table"]] == [
-        (s, run) for s in r["sets"] for run in ("drafter", "target alone")]  # fmt: skip
-    for line in ("humaneval", "mt-bench", "sharegpt", "mine", "target alone", "tau/prompt", "speedup"):
+        (s, run) for s in r["sets"] for run in ("drafter", "prompt lookup", "target alone")]  # fmt: skip
+    for line in ("humaneval", "mt-bench", "sharegpt", "mine", "prompt lookup", "target alone", "tau/prompt", "speedup"):
         assert line in proc.stdout
     assert proc.stderr.count("warning:") == 1 and "17,671 whole records" in proc.stderr  # ShareGPT, read once
     mt = r["sets"]["mt-bench"]
@@ -155,3 +155,4 @@ def test_bench_eval_runs_the_three_sets_and_a_file(tmp_path):
                                          max_new_tokens=8, batch_size=1), baseline=False)  # fmt: skip
         assert (run["tau_per_prompt"], run["tau"], run["histogram"], run["new_tokens"], run["turns"]) == (
             alone_eval.tau_per_prompt, alone_eval.tau, alone_eval.histogram, alone_eval.new_tokens, alone_eval.turns)
+        assert s["runs"]["prompt lookup"] == {**alone_eval.lookup, "block_size": 8}

@@ -19,6 +19,7 @@ from conftest import ROOT, TINY_TARGET, hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache import evaluate as ev
+from dflash_cache import lookup
 from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import default_layer_ids
 from dflash_cache.drafters.attention import BlockLayout
@@ -474,6 +475,7 @@ def test_mt_bench_turns_follow_the_targets_own_answers(tmp_path, tokenizer, targ
     cfg = EvalConfig(target=str(TINY_TARGET), drafter=drafter, data=str(data), max_new_tokens=MAX_NEW, batch_size=2)
     r = ev.evaluate(cfg)
     assert [(s["index"], s["turn"]) for s in r.samples] == [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1)]
+    lookup_lengths = {1: [], 2: []}  # prompt lookup's, on these prompts and outputs
     for s in r.samples:
         row = MT_BENCH_ROWS[s["index"]]
         chat = [{"role": "user", "content": row["turns"][0]}]
@@ -485,6 +487,11 @@ def test_mt_bench_turns_follow_the_targets_own_answers(tmp_path, tokenizer, targ
         prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
         assert s["prompt_tokens"] == len(prompt)
         assert s["output_ids"] == hf_greedy(target, prompt, MAX_NEW, stop_ids) and s["same_as_target"]
+        lookup_lengths[s["turn"]].append(lookup.acceptance_lengths(prompt, s["output_ids"], block_size=8))
+    assert r.settings["block_size"] == 8
+    assert [t["tau_per_prompt"] for t in r.lookup["turns"]] == [ev.tau_per_prompt(lookup_lengths[t]) for t in (1, 2)]
+    assert r.lookup["tau_per_prompt"] == pytest.approx(ev.tau_per_prompt(lookup_lengths[1] + lookup_lengths[2]))
+    assert r.lookup["tau_per_prompt"] > 1
     lengths = {t: [s["acceptance_lengths"] for s in r.samples if s["turn"] == t] for t in (1, 2)}
     assert [(t["turn"], t["prompts"]) for t in r.turns] == [(1, 3), (2, 2)]
     for t in r.turns:

@@ -4,6 +4,8 @@ speculative-decoding loop commits with that drafter plugged in, on a real target
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from conftest import ROOT, TINY_TARGET, hf_greedy
@@ -37,6 +39,26 @@ def test_acceptance_lengths_by_hand():
     assert lookup.acceptance_lengths([9], [1], block_size=16) == []  # the prefill's token only
     lengths = lookup.acceptance_lengths(prompt, output, block_size=16)
     assert sum(lengths) == len(output) - 1  # every token but the first is committed by a step
+
+
+def test_acceptance_replays_propose_step_by_step():
+    """acceptance_lengths indexes the n-grams as the output grows instead of scanning back each step:
+    the same drafts as lookup.propose on every prefix, on random small-vocabulary sequences (many
+    repeats, ties between n-gram lengths) and every setting."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        vocab = rng.choice([2, 3, 5, 20])
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(30))]
+        output = [rng.randrange(vocab) for _ in range(rng.randrange(60))]
+        B, max_n = rng.choice([2, 4, 16]), rng.choice([1, 2, 3, 4])
+        min_n = rng.randint(1, max_n)
+        seq, t, expected = [*prompt, *output], 1, []
+        while t < len(output):
+            drafts = lookup.propose(seq[: len(prompt) + t], B - 1, max_n, min_n)
+            a = next((i for i, d in enumerate(drafts) if t + i >= len(output) or d != output[t + i]), len(drafts))
+            expected.append(min(a + 1, len(output) - t))
+            t += expected[-1]
+        assert lookup.acceptance_lengths(prompt, output, block_size=B, max_ngram=max_n, min_ngram=min_n) == expected
 
 
 def test_acceptance_equals_the_speculative_loop():
