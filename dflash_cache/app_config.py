@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_cache import benchsets
 from dflash_cache.errors import UserError
 from dflash_cache.extract.config import (
     DATA_HELP,
@@ -104,6 +103,9 @@ class EvalConfig:
         return data
 
 
+BENCHMARKS = ("humaneval", "mt-bench", "sharegpt")  # benchsets.SETS, named without importing its readers
+
+
 class RecipeError(UserError, ValueError):
     """A recipe asked for something it cannot do."""
 
@@ -124,7 +126,7 @@ class RecipeConfig:
     draft_layers: list[int] = setting(help="Draft layers: one drafter for each value.", factory=lambda: [5])
     epochs: list[int] = setting(help="Training epochs: one drafter for each value.", factory=lambda: [6])
     benchmarks: list[str] = setting(help="Sets to evaluate on, as dflash bench eval's --benchmarks: humaneval, "
-                                    "mt-bench, sharegpt, or prompt files.", factory=lambda: list(benchsets.SETS))
+                                    "mt-bench, sharegpt, or prompt files.", factory=lambda: list(BENCHMARKS))
     eval_limit: int | None = setting(80, "Use only the first N prompts of each set (none: all; the ShareGPT "
                                      "hold-out's 179 conversations then take most of the eval).", min=1)  # fmt: skip
     max_new_tokens: int = setting(512, "Tokens to generate per eval prompt and turn.", min=1)

@@ -5,6 +5,8 @@ dataclasses (no default restated, choices in --help, --print-config, --json)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import fields
@@ -12,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHAT, TINY_TARGET, RecordingSink
+from conftest import CHAT, ROOT, TINY_TARGET, RecordingSink
 from typer.testing import CliRunner
 
 from cli.main import app
-from dflash_cache import settings
+from dflash_cache import benchsets, settings
 from dflash_cache.app_config import EvalConfig, RecipeConfig, RegenConfig
 from dflash_cache.cache.spec import CACHE_JSON, write_spec
 from dflash_cache.cache.store import FROZEN, cache_lock
@@ -115,6 +117,7 @@ def test_name_lists_and_a_recipe_record_as_a_config(tmp_path):
     """A list of names (the recipe's families, roots and sets) from a flag, a file or its recipe.json."""
     cfg = resolve(RecipeConfig, flags={"target": "t", "families": "dflash, dspark", "epochs": "6,18"})
     assert (cfg.families, cfg.epochs, cfg.code_roots) == (["dflash", "dspark"], [6, 18], ["stdlib"])
+    assert cfg.benchmarks == list(benchsets.SETS)  # every named set by default
     (tmp_path / "a.yaml").write_text("target: t\nfamilies: [1]\n")
     with pytest.raises(SettingsError, match=r"families \(in .*a.yaml\) \[1\]: expected comma-separated names"):
         resolve(RecipeConfig, files=[tmp_path / "a.yaml"])
@@ -210,6 +213,16 @@ def test_gpu_ids():
     with pytest.raises(DeviceError, match=f"GPU {n} does not exist"):
         check_gpus([n])
     assert check_gpus(None) is None
+
+
+def test_the_cli_starts_without_the_heavy_libraries():
+    """Building every command's options imports no torch, transformers, datasets or hub: `dflash
+    info` answers fast, and the libraries' progress bars are silenced through their environment
+    variables, which they read when they are imported, after the CLI has set them."""
+    code = ("import sys, cli.main; print(sorted(m for m in ('torch', 'transformers', 'datasets', 'huggingface_hub') "
+            "if m in sys.modules))")  # fmt: skip
+    got = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0 and got.stdout.strip() == "[]", got.stdout + got.stderr
 
 
 def test_json_output_is_one_object_on_stdout(tmp_path):
