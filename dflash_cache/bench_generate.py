@@ -174,7 +174,7 @@ def _one_set(label: str, configs: dict[str, EvalConfig], bars: Callable[[str], P
             seconds, tokens = r.settings["target_seconds"], r.settings["target_new_tokens"]
             alone = {"tok_s": r.target_tok_s, "seconds": seconds, "new_tokens": tokens,
                      "ms_per_token": 1e3 * seconds / tokens if tokens else None}  # fmt: skip
-            lookup = r.lookup and {**r.lookup, "block_size": r.settings["block_size"]}
+            lookup = r.lookup
         runs[name] = _run_figures(r, alone["tok_s"])
     baselines = {"prompt lookup": lookup} if lookup else {}
     return {"prompts": r.settings["prompts"], "turn_prompts": r.settings["turn_prompts"],

@@ -90,8 +90,8 @@ class EvalResult:
     tau pools all verification steps of all prompts; tau_per_prompt is the mean over prompts of
     each prompt's own tau (the reference benchmark's figure; see the module docstring). Each turn of
     a dialogue is a prompt; ``turns`` holds the same figures for each turn apart. ``lookup`` holds
-    them for prompt lookup (`dflash_cache.lookup`, n-grams of the prompt and the output so far, with
-    the same block size), the baseline that needs no training: under greedy decoding the output
+    them for prompt lookup (`dflash_cache.lookup`, n-grams of the prompt and the output so far, as
+    many drafts a step as the drafter), the baseline that needs no training: under greedy decoding the output
     does not depend on the drafter, so its acceptance follows from each prompt and output alone."""
 
     tau: float
@@ -344,7 +344,9 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
     spec, ref = runs["spec"], runs.get("target")
     keys = sorted(spec.completions)  # prompt by prompt, turn by turn
     greedy = cfg.temperature == 0
-    samples = [_sample(key, spec.completions[key], ref, prompts.tokenizer, setup.block_size if greedy else None)
+    drafts = setup.proposer.num_drafts or setup.block_size - 1  # 0 when nothing was ever drafted
+    lookup_block = drafts + 1  # as many drafts a step as the drafter makes
+    samples = [_sample(key, spec.completions[key], ref, prompts.tokenizer, lookup_block if greedy else None)
                for key in keys]  # fmt: skip
     lengths = [s["acceptance_lengths"] for s in samples]
     flat = [n for steps in lengths for n in steps]
@@ -359,8 +361,8 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
         spec_tok_s=spec_tok_s, target_tok_s=target_tok_s,
         speedup=spec_tok_s / target_tok_s if target_tok_s > 0 else 0.0, samples=samples,
         turns=_turns(samples),
-        lookup={**_figures([s["lookup_lengths"] for s in samples]), "turns": _turns(samples, "lookup_lengths")}
-        if greedy else None,
+        lookup={**_figures([s["lookup_lengths"] for s in samples]), "turns": _turns(samples, "lookup_lengths"),
+                "block_size": lookup_block} if greedy else None,
         settings={
             "target": str(cfg.target), "drafter": str(cfg.drafter), "data": str(cfg.data),
             "prompts": len(prompts.dialogues), "turn_prompts": len(samples), "first_turn": cfg.first_turn,

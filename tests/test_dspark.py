@@ -271,6 +271,7 @@ def test_train_validates_resumes_and_exports(final_cache, tmp_path):
                             limit=3, max_new_tokens=16))  # fmt: skip
     assert r.settings["drafter_family"] == "dspark" and all(s["same_as_target"] for s in r.samples)
     assert len(r.histogram) == 8 and sum(r.histogram) == r.steps
+    assert r.settings["block_size"] == 7 and r.lookup["block_size"] == 8  # prompt lookup drafts 7 a step too
     # a changed DSpark setting is another run
     with pytest.raises(TrainError, match="markov_rank"):
         train(_cfg(final_cache, whole, max_steps=8, markov_rank=8))

@@ -488,7 +488,7 @@ def test_mt_bench_turns_follow_the_targets_own_answers(tmp_path, tokenizer, targ
         assert s["prompt_tokens"] == len(prompt)
         assert s["output_ids"] == hf_greedy(target, prompt, MAX_NEW, stop_ids) and s["same_as_target"]
         lookup_lengths[s["turn"]].append(lookup.acceptance_lengths(prompt, s["output_ids"], block_size=8))
-    assert r.settings["block_size"] == 8
+    assert r.settings["block_size"] == r.lookup["block_size"] == 8  # a DFlash block: 7 drafts, as lookup's
     assert [t["tau_per_prompt"] for t in r.lookup["turns"]] == [ev.tau_per_prompt(lookup_lengths[t]) for t in (1, 2)]
     assert r.lookup["tau_per_prompt"] == pytest.approx(ev.tau_per_prompt(lookup_lengths[1] + lookup_lengths[2]))
     assert r.lookup["tau_per_prompt"] > 1
