@@ -176,10 +176,12 @@ def resolve(name: str, scratch: Path) -> tuple[str, Path, dict[str, Any]]:
 
 
 def write_rows(rows: list[dict[str, Any]], out: Path) -> str:
-    """Rows as JSON Lines; returns their sha256."""
+    """Rows as JSON Lines, whole or not at all (a temporary file, renamed); returns their sha256."""
     out.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    out.write_text(text, encoding="utf-8")
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(out)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

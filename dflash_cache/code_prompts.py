@@ -118,8 +118,8 @@ def function_prompt(fn: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]
 
 
 def build(out: Path, *, roots: list[str] = list(ROOTS), seed: int = 0, procs: int = 1) -> dict[str, Any]:  # noqa: B006
-    """Write every candidate prompt of `roots` to `out` (atomically) in a seeded order, and the
-    manifest beside it; returns the manifest."""
+    """Write every candidate prompt of `roots` to `out` (atomically) in a seeded order, then the
+    manifest beside it (`manifest_path`: a file with one is complete); returns the manifest."""
     banned = benchsets.humaneval_entry_points()
     where = root_dirs(roots)
     files = source_files(where)
@@ -137,13 +137,10 @@ def build(out: Path, *, roots: list[str] = list(ROOTS), seed: int = 0, procs: in
                 seen.add(code)
                 rows.append({"prompt": benchsets.humaneval_user(code), "source": source})
     random.Random(seed).shuffle(rows)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    digest = benchsets.write_rows(rows, tmp)
+    digest = benchsets.write_rows(rows, out)
     manifest = {"rows": len(rows), "files": len(files), "roots": [str(p) for _, p in where], "seed": seed,
                 "python": sys.version.split()[0], "banned_names": len(banned), "sha256": digest}  # fmt: skip
-    manifest_path(out).write_text(json.dumps(manifest, indent=1) + "\n")
-    tmp.replace(out)  # last: a file without its manifest is never left
+    manifest_path(out).write_text(json.dumps(manifest, indent=1) + "\n")  # last: it marks the file complete
     return manifest
 
 

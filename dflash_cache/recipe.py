@@ -95,13 +95,12 @@ def _prompts(cfg: RecipeConfig) -> Path:
     sets = cfg.out / "sets"
     sharegpt, code, train = sets / "sharegpt-train.jsonl", sets / "code-train.jsonl", sets / "train.jsonl"
     if not sharegpt.is_file():
-        rows, _ = benchsets.training_rows()
-        benchsets.write_rows(rows, sharegpt.with_suffix(".tmp"))
-        sharegpt.with_suffix(".tmp").replace(sharegpt)
-    if cfg.code_rows and not code.is_file():
+        benchsets.write_rows(benchsets.training_rows()[0], sharegpt)
+    if cfg.code_rows and not code_prompts.manifest_path(code).is_file():
         code_prompts.build(code, roots=cfg.code_roots, seed=cfg.seed)
-    if train.is_file():
-        made = json.loads(code_prompts.manifest_path(train).read_text())
+    made_path = code_prompts.manifest_path(train)  # written after the file: its counts
+    if made_path.is_file():
+        made = json.loads(made_path.read_text())
         if (made["rows"], made["code_rows"]) != (cfg.rows, cfg.code_rows):
             raise RecipeError(f"{cfg.out} was made with --rows {made['rows']} --code-rows {made['code_rows']}: "
                               "rerun with those, or choose another --out")  # fmt: skip
@@ -109,10 +108,8 @@ def _prompts(cfg: RecipeConfig) -> Path:
     picked = [_first(sharegpt, cfg.rows, "ShareGPT's training side"),
               _first(code, cfg.code_rows, "the code prompts") if cfg.code_rows else []]  # fmt: skip
     mixed = [r for pair in itertools.zip_longest(*picked) for r in pair if r is not None]
-    digest = benchsets.write_rows(mixed, train.with_suffix(".tmp"))
-    code_prompts.manifest_path(train).write_text(json.dumps({"rows": cfg.rows, "code_rows": cfg.code_rows,
-                                                             "sha256": digest}) + "\n")  # fmt: skip
-    train.with_suffix(".tmp").replace(train)
+    digest = benchsets.write_rows(mixed, train)
+    made_path.write_text(json.dumps({"rows": cfg.rows, "code_rows": cfg.code_rows, "sha256": digest}) + "\n")
     return train
 
 
