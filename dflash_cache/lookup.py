@@ -25,9 +25,7 @@ __all__ = ["acceptance_lengths", "propose"]
 def propose(context: Sequence[int], num_draft: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Up to ``num_draft`` tokens that followed the most recent earlier occurrence of the longest
     suffix n-gram of ``context`` (``max_ngram`` >= n >= ``min_ngram``); [] when none occurs."""
-    if num_draft < 1 or not 1 <= min_ngram <= max_ngram:
-        raise ValueError(f"need num_draft >= 1 and 1 <= min_ngram <= max_ngram, got {num_draft}, "
-                         f"{min_ngram}, {max_ngram}")  # fmt: skip
+    _check(num_draft, max_ngram, min_ngram)
     ctx = list(context)
     end = len(ctx)
     for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
@@ -54,8 +52,7 @@ def acceptance_lengths(
     token comes from the prefill, so an output of length 1 has no step."""
     if block_size < 2:
         raise ValueError(f"block size must be >= 2, got {block_size}")
-    if not 1 <= min_ngram <= max_ngram:
-        raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+    _check(block_size - 1, max_ngram, min_ngram)
     seq = [*prompt, *output]
     base = len(prompt)
     # propose()'s answer without its backward scan: for each n, every n-gram of the context that
@@ -86,3 +83,9 @@ def acceptance_lengths(
         lengths.append(committed)
         t += committed
     return lengths
+
+
+def _check(num_draft: int, max_ngram: int, min_ngram: int) -> None:
+    if num_draft < 1 or not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"need num_draft >= 1 and 1 <= min_ngram <= max_ngram, got {num_draft}, "
+                         f"{min_ngram}, {max_ngram}")  # fmt: skip
