@@ -12,9 +12,10 @@ token, so every prompt decodes to --max-new-tokens), one row at a time:
   weight-bandwidth bound (bandwidth / weight bytes: every decode step reads every weight once);
 - the cost of a verify step of B+1 tokens against a one-token step, each a replayed graph, for both
   attention kernels, at the prompt's context and at longer ones, and for a batch of rows;
-- a speculative step with a random DFlash drafter of the target's shape (its drafts are rejected,
-  so every step commits one token): its cost over a plain step, which is what a drafter's tau must
-  beat (speedup = tau x plain step / speculative step);
+- a speculative step with a random drafter of each family (`--families`) of the target's shape (its
+  drafts are rejected, so every step commits one token): its cost over a plain step, which is what
+  a drafter's tau must beat (speedup = tau x plain step / speculative step); DSpark's also with its
+  draft (the Markov head, slot by slot) left eager, beside the compiled one;
 - a profile of the compiled plain and speculative steps: the kernels each launches and their summed
   time, beside the step.
 """
@@ -22,6 +23,7 @@ token, so every prompt decodes to --max-new-tokens), one row at a time:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -35,9 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_cache import drafters  # noqa: E402
 from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
-from dflash_cache.drafters.dflash.model import DFlashDrafter  # noqa: E402
+from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
 from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, slots  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 
@@ -129,13 +132,37 @@ def plain_profile(target: SlotTarget, context: int) -> dict:
     return kernel_profile(lambda: target.step(ids, positions))
 
 
+def speculative(model, family: drafters.Family, cfg: DrafterConfig, prompts: list[list[int]], max_new: int,
+                length: int, embed: torch.Tensor, head: torch.Tensor, plain_ms: float, plain: list,
+                compiled_draft: bool) -> dict:  # fmt: skip
+    """A random drafter of `family` speculating for the target: its step against a plain one, and the
+    kernels the step launches."""
+    torch.manual_seed(0)
+    drafter = family.model(cfg).to(CUDA, torch.bfloat16).eval().requires_grad_(False)
+    target = SlotTarget(model, 1, length, cfg.target_layer_ids, compile=True)
+    proposer = BlockProposer(drafter, embed=embed, head=head, slots=1, length=length, family=family)
+    if not compiled_draft:
+        proposer.draft = proposer.eager_draft
+    engine = Engine(target, StopRule([]), proposer=proposer)
+    seconds, tokens, steps, spec = timed_stream(engine, prompts, max_new)
+    spec_ms = 1e3 * seconds / steps
+    with torch.inference_mode():
+        last, pos, seed = engine.last.clone(), engine.pos.clone(), engine.seed.clone()
+        pos.fill_(len(prompts[0]))
+        profile = kernel_profile(lambda: engine._step.fn(last, pos, seed))  # as the engine runs its steps
+    return {"draft_layers": cfg.num_hidden_layers, "block_size": cfg.block_size, "tau": tokens / steps,
+            "step_ms": spec_ms, "over_plain_step": spec_ms / plain_ms,
+            "speedup_at_tau": {t: t * plain_ms / spec_ms for t in (1.6, 2.0, 3.0, 4.0)},
+            "same_as_target": spec == plain, "profile": profile}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="smollm2-135m")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=150)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--families", default="dflash,dspark", help="drafter families of the speculative steps")
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--batch-rows", type=int, default=64)
     ap.add_argument("--out", type=Path)
@@ -144,7 +171,9 @@ def main() -> None:
     bw, weights = copy_bandwidth(CUDA), weight_bytes(model)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.config.vocab_size, args.prompt_tokens).tolist() for _ in range(args.prompts)]
-    length = args.prompt_tokens + args.max_new_tokens + args.block_size + 32
+    families = [drafters.family(name) for name in args.families.split(",")]
+    blocks = sorted({f.default_block_size for f in families})
+    length = args.prompt_tokens + args.max_new_tokens + blocks[-1] + 32
     result: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "bandwidth_GBps": bw / 1e9, "weight_GB": weights / 1e9, "bound_tok_s": bw / weights,
                     "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
@@ -163,18 +192,16 @@ def main() -> None:
     result["graphs_equal_eager"] = outputs["graphs"] == outputs["eager"]
     result["compiled_equal_eager"] = outputs["compiled graphs"] == outputs["eager"]
 
-    block = args.block_size + 1
     target = SlotTarget(model, 1, 4096, compile=True)  # the longest buffer the Triton kernel serves
-    result["steps"] = {}
-    for kernel in ("flash", "triton"):
-        with attention_kernel(kernel):
-            for context in (args.prompt_tokens, 1024, 4096 - block):
-                result["steps"][f"{kernel}, context {context}"] = step_costs(target, context, block)
     batch = SlotTarget(model, args.batch_rows, length, compile=True)
-    for kernel in ("flash", "triton"):
-        with attention_kernel(kernel):
-            result["steps"][f"{kernel}, {args.batch_rows} rows"] = step_costs(batch, args.prompt_tokens, block,
-                                                                              args.batch_rows)  # fmt: skip
+    result["steps"] = {}
+    for block in (b + 1 for b in blocks):  # a verify step: the anchor and the block's drafts
+        for kernel in ("flash", "triton"):
+            with attention_kernel(kernel):
+                for context in (args.prompt_tokens, 1024, 4096 - block):
+                    result["steps"][f"{kernel}, {block} tokens, context {context}"] = step_costs(target, context, block)
+                result["steps"][f"{kernel}, {block} tokens, {args.batch_rows} rows"] = step_costs(
+                    batch, args.prompt_tokens, block, args.batch_rows)
     del batch
     print("steps", json.dumps(result["steps"], indent=1), flush=True)
     target = SlotTarget(model, 1, length, compile=True)
@@ -184,28 +211,18 @@ def main() -> None:
     layers = [1, 2, 3, 4, 5][: args.draft_layers] if model.config.num_hidden_layers < 8 else None
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     plain_ms = result["engine"]["compiled graphs"]["ms_per_token"]
+    dcfg = DrafterConfig.from_target(model.config.to_dict(), target_layer_ids=layers, mask_token_id=0,
+                                     num_draft_layers=args.draft_layers)  # fmt: skip
     result["speculative"] = {}
-    for draft_layers in sorted({1, args.draft_layers}):
-        dcfg = DrafterConfig.from_target(model.config.to_dict(), target_layer_ids=layers, mask_token_id=0,
-                                         num_draft_layers=draft_layers, block_size=args.block_size)  # fmt: skip
-        torch.manual_seed(0)
-        drafter = DFlashDrafter(dcfg).to(CUDA, torch.bfloat16).eval().requires_grad_(False)
-        target = SlotTarget(model, 1, length, dcfg.target_layer_ids, compile=True)
-        proposer = BlockProposer(drafter, embed=embed, head=head, slots=1, length=length, block_size=args.block_size)
-        engine = Engine(target, StopRule([]), proposer=proposer)
-        seconds, tokens, steps, spec = timed_stream(engine, prompts, args.max_new_tokens)
-        spec_ms = 1e3 * seconds / steps
-        with torch.inference_mode():
-            last, pos, seed = engine.last.clone(), engine.pos.clone(), engine.seed.clone()
-            pos.fill_(args.prompt_tokens)
-        with torch.inference_mode():  # as the engine runs its steps
-            profile = kernel_profile(lambda: engine._step.fn(last, pos, seed))  # noqa: B023 - called here
-        result["speculative"][f"{draft_layers} layers"] = {
-            "draft_layers": draft_layers, "block_size": args.block_size, "tau": tokens / steps, "step_ms": spec_ms,
-            "over_plain_step": spec_ms / plain_ms,
-            "speedup_at_tau": {t: t * plain_ms / spec_ms for t in (1.6, 2.0, 3.0, 4.0)},
-            "same_as_target": spec == outputs["compiled graphs"], "profile": profile}  # fmt: skip
-        print("speculative", json.dumps(result["speculative"][f"{draft_layers} layers"]), flush=True)
+    for family in families:
+        cfg = dcfg if family.name == "dflash" else DSparkConfig(**dataclasses.asdict(dcfg) | {
+            "block_size": family.default_block_size})
+        for compiled_draft in (True, False) if family.name == "dspark" else (True,):
+            name = family.name if compiled_draft else f"{family.name}, eager draft"
+            result["speculative"][name] = speculative(model, family, cfg, prompts, args.max_new_tokens, length,
+                                                      embed, head, plain_ms, outputs["compiled graphs"],
+                                                      compiled_draft)  # fmt: skip
+            print("speculative", name, json.dumps(result["speculative"][name]), flush=True)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")

@@ -12,11 +12,14 @@ length are never visible before they are rewritten with the committed tokens' co
 
 The family decides the block's input and how drafts come out of the block's hidden states
 (`block_input`, `draft`): DFlash reads slots 1..B-1 through the LM head at once; DSpark runs its
-Markov head slot by slot.
+Markov head slot by slot. On a GPU the draft is compiled too (`torch.compile` for the step's fixed
+shapes): DSpark's slot loop is an embedding, a rank-r product, an add and an argmax per slot,
+launched as separate kernels when eager.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -48,8 +51,9 @@ class BlockProposer:
         self.model, self.embed, self.head = model, embed, head
         self.block_size, self.mask_token_id = block_size or cfg.block_size, cfg.mask_token_id
         self.layer_ids = list(cfg.target_layer_ids)
-        self.block_input, self.draft = family.block_input, family.draft
+        self.block_input, self.eager_draft = family.block_input, family.draft
         weight = model.fc.weight
+        self.draft = torch.compile(family.draft, dynamic=False) if compile and weight.is_cuda else family.draft
         self.cache = SlotCache(len(model.layers), slots, -(-length // 16) * 16, cfg.num_key_value_heads, cfg.head_dim,
                                dtype=weight.dtype, device=weight.device)  # fmt: skip
         self.slots, self.length = slots, self.cache.length
@@ -89,6 +93,14 @@ class BlockProposer:
         pos = positions[:, None] + torch.arange(B, device=positions.device)
         step = SlotStep(pos, seen=positions + B, causal=False)
         hidden, _ = self.layers.run(ids, self.cache, step, compiled=True)
-        drafts, probs = self.draft(self.model, hidden, ids, self.head, choose)
+        try:
+            drafts, probs = self.draft(self.model, hidden, ids, self.head, choose)
+        except Exception as e:  # noqa: BLE001 - a compiler failure: draft eagerly, loudly
+            if self.draft is self.eager_draft:
+                raise
+            warnings.warn(f"torch.compile of the draft failed ({type(e).__name__}: {str(e)[:200]}); drafting "
+                          "eagerly", stacklevel=2)  # fmt: skip
+            self.draft = self.eager_draft
+            drafts, probs = self.draft(self.model, hidden, ids, self.head, choose)
         self.num_drafts = drafts.shape[1]
         return drafts, probs
