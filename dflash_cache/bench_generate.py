@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from dflash_cache.app_config import EvalConfig
+from dflash_cache.atomic import write_atomic
 from dflash_cache.bench import shape_config
 from dflash_cache.evaluate import evaluate, load_prompts
 from dflash_cache.extract.target import load_tokenizer, stop_token_ids
@@ -142,7 +143,11 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_n
     """`dflash eval` of each drafter on each set (`benchsets.resolve`: a named set or a prompt file),
     the target alone once a set (with the first drafter's run), and each run's speedup over it.
     `bars(label)` gives a progress sink for each run. The result, also written to `out` as JSON, has
-    a row for each set and run (``table``) and every run's figures (``sets``)."""
+    a row for each set and run (``table``) and every run's figures (``sets``).
+
+    With `out`, each set's figures are also kept as it ends in OUT's `.partial.json` sibling, so an
+    evaluation that is interrupted and run again with the same target, drafters and settings
+    measures only the sets it had not finished (``seconds`` counts both runs)."""
     from dflash_cache import benchsets
 
     t0 = time.perf_counter()
@@ -150,18 +155,39 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_n
                 "temperature": temperature, "chat_template_kwargs": chat_template_kwargs}  # fmt: skip
     result: dict[str, Any] = {"target": target, **settings, "drafters": {k: str(v) for k, v in drafters.items()},
                               "sets": {}, "table": []}  # fmt: skip
+    partial = None if out is None else out.with_name(f"{out.stem}.partial.json")
+    finished, before = _finished(partial, result)
     with tempfile.TemporaryDirectory() as tmp:
         resolved = [benchsets.resolve(name, Path(tmp)) for name in sets]  # a missing package fails before any run
         for label, rows, about in resolved:
-            configs = {name: EvalConfig(target=target, drafter=drafter, data=str(rows), **settings)
-                       for name, drafter in drafters.items()}  # fmt: skip
-            one = result["sets"][label] = about | _one_set(label, configs, bars)
+            if label in finished:
+                one = result["sets"][label] = finished[label]
+            else:
+                configs = {name: EvalConfig(target=target, drafter=drafter, data=str(rows), **settings)
+                           for name, drafter in drafters.items()}  # fmt: skip
+                one = result["sets"][label] = about | _one_set(label, configs, bars)
+                if partial is not None:
+                    seconds = before + time.perf_counter() - t0
+                    write_atomic(partial, json.dumps(result | {"seconds": seconds}, indent=2) + "\n")
             result["table"] += [{"set": label, "run": name, **_table_row(f)} for name, f in one["runs"].items()]
-    result["seconds"] = time.perf_counter() - t0
+    result["seconds"] = before + time.perf_counter() - t0
     result |= _bound(target, batch_size or 1)
     if out is not None:
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_atomic(out, json.dumps(result, indent=2) + "\n")
+        partial.unlink(missing_ok=True)
     return result
+
+
+def _finished(partial: Path | None, asked: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """The sets an interrupted evaluation of the same target, drafters and settings left in
+    `partial`, and its seconds; nothing for another evaluation's."""
+    if partial is None or not partial.is_file():
+        return {}, 0.0
+    kept = json.loads(partial.read_text())
+    same = json.loads(json.dumps({k: v for k, v in asked.items() if k not in ("sets", "table")}))
+    if any(kept.get(k) != v for k, v in same.items()):
+        return {}, 0.0
+    return kept["sets"], kept["seconds"]
 
 
 def _one_set(label: str, configs: dict[str, EvalConfig], bars: Callable[[str], ProgressSink | None] | None

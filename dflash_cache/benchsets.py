@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_cache.atomic import write_atomic
 from dflash_cache.extract.data import DataError, RowRejected, read_rows, source_row
 
 __all__ = ["SETS", "BenchSet", "describe", "held_out", "humaneval_entry_points", "humaneval_user", "label",
@@ -179,9 +180,7 @@ def write_rows(rows: list[dict[str, Any]], out: Path) -> str:
     """Rows as JSON Lines, whole or not at all (a temporary file, renamed); returns their sha256."""
     out.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(out)
+    write_atomic(out, text)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -150,3 +150,49 @@ def test_bench_eval_runs_the_three_sets_and_a_file(tmp_path):
         assert (run["tau_per_prompt"], run["tau"], run["histogram"], run["new_tokens"], run["turns"]) == (
             alone_eval.tau_per_prompt, alone_eval.tau, alone_eval.histogram, alone_eval.new_tokens, alone_eval.turns)
         assert s["runs"]["prompt lookup"] == alone_eval.lookup and alone_eval.lookup["block_size"] == 8
+
+
+def test_an_interrupted_bench_eval_measures_only_the_sets_it_had_not_finished(tmp_path):
+    """`bench eval` (and the recipe's eval stage) stopped during its second set, then run again: the
+    first set's figures come from the interrupted run, only the second set is measured, and the
+    result is an uninterrupted run's; an evaluation with other settings measures every set."""
+    from dflash_cache.bench_generate import evaluation
+
+    drafter = export_random_drafter(tmp_path / "drafter" / "export", 8)
+    sets = []
+    for name, prompts in (("first", ["What is 10 x 24?", "Say hi."]), ("second", ["Name a colour.", "Count to 3."])):
+        sets.append(str(tmp_path / f"{name}.jsonl"))
+        S.write_rows([{"prompt": p} for p in prompts], tmp_path / f"{name}.jsonl")
+    out, partial = tmp_path / "eval.json", tmp_path / "eval.partial.json"
+
+    def run(asked: list[str] | None = None, stop_at: str | None = None, **kw):
+        def bars(label: str):
+            if stop_at and label.startswith(stop_at):
+                raise KeyboardInterrupt
+            if asked is not None:
+                asked.append(label)
+
+        return evaluation(str(TINY_TARGET), {"drafter": drafter}, sets, **{"max_new_tokens": 8, "out": out,
+                                                                             "bars": bars, **kw})  # fmt: skip
+
+    with pytest.raises(KeyboardInterrupt):
+        run(stop_at="second")
+    assert not out.exists() and list(json.loads(partial.read_text())["sets"]) == ["first"]
+    first_seconds = json.loads(partial.read_text())["seconds"]
+    asked: list[str] = []
+    resumed = run(asked)
+    assert asked == ["second drafter"] and not partial.exists()
+    assert json.loads(out.read_text()) == resumed and resumed["seconds"] > first_seconds
+    whole = run(out=tmp_path / "whole.json")
+    keys = ("tau", "tau_per_prompt", "histogram", "new_tokens", "turns", "differ_from_target")
+    for label in ("first", "second"):
+        got, want = resumed["sets"][label]["runs"], whole["sets"][label]["runs"]
+        assert {k: got["drafter"][k] for k in keys} == {k: want["drafter"][k] for k in keys}
+        assert got["prompt lookup"] == want["prompt lookup"]
+    assert [(r["set"], r["run"]) for r in resumed["table"]] == [(r["set"], r["run"]) for r in whole["table"]]
+
+    with pytest.raises(KeyboardInterrupt):
+        run(stop_at="second")
+    asked = []
+    run(asked, max_new_tokens=6)  # another evaluation: the interrupted one's first set is not its own
+    assert asked == ["first drafter", "second drafter"]

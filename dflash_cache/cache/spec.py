@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash_cache.atomic import write_atomic
 from dflash_cache.errors import UserError
 
 FORMAT_VERSION = 1
@@ -236,14 +236,7 @@ def read_spec(cache_dir: str | Path) -> CacheSpec:
 
 def write_spec(cache_dir: str | Path, spec: CacheSpec) -> None:
     """Write `cache.json` atomically (temp file + rename), once."""
-    path = Path(cache_dir) / CACHE_JSON
-    tmp = path.with_name(f".{CACHE_JSON}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(spec.to_dict(), f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(Path(cache_dir) / CACHE_JSON, json.dumps(spec.to_dict(), indent=2) + "\n")
 
 
 def check_drafter_fits(

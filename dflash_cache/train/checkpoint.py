@@ -20,6 +20,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from dflash_cache.atomic import write_atomic
+
 LATEST = "LATEST"
 
 
@@ -111,16 +113,9 @@ class Checkpointer:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _atomic_write(self.dir / LATEST, path.name)
+        write_atomic(self.dir / LATEST, path.name)
         for old in sorted(self.dir.glob("step_*.pt"))[: -self.keep]:
             old.unlink(missing_ok=True)
         return path
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

@@ -23,7 +23,6 @@ resumed run sees exactly the batches and anchors an uninterrupted one would have
 from __future__ import annotations
 
 import json
-import os
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from dflash_cache.atomic import write_atomic
 from dflash_cache.cache.spec import CacheSpec, SpecError, read_spec
 from dflash_cache.cache.store import read_frozen
 from dflash_cache.devices import GpuThrottle, Worker, launch, process_group, torchrun_worker, worker_threads
@@ -134,9 +134,7 @@ def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: Any) -> None:
               # the drafter's geometry, so that `dflash export` needs the run directory only
               "drafter": cfg.family().serving_config(dcfg)}  # fmt: skip
     # every torchrun rank gets here at once: never let one read another's half-written file
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(record, indent=2) + "\n")
 
 
 def _world_size(cfg: TrainConfig) -> int:
