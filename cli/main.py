@@ -591,6 +591,9 @@ def bench_eval(
     first_turn: bool = typer.Option(False, "--first-turn", help=_help(EvalConfig, "first_turn")),
     temperature: float = typer.Option(0.0, help=_help(EvalConfig, "temperature")),
     chat_template_kwargs: str | None = typer.Option(None, help=_help(EvalConfig, "chat_template_kwargs")),
+    replay: bool = typer.Option(False, "--replay", help="Decode with the first drafter only: the others' tau comes "
+                                "from replaying its greedy outputs (exact for greedy decoding, seconds instead of a "
+                                "decode each; no speed figures)."),  # fmt: skip
     json_out: Path = typer.Option(Path("bench-eval.json"), "--json-out", help="Where the full result is written."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of the table."),
 ) -> None:
@@ -611,7 +614,7 @@ def bench_eval(
             runs["untrained"] = bench_generate.untrained_like(drafter[0], Path(tmp) / "untrained")
         r = bench_generate.evaluation(target, runs, sets, max_new_tokens=max_new_tokens, limit=limit,
                                       batch_size=batch_size, first_turn=first_turn, temperature=temperature,
-                                      chat_template_kwargs=kwargs or None, out=json_out,
+                                      chat_template_kwargs=kwargs or None, replay=replay, out=json_out,
                                       bars=None if as_json else EvalBar)  # fmt: skip
     if as_json:
         print(json.dumps(r, indent=2))

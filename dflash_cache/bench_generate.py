@@ -32,7 +32,7 @@ from torch import nn
 from dflash_cache.app_config import EvalConfig
 from dflash_cache.atomic import write_atomic
 from dflash_cache.bench import shape_config
-from dflash_cache.evaluate import evaluate, load_prompts
+from dflash_cache.evaluate import evaluate, load_prompts, replayed
 from dflash_cache.extract.target import load_tokenizer, stop_token_ids
 from dflash_cache.generate import Engine, Request, StopRule, fit_slots, load_model, slot_bytes
 from dflash_cache.generate.targets import SlotTarget
@@ -138,12 +138,17 @@ def untrained_like(export: Path, out: Path, seed: int = 0) -> Path:
 
 def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_new_tokens: int = 512,
                limit: int | None = None, batch_size: int | None = 1, first_turn: bool = False,
-               temperature: float = 0.0, chat_template_kwargs: dict | None = None, out: Path | None = None,
-               bars: Callable[[str], ProgressSink | None] | None = None) -> dict[str, Any]:  # fmt: skip
+               temperature: float = 0.0, chat_template_kwargs: dict | None = None, replay: bool = False,
+               out: Path | None = None, bars: Callable[[str], ProgressSink | None] | None = None
+               ) -> dict[str, Any]:  # fmt: skip
     """`dflash eval` of each drafter on each set (`benchsets.resolve`: a named set or a prompt file),
     the target alone once a set (with the first drafter's run), and each run's speedup over it.
     `bars(label)` gives a progress sink for each run. The result, also written to `out` as JSON, has
     a row for each set and run (``table``) and every run's figures (``sets``).
+
+    `replay` (greedy only): the drafters after the first are not decoded with; their tau comes from
+    replaying the first run's outputs (`evaluate.replayed`), in seconds instead of a decode each, and
+    they have no speed figures.
 
     With `out`, each set's figures are also kept as it ends in OUT's `.partial.json` sibling, so an
     evaluation that is interrupted and run again with the same target, drafters and settings
@@ -151,9 +156,12 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_n
     from dflash_cache import benchsets
 
     t0 = time.perf_counter()
+    if replay and temperature != 0:
+        raise ValueError("replay needs greedy decoding (temperature 0)")
     settings = {"max_new_tokens": max_new_tokens, "limit": limit, "batch_size": batch_size, "first_turn": first_turn,
                 "temperature": temperature, "chat_template_kwargs": chat_template_kwargs}  # fmt: skip
-    result: dict[str, Any] = {"target": target, **settings, "drafters": {k: str(v) for k, v in drafters.items()},
+    result: dict[str, Any] = {"target": target, **settings, "replay": replay,
+                              "drafters": {k: str(v) for k, v in drafters.items()},
                               "sets": {}, "table": []}  # fmt: skip
     partial = None if out is None else out.with_name(f"{out.stem}.partial.json")
     finished, before = _finished(partial, result)
@@ -165,7 +173,7 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_n
             else:
                 configs = {name: EvalConfig(target=target, drafter=drafter, data=str(rows), **settings)
                            for name, drafter in drafters.items()}  # fmt: skip
-                one = result["sets"][label] = about | _one_set(label, configs, bars)
+                one = result["sets"][label] = about | _one_set(label, configs, bars, replay)
                 if partial is not None:
                     seconds = before + time.perf_counter() - t0
                     write_atomic(partial, json.dumps(result | {"seconds": seconds}, indent=2) + "\n")
@@ -190,13 +198,19 @@ def _finished(partial: Path | None, asked: dict[str, Any]) -> tuple[dict[str, An
     return kept["sets"], kept["seconds"]
 
 
-def _one_set(label: str, configs: dict[str, EvalConfig], bars: Callable[[str], ProgressSink | None] | None
-             ) -> dict[str, Any]:  # fmt: skip
-    """Each drafter's run on one set, and the target alone's (measured with the first)."""
+def _one_set(label: str, configs: dict[str, EvalConfig], bars: Callable[[str], ProgressSink | None] | None,
+             replay: bool = False) -> dict[str, Any]:  # fmt: skip
+    """Each drafter's run on one set, and the target alone's (measured with the first); with
+    `replay`, the others replayed on the first run's outputs."""
     runs: dict[str, Any] = {}
+    first = None
     for i, (name, cfg) in enumerate(configs.items()):
-        r = evaluate(cfg, bars(f"{label} {name}") if bars else None, baseline=i == 0)
+        if first is not None and replay:
+            r = replayed(cfg, first)
+        else:
+            r = evaluate(cfg, bars(f"{label} {name}") if bars else None, baseline=i == 0)
         if i == 0:
+            first = r
             seconds, tokens = r.settings["target_seconds"], r.settings["target_new_tokens"]
             alone = {"tok_s": r.target_tok_s, "seconds": seconds, "new_tokens": tokens,
                      "ms_per_token": 1e3 * seconds / tokens if tokens else None}  # fmt: skip
@@ -212,6 +226,9 @@ def _run_figures(r, target_tok_s: float) -> dict[str, Any]:
     the milliseconds a speculative step takes (each prompt's prefill included): the speedup is about
     pooled tau times the target alone's ms_per_token over it."""
     figures = {k: getattr(r, k) for k in ("tau", "tau_per_prompt", "histogram", "steps", "new_tokens", "spec_tok_s")}
+    if r.settings.get("replayed"):  # not decoded: acceptance only
+        return figures | {"turns": r.turns, "replayed": True, "seconds": None, "spec_tok_s": None, "ms_per_step": None,
+                          "same_as_target": None, "differ_from_target": None, "speedup": None}  # fmt: skip
     seconds = r.settings["spec_seconds"]
     return figures | {"seconds": seconds, "turns": r.turns, "ms_per_step": 1e3 * seconds / r.steps if r.steps else None,
                       "same_as_target": all(s["same_as_target"] is not False for s in r.samples),

@@ -32,6 +32,9 @@ Every turn is a prompt of its own in ``tau_per_prompt``; ``turns`` reports each 
 
 The target-alone baseline decodes the same prompts in the same batches, so the speedup is that
 of speculative decoding at this batch size (`--batch-size 1` gives the single-stream figure).
+
+`replayed` gives another drafter's greedy tau on an evaluation's outputs without decoding
+(`dflash_cache.replay`): one forward of each model per prompt, no speed figures.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_cache import drafters, lookup
+from dflash_cache import drafters, lookup, replay
 from dflash_cache.app_config import EvalConfig
 from dflash_cache.devices import Worker, flush_denormals, worker_threads
 from dflash_cache.dialogue import Dialogue, load_dialogues, reply_decoder, turn_by_turn
@@ -70,6 +73,7 @@ __all__ = [
     "EvalResult",
     "evaluate",
     "load_prompts",
+    "replayed",
     "stop_token_ids",
     "tau",
     "tau_per_prompt",
@@ -275,8 +279,8 @@ class _Setup:
     block_size: int
 
 
-def _setup(cfg: EvalConfig, prompts: _Prompts, device: torch.device, baseline: bool) -> _Setup:
-    model = load_model(cfg.target, device)
+def _load_drafter(cfg: EvalConfig, model: nn.Module, device: torch.device) -> tuple[nn.Module, Any, Any]:
+    """(drafter, its config, its family), in the target's dtype, checked against the target."""
     dtype = model.get_input_embeddings().weight.dtype
     try:
         drafter, dcfg, family = drafters.load_serving(Path(cfg.drafter), dtype=dtype, device=device)
@@ -284,6 +288,12 @@ def _setup(cfg: EvalConfig, prompts: _Prompts, device: torch.device, baseline: b
         raise EvalError(f"--drafter {cfg.drafter}: cannot load it ({first_line(e)})") from None
     drafter.eval().requires_grad_(False)
     check_fits(dcfg, model.config.to_dict())
+    return drafter, dcfg, family
+
+
+def _setup(cfg: EvalConfig, prompts: _Prompts, device: torch.device, baseline: bool) -> _Setup:
+    model = load_model(cfg.target, device)
+    drafter, dcfg, family = _load_drafter(cfg, model, device)
     B = cfg.block_size or dcfg.block_size
     length = prompts.length(B + 1)
     wanted = min(len(prompts.first), cfg.batch_size or (128 if device.type == "cuda" else 16))
@@ -376,13 +386,51 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
     )  # fmt: skip
 
 
+def replayed(cfg: EvalConfig, earlier: EvalResult) -> EvalResult:
+    """`cfg.drafter`'s greedy tau on the prompts and outputs of `earlier`, an evaluation of the same
+    target (`replay.acceptance_lengths`; the module docstring): what decoding with it would give, up
+    to rounding, at one forward of each model per prompt. No speed is measured (its speed figures are
+    0 and its spec_seconds None); the lookup figures are `earlier`'s, which are the outputs'."""
+    _check(cfg)
+    if earlier.settings["temperature"] != 0:
+        raise EvalError("a replay needs greedy outputs (temperature 0)")
+    if Path(earlier.settings["target"]) != Path(cfg.target):
+        raise EvalError(f"the outputs are {earlier.settings['target']}'s, not {cfg.target}'s")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(cfg.target, device)
+    drafter, dcfg, family = _load_drafter(cfg, model, device)
+    B = cfg.block_size or dcfg.block_size
+    length = max(s["prompt_tokens"] + s["new_tokens"] for s in earlier.samples) + 16
+    target = make_target(model, 1, length, dcfg.target_layer_ids)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    samples, drafts = [], 0
+    with flush_denormals(device), worker_threads(Worker(0, 1, device)):
+        for s in earlier.samples:
+            lengths, k = replay.acceptance_lengths(target, drafter, family, embed, head, s["prompt_ids"],
+                                                s["output_ids"], B)  # fmt: skip
+            drafts = max(drafts, k)
+            samples.append(s | {"steps": len(lengths), "tau": tau(lengths), "acceptance_lengths": lengths,
+                                "same_as_target": None})  # fmt: skip
+    lengths = [s["acceptance_lengths"] for s in samples]
+    flat = [n for steps in lengths for n in steps]
+    return EvalResult(
+        tau=tau(flat), tau_per_prompt=tau_per_prompt(lengths), histogram=histogram(flat, drafts + 1), steps=len(flat),
+        new_tokens=sum(s["new_tokens"] for s in samples), spec_tok_s=0.0, target_tok_s=earlier.target_tok_s,
+        speedup=0.0, samples=samples, turns=_turns(samples), lookup=earlier.lookup,
+        settings=earlier.settings | {"drafter": str(cfg.drafter), "block_size": B, "drafter_family": family.name,
+                                     "target_layer_ids": list(dcfg.target_layer_ids), "spec_seconds": None,
+                                     "replayed": True},
+    )  # fmt: skip
+
+
 def _sample(key: tuple[int, int], c: Completion, ref: _Run | None, tokenizer, lookup_block: int | None) -> dict:
     """One prompt's figures; with `lookup_block` (greedy runs), prompt lookup's acceptance on its output."""
     i, k = key
     lookup_lengths = None if lookup_block is None else lookup.acceptance_lengths(c.request.prompt, c.ids,
                                                                                  block_size=lookup_block)  # fmt: skip
     return {
-        "index": i, "turn": k + 1, "prompt_tokens": len(c.request.prompt), "new_tokens": len(c.ids),
+        "index": i, "turn": k + 1, "prompt_tokens": len(c.request.prompt), "prompt_ids": list(c.request.prompt),
+        "new_tokens": len(c.ids),
         "steps": len(c.accepted), "tau": tau(c.accepted), "acceptance_lengths": c.accepted, "finish": c.finish,
         "same_as_target": None if ref is None else c.ids == ref.completions[key].ids,
         "output": tokenizer.decode(c.ids), "output_ids": c.ids, "lookup_lengths": lookup_lengths,

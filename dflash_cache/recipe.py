@@ -15,7 +15,9 @@ one resumable command.
    trains on the same cache);
 5. **train**: one drafter for each family x draft layers x epochs asked for, on that one cache;
 6. **eval**: every drafter and the target alone on the benchmark sets at batch 1 (`dflash bench
-   eval`): tau per prompt and pooled (by turn on MT-Bench), tokens/s and the speedup.
+   eval`): tau per prompt and pooled (by turn on MT-Bench), tokens/s and the speedup. The first
+   drafter decodes; by default (`replay`) the others' tau is replayed on its greedy outputs, so a
+   grid of drafters costs one decode of each set.
 
 Everything goes to OUT; `recipe.json` holds each stage's seconds (wall time on the machine that
 ran it: GPU minutes on a GPU), the settings and the evaluation's table, and is rewritten as each
@@ -33,6 +35,7 @@ from typing import Any
 
 from dflash_cache import benchsets, code_prompts, regen
 from dflash_cache.app_config import RecipeConfig, RecipeError, RegenConfig
+from dflash_cache.atomic import write_atomic
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.progress import ProgressSink
@@ -72,9 +75,7 @@ class _Record:
     def save(self) -> None:
         self.data["seconds"] = round(sum(s["seconds"] for s in self.data["stages"].values()), 1)
         self.data["unfinished"] = {k: round(v, 1) for k, v in self.partial.items()}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2) + "\n")
-        tmp.replace(self.path)
+        write_atomic(self.path, json.dumps(self.data, indent=2) + "\n")
 
 
 def _target(cfg: RecipeConfig) -> str:
@@ -155,13 +156,13 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     say(f"[6/6] eval: {', '.join(cfg.benchmarks)} at batch 1")
     evaluation = cfg.out / "eval.json"
     asked = {"drafters": {k: str(v) for k, v in exports.items()}, "max_new_tokens": cfg.max_new_tokens,
-             "limit": cfg.eval_limit, "sets": [benchsets.label(s) for s in cfg.benchmarks]}  # fmt: skip
+             "limit": cfg.eval_limit, "replay": cfg.replay, "sets": [benchsets.label(s) for s in cfg.benchmarks]}
     done = json.loads(evaluation.read_text()) if evaluation.is_file() else None
     if done is None or {**{k: done.get(k) for k in asked}, "sets": list(done["sets"])} != asked:
         record.data["stages"].pop("eval", None)  # not evaluated yet, or with other drafters or settings
         done = record.stage("eval", lambda: bench_generate.evaluation(
             target, exports, cfg.benchmarks, max_new_tokens=cfg.max_new_tokens, limit=cfg.eval_limit,
-            batch_size=1, out=evaluation, bars=bars))  # fmt: skip
+            batch_size=1, replay=cfg.replay, out=evaluation, bars=bars))  # fmt: skip
     result = done
     record.data["table"] = result["table"]
     record.save()

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from dflash_cache.app_config import EvalConfig
 from dflash_cache.demo import DemoConfig, run
+from dflash_cache.evaluate import replayed
 
 
 def test_demo_trained_drafter_beats_untrained(tmp_path):
@@ -27,3 +29,11 @@ def test_demo_trained_drafter_beats_untrained(tmp_path):
     assert trained.tau_per_prompt > 2.0, (trained.tau_per_prompt, untrained.tau_per_prompt)
     # both decoded the target's own greedy continuation (speculative decoding changes no token)
     assert [s["output_ids"] for s in trained.samples] == [s["output_ids"] for s in untrained.samples]
+    # the trained drafter replayed on the untrained run's outputs, without decoding with it: each
+    # prompt's steps are the trained run's, one by one
+    ecfg = EvalConfig(target=trained.settings["target"], drafter=trained.settings["drafter"],
+                      data=trained.settings["data"], max_new_tokens=48, limit=8)  # fmt: skip
+    replay = replayed(ecfg, untrained)
+    assert [s["acceptance_lengths"] for s in replay.samples] == [s["acceptance_lengths"] for s in trained.samples]
+    assert (replay.tau_per_prompt, replay.histogram, replay.turns) == (trained.tau_per_prompt, trained.histogram,
+                                                                       trained.turns)  # fmt: skip

@@ -14,8 +14,10 @@ import sys
 
 from conftest import ROOT, TINY_TARGET, pypi_package, python_path
 
+from dflash_cache.app_config import EvalConfig
 from dflash_cache.benchsets import set_rows, write_rows
 from dflash_cache.cache.spec import read_spec
+from dflash_cache.evaluate import evaluate
 
 
 def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
@@ -62,8 +64,16 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     each = [*runs, "prompt lookup", "target alone"]
     assert table == [(s, r) for s in ("humaneval", "mt-bench", "sharegpt") for r in each]
     evaluation = json.loads((out / "eval.json").read_text())
-    assert all(run["same_as_target"] for s in evaluation["sets"].values()
-               for name, run in s["runs"].items() if name in runs)  # fmt: skip
+    decoded, replayed = runs  # the second drafter's tau is replayed on the first's outputs
+    assert all(s["runs"][decoded]["same_as_target"] and s["runs"][replayed]["replayed"]
+               for s in evaluation["sets"].values())  # fmt: skip
+    mt, mt_file = evaluation["sets"]["mt-bench"], tmp_path / "mt-bench.jsonl"  # against decoding with it
+    write_rows(set_rows("mt-bench")[1], mt_file)
+    dspark = evaluate(EvalConfig(target=str(TINY_TARGET), drafter=out / "runs" / replayed / "export",
+                                 data=str(mt_file), limit=2, max_new_tokens=8, batch_size=1), baseline=False)
+    assert (mt["runs"][replayed]["tau_per_prompt"], mt["runs"][replayed]["histogram"]) == (dspark.tau_per_prompt,
+                                                                                           dspark.histogram)
+    assert mt["runs"][replayed]["turns"] == dspark.turns
 
     eval_time = (out / "eval.json").stat().st_mtime_ns
     again = subprocess.run([*cmd[:4], "--config", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,

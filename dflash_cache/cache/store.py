@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_cache.atomic import write_atomic
 from dflash_cache.cache.format import UnitArrays, write_group
 from dflash_cache.cache.spec import StorageInfo
 from dflash_cache.errors import UserError
@@ -207,9 +208,5 @@ def read_frozen(cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def write_rejected(cache_dir: Path, rejected: list[tuple[int, str]]) -> None:
     """Record the source rows that were not cached, and why (one JSON object per line)."""
-    path = Path(cache_dir) / REJECTED
-    tmp = path.with_name(f".{REJECTED}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        for row, reason in rejected:
-            f.write(json.dumps({"row": row, "reason": reason}) + "\n")
-    os.replace(tmp, path)
+    write_atomic(Path(cache_dir) / REJECTED, "".join(json.dumps({"row": row, "reason": reason}) + "\n"
+                                                     for row, reason in rejected))
