@@ -131,7 +131,8 @@ class RecipeConfig:
                                      "hold-out's 179 conversations then take most of the eval).", min=1)  # fmt: skip
     max_new_tokens: int = setting(512, "Tokens to generate per eval prompt and turn.", min=1)
     replay: bool = setting(True, "Decode with the first drafter only; the others' tau comes from replaying its "
-                           "greedy outputs (dflash bench eval --replay: exact, in seconds, without speed figures).")
+                           "greedy outputs (dflash bench eval --replay: the decode's tau up to rounding, in "
+                           "seconds, without speed figures).")  # fmt: skip
     token_budget: int | None = setting(None, "Training's context tokens per batch (default: train's).", min=1)
     gpus: list[int] | None = setting(None, "GPUs for every stage: 0 or 0-3.", expects=GPU_IDS)
     seed: int = setting(0, "Seed of the code prompts' order, regen's sampling and training.")
