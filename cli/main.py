@@ -640,7 +640,8 @@ def _print_bench_table(r: dict) -> None:
         prompts = f"{s['prompts']}" + (f" ({s['turn_prompts']} turns)" if s["turn_prompts"] != s["prompts"] else "")
         by_turn = " / ".join(f"{t:.2f}" for t in row["tau_by_turn"]) if row["tau_by_turn"] else "-"
         speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"  # prompt lookup is not timed
-        table.add_row(row["set"], prompts, row["run"], num(row["tau_per_prompt"], ".3f"), num(row["tau"], ".3f"),
+        run = row["run"] + (" (replayed)" if s["runs"][row["run"]].get("replayed") else "")
+        table.add_row(row["set"], prompts, run, num(row["tau_per_prompt"], ".3f"), num(row["tau"], ".3f"),
                       by_turn, num(row["tok_s"], ".1f"), speedup)  # fmt: skip
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import read_spec
-from dflash_cache.evaluate import evaluate, load_prompts, stop_token_ids
+from dflash_cache.evaluate import evaluate, load_prompts, replayed, stop_token_ids
 from dflash_cache.extract import stage as extract_stage
 from dflash_cache.generate import BlockProposer, Engine, Request, StopRule
 from dflash_cache.generate import slots as slot_module
@@ -168,7 +168,8 @@ def family_run(request, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("drafter", ["dflash", "dspark"])
 def test_eval_on_cuda_is_the_targets_greedy_decode(family_run, drafter):
     """dflash eval on the GPU, batched and one row at a time: every reply is the target-alone
-    decode's, token for token, and the same in any batch; a target the slot engine does not run
+    decode's, token for token, and the same in any batch, and the drafter replayed on those replies
+    accepts what it accepted decoding; a target the slot engine does not run
     (Gemma's soft-capped attention, the hybrids' recurrent layers) decodes through transformers'
     cache without a graph, and the target-alone replies equal transformers' generate."""
     run = family_run
@@ -178,6 +179,12 @@ def test_eval_on_cuda_is_the_targets_greedy_decode(family_run, drafter):
         assert r.settings["device"] == "cuda" and all(s["same_as_target"] for s in r.samples)
         assert r.tau_per_prompt >= 1.0 and r.steps > 0
     assert [s["output_ids"] for s in results[0].samples] == [s["output_ids"] for s in results[1].samples]
+    # the drafter replayed on its own run's outputs (bf16: its tau up to rounding)
+    replay = replayed(EvalConfig(target=str(run["target"]), drafter=run["exports"][drafter], data=str(run["prompts"]),
+                                 max_new_tokens=20), results[1])  # fmt: skip
+    same = sum(a["acceptance_lengths"] == b["acceptance_lengths"] for a, b in zip(replay.samples, results[1].samples,
+                                                                                    strict=True))  # fmt: skip
+    assert same >= len(replay.samples) - 1 and abs(replay.tau - results[1].tau) <= 0.1 * results[1].tau
     if results[0].settings["engine"] == "CachedTarget":
         from dflash_cache.generate import load_model
 
