@@ -228,11 +228,16 @@ def _run_figures(r, target_tok_s: float) -> dict[str, Any]:
     figures = {k: getattr(r, k) for k in ("tau", "tau_per_prompt", "histogram", "steps", "new_tokens", "spec_tok_s")}
     if r.settings.get("replayed"):  # not decoded: acceptance only
         return figures | {"turns": r.turns, "replayed": True, "seconds": None, "spec_tok_s": None, "ms_per_step": None,
-                          "same_as_target": None, "differ_from_target": None, "speedup": None}  # fmt: skip
+                          "same_as_target": None, "differ_from_target": None, "differ_by_turn": None,
+                          "first_differences": None, "speedup": None}  # fmt: skip
     seconds = r.settings["spec_seconds"]
     return figures | {"seconds": seconds, "turns": r.turns, "ms_per_step": 1e3 * seconds / r.steps if r.steps else None,
                       "same_as_target": all(s["same_as_target"] is not False for s in r.samples),
                       "differ_from_target": sum(s["same_as_target"] is False for s in r.samples),  # prompts (turns)
+                      "differ_by_turn": [sum(s["same_as_target"] is False for s in r.samples if s["turn"] == t["turn"])
+                                         for t in r.turns],  # fmt: skip
+                      "first_differences": sorted(s["first_difference"] for s in r.samples
+                                                  if s["first_difference"] is not None),  # fmt: skip
                       "speedup": r.spec_tok_s / target_tok_s if target_tok_s > 0 else 0.0}  # fmt: skip
 
 

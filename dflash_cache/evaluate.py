@@ -410,7 +410,7 @@ def replayed(cfg: EvalConfig, earlier: EvalResult) -> EvalResult:
                                                 s["output_ids"], B)  # fmt: skip
             drafts = max(drafts, k)
             samples.append(s | {"steps": len(lengths), "tau": tau(lengths), "acceptance_lengths": lengths,
-                                "same_as_target": None})  # fmt: skip
+                                "same_as_target": None, "first_difference": None})  # fmt: skip
     lengths = [s["acceptance_lengths"] for s in samples]
     flat = [n for steps in lengths for n in steps]
     return EvalResult(
@@ -433,8 +433,18 @@ def _sample(key: tuple[int, int], c: Completion, ref: _Run | None, tokenizer, lo
         "new_tokens": len(c.ids),
         "steps": len(c.accepted), "tau": tau(c.accepted), "acceptance_lengths": c.accepted, "finish": c.finish,
         "same_as_target": None if ref is None else c.ids == ref.completions[key].ids,
+        "first_difference": None if ref is None else first_difference(c.ids, ref.completions[key].ids),
         "output": tokenizer.decode(c.ids), "output_ids": c.ids, "lookup_lengths": lookup_lengths,
     }  # fmt: skip
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where two outputs part (the shorter one's length when one is
+    the other's prefix), None when they are equal: late partings point at rounding, early ones at
+    a bug."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _figures(lengths: list[list[int]]) -> dict:

@@ -136,7 +136,8 @@ def test_bench_eval_runs_the_three_sets_and_a_file(tmp_path):
     assert r["sets"]["humaneval"]["turn_prompts"] == 2 and r["sets"]["sharegpt"]["prompts"] == 2
     for name, s in r["sets"].items():
         run, alone = s["runs"]["drafter"], s["runs"]["target alone"]
-        assert run["same_as_target"] and run["differ_from_target"] == 0
+        assert run["same_as_target"] and run["differ_from_target"] == 0 and run["first_differences"] == []
+        assert run["differ_by_turn"] == [0] * len(run["turns"])
         assert run["ms_per_step"] == pytest.approx(1e3 * run["seconds"] / run["steps"])
         assert alone["ms_per_token"] == pytest.approx(1e3 * alone["seconds"] / alone["new_tokens"])
         assert run["speedup"] == pytest.approx(run["spec_tok_s"] / alone["tok_s"])

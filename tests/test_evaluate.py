@@ -506,3 +506,12 @@ def test_mt_bench_turns_follow_the_targets_own_answers(tmp_path, tokenizer, targ
     assert ev.load_prompts(data, tokenizer)[0] == tokenizer.apply_chat_template(
         [{"role": "user", "content": MT_BENCH_ROWS[0]["turns"][0]}], add_generation_prompt=True, return_dict=True
     )["input_ids"]  # fmt: skip
+
+
+def test_first_difference_is_where_two_outputs_part():
+    """Where a speculative output parts from the target alone's: the first unequal token, the
+    shorter one's length when one is the other's prefix, None when equal."""
+    assert ev.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert ev.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert ev.first_difference([4, 2], [1, 2]) == 0
+    assert ev.first_difference([1, 2], [1, 2, 3]) == 2 and ev.first_difference([1, 2, 3], [1, 2]) == 2
