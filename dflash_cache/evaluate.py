@@ -358,19 +358,15 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
     lookup_block = drafts + 1  # as many drafts a step as the drafter makes
     samples = [_sample(key, spec.completions[key], ref, prompts.tokenizer, lookup_block if greedy else None)
                for key in keys]  # fmt: skip
-    lengths = [s["acceptance_lengths"] for s in samples]
-    flat = [n for steps in lengths for n in steps]
     spec_tokens = sum(s["new_tokens"] for s in samples)
     target_tokens = sum(len(c.ids) for c in ref.completions.values()) if ref else 0
     spec_tok_s = spec_tokens / spec.seconds if spec.seconds > 0 else 0.0
     target_tok_s = target_tokens / ref.seconds if ref and ref.seconds > 0 else 0.0
     dtype = setup.model.get_input_embeddings().weight.dtype
     return EvalResult(
-        tau=tau(flat), tau_per_prompt=tau_per_prompt(lengths),
-        histogram=histogram(flat, setup.proposer.num_drafts + 1), steps=len(flat), new_tokens=spec_tokens,
+        **_acceptance(samples, setup.proposer.num_drafts), new_tokens=spec_tokens,
         spec_tok_s=spec_tok_s, target_tok_s=target_tok_s,
         speedup=spec_tok_s / target_tok_s if target_tok_s > 0 else 0.0, samples=samples,
-        turns=_turns(samples),
         lookup={**_figures([s["lookup_lengths"] for s in samples]), "turns": _turns(samples, "lookup_lengths"),
                 "block_size": lookup_block} if greedy else None,
         settings={
@@ -411,12 +407,9 @@ def replayed(cfg: EvalConfig, earlier: EvalResult) -> EvalResult:
             drafts = max(drafts, k)
             samples.append(s | {"steps": len(lengths), "tau": tau(lengths), "acceptance_lengths": lengths,
                                 "same_as_target": None, "first_difference": None})  # fmt: skip
-    lengths = [s["acceptance_lengths"] for s in samples]
-    flat = [n for steps in lengths for n in steps]
     return EvalResult(
-        tau=tau(flat), tau_per_prompt=tau_per_prompt(lengths), histogram=histogram(flat, drafts + 1), steps=len(flat),
-        new_tokens=sum(s["new_tokens"] for s in samples), spec_tok_s=0.0, target_tok_s=earlier.target_tok_s,
-        speedup=0.0, samples=samples, turns=_turns(samples), lookup=earlier.lookup,
+        **_acceptance(samples, drafts), new_tokens=sum(s["new_tokens"] for s in samples), spec_tok_s=0.0,
+        target_tok_s=earlier.target_tok_s, speedup=0.0, samples=samples, lookup=earlier.lookup,
         settings=earlier.settings | {"drafter": str(cfg.drafter), "block_size": B, "drafter_family": family.name,
                                      "target_layer_ids": list(dcfg.target_layer_ids), "spec_seconds": None,
                                      "replayed": True},
@@ -445,6 +438,15 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     if a == b:
         return None
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _acceptance(samples: list[dict], drafts: int) -> dict:
+    """A run's acceptance figures from its samples, whose blocks drafted `drafts` tokens: tau pooled
+    and per prompt, the histogram, the steps and each turn's figures."""
+    lengths = [s["acceptance_lengths"] for s in samples]
+    flat = [n for steps in lengths for n in steps]
+    return {"tau": tau(flat), "tau_per_prompt": tau_per_prompt(lengths), "histogram": histogram(flat, drafts + 1),
+            "steps": len(flat), "turns": _turns(samples)}  # fmt: skip
 
 
 def _figures(lengths: list[list[int]]) -> dict:
