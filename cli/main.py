@@ -592,8 +592,8 @@ def bench_eval(
     temperature: float = typer.Option(0.0, help=_help(EvalConfig, "temperature")),
     chat_template_kwargs: str | None = typer.Option(None, help=_help(EvalConfig, "chat_template_kwargs")),
     replay: bool = typer.Option(False, "--replay", help="Decode with the first drafter only: the others' tau comes "
-                                "from replaying its greedy outputs (exact for greedy decoding, seconds instead of a "
-                                "decode each; no speed figures)."),  # fmt: skip
+                                "from replaying its greedy outputs (the decode's tau up to rounding, seconds instead "
+                                "of a decode each; no speed figures)."),  # fmt: skip
     json_out: Path = typer.Option(Path("bench-eval.json"), "--json-out", help="Where the full result is written."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of the table."),
 ) -> None:

@@ -32,7 +32,7 @@ from torch import nn
 from dflash_cache.app_config import EvalConfig
 from dflash_cache.atomic import write_atomic
 from dflash_cache.bench import shape_config
-from dflash_cache.evaluate import evaluate, load_prompts, replayed
+from dflash_cache.evaluate import EvalError, evaluate, load_prompts, replayed
 from dflash_cache.extract.target import load_tokenizer, stop_token_ids
 from dflash_cache.generate import Engine, Request, StopRule, fit_slots, load_model, slot_bytes
 from dflash_cache.generate.targets import SlotTarget
@@ -156,8 +156,8 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_n
     from dflash_cache import benchsets
 
     t0 = time.perf_counter()
-    if replay and temperature != 0:
-        raise ValueError("replay needs greedy decoding (temperature 0)")
+    if replay and temperature != 0:  # before any set is decoded, not after the first drafter's run
+        raise EvalError("--replay needs greedy decoding (temperature 0)")
     settings = {"max_new_tokens": max_new_tokens, "limit": limit, "batch_size": batch_size, "first_turn": first_turn,
                 "temperature": temperature, "chat_template_kwargs": chat_template_kwargs}  # fmt: skip
     result: dict[str, Any] = {"target": target, **settings, "replay": replay,

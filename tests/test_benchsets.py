@@ -197,3 +197,14 @@ def test_an_interrupted_bench_eval_measures_only_the_sets_it_had_not_finished(tm
     asked = []
     run(asked, max_new_tokens=6)  # another evaluation: the interrupted one's first set is not its own
     assert asked == ["first drafter", "second drafter"]
+
+
+def test_replay_of_sampled_outputs_is_refused_before_any_decode(tmp_path):
+    """`bench eval --replay` at a temperature above 0: one user error, before a set is decoded
+    (a replay needs greedy outputs)."""
+    from dflash_cache.bench_generate import evaluation
+    from dflash_cache.evaluate import EvalError
+
+    with pytest.raises(EvalError, match="greedy"):
+        evaluation(str(TINY_TARGET), {"a": tmp_path / "a", "b": tmp_path / "b"}, ["no-such-set"], temperature=0.5,
+                   replay=True, bars=lambda label: pytest.fail(f"{label} was decoded"))  # fmt: skip
