@@ -1,32 +1,38 @@
-"""A step's attention over the slot cache as one Triton kernel.
+"""A step's attention over the slot cache as Triton kernels whose every query comes out the same
+whatever else the step holds.
 
-A decode or verify step has few queries per row (1, or a block of 16 or 17) against a few hundred
-cached keys. Flash attention's split-kv path runs that as two kernels a layer (the splits, then
-their combine), about 10 us on an H200 for one row of a small model, more than the layer's four
-matrix products take to read their weights. Here one program per (row, key/value head) holds all
-of the row's queries of that head's group (grouped-query heads share the keys they read), walks
-the row's first `seen` keys in blocks with an online softmax, and writes the result: one kernel,
-no split.
+A decode or verify step has few queries per row (1, or a block of 8 to 17) against a few hundred
+to a few thousand cached keys. One program per (row, key/value head, tile of 16 query rows) holds
+its queries of that head's group (grouped-query heads share the keys they read) and walks the keys
+in blocks of 64 with an online softmax. Flash attention's split-kv path takes two kernels a layer
+for what is one kernel here up to SPLIT positions.
 
-One program walks its row's keys alone, so a long buffer read by one query a head is where flash's
-split-kv parallelism wins. Measured on an H200 (BENCHMARKS.md, "Batch-1 decoding"), one row: a
-decode step is faster here up to about 1024 positions and slower at 4096 (1.86 ms against 0.96
-on the SmolLM2 shape); a verify step of 17 tokens is faster at every length up to 4096 (2.09 ms
-against 3.10). `fits` keeps to those cases, decided by the step's shapes alone, so that a captured
-graph always takes the same path; `slot_attention` checks the first call against the masked path,
-as it does flash's.
+**The same bits in a decode and a verify step.** Greedy speculative decoding commits the target's
+own tokens only if a verify step computes each token as a plain step would (`fused` says why).
+Here a query's arithmetic depends only on its own row and position:
+
+- the tile of query rows is always 16 and the key blocks always 64, whatever the step's size;
+- a buffer longer than SPLIT positions is cut at fixed key positions (0, SPLIT, 2 SPLIT...): one
+  program a piece, then a second kernel combines the pieces of each query in order. A query that
+  sees SPLIT keys or fewer gets the one-piece result bit for bit either way (the combine's weights
+  are exactly 1 and 0), and one that sees more always goes through the combine;
+- key blocks past what a query sees change nothing (their weights are exactly 0, the running
+  maximum stays), so queries that see fewer keys than others in their tile are unaffected.
+
+`slot_attention` checks each kernel's first call against the masked path, as it does flash's.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 from torch import Tensor
 
-MAX_LENGTH = 4096  # buffer positions this kernel serves for steps of several tokens
-MAX_DECODE_LENGTH = 1024  # and for one-token steps
-BLOCK_N = 64
+BLOCK_M = 16  # query rows (token x head of the group) a program holds
+BLOCK_N = 64  # keys a block
+SPLIT = 1024  # keys a program walks in a buffer longer than this; a multiple of BLOCK_N
 
 
 @functools.cache
@@ -39,27 +45,40 @@ def available() -> bool:
     return True
 
 
+def interpreted() -> bool:
+    """Whether Triton runs kernels on the CPU, in its interpreter (TRITON_INTERPRET=1: how the CPU
+    tests run the GPU kernels)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on_device(t: Tensor) -> bool:
+    """Whether Triton kernels can run on `t`: a GPU tensor, or a CPU one under the interpreter."""
+    return t.is_cuda or (t.device.type == "cpu" and interpreted())
+
+
 def fits(query: Tensor, keys: Tensor) -> bool:
-    """Whether the kernel serves this step: a half-precision query [b, T, heads, d] on a GPU, a head
-    size of 16 to 256 (a power of two), and a buffer of at most MAX_LENGTH positions for T > 1,
-    MAX_DECODE_LENGTH for T = 1 (module docstring)."""
-    d, T, length = query.shape[-1], query.shape[1], keys.shape[1]
-    return (available() and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
-            and keys.dtype == query.dtype and 16 <= d <= 256 and d & (d - 1) == 0
-            and length <= (MAX_LENGTH if T > 1 else MAX_DECODE_LENGTH))  # fmt: skip
+    """Whether the kernels serve this step: a half-precision query [b, T, heads, d] on a GPU and a
+    head size of 16 to 256 (a power of two)."""
+    d = query.shape[-1]
+    return (available() and on_device(query) and query.dtype in (torch.float16, torch.bfloat16)
+            and keys.dtype == query.dtype and 16 <= d <= 256 and d & (d - 1) == 0)  # fmt: skip
 
 
 @functools.cache
-def _kernel():
+def _kernels():
     import triton
     import triton.language as tl
 
     @triton.jit
-    def attend(Q, K, V, Out, SLOT, SEEN, sq_b, sq_t, sq_h, sk_s, sk_l, sk_h, so_b, so_t, so_h, T, scale,
-               G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr):  # fmt: skip
-        b, kvh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # the group's query rows: token m // G, head m % G
+    def attend(Q, K, V, Out, ACC, STAT, SLOT, SEEN, sq_b, sq_t, sq_h, sk_s, sk_l, sk_h, so_b, so_t, so_h, T, tiles,
+               splits, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+        """Without SPLIT: the attention of one tile of query rows over all the keys its row sees,
+        into Out. With SPLIT: over keys [s SPLIT, (s+1) SPLIT), the unnormalised sum, its running
+        maximum and its total into ACC and STAT for `combine`."""
+        b, kvh, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        tile, s = p % tiles, p // tiles
+        m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # the group's query rows: token m // G, head m % G
         t, h = m // G, kvh * G + m % G
         real = m < T * G
         d = tl.arange(0, D)
@@ -72,24 +91,61 @@ def _kernel():
         total = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         qk_scale = scale * 1.4426950408889634  # exp2 below
-        for start in range(0, seen, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
+        start, stop = 0, seen
+        if SPLIT > 0:
+            start = s * SPLIT
+            stop = tl.minimum(seen, start + SPLIT)
+        for first in range(start, stop, BLOCK_N):
+            n = first + tl.arange(0, BLOCK_N)
             inside = n < seen
             k = tl.load(k_base + n[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            s = tl.where(n[None, :] < limit[:, None], s, float("-inf"))
-            new_top = tl.maximum(top, tl.max(s, 1))
-            p = tl.exp2(s - new_top[:, None])
-            alpha = tl.exp2(top - new_top)
-            total = total * alpha + tl.sum(p, 1)
+            x = tl.dot(q, tl.trans(k)) * qk_scale
+            x = tl.where(n[None, :] < limit[:, None], x, float("-inf"))
+            new_top = tl.maximum(top, tl.max(x, 1))
+            safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # a query that sees none of these keys yet
+            weight = tl.exp2(x - safe[:, None])
+            alpha = tl.exp2(top - safe)
+            total = total * alpha + tl.sum(weight, 1)
             v = tl.load(v_base + n[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(weight.to(v.dtype), v)
             top = new_top
+        if SPLIT > 0:
+            piece = ((b * tl.num_programs(1) + kvh) * tiles + tile) * splits + s
+            i = tl.arange(0, BLOCK_M)
+            tl.store(ACC + (piece * BLOCK_M + i[:, None]) * D + d[None, :], acc)
+            tl.store(STAT + (piece * 2) * BLOCK_M + i, top)
+            tl.store(STAT + (piece * 2 + 1) * BLOCK_M + i, total)
+        else:
+            out = acc / total[:, None]
+            tl.store(Out + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
+                     out.to(Out.dtype.element_ty), mask=real[:, None])  # fmt: skip
+
+    @triton.jit
+    def combine(Out, ACC, STAT, SEEN, so_b, so_t, so_h, T, tiles, splits, G: tl.constexpr, D: tl.constexpr,
+                BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+        """One tile's pieces, in order, into its output: the pieces its row's keys reach."""
+        b, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i = tl.arange(0, BLOCK_M)
+        m = tile * BLOCK_M + i
+        t, h = m // G, kvh * G + m % G
+        real = m < T * G
+        d = tl.arange(0, D)
+        pieces = (tl.load(SEEN + b) + SPLIT - 1) // SPLIT
+        first = ((b * tl.num_programs(1) + kvh) * tiles + tile) * splits
+        top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for s in range(0, pieces):
+            top = tl.maximum(top, tl.load(STAT + ((first + s) * 2) * BLOCK_M + i))
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for s in range(0, pieces):
+            w = tl.exp2(tl.load(STAT + ((first + s) * 2) * BLOCK_M + i) - top)
+            total += tl.load(STAT + ((first + s) * 2 + 1) * BLOCK_M + i) * w
+            acc += tl.load(ACC + ((first + s) * BLOCK_M + i[:, None]) * D + d[None, :]) * w[:, None]
         out = acc / total[:, None]
         tl.store(Out + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :], out.to(Out.dtype.element_ty),
                  mask=real[:, None])  # fmt: skip
 
-    return attend
+    return attend, combine
 
 
 def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: Tensor, causal: bool,
@@ -98,15 +154,24 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
     seen[i] positions of slot slot[i] of keys/values [S, L, kv_heads, d]; causal: query t sees
     seen[i] - T + 1 + t of them. Returns [b, T, heads, d]."""
     b, T, heads, d = query.shape
-    kv_heads = keys.shape[2]
+    kv_heads, length = keys.shape[2], keys.shape[1]
     groups = heads // kv_heads
-    rows = T * groups
-    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    tiles = -(-T * groups // BLOCK_M)
+    splits = -(-length // SPLIT) if length > SPLIT else 1
     out = torch.empty(b, T, heads, d, dtype=query.dtype, device=query.device)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    grid = (b, kv_heads, -(-rows // block_m))
-    _kernel()[grid](query, keys, values, out, slot, seen, *query.stride()[:3], *keys.stride()[:3], *out.stride()[:3],
-                    T, scale, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=BLOCK_N, CAUSAL=causal and T > 1,
-                    num_warps=4)  # fmt: skip
+    attend, combine = _kernels()
+    split = SPLIT if splits > 1 else 0
+    acc = stat = out
+    if split:
+        acc = torch.empty(b * kv_heads * tiles * splits * BLOCK_M * d, dtype=torch.float32, device=query.device)
+        stat = torch.empty(b * kv_heads * tiles * splits * 2 * BLOCK_M, dtype=torch.float32, device=query.device)
+    flags = dict(G=groups, D=d, BLOCK_M=BLOCK_M)
+    attend[(b, kv_heads, tiles * splits)](
+        query, keys, values, out, acc, stat, slot, seen, *query.stride()[:3], *keys.stride()[:3], *out.stride()[:3],
+        T, tiles, splits, scale, **flags, BLOCK_N=BLOCK_N, CAUSAL=causal and T > 1, SPLIT=split, num_warps=4)
+    if split:
+        combine[(b, kv_heads, tiles)](out, acc, stat, seen, *out.stride()[:3], T, tiles, splits, **flags, SPLIT=split,
+                                      num_warps=4)  # fmt: skip
     return out

@@ -62,7 +62,7 @@ def _has_varlen_flash() -> bool:
 # The GPU kernels a step may use, in order of preference; the first call of each is compared with
 # the masked path, and a mismatch turns it off.
 _KERNELS = {"triton": slot_kernel.available(), "flash": _has_varlen_flash()}
-_checked: set[str] = set()
+_checked: set[tuple[str, bool]] = set()
 
 
 @dataclass
@@ -89,7 +89,7 @@ class SlotStep:
         b, T = self.positions.shape
         device = self.positions.device
         self.slot = (torch.arange(b, device=device) if self.rows is None else self.rows)[:, None]
-        if self.seen is not None and self.positions.is_cuda:
+        if self.seen is not None and slot_kernel.on_device(self.positions):
             steps = torch.arange(b + 1, device=device, dtype=torch.int32)
             self.cu_q, self.step_index = steps * T, steps
             self.seqused = self.seen.to(torch.int32)
@@ -108,7 +108,7 @@ def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, val
         out = F.scaled_dot_product_attention(q, k, v, is_causal=query.shape[1] > 1, scale=scale,
                                              enable_gqa=query.shape[2] != key.shape[2])  # fmt: skip
         return out.transpose(1, 2)
-    if query.is_cuda:
+    if slot_kernel.on_device(query):
         out = _on_gpu(query, k_buf, v_buf, step, scale)
         if out is not None:
             return out
@@ -131,9 +131,10 @@ def _on_gpu(query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep, scale: 
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if _KERNELS["triton"] and slot_kernel.fits(query, k_buf):
         out = slot_kernel.attention(query, k_buf, v_buf, step.slot[:, 0], step.seqused, step.causal, scale)
-        if _trusted("triton", out, query, k_buf, v_buf, step, scale):
+        if _trusted("triton", out, query, k_buf, v_buf, step, scale, pieces=k_buf.shape[1] > slot_kernel.SPLIT):
             return out
-    if _KERNELS["flash"] and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 256:
+    half = query.dtype in (torch.float16, torch.bfloat16)
+    if _KERNELS["flash"] and query.is_cuda and half and query.shape[-1] <= 256:
         out = _flash(query, k_buf, v_buf, step, scale)
         if _trusted("flash", out, query, k_buf, v_buf, step, scale):
             return out
@@ -170,11 +171,12 @@ def _masked(query: Tensor, keys: Tensor, values: Tensor, step: SlotStep, scale: 
 
 
 def _trusted(name: str, out: Tensor, query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep,
-             scale: float) -> bool:  # fmt: skip
-    """Whether a kernel's output may be used. Its first call in a process is compared with the
-    masked path: a disagreement beyond bf16 rounding turns the kernel off, with a warning."""
-    if name not in _checked:
-        _checked.add(name)
+             scale: float, pieces: bool = False) -> bool:  # fmt: skip
+    """Whether a kernel's output may be used. Its first call in a process (of each way it runs: the
+    Triton kernel over a buffer cut in pieces too) is compared with the masked path: a disagreement
+    beyond bf16 rounding turns the kernel off, with a warning."""
+    if (name, pieces) not in _checked:
+        _checked.add((name, pieces))
         masked = _masked(query, *_rows_of(k_buf, v_buf, step), step, scale).float()
         err = float((out.float() - masked).norm() / masked.norm().clamp_min(1e-6))
         if not err < 2e-2:
