@@ -23,6 +23,27 @@ import pytest
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+
+def _triton_interpreter() -> None:
+    """Without a GPU, Triton's language module loads with its interpreter on, so that
+    tests/test_fused.py can run the GPU kernels on the CPU (TRITON_INTERPRET must be set when it
+    loads); the variable is unset again, so that nothing else, the commands the tests start
+    included, runs them there."""
+    if importlib.util.find_spec("triton") is None:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+
+
+_triton_interpreter()
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "data" / "tiny-target"
 CHAT = ROOT / "data" / "chat.jsonl"
