@@ -103,7 +103,10 @@ def decode(engine: Engine, prompts, max_new=MAX_NEW, seed: int = 0):
 
 class ScriptedProposer:
     """A proposer whose drafts are a function of each row's request and committed tokens (the tests'
-    oracle drafters). It records the context states the engine hands it, by request and position."""
+    oracle drafters). It records the context states the engine hands it, by request and position.
+    It reads the engine's rows on the host, so the engine runs it in step with the host."""
+
+    graphable = False
 
     def __init__(self, block_size: int, slots: int, drafts_for):
         self.block_size, self.slots, self.drafts_for = block_size, slots, drafts_for
@@ -178,6 +181,46 @@ def test_greedy_speculative_equals_target_in_any_batch(tmp_path, target, prompts
         for c in got:
             assert all(1 <= n <= block_size for n in c.accepted) and sum(c.accepted) == len(c.ids) - 1
     assert [c.accepted for c in runs[3]] == [c.accepted for c in runs[1]] == [c.accepted for c in runs[0]]
+
+
+class TableProposer:
+    """Drafts read by position from one sequence held on the device (so the engine captures it and
+    runs ahead of the host, as it does a real drafter's): the target's own continuation of one
+    prompt, every draft right."""
+
+    graphable = True
+
+    def __init__(self, seq: list[int], block_size: int, slots: int):
+        self.table, self.block_size, self.slots = torch.tensor(seq + [0] * block_size), block_size, slots
+
+    def add_context(self, states, positions, rows=None):
+        pass
+
+    def propose(self, last, positions, choose):
+        return self.table[positions[:, None] + torch.arange(1, self.block_size)], None
+
+
+def test_rows_that_fill_their_slots_and_end_at_other_steps(target, prompts):
+    """The host commits a step while the next one runs, so a row that ended runs one step more.
+    Rows of 64 positions that the prompt, the reply and a block fill exactly, or nearly, ending at
+    different steps, in two rows and in one, with drafts that are all right (whole blocks of 8
+    accepted up to the end) and without a drafter: the target's own greedy tokens, and one row
+    counts a step for each commit, none for the step after its end."""
+    prompt = tuple(prompts[0][:30])
+    (whole,) = Engine(SlotTarget(target, 1, 128), StopRule([])).stream([Request(prompt, 64)])
+    for slots in (2, 1):
+        for proposer in (None, TableProposer(list(prompt) + whole.ids, 8, slots)):
+            room = 1 + (8 if proposer is not None else 0)
+            engine = Engine(SlotTarget(target, slots, 64), StopRule([]), proposer=proposer)
+            requests = [Request(prompt, 64 - len(prompt) - room - k, key=k) for k in (0, 3, 5)]
+            done = {c.request.key: c for c in engine.stream(requests)}
+            for r in requests:
+                assert done[r.key].ids == whole.ids[: r.max_new_tokens]
+            if proposer is not None:
+                assert all(c.accepted[:-1] == [8] * (len(c.accepted) - 1) for c in done.values())
+            if slots == 1:
+                commits = sum(len(c.accepted) if proposer else len(c.ids) - 1 for c in done.values())
+                assert engine.steps == commits
 
 
 def test_sampling_is_the_same_in_any_batch(tmp_path, target, prompts, stop_ids):

@@ -11,8 +11,11 @@ batch while the requests' lengths differ. Which token a row commits depends only
 decoding token for token, and greedy speculative decoding equals plain greedy decoding.
 
 On a GPU the whole step (draft, verify, accept, context update) is captured once as a CUDA graph
-and replayed, which removes the per-layer launch overhead that dominates small models: only the
-bookkeeping of which rows ended runs in Python.
+and replayed, which removes the per-layer launch overhead that dominates small models. The host
+runs one step behind the GPU: step n+1 is queued before step n's tokens are read back, so the
+bookkeeping of which rows ended (and the copy to the host) overlaps the next step instead of
+leaving the GPU idle. A row that ended at step n has run step n+1 for nothing; its result is
+dropped, and its slot cache entries are rewritten before anything reads them.
 """
 
 from __future__ import annotations
@@ -85,12 +88,23 @@ class _Graph:
         self.graph = graph
 
 
-def _advanced(last: Tensor, pos: Tensor, tokens: Tensor, counts: Tensor) -> Tensor:
+def _advanced(last: Tensor, pos: Tensor, tokens: Tensor, counts: Tensor, top: int) -> Tensor:
     """Row r commits tokens[r, :counts[r]]: its last token and position move on (in place), and the
-    step's result for the host is [counts, tokens] per row."""
+    step's result for the host is [counts, tokens] per row. Positions stop at `top`, so that a row
+    that ended runs its one extra step (the host is a step behind) inside its slot."""
     last.copy_(tokens.gather(1, (counts - 1)[:, None]).squeeze(1))
-    pos.add_(counts)
+    pos.add_(counts).clamp_(max=top)
     return torch.cat([counts[:, None], tokens], 1)
+
+
+@dataclass
+class _Pending:
+    """A step queued on the device whose result the host has not read: where its copy lands, the
+    event that marks the copy done, and which request each row held when it was queued."""
+
+    result: Tensor
+    done: torch.cuda.Event | None
+    rows: list
 
 
 class Engine:
@@ -115,16 +129,25 @@ class Engine:
             self.seed = torch.zeros(S, dtype=torch.long, device=device)
         self.chooser = Chooser(temperature, self.seed)
         step = self._speculative_step if proposer is not None else self._plain_step
-        # A target whose step runs Python bookkeeping per call (transformers' own cache) is never
-        # captured: a replay would skip it.
-        self._step = _Graph(step) if graphs and device.type == "cuda" and target.graphable else step
+        # A step that runs Python bookkeeping per call (transformers' own cache, a proposer that
+        # reads the host's rows) is never captured, since a replay would skip it, and never runs
+        # ahead of the host.
+        self.graphable = target.graphable and getattr(proposer, "graphable", True)
+        self._step = _Graph(step) if graphs and device.type == "cuda" and self.graphable else step
         self.rows: list[_Row | None] = [None] * S
-        self.steps = 0  # target forwards after the prefill, over the engine's life
+        self.steps = 0  # target forwards after the prefill whose results rows committed, over the engine's life
+        self._pending: _Pending | None = None
+        self._results: list[Tensor] = []  # two host buffers (pinned on a GPU) that steps' results alternate in
 
     @property
     def room(self) -> int:
         """Positions a row needs beyond its prompt and reply: the widest step."""
         return 1 + (self.proposer.block_size if self.proposer is not None else 0)
+
+    @property
+    def _top(self) -> int:
+        """The last position a step may start at: its widest write still fits the row."""
+        return self.target.length - self.room
 
     # ------------------------------------------------------------------ the two steps
     # Each advances `last` and `pos` in place and returns [S, 1 + m]: row r commits the counts[r]
@@ -133,7 +156,7 @@ class Engine:
     def _plain_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> Tensor:
         logits, _ = self.target.step(last[:, None], pos[:, None])
         token, _ = Chooser(self.temperature, seed).at(pos + 1)(logits[:, 0])
-        return _advanced(last, pos, token[:, None], torch.ones_like(pos))
+        return _advanced(last, pos, token[:, None], torch.ones_like(pos), self._top)
 
     def _speculative_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> Tensor:
         chooser = Chooser(self.temperature, seed)
@@ -146,7 +169,7 @@ class Engine:
             self.proposer.add_context(states, positions)
         tokens = torch.cat([drafts, torch.zeros_like(bonus)[:, None]], 1)
         tokens.scatter_(1, a[:, None], bonus[:, None])  # drafts[:a], then the target's own token
-        return _advanced(last, pos, tokens, a + 1)
+        return _advanced(last, pos, tokens, a + 1, self._top)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -156,6 +179,7 @@ class Engine:
         source = iter(requests)
         waiting: deque[Request] = deque()
         exhausted = False
+        self._pending = None
         while True:
             while not exhausted and len(waiting) < 2 * self.target.slots:
                 r = next(source, _END)
@@ -171,6 +195,7 @@ class Engine:
                 yield from self._admit(waiting)
                 live = self.target.slots - self.rows.count(None)
             if live == 0:
+                self._pending = None  # a step queued after every row had ended: nothing to read
                 if exhausted and not waiting:
                     return
                 if not waiting:
@@ -217,13 +242,38 @@ class Engine:
         yield from done
 
     def _advance(self) -> Iterator[Completion]:
-        rows = self._step(self.last, self.pos, self.seed).tolist()  # one copy to the host a step
-        self.steps += 1
-        done = [c for i, (n, *t) in enumerate(rows)
-                if self.rows[i] is not None and (c := self._commit(i, t[:n], step=True)) is not None]  # fmt: skip
+        """Queue a step, then commit the one queued before it (a step that is not `graphable` runs
+        the host in step with it)."""
+        queued = self._queue()
+        pending = queued
+        if self.graphable:
+            pending, self._pending = self._pending, queued
+        if pending is None:
+            return
+        if pending.done is not None:
+            pending.done.synchronize()
+        committed = [i for i, row in enumerate(pending.rows) if row is not None and self.rows[i] is row]
+        if committed:
+            self.steps += 1
+        result = pending.result.tolist()
+        done = [c for i in committed if (c := self._commit(i, result[i][1 : 1 + result[i][0]], step=True)) is not None]
         self._free()
         self.target.keep(self.pos)
         yield from done
+
+    def _queue(self) -> _Pending:
+        """Queue a step and the copy of its result to the host (one copy a step)."""
+        out = self._step(self.last, self.pos, self.seed)
+        if not self._results:
+            self._results = [torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda) for _ in range(2)]
+        self._results.reverse()  # the other buffer than the step still pending, if one is
+        result = self._results[0]
+        result.copy_(out, non_blocking=True)
+        done = None
+        if out.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return _Pending(result, done, [r if isinstance(r, _Row) else None for r in self.rows])
 
     def _commit(self, i: int, tokens: list[int], *, step: bool) -> Completion | None:
         """Row i commits `tokens` (cut at a stop token and the length limit); returns its

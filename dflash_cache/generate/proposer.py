@@ -43,6 +43,8 @@ class BlockProposer:
     """A DFlash-family drafter over `slots` rows of up to `length` positions (module docstring).
     Its layers run as `decoder.LayerStack`s do, compiled on a GPU (`compile`)."""
 
+    graphable = True  # a proposal reads and writes only device tensors: the engine may capture it and run ahead
+
     def __init__(self, model: nn.Module, *, embed: Tensor, head: Tensor, slots: int, length: int,
                  block_size: int | None = None, family: Family | None = None,
                  compile: bool = True) -> None:  # fmt: skip
