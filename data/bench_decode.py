@@ -6,18 +6,22 @@ what a speculative step costs against a plain one.
 For a random-weight target of a named shape (`dflash_cache.bench.SHAPES`, which never says its stop
 token, so every prompt decodes to --max-new-tokens), one row at a time:
 
-- the target alone through the engine four ways, side by side: eager layers, the step captured as
-  a CUDA graph, and the compiled layers captured (the default on a GPU) with the slot attention of
-  flash's split-kv kernels and with its own Triton kernel (the default); tokens/s against the
-  weight-bandwidth bound (bandwidth / weight bytes: every decode step reads every weight once);
-- the cost of a verify step of B+1 tokens against a one-token step, each a replayed graph, for both
-  attention kernels, at the prompt's context and at longer ones, and for a batch of rows;
+- the target alone through the engine three ways, side by side: the eager layers captured as a
+  CUDA graph; the compiled layers with cuBLAS's products (the path of steps of more than
+  `fused.MAX_ROWS` rows), captured; and the default, the fused Triton kernels (`generate/fused.py`),
+  captured; tokens/s against the weight-bandwidth bound (bandwidth / weight bytes: every decode
+  step reads every weight once);
+- the cost of a verify step of B+1 tokens against a one-token step, each a replayed graph, compiled
+  and fused, at the prompt's context and at longer ones, and for a batch of rows;
+- whether a verify step gives each token's logits bit for bit as one-token steps do (the property
+  that keeps greedy speculation the target's own decode), compiled and fused;
 - a speculative step with a random drafter of each family (`--families`) of the target's shape (its
   drafts are rejected, so every step commits one token): its cost over a plain step, which is what
-  a drafter's tau must beat (speedup = tau x plain step / speculative step); DSpark's also with its
-  draft (the Markov head, slot by slot) left eager, beside the compiled one;
-- a profile of the compiled plain and speculative steps: the kernels each launches and their summed
-  time, beside the step.
+  a drafter's tau must beat (speedup = tau x plain step / speculative step), and whether its output
+  is the target alone's;
+- a profile of the plain and speculative steps: the kernels each launches and their summed time;
+- with --sweep, each projection of the model at one row through the fused kernel's tile
+  configurations beside cuBLAS, replayed.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from dflash_cache import drafters  # noqa: E402
 from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
-from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, slots  # noqa: E402
+from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, fused  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -82,26 +86,71 @@ def replay_ms(fn, reps: int = 200) -> float:
 
 
 @contextmanager
-def attention_kernel(name: str) -> Iterator[None]:
-    """Within it, slot attention on the GPU uses only `name` ("triton" or "flash")."""
-    saved = dict(slots._KERNELS)
-    slots._KERNELS.update({k: v and k == name for k, v in saved.items()})
+def running(target: SlotTarget, way: str) -> Iterator[SlotTarget]:
+    """Within it, the target's compiled steps run `way`: "fused" (the default) or "compiled" (the
+    compiled pieces with cuBLAS's products)."""
+    stack = target.decoder.layers
+    saved = stack.fused
+    stack.fused = saved if way == "fused" else False
     try:
-        yield
+        yield target
     finally:
-        slots._KERNELS.update(saved)
+        stack.fused = saved
 
 
 def step_costs(target: SlotTarget, context: int, block: int, rows: int = 1) -> dict:
     """Replayed-graph time of a one-token step and of a verify step of `block` tokens, `rows` rows
-    at position `context`."""
-    target.prefill(list(range(rows)), [tuple(range(3, 3 + context))] * rows)
-    out = {}
+    at position `context`; and whether the verify step's logits equal the one-token steps' bit for
+    bit (the verify step's tokens, one a step, from the same cache)."""
+    prompt = [tuple(range(3, 3 + context))] * rows
+    target.prefill(list(range(rows)), prompt)
+    out, logits = {}, {}
+    ids = torch.randint(0, 1000, (rows, block), device=CUDA)
+    positions = (context + torch.arange(block, device=CUDA)).expand(rows, -1)
     for width in (1, block):
-        ids = torch.randint(0, 1000, (rows, width), device=CUDA)
-        positions = (context + torch.arange(width, device=CUDA)).expand(rows, -1)
-        out[width] = replay_ms(lambda ids=ids, positions=positions: target.step(ids, positions))
-    return {"decode_step_ms": out[1], f"verify_step_{block}_ms": out[block], "verify_over_decode": out[block] / out[1]}
+        out[width] = replay_ms(lambda w=width: target.step(ids[:, :w], positions[:, :w]))
+    logits[block] = target.step(ids, positions)[0]
+    target.prefill(list(range(rows)), prompt)
+    singles = torch.cat([target.step(ids[:, k : k + 1], positions[:, k : k + 1])[0] for k in range(block)], 1)
+    return {"decode_step_ms": out[1], f"verify_step_{block}_ms": out[block], "verify_over_decode": out[block] / out[1],
+            "verify_equals_decode_steps": bool(torch.equal(logits[block], singles))}  # fmt: skip
+
+
+@contextmanager
+def tile(cfg: tuple[int, int, int, int]) -> Iterator[None]:
+    """Within it, every fused product runs tile configuration `cfg` (BLOCK_N, BLOCK_K, warps, stages)."""
+    saved = fused.config
+    fused.config = lambda n, k: cfg
+    try:
+        yield
+    finally:
+        fused.config = saved
+
+
+def sweep(model) -> dict:
+    """Each distinct projection of the model at one row: cuBLAS (F.linear) and the fused kernel at
+    each tile configuration, replayed; the default configuration marked."""
+    cfg = model.config
+    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    H, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    shapes = {"qkv": ((heads + 2 * kv) * d, H), "o": (H, heads * d), "gate_up": (2 * inter, H), "down": (H, inter),
+              "head": (V, H)}  # fmt: skip
+    out = {}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * 0.02
+        x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
+        row = {"bytes": w.numel() * 2, "cublas_us": 1e3 * replay_ms(lambda x=x, w=w: torch.nn.functional.linear(x, w))}
+        swiglu = name == "gate_up"
+        for c in ((16, 64, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4), (16, 128, 4, 4), (32, 128, 4, 4), (64, 128, 4, 4),
+                  (64, 128, 8, 4), (32, 128, 4, 3)):  # fmt: skip
+            if c[1] == 128 and k % 128:
+                continue
+            with tile(c):
+                row[f"fused {c}"] = 1e3 * replay_ms(lambda x=x, w=w, s=swiglu: fused.project(x, w, swiglu=s))
+        row["default"] = str(fused.config(n, k))
+        out[name] = row
+        print("sweep", name, json.dumps(row), flush=True)
+    return out
 
 
 def kernel_profile(step, steps: int = 20) -> dict:
@@ -165,6 +214,7 @@ def main() -> None:
     ap.add_argument("--families", default="dflash,dspark", help="drafter families of the speculative steps")
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--batch-rows", type=int, default=64)
+    ap.add_argument("--sweep", action="store_true", help="time each projection at each fused tile configuration")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model = random_model(args.shape, CUDA)
@@ -179,30 +229,28 @@ def main() -> None:
                     "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                     "max_new_tokens": args.max_new_tokens, "engine": {}}  # fmt: skip
     outputs = {}
-    runs = (("eager", False, False, "triton"), ("graphs", False, True, "triton"),
-            ("compiled graphs, flash", True, True, "flash"), ("compiled graphs", True, True, "triton"))  # fmt: skip
-    for name, compile, graphs, kernel in runs:
-        target = SlotTarget(model, 1, length, compile=compile)
-        with attention_kernel(kernel):
+    for name, compile, graphs, way in (("graphs", False, True, "compiled"), ("compiled graphs", True, True, "compiled"),
+                                       ("fused graphs", True, True, "fused")):  # fmt: skip
+        with running(SlotTarget(model, 1, length, compile=compile), way) as target:
             seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([]), graphs=graphs),
                                                                  prompts, args.max_new_tokens)  # fmt: skip
         result["engine"][name] = {"tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
                                   "fraction_of_bound": tokens / seconds / result["bound_tok_s"]}  # fmt: skip
         print(name, json.dumps(result["engine"][name]), flush=True)
-    result["graphs_equal_eager"] = outputs["graphs"] == outputs["eager"]
-    result["compiled_equal_eager"] = outputs["compiled graphs"] == outputs["eager"]
+    result["compiled_equal_graphs"] = outputs["compiled graphs"] == outputs["graphs"]
 
-    target = SlotTarget(model, 1, 4096, compile=True)  # the longest buffer the Triton kernel serves
+    long = SlotTarget(model, 1, 4096, compile=True)
     batch = SlotTarget(model, args.batch_rows, length, compile=True)
     result["steps"] = {}
     for block in (b + 1 for b in blocks):  # a verify step: the anchor and the block's drafts
-        for kernel in ("flash", "triton"):
-            with attention_kernel(kernel):
+        for way in ("compiled", "fused"):
+            with running(long, way) as target:
                 for context in (args.prompt_tokens, 1024, 4096 - block):
-                    result["steps"][f"{kernel}, {block} tokens, context {context}"] = step_costs(target, context, block)
-                result["steps"][f"{kernel}, {block} tokens, {args.batch_rows} rows"] = step_costs(
-                    batch, args.prompt_tokens, block, args.batch_rows)
-    del batch
+                    result["steps"][f"{way}, {block} tokens, context {context}"] = step_costs(target, context, block)
+            with running(batch, way) as target:
+                result["steps"][f"{way}, {block} tokens, {args.batch_rows} rows"] = step_costs(
+                    target, args.prompt_tokens, block, args.batch_rows)
+    del batch, long
     print("steps", json.dumps(result["steps"], indent=1), flush=True)
     target = SlotTarget(model, 1, length, compile=True)
     result["profile"] = plain_profile(target, args.prompt_tokens)
@@ -210,7 +258,7 @@ def main() -> None:
 
     layers = [1, 2, 3, 4, 5][: args.draft_layers] if model.config.num_hidden_layers < 8 else None
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    plain_ms = result["engine"]["compiled graphs"]["ms_per_token"]
+    plain_ms = result["engine"]["fused graphs"]["ms_per_token"]
     dcfg = DrafterConfig.from_target(model.config.to_dict(), target_layer_ids=layers, mask_token_id=0,
                                      num_draft_layers=args.draft_layers)  # fmt: skip
     result["speculative"] = {}
@@ -220,9 +268,11 @@ def main() -> None:
         for compiled_draft in (True, False) if family.name == "dspark" else (True,):
             name = family.name if compiled_draft else f"{family.name}, eager draft"
             result["speculative"][name] = speculative(model, family, cfg, prompts, args.max_new_tokens, length,
-                                                      embed, head, plain_ms, outputs["compiled graphs"],
+                                                      embed, head, plain_ms, outputs["fused graphs"],
                                                       compiled_draft)  # fmt: skip
             print("speculative", name, json.dumps(result["speculative"][name]), flush=True)
+    if args.sweep:
+        result["sweep"] = sweep(model)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")
