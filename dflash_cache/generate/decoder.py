@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_cache.generate import fused
-from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention, write_kv
+from dflash_cache.generate.slots import SlotCache, SlotStep, capturing, slot_attention, write_kv
 
 RECOMPILE_LIMIT = 64
 
@@ -222,7 +222,10 @@ class LayerStack:
         normed states [b, T, H] (with `head`, their logits [b, T, V]), and the residual stream after
         each layer in `taps`. A compiled step of few rows runs the `fused` kernels."""
         taps = taps or []
-        if compiled and self.fused is not False and step.seen is not None and fused.serves(self.norm, inputs.numel()):
+        # A step of few rows on a GPU, once the fused kernels passed their first check (which a CUDA
+        # graph's capture cannot wait for).
+        ready = self.fused is True or (self.fused is None and not capturing())
+        if compiled and ready and step.seen is not None and fused.serves(self.norm, inputs.numel()):
             out = self._fused_or_none(inputs, cache, step, taps, head)
             if out is not None:
                 return out

@@ -20,6 +20,7 @@ dropped, and its slot cache entries are rewritten before anything reads them.
 
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 from collections import deque
@@ -83,8 +84,16 @@ class _Graph:
                 t.copy_(saved)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.outputs = self.fn(*self.inputs)
+        # No garbage collection while capturing: an unreachable engine freed then would return its
+        # pinned host buffers, and the host allocator's event calls would invalidate the capture.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph):
+                self.outputs = self.fn(*self.inputs)
+        finally:
+            if collecting:
+                gc.enable()
         self.graph = graph
 
 

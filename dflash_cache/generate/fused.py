@@ -18,10 +18,11 @@ A layer is five kernels, against ten for the compiled pieces with cuBLAS:
 - `project(..., norm=..., swiglu=True)`: the post-attention norm, the gate/up product and SiLU(gate) * up;
 - `project(..., residual=x)`: the down projection and the residual.
 
-The last norm and the LM head are one more `project`. Each program recomputes its rows' norm from
-the residual stream (a few KiB, from L2) rather than waiting on another kernel. The arithmetic is
-transformers': each product rounded to the model's dtype before the norm, RoPE or residual that
-follows it, norm statistics in float32.
+The last norm and the LM head are one more `project`. A product reads its inputs in one pass (at
+most eight chunks, unrolled, so that a program's loads are in flight together) and takes an input
+norm's statistics from the same pass: (x / rms(x) * w) @ W.T as ((x * w) @ W.T) / rms(x), rather
+than waiting on another kernel. Otherwise the arithmetic is transformers': each product rounded to
+the model's dtype before the RoPE, residual or activation that follows it, statistics in float32.
 
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1), which the tests use to
 check them against the compiled pieces.
@@ -61,10 +62,15 @@ def fits(layer, heads: int, kv_heads: int, act) -> bool | None:
 def config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) of a product with n outputs over k inputs: from the weight's
     shape alone, never the rows (module docstring). Narrow blocks where n is small, so that a
-    one-row product still spreads its weight reads over the chip's 132 multiprocessors."""
-    block_k = 128 if k % 128 == 0 else 64
+    one-row product still spreads its weight reads over the chip's 132 multiprocessors; at most
+    eight chunks of k where k allows, so that a program's loads are in flight at once."""
+    block_k = min(512, max(64, 1 << (-(-k // 8) - 1).bit_length()))
     block_n = 64 if n >= 64 * 264 else 32 if n >= 32 * 132 else 16
     return block_n, block_k, 4, 4
+
+
+def _unrolled(k: int, block_k: int) -> bool:
+    return -(-k // block_k) <= 8
 
 
 @functools.cache
@@ -92,8 +98,9 @@ def project(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, norm: Tens
     grid = (-(-n // block_n), _grid_m(M))
     _kernels()[0][grid](x, x.stride(0), norm if norm is not None else x, weight, bias if bias is not None else x,
                         residual if residual is not None else x, out, M, n, K, eps, HAS_NORM=norm is not None,
-                        HAS_BIAS=bias is not None, HAS_RES=residual is not None, SWIGLU=swiglu, BLOCK_M=BLOCK_M,
-                        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)  # fmt: skip
+                        HAS_BIAS=bias is not None, HAS_RES=residual is not None, SWIGLU=swiglu,
+                        UNROLL=_unrolled(K, block_k), BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                        num_warps=warps, num_stages=stages)  # fmt: skip
     return out
 
 
@@ -112,6 +119,6 @@ def qkv(x: Tensor, norm: Tensor, weight: Tensor, bias: Tensor | None, q_norm: Te
     _kernels()[1][grid](x, norm, weight, bias if bias is not None else x, q_norm if q_norm is not None else x,
                         k_norm if k_norm is not None else x, cos.contiguous(), sin.contiguous(), q, k_buf, v_buf,
                         slot, positions, M, T, *k_buf.stride()[:3], eps, K=H, HEADS=heads, KV_HEADS=kv_heads, D=d,
-                        HAS_BIAS=bias is not None, HAS_QK_NORM=q_norm is not None, BLOCK_M=BLOCK_M, BLOCK_K=block_k,
-                        num_warps=warps, num_stages=stages)  # fmt: skip
+                        HAS_BIAS=bias is not None, HAS_QK_NORM=q_norm is not None, UNROLL=_unrolled(H, block_k),
+                        BLOCK_M=BLOCK_M, BLOCK_K=block_k, num_warps=warps, num_stages=stages)  # fmt: skip
     return q

@@ -6,54 +6,70 @@ import triton.language as tl
 
 
 @triton.jit
-def rstd(X, sx, rows, live, K: tl.constexpr, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / RMS of each row of X (float32 statistics), in BLOCK_K chunks."""
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + rows[:, None] * sx + k[None, :], mask=live[:, None] & (k[None, :] < K), other=0.0)
-        x = x.to(tl.float32)
-        total += tl.sum(x * x, 1)
-    return 1.0 / tl.sqrt(total / K + eps)
+def chunk(X, sx, rows, live, NORM, W, cols, cols2, used, k0, K: tl.constexpr, HAS_NORM: tl.constexpr,
+          TWO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """Inputs k0..k0+BLOCK_K of X's rows (times the norm's weight, if HAS_NORM) against W's rows
+    `cols` (and `cols2`, if TWO): the two partial products and the rows' partial sums of squares."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    inside = k < K
+    x = tl.load(X + rows[:, None] * sx + k[None, :], mask=live[:, None] & inside[None, :], other=0.0)
+    xf = x.to(tl.float32)
+    square = tl.sum(xf * xf, 1)
+    if HAS_NORM:
+        x = (xf * tl.load(NORM + k, mask=inside, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
+    w = tl.load(W + cols[:, None] * K + k[None, :], mask=used[:, None] & inside[None, :], other=0.0)
+    first = tl.dot(x, tl.trans(w))
+    second = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if TWO:
+        w2 = tl.load(W + cols2[:, None] * K + k[None, :], mask=used[:, None] & inside[None, :], other=0.0)
+        second = tl.dot(x, tl.trans(w2))
+    return first, second, square
 
 
 @triton.jit
-def product(X, sx, rows, live, scale, NORM, W, cols, used, K: tl.constexpr, HAS_NORM: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """X's rows (each normed: scale [rows] and NORM [K], if HAS_NORM) times W's rows `cols`
-    [BLOCK_N] (W [n, K] row-major): float32 [rows, BLOCK_N]."""
+def products(X, sx, rows, live, NORM, W, cols, cols2, used, K: tl.constexpr, eps, HAS_NORM: tl.constexpr,
+             TWO: tl.constexpr, UNROLL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):  # fmt: skip
+    """X's rows, RMS-normed if HAS_NORM, times W's rows `cols` (and `cols2`): float32 [rows,
+    BLOCK_N] each, in one pass over the inputs (unrolled if UNROLL, so that every load can be in
+    flight at once). The norm's statistics come from the same pass, so its 1/RMS scales the sums
+    after the product: (x / rms(x) * w) @ W.T as ((x * w) @ W.T) / rms(x)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        inside = k < K
-        x = tl.load(X + rows[:, None] * sx + k[None, :], mask=live[:, None] & inside[None, :], other=0.0)
-        if HAS_NORM:  # transformers' RMSNorm: normed in float32, rounded, then times the weight, rounded
-            w_norm = tl.load(NORM + k, mask=inside, other=0.0).to(tl.float32)
-            normed = (x.to(tl.float32) * scale[:, None]).to(x.dtype)
-            x = (normed.to(tl.float32) * w_norm[None, :]).to(x.dtype)
-        w = tl.load(W + cols[:, None] * K + k[None, :], mask=used[:, None] & inside[None, :], other=0.0)
-        acc += tl.dot(x, tl.trans(w))
-    return acc
+    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if UNROLL:
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            a, b, sq = chunk(X, sx, rows, live, NORM, W, cols, cols2, used, k0, K, HAS_NORM, TWO, BLOCK_M, BLOCK_N,
+                             BLOCK_K)  # fmt: skip
+            acc, acc2, total = acc + a, acc2 + b, total + sq
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            a, b, sq = chunk(X, sx, rows, live, NORM, W, cols, cols2, used, k0, K, HAS_NORM, TWO, BLOCK_M, BLOCK_N,
+                             BLOCK_K)  # fmt: skip
+            acc, acc2, total = acc + a, acc2 + b, total + sq
+    if HAS_NORM:
+        scale = 1.0 / tl.sqrt(total / K + eps)
+        acc, acc2 = acc * scale[:, None], acc2 * scale[:, None]
+    return acc, acc2
 
 
 @triton.jit
 def project(X, sx, NORM, W, BIAS, RES, Y, M, N: tl.constexpr, K: tl.constexpr, eps, HAS_NORM: tl.constexpr,
-            HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+            HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, UNROLL: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Y [M, N] = RES + norm(X) @ W.T + BIAS; with SWIGLU, W holds gate then up ([2N, K]) and
     Y = SiLU(gate) * up."""
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     live = rows < M
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     used = cols < N
-    scale = rstd(X, sx, rows, live, K, eps, BLOCK_M, BLOCK_K) if HAS_NORM else tl.zeros([BLOCK_M], dtype=tl.float32)
     dtype = Y.dtype.element_ty
-    y = product(X, sx, rows, live, scale, NORM, W, cols, used, K, HAS_NORM, BLOCK_M, BLOCK_N, BLOCK_K)
+    y, up = products(X, sx, rows, live, NORM, W, cols, cols + N, used, K, eps, HAS_NORM, SWIGLU, UNROLL, BLOCK_M,
+                     BLOCK_N, BLOCK_K)  # fmt: skip
     if HAS_BIAS:
         y += tl.load(BIAS + cols, mask=used, other=0.0).to(tl.float32)[None, :]
     y = y.to(dtype).to(tl.float32)  # the product's own output, as F.linear gives it
     if SWIGLU:
-        up = product(X, sx, rows, live, scale, NORM, W, cols + N, used, K, HAS_NORM, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             up += tl.load(BIAS + N + cols, mask=used, other=0.0).to(tl.float32)[None, :]
         up = up.to(dtype).to(tl.float32)
@@ -66,7 +82,7 @@ def project(X, sx, NORM, W, BIAS, RES, Y, M, N: tl.constexpr, K: tl.constexpr, e
 @triton.jit
 def qkv(X, NORM, W, BIAS, QN, KN, COS, SIN, Q, KBUF, VBUF, SLOT, POS, M, T, sk_s, sk_l, sk_h, eps,
         K: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, HAS_BIAS: tl.constexpr,
-        HAS_QK_NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+        HAS_QK_NORM: tl.constexpr, UNROLL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """Head j's [rows, D] of the fused q/k/v product of norm(X), in its two rotary halves: a
     query head normed, rotated and stored in Q [M, HEADS, D]; a key head normed, rotated and
     written at its row's slot and position of KBUF; a value head written to VBUF."""
@@ -77,9 +93,8 @@ def qkv(X, NORM, W, BIAS, QN, KN, COS, SIN, Q, KBUF, VBUF, SLOT, POS, M, T, sk_s
     half = tl.arange(0, HALF)
     ones = half < HALF
     dtype = Q.dtype.element_ty
-    scale = rstd(X, K, rows, live, K, eps, BLOCK_M, BLOCK_K)
-    lo = product(X, K, rows, live, scale, NORM, W, j * D + half, ones, K, True, BLOCK_M, HALF, BLOCK_K)
-    hi = product(X, K, rows, live, scale, NORM, W, j * D + HALF + half, ones, K, True, BLOCK_M, HALF, BLOCK_K)
+    lo, hi = products(X, K, rows, live, NORM, W, j * D + half, j * D + HALF + half, ones, K, eps, True, True, UNROLL,
+                      BLOCK_M, HALF, BLOCK_K)  # fmt: skip
     if HAS_BIAS:
         lo += tl.load(BIAS + j * D + half).to(tl.float32)[None, :]
         hi += tl.load(BIAS + j * D + HALF + half).to(tl.float32)[None, :]

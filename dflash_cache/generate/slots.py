@@ -65,6 +65,11 @@ _KERNELS = {"triton": slot_kernel.available(), "flash": _has_varlen_flash()}
 _checked: set[tuple[str, bool]] = set()
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on this stream (nothing may wait on the GPU then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 @dataclass
 class SlotStep:
     """Where a forward's tokens go and what they see, shared by its layers.
@@ -175,7 +180,7 @@ def _trusted(name: str, out: Tensor, query: Tensor, k_buf: Tensor, v_buf: Tensor
     """Whether a kernel's output may be used. Its first call in a process (of each way it runs: the
     Triton kernel over a buffer cut in pieces too) is compared with the masked path: a disagreement
     beyond bf16 rounding turns the kernel off, with a warning."""
-    if (name, pieces) not in _checked:
+    if (name, pieces) not in _checked and not capturing():
         _checked.add((name, pieces))
         masked = _masked(query, *_rows_of(k_buf, v_buf, step), step, scale).float()
         err = float((out.float() - masked).norm() / masked.norm().clamp_min(1e-6))
