@@ -46,6 +46,7 @@ from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_byt
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
 from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, fused  # noqa: E402
+from dflash_cache.generate.slots import SlotStep  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -114,6 +115,24 @@ def step_costs(target: SlotTarget, context: int, block: int, rows: int = 1) -> d
     singles = torch.cat([target.step(ids[:, k : k + 1], positions[:, k : k + 1])[0] for k in range(block)], 1)
     return {"decode_step_ms": out[1], f"verify_step_{block}_ms": out[block], "verify_over_decode": out[block] / out[1],
             "verify_equals_decode_steps": bool(torch.equal(logits[block], singles))}  # fmt: skip
+
+
+def agreement(model, context: int, block: int = 17) -> dict:
+    """A verify step's logits through the compiled pieces and the fused kernels (its first-call
+    check bypassed) against the eager layers': relative error and argmax agreement of each."""
+    target = SlotTarget(model, 1, context + 64, compile=True)
+    ids = torch.randint(0, 1000, (1, block), device=CUDA)
+    positions = (context + torch.arange(block, device=CUDA))[None]
+    out = {}
+    for way in ("eager", "compiled", "fused"):
+        target.prefill([0], [tuple(range(3, 3 + context))])
+        target.decoder.layers.fused = way == "fused"
+        step = SlotStep(positions, seen=positions[:, -1] + 1)
+        out[way], _ = target.decoder.forward(ids, target.cache, step, compiled=way != "eager", head=target.head)
+    want = out["eager"].float()
+    return {way: {"relative_error": float((out[way].float() - want).norm() / want.norm()),
+                  "argmax_agrees": float((out[way].argmax(-1) == want.argmax(-1)).float().mean())}
+            for way in ("compiled", "fused")}  # fmt: skip
 
 
 @contextmanager
@@ -240,6 +259,9 @@ def main() -> None:
                                   "fraction_of_bound": tokens / seconds / result["bound_tok_s"]}  # fmt: skip
         print(name, json.dumps(result["engine"][name]), flush=True)
     result["compiled_equal_graphs"] = outputs["compiled graphs"] == outputs["graphs"]
+
+    result["agreement"] = agreement(model, args.prompt_tokens)
+    print("agreement", json.dumps(result["agreement"]), flush=True)
 
     long = SlotTarget(model, 1, 4096, compile=True)
     batch = SlotTarget(model, args.batch_rows, length, compile=True)

@@ -18,9 +18,8 @@ A layer is five kernels, against ten for the compiled pieces with cuBLAS:
 - `project(..., norm=..., swiglu=True)`: the post-attention norm, the gate/up product and SiLU(gate) * up;
 - `project(..., residual=x)`: the down projection and the residual.
 
-The last norm and the LM head are one more `project`. A product reads its inputs in one pass (at
-most eight chunks, unrolled, so that a program's loads are in flight together) and takes an input
-norm's statistics from the same pass: (x / rms(x) * w) @ W.T as ((x * w) @ W.T) / rms(x), rather
+The last norm and the LM head are one more `project`. A product reads its inputs in one pass and
+takes an input norm's statistics from the same pass: (x / rms(x) * w) @ W.T as ((x * w) @ W.T) / rms(x), rather
 than waiting on another kernel. Otherwise the arithmetic is transformers': each product rounded to
 the model's dtype before the RoPE, residual or activation that follows it, statistics in float32.
 
@@ -62,15 +61,17 @@ def fits(layer, heads: int, kv_heads: int, act) -> bool | None:
 def config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) of a product with n outputs over k inputs: from the weight's
     shape alone, never the rows (module docstring). Narrow blocks where n is small, so that a
-    one-row product still spreads its weight reads over the chip's 132 multiprocessors; at most
-    eight chunks of k where k allows, so that a program's loads are in flight at once."""
-    block_k = min(512, max(64, 1 << (-(-k // 8) - 1).bit_length()))
+    one-row product still spreads its weight reads over the chip's 132 multiprocessors. Measured on
+    an H200 (BENCHMARKS.md, "Batch-1 decoding"): short inputs (SmolLM2's 576 and 1536) are fastest
+    in small chunks through a pipelined loop, long ones (4096) in chunks of 512, unrolled."""
+    block_k = 64 if k <= 1024 else 128 if k <= 2048 else 512
     block_n = 64 if n >= 64 * 264 else 32 if n >= 32 * 132 else 16
     return block_n, block_k, 4, 4
 
 
 def _unrolled(k: int, block_k: int) -> bool:
-    return -(-k // block_k) <= 8
+    """Whether a product's loop is unrolled: chunks of 512, eight at most."""
+    return block_k >= 512 and -(-k // block_k) <= 8
 
 
 @functools.cache
