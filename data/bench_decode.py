@@ -6,22 +6,18 @@ what a speculative step costs against a plain one.
 For a random-weight target of a named shape (`dflash_cache.bench.SHAPES`, which never says its stop
 token, so every prompt decodes to --max-new-tokens), one row at a time:
 
-- the target alone through the engine three ways, side by side: the eager layers captured as a
-  CUDA graph; the compiled layers with cuBLAS's products (the path of steps of more than
-  `fused.MAX_ROWS` rows), captured; and the default, the fused Triton kernels (`generate/fused.py`),
-  captured; tokens/s against the weight-bandwidth bound (bandwidth / weight bytes: every decode
-  step reads every weight once);
-- the cost of a verify step of B+1 tokens against a one-token step, each a replayed graph, compiled
-  and fused, at the prompt's context and at longer ones, and for a batch of rows;
+- the target alone through the engine two ways, side by side: the eager layers captured as a CUDA
+  graph, and the compiled layers captured (the default on a GPU); tokens/s against the
+  weight-bandwidth bound (bandwidth / weight bytes: every decode step reads every weight once);
+- the cost of a verify step of B+1 tokens against a one-token step, each a replayed graph, at the
+  prompt's context and at longer ones, and for a batch of rows;
 - whether a verify step gives each token's logits bit for bit as one-token steps do (the property
-  that keeps greedy speculation the target's own decode), compiled and fused;
+  that keeps greedy speculation the target's own decode);
 - a speculative step with a random drafter of each family (`--families`) of the target's shape (its
   drafts are rejected, so every step commits one token): its cost over a plain step, which is what
   a drafter's tau must beat (speedup = tau x plain step / speculative step), and whether its output
-  is the target alone's;
-- a profile of the plain and speculative steps: the kernels each launches and their summed time;
-- with --sweep, each projection of the model at one row through the fused kernel's tile
-  configurations beside cuBLAS, replayed.
+  is the target alone's; DSpark's also with its draft (the Markov head, slot by slot) left eager;
+- a profile of the plain and speculative steps: the kernels each launches and their summed time.
 """
 
 from __future__ import annotations
@@ -32,8 +28,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -45,8 +39,7 @@ from dflash_cache import drafters  # noqa: E402
 from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
-from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, fused  # noqa: E402
-from dflash_cache.generate.slots import SlotStep  # noqa: E402
+from dflash_cache.generate import BlockProposer, Engine, Request, StopRule  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -86,19 +79,6 @@ def replay_ms(fn, reps: int = 200) -> float:
     return statistics.median(times)
 
 
-@contextmanager
-def running(target: SlotTarget, way: str) -> Iterator[SlotTarget]:
-    """Within it, the target's compiled steps run `way`: "fused" (the default) or "compiled" (the
-    compiled pieces with cuBLAS's products)."""
-    stack = target.decoder.layers
-    saved = stack.fused
-    stack.fused = saved if way == "fused" else False
-    try:
-        yield target
-    finally:
-        stack.fused = saved
-
-
 def step_costs(target: SlotTarget, context: int, block: int, rows: int = 1) -> dict:
     """Replayed-graph time of a one-token step and of a verify step of `block` tokens, `rows` rows
     at position `context`; and whether the verify step's logits equal the one-token steps' bit for
@@ -115,63 +95,6 @@ def step_costs(target: SlotTarget, context: int, block: int, rows: int = 1) -> d
     singles = torch.cat([target.step(ids[:, k : k + 1], positions[:, k : k + 1])[0] for k in range(block)], 1)
     return {"decode_step_ms": out[1], f"verify_step_{block}_ms": out[block], "verify_over_decode": out[block] / out[1],
             "verify_equals_decode_steps": bool(torch.equal(logits[block], singles))}  # fmt: skip
-
-
-def agreement(model, context: int, block: int = 17) -> dict:
-    """A verify step's logits through the compiled pieces and the fused kernels (its first-call
-    check bypassed) against the eager layers': relative error and argmax agreement of each."""
-    target = SlotTarget(model, 1, context + 64, compile=True)
-    ids = torch.randint(0, 1000, (1, block), device=CUDA)
-    positions = (context + torch.arange(block, device=CUDA))[None]
-    out = {}
-    for way in ("eager", "compiled", "fused"):
-        target.prefill([0], [tuple(range(3, 3 + context))])
-        target.decoder.layers.fused = way == "fused"
-        step = SlotStep(positions, seen=positions[:, -1] + 1)
-        out[way], _ = target.decoder.forward(ids, target.cache, step, compiled=way != "eager", head=target.head)
-    want = out["eager"].float()
-    return {way: {"relative_error": float((out[way].float() - want).norm() / want.norm()),
-                  "argmax_agrees": float((out[way].argmax(-1) == want.argmax(-1)).float().mean())}
-            for way in ("compiled", "fused")}  # fmt: skip
-
-
-@contextmanager
-def tile(cfg: tuple[int, int, int, int]) -> Iterator[None]:
-    """Within it, every fused product runs tile configuration `cfg` (BLOCK_N, BLOCK_K, warps, stages)."""
-    saved = fused.config
-    fused.config = lambda n, k: cfg
-    try:
-        yield
-    finally:
-        fused.config = saved
-
-
-def sweep(model, calls: int = 20) -> dict:
-    """Each distinct projection of the model at one row: cuBLAS (F.linear) and the fused kernel at
-    each tile configuration, microseconds a call (`calls` calls in one replayed graph, so that the
-    graph's own launch is spread over them); the default configuration marked."""
-    cfg = model.config
-    heads, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    H, inter, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    shapes = {"qkv": ((heads + 2 * kv) * d, H), "o": (H, heads * d), "gate_up": (2 * inter, H), "down": (H, inter),
-              "head": (V, H)}  # fmt: skip
-    out = {}
-    for name, (n, k) in shapes.items():
-        w = torch.randn(n, k, device=CUDA, dtype=torch.bfloat16) * 0.02
-        x = torch.randn(1, k, device=CUDA, dtype=torch.bfloat16)
-        def each(f):
-            return 1e3 * replay_ms(lambda: [f() for _ in range(calls)]) / calls
-
-        row = {"bytes": w.numel() * 2, "cublas_us": each(lambda x=x, w=w: torch.nn.functional.linear(x, w))}
-        swiglu = name == "gate_up"
-        for c in ((16, 64, 4, 4), (16, 128, 4, 4), (16, 256, 4, 4), (16, 512, 4, 4), (32, 128, 4, 4),
-                  (32, 256, 4, 4), (32, 512, 8, 4), (64, 128, 4, 4), (64, 256, 8, 4), fused.config(n, k)):  # fmt: skip
-            with tile(c):
-                row[f"fused {c}"] = each(lambda x=x, w=w, s=swiglu: fused.project(x, w, swiglu=s))
-        row["default"] = str(fused.config(n, k))
-        out[name] = row
-        print("sweep", name, json.dumps(row), flush=True)
-    return out
 
 
 def kernel_profile(step, steps: int = 20) -> dict:
@@ -235,7 +158,6 @@ def main() -> None:
     ap.add_argument("--families", default="dflash,dspark", help="drafter families of the speculative steps")
     ap.add_argument("--draft-layers", type=int, default=5)
     ap.add_argument("--batch-rows", type=int, default=64)
-    ap.add_argument("--sweep", action="store_true", help="time each projection at each fused tile configuration")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model = random_model(args.shape, CUDA)
@@ -250,39 +172,32 @@ def main() -> None:
                     "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                     "max_new_tokens": args.max_new_tokens, "engine": {}}  # fmt: skip
     outputs = {}
-    for name, compile, graphs, way in (("graphs", False, True, "compiled"), ("compiled graphs", True, True, "compiled"),
-                                       ("fused graphs", True, True, "fused")):  # fmt: skip
-        with running(SlotTarget(model, 1, length, compile=compile), way) as target:
-            seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([]), graphs=graphs),
-                                                                 prompts, args.max_new_tokens)  # fmt: skip
+    for name, compile in (("graphs", False), ("compiled graphs", True)):
+        target = SlotTarget(model, 1, length, compile=compile)
+        seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([])), prompts,
+                                                             args.max_new_tokens)  # fmt: skip
         result["engine"][name] = {"tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
                                   "fraction_of_bound": tokens / seconds / result["bound_tok_s"]}  # fmt: skip
         print(name, json.dumps(result["engine"][name]), flush=True)
     result["compiled_equal_graphs"] = outputs["compiled graphs"] == outputs["graphs"]
 
-    result["agreement"] = agreement(model, args.prompt_tokens)
-    print("agreement", json.dumps(result["agreement"]), flush=True)
-
     long = SlotTarget(model, 1, 4096, compile=True)
     batch = SlotTarget(model, args.batch_rows, length, compile=True)
     result["steps"] = {}
     for block in (b + 1 for b in blocks):  # a verify step: the anchor and the block's drafts
-        for way in ("compiled", "fused"):
-            with running(long, way) as target:
-                for context in (args.prompt_tokens, 1024, 4096 - block):
-                    result["steps"][f"{way}, {block} tokens, context {context}"] = step_costs(target, context, block)
-            with running(batch, way) as target:
-                result["steps"][f"{way}, {block} tokens, {args.batch_rows} rows"] = step_costs(
-                    target, args.prompt_tokens, block, args.batch_rows)
+        for context in (args.prompt_tokens, 1024, 4096 - block):
+            result["steps"][f"{block} tokens, context {context}"] = step_costs(long, context, block)
+        result["steps"][f"{block} tokens, {args.batch_rows} rows"] = step_costs(batch, args.prompt_tokens, block,
+                                                                                args.batch_rows)  # fmt: skip
+        print("steps", json.dumps(result["steps"]), flush=True)
     del batch, long
-    print("steps", json.dumps(result["steps"], indent=1), flush=True)
     target = SlotTarget(model, 1, length, compile=True)
     result["profile"] = plain_profile(target, args.prompt_tokens)
     print("profile", json.dumps(result["profile"]), flush=True)
 
     layers = [1, 2, 3, 4, 5][: args.draft_layers] if model.config.num_hidden_layers < 8 else None
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    plain_ms = result["engine"]["fused graphs"]["ms_per_token"]
+    plain_ms = result["engine"]["compiled graphs"]["ms_per_token"]
     dcfg = DrafterConfig.from_target(model.config.to_dict(), target_layer_ids=layers, mask_token_id=0,
                                      num_draft_layers=args.draft_layers)  # fmt: skip
     result["speculative"] = {}
@@ -292,11 +207,9 @@ def main() -> None:
         for compiled_draft in (True, False) if family.name == "dspark" else (True,):
             name = family.name if compiled_draft else f"{family.name}, eager draft"
             result["speculative"][name] = speculative(model, family, cfg, prompts, args.max_new_tokens, length,
-                                                      embed, head, plain_ms, outputs["fused graphs"],
+                                                      embed, head, plain_ms, outputs["compiled graphs"],
                                                       compiled_draft)  # fmt: skip
             print("speculative", name, json.dumps(result["speculative"][name]), flush=True)
-    if args.sweep:
-        result["sweep"] = sweep(model)
     text = json.dumps(result, indent=2)
     if args.out:
         args.out.write_text(text + "\n")

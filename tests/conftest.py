@@ -26,7 +26,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 def _triton_interpreter() -> None:
     """Without a GPU, Triton's language module loads with its interpreter on, so that
-    tests/test_fused.py can run the GPU kernels on the CPU (TRITON_INTERPRET must be set when it
+    tests/test_slot_kernel.py can run the GPU kernels on the CPU (TRITON_INTERPRET must be set when it
     loads); the variable is unset again, so that nothing else, the commands the tests start
     included, runs them there."""
     if importlib.util.find_spec("triton") is None:

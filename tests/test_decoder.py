@@ -27,8 +27,8 @@ MODELS = {
 LAYERS = [0, 2, 1]  # in any order; not the last layer, whose output_hidden_states entry is after the final norm
 
 
-def model_of(name: str, seed: int = 0, geometry: dict | None = None):
-    config = AutoConfig.for_model(**{**BASE, **MODELS[name], **(geometry or {})})
+def model_of(name: str, seed: int = 0):
+    config = AutoConfig.for_model(**{**BASE, **MODELS[name]})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().requires_grad_(False)
     for p in model.parameters():  # biases and norms away from their initial zeros and ones

@@ -122,30 +122,24 @@ def test_graphs_equal_eager_steps_in_bf16(tiny, tmp_path):
     assert outputs[True] == outputs[False]
 
 
-def test_compiled_and_fused_decoders_equal_the_eager_one():
-    """The compiled halves of a layer and the fused kernels against the eager layers on the same
-    bf16 weights: logits of a verify step of 17 tokens and a decode step agree to bf16 rounding."""
+def test_compiled_decoder_equals_the_eager_one():
+    """The compiled halves of a layer against the eager ones on the same bf16 weights: logits of a
+    verify step of 17 tokens and a decode step agree to bf16 rounding."""
     config = AutoConfig.for_model(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                                   num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1000)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(CUDA).eval()
     target = SlotTarget(model, 2, 128)
-    layers = target.decoder.layers
     target.prefill([0, 1], [tuple(range(5, 40)), tuple(range(50, 71))])
     ids = torch.randint(0, 1000, (2, 17), device=CUDA)
     positions = torch.tensor([[35], [21]], device=CUDA) + torch.arange(17, device=CUDA)
     for T in (17, 1):
         step = SlotStep(positions[:, :T], seen=positions[:, T - 1] + 1)
         eager, _ = target.decoder.forward(ids[:, :T], target.cache, step)
-        fused, _ = target.decoder.forward(ids[:, :T], target.cache, step, compiled=True)
-        assert layers.fused is True, "the fused kernels are off"
-        layers.fused = False
         compiled, _ = target.decoder.forward(ids[:, :T], target.cache, step, compiled=True)
-        layers.fused = True
-        assert layers.compiled is not layers.eager, "the layers fell back to eager"
-        for got in (compiled, fused):
-            err = float((got.float() - eager.float()).norm() / eager.float().norm())
-            assert err < 2e-2, (T, err)
+        assert target.decoder.layers.compiled is not target.decoder.layers.eager, "the layers fell back to eager"
+        err = float((compiled.float() - eager.float()).norm() / eager.float().norm())
+        assert err < 2e-2, (T, err)
 
 
 def smollm2_shaped(layers: int = 4):
@@ -158,45 +152,37 @@ def smollm2_shaped(layers: int = 4):
 
 
 @pytest.mark.parametrize("context", [150, 1016])
-def test_fused_step_gives_a_token_the_same_bits_in_any_step(context):
-    """The fused kernels and the slot attention, compiled on the GPU (SmolLM2's shape): a verify
-    step of 17 tokens gives each token's logits and tapped states bit for bit as 17 one-token steps
-    do, and a row's are the same beside two others as alone; at a context of 150 in a buffer of
-    512 (one piece) and of 1016 in a buffer of 2048 (its keys cut in pieces of 1024, the verify
-    step's queries on both sides of the cut). The logits agree with the compiled layers' to bf16
-    rounding."""
+def test_a_verify_step_gives_each_token_the_bits_of_a_plain_step(context):
+    """What keeps greedy speculation at batch 1 the target's own decode (SmolLM2's shape, bf16, the
+    compiled layers and the slot attention kernel): a verify step of 17 tokens gives each token's
+    logits and tapped states bit for bit as 17 one-token steps do; at a context of 150 in a buffer
+    of 512 (one piece) and of 1016 in a buffer of 2048 (its keys cut in pieces of 1024, the verify
+    step's queries on both sides of the cut)."""
     from dflash_cache.generate import slot_kernel
 
     model = smollm2_shaped()
     length = 512 if context < 200 else 2 * slot_kernel.SPLIT
     g = torch.Generator(device=CUDA).manual_seed(context)
     prompt = tuple(torch.randint(0, 49152, (context,), generator=g, device=CUDA).tolist())
-    ids = torch.randint(0, 49152, (3, 17), generator=g, device=CUDA)  # 51 rows: fused.MAX_ROWS at most
-    positions = (context + torch.arange(17, device=CUDA)).expand(3, -1)
+    ids = torch.randint(0, 49152, (1, 17), generator=g, device=CUDA)
+    positions = (context + torch.arange(17, device=CUDA))[None]
 
-    def fresh(rows: int = 3) -> SlotTarget:
-        t = SlotTarget(model, rows, length, [1, 2])
-        t.prefill(list(range(rows)), [prompt] * rows)
+    def fresh() -> SlotTarget:
+        t = SlotTarget(model, 1, length, [1, 2])
+        t.prefill([0], [prompt])
         return t
 
-    target = fresh()
-    block, block_states = target.step(ids, positions)
-    assert target.decoder.layers.fused is True, "the fused kernels are off"
+    block, block_states = fresh().step(ids, positions)
     target = fresh()
     steps = [target.step(ids[:, k : k + 1], positions[:, k : k + 1]) for k in range(17)]
+    assert target.decoder.layers.compiled is not target.decoder.layers.eager, "the layers fell back to eager"
     assert torch.equal(torch.cat([s[0] for s in steps], 1), block)
     assert torch.equal(torch.cat([s[1] for s in steps], 1), block_states)
-    alone, _ = fresh(1).step(ids[2:3], positions[2:3])
-    assert torch.equal(alone, block[2:3])
-    target = fresh()
-    target.decoder.layers.fused = False
-    compiled, _ = target.step(ids, positions)
-    assert float((block.float() - compiled.float()).norm() / compiled.float().norm()) < 2e-2
 
 
 @pytest.mark.parametrize("family", ["dflash", "dspark"])
 def test_greedy_speculation_over_long_replies_is_the_target_alone(family):
-    """bf16, the fused kernels, CUDA graphs: a random drafter of each family (its drafts mostly
+    """bf16, the compiled layers, CUDA graphs: a random drafter of each family (its drafts mostly
     rejected, so nearly every step verifies a whole block to commit one token) beside a random
     SmolLM2-shaped target, two prompts of 900 tokens and 300 new tokens each (the keys cross the
     cut at 1024): the speculative replies are the target alone's, token for token."""
@@ -221,7 +207,6 @@ def test_greedy_speculation_over_long_replies_is_the_target_alone(family):
     proposer = BlockProposer(drafter, embed=embed, head=head, slots=1, length=length, family=fam)
     target = SlotTarget(model, 1, length, cfg.target_layer_ids)
     spec = decode(Engine(target, StopRule([]), proposer=proposer), prompts, 300)
-    assert target.decoder.layers.fused is True and proposer.layers.fused is True
     assert [len(p) for p in plain] == [300, 300]
     assert spec == plain
 

@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_cache.generate import fused
-from dflash_cache.generate.slots import SlotCache, SlotStep, capturing, slot_attention, write_kv
+from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention, write_kv
 
 RECOMPILE_LIMIT = 64
 
@@ -201,12 +200,10 @@ class LayerStack:
                  compile: bool) -> None:  # fmt: skip
         self.layers = [_Layer.of(layer) for layer in layers]
         self.eps, self.heads, self.kv_heads, self.scale, self.act, self.norm = eps, heads, kv_heads, scale, act, norm
-        self.eager = {"prologue": prologue, "in": attention_in, "seam": seam, "last": last, "kv": context_kv,
-                      "norm": rms_norm}  # fmt: skip
+        self.eager = {"prologue": prologue, "in": attention_in, "seam": seam, "last": last, "kv": context_kv}
         if context_in is not None:
             self.eager["context_in"] = context_in
         self.compiled = self.eager
-        self.fused = fused.fits(self.layers[0], heads, kv_heads, act)  # None: checked on first use; False: off
         if compile and self.layers[0].qkv.is_cuda:
             self.compiled = {k: torch.compile(f, dynamic=False) for k, f in self.eager.items()}
             # A piece compiles once per step shape (rows, tokens), dtype and layer geometry, and the
@@ -217,20 +214,10 @@ class LayerStack:
             setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
 
     def run(self, inputs: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False,
-            taps: list[int] | None = None, head: Tensor | None = None) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
+            taps: list[int] | None = None) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
         """`inputs` (what the prologue takes) at `step.positions` through every layer: the final
-        normed states [b, T, H] (with `head`, their logits [b, T, V]), and the residual stream after
-        each layer in `taps`. A compiled step of few rows runs the `fused` kernels."""
-        taps = taps or []
-        # A step of few rows on a GPU, once the fused kernels passed their first check (which a CUDA
-        # graph's capture cannot wait for).
-        ready = self.fused is True or (self.fused is None and not capturing())
-        if compiled and ready and step.seen is not None and fused.serves(self.norm, inputs.numel()):
-            out = self._fused_or_none(inputs, cache, step, taps, head)
-            if out is not None:
-                return out
-        normed, tapped = self._pieces(compiled, lambda fns: self._run(fns, inputs, cache, step, taps))
-        return (normed if head is None else F.linear(normed, head)), tapped
+        normed states [b, T, H], and the residual stream after each layer in `taps`."""
+        return self._pieces(compiled, lambda fns: self._run(fns, inputs, cache, step, taps or []))
 
     def context(self, states: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False) -> None:
         """Write every layer's keys and values of the context made from tapped target states (a
@@ -246,48 +233,6 @@ class LayerStack:
                               "running the eager layers", stacklevel=3)  # fmt: skip
                 self.compiled = self.eager
         return body(self.eager)
-
-    def _fused_or_none(self, inputs: Tensor, cache: SlotCache, step: SlotStep, taps: list[int],
-                       head: Tensor | None) -> tuple[Tensor, dict[int, Tensor]] | None:  # fmt: skip
-        """The fused step; on its first call, checked against the compiled pieces (then rewritten:
-        the cache keeps the fused step's keys and values). A failure, or a disagreement beyond what
-        two bf16 computations of a deep model part by, turns it off, with a warning, and returns
-        None."""
-        try:
-            if self.fused is None:
-                want, _ = self._pieces(True, lambda fns: self._run(fns, inputs, cache, step, []))
-                got, _ = self._run_fused(inputs, cache, step, [], None)
-                err = float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-6))
-                if not err < 5e-2:
-                    raise ValueError(f"it disagrees with the compiled layers (relative error {err:.3g})")
-                self.fused = True
-            return self._run_fused(inputs, cache, step, taps, head)
-        except Exception as e:  # noqa: BLE001 - a kernel that fails to build or disagrees: the compiled pieces, loudly
-            warnings.warn(f"the fused decoder kernels are off ({type(e).__name__}: {str(e)[:200]}); running the "
-                          "compiled layers", stacklevel=3)  # fmt: skip
-            self.fused = False
-            return None
-
-    def _run_fused(self, inputs: Tensor, cache: SlotCache, step: SlotStep, taps: list[int], head: Tensor | None
-                   ) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
-        """`_run` through the `fused` kernels: five a layer, every row's arithmetic its own."""
-        x, cos, sin = self.compiled["prologue"](inputs, step.positions)
-        b, T, H = x.shape
-        eps, heads, kv_heads = self.eps, self.heads, self.kv_heads
-        slot, positions = step.slot[:, 0].contiguous(), step.positions.contiguous()
-        x = x.reshape(b * T, H)
-        tapped = {}
-        for i, w in enumerate(self.layers):
-            q = fused.qkv(x, *w.into, cos, sin, cache.k[i], cache.v[i], slot, positions, eps, heads, kv_heads)
-            attn = slot_attention(cache, i, q, None, None, step, self.scale, write=False)
-            x = fused.project(attn.reshape(b * T, -1), w.o, w.o_bias, residual=x)
-            h = fused.project(x, w.gate_up, w.gate_up_bias, norm=w.norm_out, eps=eps, swiglu=True)
-            x = fused.project(h, w.down, w.down_bias, residual=x)
-            if i in taps:
-                tapped[i] = x.view(b, T, H)
-        if head is not None:
-            return fused.project(x, head, norm=self.norm, eps=eps).view(b, T, -1), tapped
-        return self.compiled["norm"](x.view(b, T, H), self.norm, eps), tapped
 
     def _kv(self, cache: SlotCache, i: int, step: SlotStep) -> tuple:
         return cache.k[i], cache.v[i], step.slot, step.positions
@@ -339,10 +284,10 @@ class Decoder:
         return x, *self.rotary(x, positions)
 
     @torch.inference_mode()
-    def forward(self, ids: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False,
-                head: Tensor | None = None) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-        """ids [b, T] into the slots `step` names: (hidden [b, T, H] after the final norm, or with
-        `head` their logits [b, T, V]; tapped states [b, T, K*H] or None)."""
-        hidden, taps = self.layers.run(ids, cache, step, compiled=compiled, taps=self.layer_ids, head=head)
+    def forward(self, ids: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False
+                ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        """ids [b, T] into the slots `step` names: (hidden [b, T, H] after the final norm, tapped
+        states [b, T, K*H] or None)."""
+        hidden, taps = self.layers.run(ids, cache, step, compiled=compiled, taps=self.layer_ids)
         states = torch.cat([taps[i] for i in self.layer_ids], -1) if self.layer_ids else None
         return hidden, states

@@ -8,8 +8,11 @@ in blocks of 64 with an online softmax. Flash attention's split-kv path takes tw
 for what is one kernel here up to SPLIT positions.
 
 **The same bits in a decode and a verify step.** Greedy speculative decoding commits the target's
-own tokens only if a verify step computes each token as a plain step would (`fused` says why).
-Here a query's arithmetic depends only on its own row and position:
+own tokens only if a verify step (a block of tokens a row) computes each token's logits bit for bit
+as a plain step (one token a row) does: otherwise, over a long answer, some argmax flips and the
+speculative output parts from the target alone's. Choosing the kernel by the step's shape (flash
+for one-token steps over long buffers, this kernel for blocks) did exactly that. Here a query's
+arithmetic depends only on its own row and position:
 
 - the tile of query rows is always 16 and the key blocks always 64, whatever the step's size;
 - a buffer longer than SPLIT positions is cut at fixed key positions (0, SPLIT, 2 SPLIT...): one

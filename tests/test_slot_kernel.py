@@ -1,0 +1,78 @@
+"""The slot attention kernels (generate/slot_kernel.py), run on the CPU by Triton's interpreter,
+against the masked attention path and against themselves in other steps: a query's output must be
+the same bits in a decode step, a verify step, and a buffer cut in pieces or not. The GPU suite
+checks the same compiled, through the whole step (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_cache.generate import slot_kernel
+from dflash_cache.generate.slots import SlotStep, _masked, _rows_of
+
+triton = pytest.importorskip("triton", reason="the kernels need Triton (pip install triton); its interpreter runs them")
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch):
+    """Triton's interpreter for this test's kernels (conftest loads Triton for it). Its dot product
+    is replaced by one that, like a GPU's matrix instructions, computes each output row from its own
+    input row alone (numpy's matrix product may sum a row in another order by its place in the
+    tile), and that widens bfloat16 operands to float32 first (exact), where the interpreter's own
+    reads their raw 16-bit patterns (Triton 3.9)."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine runs these kernels compiled (tests/test_gpu.py)")
+    from triton.runtime import interpreter as interp
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def dot(self, a, b, d, *args):
+        a, b = (x.data if x.data.dtype != np.uint16 else (x.data.astype(np.uint32) << 16).view(np.float32)
+                for x in (a, b))  # fmt: skip
+        rows = np.stack([np.matmul(row[None], b, dtype=d.data.dtype)[0] for row in a])
+        return interp.TensorHandle(rows + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", dot)
+
+
+@pytest.mark.parametrize("split", [0, 64])
+def test_slot_kernel_equals_the_masked_path(monkeypatch, split):
+    """Decode steps, causal verify steps and the drafter's bidirectional block, rows of other slots
+    and grouped-query heads, in one piece and cut at every 64 keys: the masked SDPA path in float32."""
+    monkeypatch.setattr(slot_kernel, "SPLIT", split or 10**9)
+    g = torch.Generator().manual_seed(0)
+    S, L, heads, kv, d = 3, 200, 6, 2, 32
+    k_buf, v_buf = (torch.randn(S, L, kv, d, generator=g).bfloat16() for _ in range(2))
+    for T, seen, causal in ((1, [30, 150, 200], True), (5, [30, 150, 200], True), (8, [60, 150, 130], False)):
+        rows = torch.tensor([2, 0, 1])
+        query = torch.randn(3, T, heads, d, generator=g).bfloat16()
+        got = slot_kernel.attention(query, k_buf, v_buf, rows.int(), torch.tensor(seen).int(), causal, d**-0.5)
+        positions = torch.tensor(seen)[:, None] - T + torch.arange(T)
+        step = SlotStep(positions, seen=torch.tensor(seen), rows=rows, causal=causal)
+        want = _masked(query.float(), *(t.float() for t in _rows_of(k_buf, v_buf, step)), step, d**-0.5)
+        assert float((got.float() - want).norm() / want.norm()) < 1e-2
+
+
+def test_slot_kernel_gives_a_query_the_same_bits_in_any_step(monkeypatch):
+    """A query's output does not depend on the step around it: a verify step's 5 queries against 5
+    decode steps, over a buffer cut in pieces of 64 keys; and a query that sees one piece gets the
+    same bits whether the buffer is cut or not."""
+    monkeypatch.setattr(slot_kernel, "SPLIT", 64)
+    g = torch.Generator().manual_seed(3)
+    heads, kv, d = 6, 2, 32
+    k_buf, v_buf = (torch.randn(1, 200, kv, d, generator=g).bfloat16() for _ in range(2))
+    slot = torch.tensor([0], dtype=torch.int32)
+
+    def attend(query, seen):
+        return slot_kernel.attention(query, k_buf, v_buf, slot, torch.tensor([seen], dtype=torch.int32), True, 0.2)
+
+    query = torch.randn(1, 5, heads, d, generator=g).bfloat16()
+    block = attend(query, 150)
+    for t in range(5):
+        assert torch.equal(attend(query[:, t : t + 1].contiguous(), 146 + t)[:, 0], block[:, t])
+    one = query[:, :1].contiguous()
+    cut = attend(one, 50)
+    monkeypatch.setattr(slot_kernel, "SPLIT", 10**9)
+    assert torch.equal(attend(one, 50), cut)
