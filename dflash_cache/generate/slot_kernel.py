@@ -160,7 +160,7 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
     kv_heads, length = keys.shape[2], keys.shape[1]
     groups = heads // kv_heads
     tiles = -(-T * groups // BLOCK_M)
-    splits = -(-length // SPLIT) if length > SPLIT else 1
+    splits = -(-length // SPLIT)
     out = torch.empty(b, T, heads, d, dtype=query.dtype, device=query.device)
     if query.stride(-1) != 1:
         query = query.contiguous()

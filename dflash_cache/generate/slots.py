@@ -10,12 +10,12 @@ allocated per step, so a decode step can be captured in a CUDA graph.
 
 `slot_attention` writes a step's new keys and values at their positions (unless the caller's
 compiled layer already did), then lets each row's queries see the first `seen[r]` positions of its
-slot (causally among the step's own tokens, or all of them). On a GPU that is one Triton kernel
-over the padded buffer (`slot_kernel`, for the shapes where it measured faster), else flash
-attention with per-row key counts (`seqused_k`); both read only each row's used keys, with
-grouped-query heads as they are. On a CPU it is an SDPA call with the equivalent mask. What every
-layer of a forward shares (positions, key counts, flash's sequence offsets) is a `SlotStep`, made
-once per forward.
+slot (causally among the step's own tokens, or all of them). On a GPU that is the Triton kernel
+over the padded buffer (`slot_kernel`: one for every step, so that a token's attention is the same
+bits in a decode and a verify step), or flash attention with per-row key counts (`seqused_k`)
+where Triton is missing; both read only each row's used keys, with grouped-query heads as they
+are. On a CPU it is an SDPA call with the equivalent mask. What every layer of a forward shares
+(positions, key counts, flash's sequence offsets) is a `SlotStep`, made once per forward.
 
 Tensors are token-major: queries, keys and values [b, T, heads, head_dim].
 """
