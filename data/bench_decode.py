@@ -171,6 +171,11 @@ def main() -> None:
                     "bandwidth_GBps": bw / 1e9, "weight_GB": weights / 1e9, "bound_tok_s": bw / weights,
                     "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                     "max_new_tokens": args.max_new_tokens, "engine": {}}  # fmt: skip
+
+    def save() -> None:  # after each section, so that a run stopped part-way keeps what it measured
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+
     outputs = {}
     for name, compile in (("graphs", False), ("compiled graphs", True)):
         target = SlotTarget(model, 1, length, compile=compile)
@@ -179,6 +184,7 @@ def main() -> None:
         result["engine"][name] = {"tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
                                   "fraction_of_bound": tokens / seconds / result["bound_tok_s"]}  # fmt: skip
         print(name, json.dumps(result["engine"][name]), flush=True)
+        save()
     result["compiled_equal_graphs"] = outputs["compiled graphs"] == outputs["graphs"]
 
     long = SlotTarget(model, 1, 4096, compile=True)
@@ -190,10 +196,12 @@ def main() -> None:
         result["steps"][f"{block} tokens, {args.batch_rows} rows"] = step_costs(batch, args.prompt_tokens, block,
                                                                                 args.batch_rows)  # fmt: skip
         print("steps", json.dumps(result["steps"]), flush=True)
+        save()
     del batch, long
     target = SlotTarget(model, 1, length, compile=True)
     result["profile"] = plain_profile(target, args.prompt_tokens)
     print("profile", json.dumps(result["profile"]), flush=True)
+    save()
 
     layers = [1, 2, 3, 4, 5][: args.draft_layers] if model.config.num_hidden_layers < 8 else None
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
@@ -210,10 +218,8 @@ def main() -> None:
                                                       embed, head, plain_ms, outputs["compiled graphs"],
                                                       compiled_draft)  # fmt: skip
             print("speculative", name, json.dumps(result["speculative"][name]), flush=True)
-    text = json.dumps(result, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+            save()
+    print(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":
