@@ -67,6 +67,11 @@ def fits(query: Tensor, keys: Tensor) -> bool:
             and keys.dtype == query.dtype and 16 <= d <= 256 and d & (d - 1) == 0)  # fmt: skip
 
 
+def pieces(length: int) -> int:
+    """How many pieces the kernels cut a buffer of `length` positions into (1: it is walked whole)."""
+    return -(-length // SPLIT)
+
+
 @functools.cache
 def _kernels():
     import triton
@@ -160,7 +165,7 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
     kv_heads, length = keys.shape[2], keys.shape[1]
     groups = heads // kv_heads
     tiles = -(-T * groups // BLOCK_M)
-    splits = -(-length // SPLIT)
+    splits = pieces(length)
     out = torch.empty(b, T, heads, d, dtype=query.dtype, device=query.device)
     if query.stride(-1) != 1:
         query = query.contiguous()

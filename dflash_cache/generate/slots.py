@@ -136,7 +136,7 @@ def _on_gpu(query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep, scale: 
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if _KERNELS["triton"] and slot_kernel.fits(query, k_buf):
         out = slot_kernel.attention(query, k_buf, v_buf, step.slot[:, 0], step.seqused, step.causal, scale)
-        if _trusted("triton", out, query, k_buf, v_buf, step, scale, pieces=k_buf.shape[1] > slot_kernel.SPLIT):
+        if _trusted("triton", out, query, k_buf, v_buf, step, scale, pieces=slot_kernel.pieces(k_buf.shape[1]) > 1):
             return out
     half = query.dtype in (torch.float16, torch.bfloat16)
     if _KERNELS["flash"] and query.is_cuda and half and query.shape[-1] <= 256:
