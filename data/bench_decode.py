@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 import sys
@@ -156,7 +157,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=150)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--families", default="dflash,dspark", help="drafter families of the speculative steps")
-    ap.add_argument("--draft-layers", type=int, default=5)
+    ap.add_argument("--draft-layers", default="5", help="draft layers of the speculative steps' drafters: 1,2,5")
+    ap.add_argument("--skip", default="", help="sections to leave out: graphs, steps, profile, eager (DSpark's eager draft)")
     ap.add_argument("--batch-rows", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -176,8 +178,9 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
 
+    skip = set(filter(None, args.skip.split(",")))
     outputs = {}
-    for name, compile in (("graphs", False), ("compiled graphs", True)):
+    for name, compile in (("graphs", False), ("compiled graphs", True))[("graphs" in skip):]:
         target = SlotTarget(model, 1, length, compile=compile)
         seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([])), prompts,
                                                              args.max_new_tokens)  # fmt: skip
@@ -185,12 +188,13 @@ def main() -> None:
                                   "fraction_of_bound": tokens / seconds / result["bound_tok_s"]}  # fmt: skip
         print(name, json.dumps(result["engine"][name]), flush=True)
         save()
-    result["compiled_equal_graphs"] = outputs["compiled graphs"] == outputs["graphs"]
+    if "graphs" in outputs:
+        result["compiled_equal_graphs"] = outputs["compiled graphs"] == outputs["graphs"]
 
     long = SlotTarget(model, 1, 4096, compile=True)
     batch = SlotTarget(model, args.batch_rows, length, compile=True)
     result["steps"] = {}
-    for block in (b + 1 for b in blocks):  # a verify step: the anchor and the block's drafts
+    for block in () if "steps" in skip else (b + 1 for b in blocks):  # a verify step: the anchor and the drafts
         for context in (args.prompt_tokens, 1024, 4096 - block):
             result["steps"][f"{block} tokens, context {context}"] = step_costs(long, context, block)
         result["steps"][f"{block} tokens, {args.batch_rows} rows"] = step_costs(batch, args.prompt_tokens, block,
@@ -198,22 +202,23 @@ def main() -> None:
         print("steps", json.dumps(result["steps"]), flush=True)
         save()
     del batch, long
-    target = SlotTarget(model, 1, length, compile=True)
-    result["profile"] = plain_profile(target, args.prompt_tokens)
-    print("profile", json.dumps(result["profile"]), flush=True)
-    save()
+    if "profile" not in skip:
+        target = SlotTarget(model, 1, length, compile=True)
+        result["profile"] = plain_profile(target, args.prompt_tokens)
+        print("profile", json.dumps(result["profile"]), flush=True)
+        save()
 
-    layers = [1, 2, 3, 4, 5][: args.draft_layers] if model.config.num_hidden_layers < 8 else None
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     plain_ms = result["engine"]["compiled graphs"]["ms_per_token"]
-    dcfg = DrafterConfig.from_target(model.config.to_dict(), target_layer_ids=layers, mask_token_id=0,
-                                     num_draft_layers=args.draft_layers)  # fmt: skip
     result["speculative"] = {}
-    for family in families:
+    for family, n in itertools.product(families, [int(n) for n in args.draft_layers.split(",")]):
+        layers = [1, 2, 3, 4, 5][:n] if model.config.num_hidden_layers < 8 else None
+        dcfg = DrafterConfig.from_target(model.config.to_dict(), target_layer_ids=layers, mask_token_id=0,
+                                         num_draft_layers=n)  # fmt: skip
         cfg = dcfg if family.name == "dflash" else DSparkConfig(**dataclasses.asdict(dcfg) | {
             "block_size": family.default_block_size})
-        for compiled_draft in (True, False) if family.name == "dspark" else (True,):
-            name = family.name if compiled_draft else f"{family.name}, eager draft"
+        for compiled_draft in (True, False) if family.name == "dspark" and "eager" not in skip else (True,):
+            name = f"{family.name}, {n} layers" + ("" if compiled_draft else ", eager draft")
             result["speculative"][name] = speculative(model, family, cfg, prompts, args.max_new_tokens, length,
                                                       embed, head, plain_ms, outputs["compiled graphs"],
                                                       compiled_draft)  # fmt: skip
