@@ -158,7 +158,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--families", default="dflash,dspark", help="drafter families of the speculative steps")
     ap.add_argument("--draft-layers", default="5", help="draft layers of the speculative steps' drafters: 1,2,5")
-    ap.add_argument("--skip", default="", help="sections to leave out: graphs, steps, profile, eager (DSpark's eager draft)")
+    ap.add_argument("--skip", default="", help="sections to leave out: graphs, steps, profile, eager")
     ap.add_argument("--batch-rows", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
