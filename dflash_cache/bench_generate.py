@@ -212,8 +212,10 @@ def _one_set(label: str, configs: dict[str, EvalConfig], bars: Callable[[str], P
         if i == 0:
             first = r
             seconds, tokens = r.settings["target_seconds"], r.settings["target_new_tokens"]
-            alone = {"tok_s": r.target_tok_s, "seconds": seconds, "new_tokens": tokens,
-                     "ms_per_token": 1e3 * seconds / tokens if tokens else None}  # fmt: skip
+            prefill = r.settings["target_prefill_seconds"]
+            alone = {"tok_s": r.target_tok_s, "seconds": seconds, "new_tokens": tokens, "prefill_seconds": prefill,
+                     "ms_per_token": 1e3 * seconds / tokens if tokens else None,
+                     "ms_per_token_without_prefill": 1e3 * (seconds - prefill) / tokens if tokens else None}
             lookup = r.lookup
         runs[name] = _run_figures(r, alone["tok_s"])
     baselines = {"prompt lookup": lookup} if lookup else {}
@@ -223,15 +225,17 @@ def _one_set(label: str, configs: dict[str, EvalConfig], bars: Callable[[str], P
 
 def _run_figures(r, target_tok_s: float) -> dict[str, Any]:
     """A drafter's figures on one set: taus (overall and by turn), histogram, speed and speedup, and
-    the milliseconds a speculative step takes (each prompt's prefill included): the speedup is about
-    pooled tau times the target alone's ms_per_token over it."""
+    the milliseconds a speculative step takes, each prompt's prefill included (the speedup is about
+    pooled tau times the target alone's ms_per_token over it) and left out."""
     figures = {k: getattr(r, k) for k in ("tau", "tau_per_prompt", "histogram", "steps", "new_tokens", "spec_tok_s")}
     if r.settings.get("replayed"):  # not decoded: acceptance only
-        return figures | {"turns": r.turns, "replayed": True, "seconds": None, "spec_tok_s": None, "ms_per_step": None,
-                          "same_as_target": None, "differ_from_target": None, "differ_by_turn": None,
-                          "first_differences": None, "speedup": None}  # fmt: skip
-    seconds = r.settings["spec_seconds"]
+        unmeasured = ("seconds", "spec_tok_s", "ms_per_step", "prefill_seconds", "ms_per_step_without_prefill",
+                      "same_as_target", "differ_from_target", "differ_by_turn", "first_differences", "speedup")
+        return figures | {"turns": r.turns, "replayed": True} | dict.fromkeys(unmeasured)
+    seconds, prefill = r.settings["spec_seconds"], r.settings["spec_prefill_seconds"]
     return figures | {"seconds": seconds, "turns": r.turns, "ms_per_step": 1e3 * seconds / r.steps if r.steps else None,
+                      "prefill_seconds": prefill,
+                      "ms_per_step_without_prefill": 1e3 * (seconds - prefill) / r.steps if r.steps else None,
                       "same_as_target": all(s["same_as_target"] is not False for s in r.samples),
                       "differ_from_target": sum(s["same_as_target"] is False for s in r.samples),  # prompts (turns)
                       "differ_by_turn": [sum(s["same_as_target"] is False for s in r.samples if s["turn"] == t["turn"])

@@ -230,10 +230,12 @@ class _Prompts:
 
 @dataclass
 class _Run:
-    """One engine's completions by (prompt, turn) and the seconds they took, warm-up excluded."""
+    """One engine's completions by (prompt, turn) and the seconds they took, warm-up excluded, of
+    which `prefill_seconds` in prefills."""
 
     completions: dict[tuple[int, int], Completion]
     seconds: float
+    prefill_seconds: float
 
 
 def _decode(engine: Engine, prompts: _Prompts, progress, device: torch.device) -> _Run:
@@ -257,13 +259,13 @@ def _decode(engine: Engine, prompts: _Prompts, progress, device: torch.device) -
     warm = Request(prompts.first[0], min(8, prompts.max_new_tokens), key=-1)  # allocations, kernels, CUDA graphs
     list(engine.stream([warm]))
     _sync(device)
-    t0 = time.perf_counter()
+    t0, prefilled = time.perf_counter(), engine.prefill_seconds
     done = {}
     for c in turn_by_turn(engine, [prompts.request(i, 0, p) for i, p in enumerate(prompts.first)], follow):
         done[c.request.key] = c
         progress(c)
     _sync(device)
-    return _Run(done, time.perf_counter() - t0)
+    return _Run(done, time.perf_counter() - t0, engine.prefill_seconds - prefilled)
 
 
 @dataclass
@@ -378,6 +380,8 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
             "drafter_family": setup.family.name, **where, "dtype": str(dtype).removeprefix("torch."),
             "target_layer_ids": list(setup.dcfg.target_layer_ids), "target_new_tokens": target_tokens,
             "spec_seconds": spec.seconds, "target_seconds": ref.seconds if ref else None,
+            "spec_prefill_seconds": spec.prefill_seconds,
+            "target_prefill_seconds": ref.prefill_seconds if ref else None,
         },
     )  # fmt: skip
 
@@ -412,7 +416,7 @@ def replayed(cfg: EvalConfig, earlier: EvalResult) -> EvalResult:
         target_tok_s=earlier.target_tok_s, speedup=0.0, samples=samples, lookup=earlier.lookup,
         settings=earlier.settings | {"drafter": str(cfg.drafter), "block_size": B, "drafter_family": family.name,
                                      "target_layer_ids": list(dcfg.target_layer_ids), "spec_seconds": None,
-                                     "replayed": True},
+                                     "spec_prefill_seconds": None, "replayed": True},
     )  # fmt: skip
 
 

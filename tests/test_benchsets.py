@@ -140,6 +140,10 @@ def test_bench_eval_runs_the_three_sets_and_a_file(tmp_path):
         assert run["differ_by_turn"] == [0] * len(run["turns"])
         assert run["ms_per_step"] == pytest.approx(1e3 * run["seconds"] / run["steps"])
         assert alone["ms_per_token"] == pytest.approx(1e3 * alone["seconds"] / alone["new_tokens"])
+        for figures, per, n in ((run, "ms_per_step", run["steps"]), (alone, "ms_per_token", alone["new_tokens"])):
+            decoding = figures["seconds"] - figures["prefill_seconds"]  # a prefill a turn, inside the run
+            assert 0 < figures["prefill_seconds"] and decoding > 0
+            assert figures[f"{per}_without_prefill"] == pytest.approx(1e3 * decoding / n)
         assert run["speedup"] == pytest.approx(run["spec_tok_s"] / alone["tok_s"])
         rows = tmp_path / f"{name}.jsonl"
         if name in S.SETS:

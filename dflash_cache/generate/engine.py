@@ -145,6 +145,7 @@ class Engine:
         self._step = _Graph(step) if graphs and device.type == "cuda" and self.graphable else step
         self.rows: list[_Row | None] = [None] * S
         self.steps = 0  # target forwards after the prefill whose results rows committed, over the engine's life
+        self.prefill_seconds = 0.0  # host time in prefills (each ends reading its tokens back), over its life
         self._pending: _Pending | None = None
         self._results: list[Tensor] = []  # two host buffers (pinned on a GPU) that steps' results alternate in
 
@@ -231,6 +232,7 @@ class Engine:
             yield from self._prefill(batch, free)
 
     def _prefill(self, batch: list[Request], free: list[int]) -> Iterator[Completion]:
+        start = time.perf_counter()
         rows = [free.pop(0) for _ in batch]
         logits, states = self.target.prefill(rows, [r.prompt for r in batch])
         index = torch.tensor(rows, device=self.pos.device)
@@ -248,6 +250,7 @@ class Engine:
             if (c := self._commit(row, [token], step=False)) is not None:
                 done.append(c)
         self._free()
+        self.prefill_seconds += time.perf_counter() - start
         yield from done
 
     def _advance(self) -> Iterator[Completion]:
