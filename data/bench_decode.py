@@ -2,6 +2,7 @@
 what a speculative step costs against a plain one.
 
     python data/bench_decode.py --shape smollm2-135m --out decode.json
+    python data/bench_decode.py --families dspark --draft-layers 1,2,5 --skip graphs,steps,profile,eager
 
 For a random-weight target of a named shape (`dflash_cache.bench.SHAPES`, which never says its stop
 token, so every prompt decodes to --max-new-tokens), one row at a time:
@@ -180,7 +181,8 @@ def main() -> None:
 
     skip = set(filter(None, args.skip.split(",")))
     outputs = {}
-    for name, compile in (("graphs", False), ("compiled graphs", True))[("graphs" in skip):]:
+    ways = [("graphs", False), ("compiled graphs", True)]  # the compiled path is the plain step always timed
+    for name, compile in ways[1:] if "graphs" in skip else ways:
         target = SlotTarget(model, 1, length, compile=compile)
         seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([])), prompts,
                                                              args.max_new_tokens)  # fmt: skip
