@@ -136,7 +136,7 @@ def _on_gpu(query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep, scale: 
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if _KERNELS["triton"] and slot_kernel.fits(query, k_buf):
         out = slot_kernel.attention(query, k_buf, v_buf, step.slot[:, 0], step.seqused, step.causal, scale)
-        if _trusted("triton", out, query, k_buf, v_buf, step, scale, pieces=slot_kernel.pieces(k_buf.shape[1]) > 1):
+        if _trusted("triton", out, query, k_buf, v_buf, step, scale, cut=slot_kernel.pieces(k_buf.shape[1]) > 1):
             return out
     half = query.dtype in (torch.float16, torch.bfloat16)
     if _KERNELS["flash"] and query.is_cuda and half and query.shape[-1] <= 256:
@@ -176,12 +176,12 @@ def _masked(query: Tensor, keys: Tensor, values: Tensor, step: SlotStep, scale: 
 
 
 def _trusted(name: str, out: Tensor, query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep,
-             scale: float, pieces: bool = False) -> bool:  # fmt: skip
+             scale: float, cut: bool = False) -> bool:  # fmt: skip
     """Whether a kernel's output may be used. Its first call in a process (of each way it runs: the
     Triton kernel over a buffer cut in pieces too) is compared with the masked path: a disagreement
     beyond bf16 rounding turns the kernel off, with a warning."""
-    if (name, pieces) not in _checked and not capturing():
-        _checked.add((name, pieces))
+    if (name, cut) not in _checked and not capturing():
+        _checked.add((name, cut))
         masked = _masked(query, *_rows_of(k_buf, v_buf, step), step, scale).float()
         err = float((out.float() - masked).norm() / masked.norm().clamp_min(1e-6))
         if not err < 2e-2:
