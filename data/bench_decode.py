@@ -19,6 +19,8 @@ token, so every prompt decodes to --max-new-tokens), one row at a time:
   a drafter's tau must beat (speedup = tau x plain step / speculative step), and whether its output
   is the target alone's; DSpark's also with its draft (the Markov head, slot by slot) left eager;
 - a profile of the plain and speculative steps: the kernels each launches and their summed time.
+- a prefill of one row at a few prompt lengths, through the layers compiled for any shape and the
+  eager ones: the host time a new prompt costs before its first step.
 """
 
 from __future__ import annotations
@@ -99,6 +101,26 @@ def step_costs(target: SlotTarget, context: int, block: int, rows: int = 1) -> d
             "verify_equals_decode_steps": bool(torch.equal(verify, singles))}  # fmt: skip
 
 
+def prefill_ms(target: SlotTarget, lengths: list[int], reps: int = 20) -> dict:
+    """Median host time of a one-row prefill of each prompt length (it ends reading its logits back,
+    as the engine's does), through the layers compiled for any shape and through the eager ones."""
+    out = {}
+    layers = target.decoder.layers
+    compiled = layers.compiled["dynamic"]
+    for name, fns in (("compiled", compiled), ("eager", layers.eager)):
+        layers.compiled["dynamic"] = fns
+        for n in lengths:
+            prompt = [tuple(range(3, 3 + n))]
+            times = []
+            for _ in range(reps + 2):  # the first two: compilation, allocations
+                t0 = time.perf_counter()
+                target.prefill([0], prompt)[0].argmax(-1).tolist()
+                times.append(time.perf_counter() - t0)
+            out[f"{name}, {n} tokens"] = 1e3 * statistics.median(times[2:])
+    layers.compiled["dynamic"] = compiled
+    return out
+
+
 def kernel_profile(step, steps: int = 20) -> dict:
     """Kernels a call of `step` (compiled, not captured) launches, and their summed GPU time."""
     from torch.profiler import ProfilerActivity, profile
@@ -159,7 +181,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--families", default="dflash,dspark", help="drafter families of the speculative steps")
     ap.add_argument("--draft-layers", default="5", help="draft layers of the speculative steps' drafters: 1,2,5")
-    ap.add_argument("--skip", default="", help="sections to leave out: graphs, steps, profile, eager")
+    ap.add_argument("--skip", default="", help="sections to leave out: graphs, prefill, steps, profile, eager")
     ap.add_argument("--batch-rows", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -192,6 +214,11 @@ def main() -> None:
         save()
     if "graphs" in outputs:
         result["compiled_equal_graphs"] = outputs["compiled graphs"] == outputs["graphs"]
+
+    if "prefill" not in skip:
+        result["prefill_ms"] = prefill_ms(SlotTarget(model, 1, length, compile=True), [16, 150, length // 2])
+        print("prefill", json.dumps(result["prefill_ms"]), flush=True)
+        save()
 
     long = SlotTarget(model, 1, 4096, compile=True)
     batch = SlotTarget(model, args.batch_rows, length, compile=True)

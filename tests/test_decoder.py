@@ -76,8 +76,9 @@ def test_slot_forward_is_the_models_forward(name):
 
 
 def test_a_compiler_failure_falls_back_to_the_eager_layers_with_a_warning():
-    """Where torch.compile fails (injected here: a compiled piece that raises), the step runs the
-    eager layers, says so once, and gives the same logits as a target that never compiled."""
+    """Where torch.compile fails (injected here: compiled pieces that raise, for a prefill's shapes
+    and a step's), the prefill and the step run the eager layers, each kind says so once, and they
+    give the same logits as a target that never compiled."""
     model = model_of("qwen3")
     plain, broken = SlotTarget(model, 1, 32), SlotTarget(model, 1, 32)
 
@@ -85,14 +86,17 @@ def test_a_compiler_failure_falls_back_to_the_eager_layers_with_a_warning():
         raise RuntimeError("the compiler says no")
 
     layers = broken.decoder.layers
-    layers.compiled = dict.fromkeys(layers.eager, fails)
-    for t in (plain, broken):
-        t.prefill([0], [tuple(range(5, 12))])
+    layers.compiled = {kind: dict.fromkeys(layers.eager, fails) for kind in ("fixed", "dynamic")}
+    want, _ = plain.prefill([0], [tuple(range(5, 12))])
+    with pytest.warns(UserWarning, match=r"decoder layers \(dynamic shapes\) failed") as seen:
+        first, _ = broken.prefill([0], [tuple(range(5, 12))])
+    assert len(seen) == 1 and layers.compiled["dynamic"] is layers.eager
+    torch.testing.assert_close(first, want, rtol=0, atol=0)
     ids, positions = torch.tensor([[3, 4]]), torch.tensor([[7, 8]])
-    with pytest.warns(UserWarning, match="torch.compile of the decoder layers failed") as seen:
+    with pytest.warns(UserWarning, match=r"decoder layers \(fixed shapes\) failed") as seen:
         logits, _ = broken.step(ids, positions)
         again, _ = broken.step(ids, positions)
-    assert len(seen) == 1 and layers.compiled is layers.eager
+    assert len(seen) == 1 and layers.compiled["fixed"] is layers.eager
     want, _ = plain.step(ids, positions)
     torch.testing.assert_close(logits, want, rtol=0, atol=0)
     torch.testing.assert_close(again, want, rtol=0, atol=0)

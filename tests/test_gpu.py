@@ -122,24 +122,49 @@ def test_graphs_equal_eager_steps_in_bf16(tiny, tmp_path):
     assert outputs[True] == outputs[False]
 
 
-def test_compiled_decoder_equals_the_eager_one():
-    """The compiled halves of a layer against the eager ones on the same bf16 weights: logits of a
-    verify step of 17 tokens and a decode step agree to bf16 rounding."""
+def small_qwen3():
     config = AutoConfig.for_model(model_type="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                                   num_attention_heads=8, num_key_value_heads=2, head_dim=32, vocab_size=1000)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(CUDA).eval()
-    target = SlotTarget(model, 2, 128)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(CUDA).eval()
+
+
+def test_compiled_decoder_equals_the_eager_one():
+    """The compiled halves of a layer against the eager ones on the same bf16 weights: logits of a
+    verify step of 17 tokens and a decode step agree to bf16 rounding."""
+    target = SlotTarget(small_qwen3(), 2, 128)
     target.prefill([0, 1], [tuple(range(5, 40)), tuple(range(50, 71))])
     ids = torch.randint(0, 1000, (2, 17), device=CUDA)
     positions = torch.tensor([[35], [21]], device=CUDA) + torch.arange(17, device=CUDA)
     for T in (17, 1):
         step = SlotStep(positions[:, :T], seen=positions[:, T - 1] + 1)
         eager, _ = target.decoder.forward(ids[:, :T], target.cache, step)
-        compiled, _ = target.decoder.forward(ids[:, :T], target.cache, step, compiled=True)
-        assert target.decoder.layers.compiled is not target.decoder.layers.eager, "the layers fell back to eager"
+        compiled, _ = target.decoder.forward(ids[:, :T], target.cache, step, compiled="fixed")
+        layers = target.decoder.layers
+        assert layers.compiled["fixed"] is not layers.eager, "the layers fell back to eager"
         err = float((compiled.float() - eager.float()).norm() / eager.float().norm())
         assert err < 2e-2, (T, err)
+
+
+def test_a_prefill_compiles_once_for_prompts_of_every_length():
+    """A prefill's compiled pieces (compiled for any shape) against the eager ones: prompts of other
+    lengths and row counts agree to bf16 rounding, and a prompt of a new length compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    target = SlotTarget(small_qwen3(), 2, 128)
+    layers = target.decoder.layers
+    for lengths in ((35, 21), (90,), (7,), (64,)):
+        ids = torch.randint(0, 1000, (len(lengths), max(lengths)), device=CUDA)
+        positions = torch.arange(max(lengths), device=CUDA).expand(len(lengths), -1)
+        step = SlotStep(positions, rows=torch.arange(len(lengths), device=CUDA))
+        graphs = counters["stats"]["unique_graphs"]
+        compiled, _ = target.decoder.forward(ids, target.cache, step, compiled="dynamic")
+        assert layers.compiled["dynamic"] is not layers.eager, "the prefill fell back to eager"
+        if lengths == (7,):  # one row again, as the prefill of 90 tokens: no new compilation
+            assert counters["stats"]["unique_graphs"] == graphs, lengths
+        eager, _ = target.decoder.forward(ids, target.cache, step)
+        err = float((compiled.float() - eager.float()).norm() / eager.float().norm())
+        assert err < 2e-2, (lengths, err)
 
 
 def smollm2_shaped(layers: int = 4):
@@ -175,7 +200,8 @@ def test_a_verify_step_gives_each_token_the_bits_of_a_plain_step(context):
     block, block_states = fresh().step(ids, positions)
     target = fresh()
     steps = [target.step(ids[:, k : k + 1], positions[:, k : k + 1]) for k in range(17)]
-    assert target.decoder.layers.compiled is not target.decoder.layers.eager, "the layers fell back to eager"
+    layers = target.decoder.layers
+    assert layers.compiled["fixed"] is not layers.eager, "the layers fell back to eager"
     assert torch.equal(torch.cat([s[0] for s in steps], 1), block)
     assert torch.equal(torch.cat([s[1] for s in steps], 1), block_states)
 

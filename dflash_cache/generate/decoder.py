@@ -16,9 +16,11 @@ model (Llama, Qwen2, Qwen3, Mistral: `targets.SLOT_MODEL_TYPES`) and runs its la
   final norm.
 
 On a GPU the pieces are compiled (`torch.compile`, which fuses the elementwise work between the
-matrix products, the cache writes included) for the fixed shapes of a step, and the engine
-captures the whole step as one CUDA graph. The drafter's layers, of the same structure, run the
-same way (`proposer.BlockProposer`), with one more piece: the context's keys and values.
+matrix products, the cache writes included): for the fixed shapes of a step, which the engine
+captures whole as one CUDA graph; and once for every shape for a prefill, whose prompts differ in
+length (eager, a prefill launches some 30 kernels a layer, each paying the host's launch cost).
+The drafter's layers, of the same structure, run the same way (`proposer.BlockProposer`), with
+one more piece: the context's keys and values.
 
 The fused projections are the model's own weights: its q/k/v and gate/up parameters become views
 into one tensor each, so nothing is held twice and the model itself keeps working. The
@@ -31,6 +33,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +42,7 @@ from torch import Tensor, nn
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention, write_kv
 
 RECOMPILE_LIMIT = 64
+Compiled = Literal["fixed", "dynamic"] | None  # which compiled pieces a forward runs
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -188,8 +192,8 @@ def context_kv(ctx: Tensor, kv_w: Tensor, kv_bias: Tensor | None, k_norm: Tensor
 
 class LayerStack:
     """Llama/Qwen3-style decoder layers of one geometry, run over a `SlotCache` as pieces (module
-    docstring), compiled on a GPU for a step's fixed shapes (`compile`; the eager pieces, with a
-    warning, if compilation fails).
+    docstring), compiled on a GPU (`compile`): `fixed` pieces for a step's shapes, `dynamic` ones for a
+    prefill's (the eager pieces, with a warning, if compilation fails).
 
     `prologue(inputs, positions)` makes a forward's first residual stream and its rotary tables
     (x [b, T, H], cos, sin [b, T, d]); `norm` is the final norm's weight. `context_in`, for a
@@ -203,35 +207,40 @@ class LayerStack:
         self.eager = {"prologue": prologue, "in": attention_in, "seam": seam, "last": last, "kv": context_kv}
         if context_in is not None:
             self.eager["context_in"] = context_in
-        self.compiled = self.eager
+        self.compiled = {"fixed": self.eager, "dynamic": self.eager}
         if compile and self.layers[0].qkv.is_cuda:
-            self.compiled = {k: torch.compile(f, dynamic=False) for k, f in self.eager.items()}
-            # A piece compiles once per step shape (rows, tokens), dtype and layer geometry, and the
-            # target's and the drafter's layers share the pieces: an eval of a drafter beside its
-            # target alone needs more than dynamo's default of 8 before it would run them eagerly.
+            self.compiled = {kind: {k: torch.compile(f, dynamic=kind == "dynamic") for k, f in self.eager.items()}
+                             for kind in self.compiled}  # fmt: skip
+            # A fixed piece compiles once per step shape (rows, tokens), dtype and layer geometry,
+            # and the target's and the drafter's layers share the pieces: an eval of a drafter beside
+            # its target alone needs more than dynamo's default of 8 before it would run them eagerly.
             config, name = torch._dynamo.config, "recompile_limit"
             name = name if hasattr(config, name) else "cache_size_limit"  # its name before torch 2.7
             setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
 
-    def run(self, inputs: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False,
+    def run(self, inputs: Tensor, cache: SlotCache, step: SlotStep, *, compiled: Compiled = None,
             taps: list[int] | None = None) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
         """`inputs` (what the prologue takes) at `step.positions` through every layer: the final
-        normed states [b, T, H], and the residual stream after each layer in `taps`."""
+        normed states [b, T, H], and the residual stream after each layer in `taps`. `compiled`:
+        "fixed" for a step, "dynamic" for a prefill, None for the eager pieces."""
         return self._pieces(compiled, lambda fns: self._run(fns, inputs, cache, step, taps or []))
 
-    def context(self, states: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False) -> None:
+    def context(self, states: Tensor, cache: SlotCache, step: SlotStep, *, compiled: Compiled = None) -> None:
         """Write every layer's keys and values of the context made from tapped target states (a
         drafter's: `context_in`, then `context_kv`) at `step`'s slots and positions."""
         self._pieces(compiled, lambda fns: self._context(fns, states, cache, step))
 
-    def _pieces(self, compiled: bool, body: Callable[[dict], object]):
-        if compiled and self.compiled is not self.eager:
+    def _pieces(self, compiled: Compiled, body: Callable[[dict], object]):
+        if compiled is not None and self.compiled[compiled] is not self.eager:
             try:
-                return body(self.compiled)
+                return body(self.compiled[compiled])
             except Exception as e:  # noqa: BLE001 - a compiler failure: run eagerly, loudly
-                warnings.warn(f"torch.compile of the decoder layers failed ({type(e).__name__}: {str(e)[:200]}); "
-                              "running the eager layers", stacklevel=3)  # fmt: skip
-                self.compiled = self.eager
+                warnings.warn(
+                    f"torch.compile of the decoder layers ({compiled} shapes) failed "
+                    f"({type(e).__name__}: {str(e)[:200]}); running the eager layers",
+                    stacklevel=3,
+                )
+                self.compiled[compiled] = self.eager
         return body(self.eager)
 
     def _kv(self, cache: SlotCache, i: int, step: SlotStep) -> tuple:
@@ -266,7 +275,7 @@ class Decoder:
 
     `forward` returns the final-normed hidden states and, for `layer_ids`, the tapped layers'
     outputs concatenated (layer id l = output of decoder layer l, as `extract.target.LayerTaps`
-    taps it). A step runs the compiled layers (`compiled=True`)."""
+    taps it). `compiled` as `LayerStack.run` takes it."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, *, compile: bool = True) -> None:
         base = model.get_decoder()
@@ -284,7 +293,7 @@ class Decoder:
         return x, *self.rotary(x, positions)
 
     @torch.inference_mode()
-    def forward(self, ids: Tensor, cache: SlotCache, step: SlotStep, *, compiled: bool = False
+    def forward(self, ids: Tensor, cache: SlotCache, step: SlotStep, *, compiled: Compiled = None
                 ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         """ids [b, T] into the slots `step` names: (hidden [b, T, H] after the final norm, tapped
         states [b, T, K*H] or None)."""

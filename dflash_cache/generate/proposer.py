@@ -83,7 +83,9 @@ class BlockProposer:
     def add_context(self, states: Tensor, positions: Tensor, rows: Tensor | None = None) -> None:
         """Tapped target states [b, T, K*H] of the tokens at positions [b, T] of rows `rows` [b]
         (all slots, in a step: then the compiled layers)."""
-        self.layers.context(states, self.cache, SlotStep(positions, rows=rows), compiled=rows is None)
+        self.layers.context(
+            states, self.cache, SlotStep(positions, rows=rows), compiled="fixed" if rows is None else "dynamic"
+        )
 
     @torch.inference_mode()
     def propose(self, last: Tensor, positions: Tensor, choose: Callable) -> tuple[Tensor, Tensor | None]:
@@ -94,7 +96,7 @@ class BlockProposer:
         ids = self.block_input(last, B, self.mask_token_id)
         pos = positions[:, None] + torch.arange(B, device=positions.device)
         step = SlotStep(pos, seen=positions + B, causal=False)
-        hidden, _ = self.layers.run(ids, self.cache, step, compiled=True)
+        hidden, _ = self.layers.run(ids, self.cache, step, compiled="fixed")
         try:
             drafts, probs = self.draft(self.model, hidden, ids, self.head, choose)
         except Exception as e:  # noqa: BLE001 - a compiler failure: draft eagerly, loudly

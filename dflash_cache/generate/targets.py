@@ -100,14 +100,14 @@ class SlotTarget:
             ids[i, : len(p)] = torch.tensor(p)
         positions = torch.arange(width, device=self.device).expand(len(prompts), -1)
         step = SlotStep(positions, rows=torch.tensor(rows, device=self.device))
-        hidden, states = self.decoder.forward(ids.to(self.device), self.cache, step)
+        hidden, states = self.decoder.forward(ids.to(self.device), self.cache, step, compiled="dynamic")
         last = hidden[torch.arange(len(prompts), device=self.device), lengths - 1]
         return F.linear(last, self.head), states
 
     @torch.inference_mode()
     def step(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
         step = SlotStep(positions, seen=positions[:, -1] + 1)
-        hidden, states = self.decoder.forward(ids, self.cache, step, compiled=True)
+        hidden, states = self.decoder.forward(ids, self.cache, step, compiled="fixed")
         return F.linear(hidden, self.head), states
 
     def keep(self, lengths: Tensor) -> None:
