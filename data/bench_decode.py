@@ -103,7 +103,8 @@ def step_costs(target: SlotTarget, context: int, block: int, rows: int = 1) -> d
 
 def prefill_ms(target: SlotTarget, lengths: list[int], reps: int = 20) -> dict:
     """Median host time of a one-row prefill of each prompt length (it ends reading its logits back,
-    as the engine's does), through the layers compiled for any shape and through the eager ones."""
+    as the engine's does), through the layers compiled for any shape and through the eager ones; and
+    of prompts of lengths not seen before."""
     out = {}
     layers = target.decoder.layers
     compiled = layers.compiled["dynamic"]
@@ -118,6 +119,12 @@ def prefill_ms(target: SlotTarget, lengths: list[int], reps: int = 20) -> dict:
                 times.append(time.perf_counter() - t0)
             out[f"{name}, {n} tokens"] = 1e3 * statistics.median(times[2:])
     layers.compiled["dynamic"] = compiled
+    times = []
+    for n in range(lengths[-1] + 1, lengths[-1] + 11):  # prompt lengths not seen before: nothing cached
+        t0 = time.perf_counter()
+        target.prefill([0], [tuple(range(3, 3 + n))])[0].argmax(-1).tolist()
+        times.append(time.perf_counter() - t0)
+    out["compiled, a new length"] = 1e3 * statistics.median(times)
     return out
 
 
