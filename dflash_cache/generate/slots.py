@@ -67,7 +67,7 @@ _checked: set[tuple[str, bool]] = set()
 # A prefill's attention leaves out cuDNN's kernel, which torch prefers on Hopper: it builds a plan
 # for each new shape (40 ms for a prompt through SmolLM2-135M's 30 layers on an H200, 0.5 ms with
 # flash's), and every prompt length is a new shape.
-_PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def capturing() -> bool:
@@ -115,7 +115,7 @@ def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, val
         write_kv(key, value, k_buf, v_buf, step.slot, step.positions)
     if step.seen is None:
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        with sdpa_kernel(_PREFILL_SDPA):
+        with sdpa_kernel(PREFILL_SDPA):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=query.shape[1] > 1, scale=scale,
                                                  enable_gqa=query.shape[2] != key.shape[2])  # fmt: skip
         return out.transpose(1, 2)
