@@ -633,16 +633,18 @@ def _print_bench_table(r: dict) -> None:
 
     table = Table(title=f"{r['target']}: batch {r['batch_size']}, temperature {r['temperature']}, up to "
                         f"{r['max_new_tokens']} new tokens" + (", first turns" if r["first_turn"] else ""))  # fmt: skip
-    for col in ("set", "prompts", "run", "tau/prompt", "tau pooled", "tau/prompt by turn", "tok/s", "speedup"):
+    columns = ("set", "prompts", "run", "tau/prompt", "tau pooled", "tau/prompt by turn", "tok/s", "speedup",
+               "decode speedup")  # fmt: skip
+    for col in columns:
         table.add_column(col, justify="left" if col in ("set", "run") else "right")
     for row in r["table"]:
         s = r["sets"][row["set"]]
         prompts = f"{s['prompts']}" + (f" ({s['turn_prompts']} turns)" if s["turn_prompts"] != s["prompts"] else "")
         by_turn = " / ".join(f"{t:.2f}" for t in row["tau_by_turn"]) if row["tau_by_turn"] else "-"
-        speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"  # prompt lookup is not timed
+        speedups = ["-" if row.get(k) is None else f"{row[k]:.2f}x" for k in ("speedup", "decode_speedup")]
         run = row["run"] + (" (replayed)" if s["runs"][row["run"]].get("replayed") else "")
         table.add_row(row["set"], prompts, run, num(row["tau_per_prompt"], ".3f"), num(row["tau"], ".3f"),
-                      by_turn, num(row["tok_s"], ".1f"), speedup)  # fmt: skip
+                      by_turn, num(row["tok_s"], ".1f"), *speedups)  # fmt: skip
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 

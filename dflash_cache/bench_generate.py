@@ -215,22 +215,29 @@ def _one_set(label: str, configs: dict[str, EvalConfig], bars: Callable[[str], P
             prefill = r.settings["target_prefill_seconds"]
             alone = {"tok_s": r.target_tok_s, "seconds": seconds, "new_tokens": tokens, "prefill_seconds": prefill,
                      "ms_per_token": 1e3 * seconds / tokens if tokens else None,
-                     "ms_per_token_without_prefill": 1e3 * (seconds - prefill) / tokens if tokens else None}
+                     "ms_per_token_without_prefill": 1e3 * (seconds - prefill) / tokens if tokens else None,
+                     "decode_tok_s": _rate(tokens, seconds - prefill)}  # fmt: skip
             lookup = r.lookup
-        runs[name] = _run_figures(r, alone["tok_s"])
+        runs[name] = _run_figures(r, alone)
     baselines = {"prompt lookup": lookup} if lookup else {}
     return {"prompts": r.settings["prompts"], "turn_prompts": r.settings["turn_prompts"],
             "batch_size": r.settings["batch_size"], "runs": runs | baselines | {"target alone": alone}}  # fmt: skip
 
 
-def _run_figures(r, target_tok_s: float) -> dict[str, Any]:
+def _rate(tokens: int, seconds: float) -> float | None:
+    return tokens / seconds if seconds > 0 else None
+
+
+def _run_figures(r, alone: dict[str, Any]) -> dict[str, Any]:
     """A drafter's figures on one set: taus (overall and by turn), histogram, speed and speedup, and
     the milliseconds a speculative step takes, each prompt's prefill included (the speedup is about
-    pooled tau times the target alone's ms_per_token over it) and left out."""
+    pooled tau times the target alone's ms_per_token over it) and left out (`decode_speedup`: the
+    decode's tokens/s over the target alone's, prefills left out, as z-lab's benchmark times it)."""
     figures = {k: getattr(r, k) for k in ("tau", "tau_per_prompt", "histogram", "steps", "new_tokens", "spec_tok_s")}
     if r.settings.get("replayed"):  # not decoded: acceptance only
         unmeasured = ("seconds", "spec_tok_s", "ms_per_step", "prefill_seconds", "ms_per_step_without_prefill",
-                      "same_as_target", "differ_from_target", "differ_by_turn", "first_differences", "speedup")
+                      "same_as_target", "differ_from_target", "differ_by_turn", "first_differences", "speedup",
+                      "decode_speedup")  # fmt: skip
         return figures | {"turns": r.turns, "replayed": True} | dict.fromkeys(unmeasured)
     seconds, prefill = r.settings["spec_seconds"], r.settings["spec_prefill_seconds"]
     return figures | {"seconds": seconds, "turns": r.turns, "ms_per_step": 1e3 * seconds / r.steps if r.steps else None,
@@ -242,17 +249,25 @@ def _run_figures(r, target_tok_s: float) -> dict[str, Any]:
                                          for t in r.turns],  # fmt: skip
                       "first_differences": sorted(s["first_difference"] for s in r.samples
                                                   if s["first_difference"] is not None),  # fmt: skip
-                      "speedup": r.spec_tok_s / target_tok_s if target_tok_s > 0 else 0.0}  # fmt: skip
+                      "speedup": r.spec_tok_s / alone["tok_s"] if alone["tok_s"] > 0 else 0.0,
+                      "decode_speedup": _ratio(_rate(r.new_tokens, seconds - prefill),
+                                               alone["decode_tok_s"])}  # fmt: skip
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def _table_row(f: dict[str, Any]) -> dict[str, Any]:
     """The printed table's columns of one run: the target alone has speed only, prompt lookup
     acceptance only (it is computed from the greedy outputs, not run)."""
     if "turns" not in f:
-        return {"tau_per_prompt": None, "tau": None, "tau_by_turn": None, "tok_s": f["tok_s"], "speedup": 1.0}
+        return {"tau_per_prompt": None, "tau": None, "tau_by_turn": None, "tok_s": f["tok_s"], "speedup": 1.0,
+                "decode_speedup": 1.0}  # fmt: skip
     by_turn = [t["tau_per_prompt"] for t in f["turns"]] if len(f["turns"]) > 1 else None
     return {"tau_per_prompt": f["tau_per_prompt"], "tau": f["tau"], "tau_by_turn": by_turn,
-            "tok_s": f.get("spec_tok_s"), "speedup": f.get("speedup")}  # fmt: skip
+            "tok_s": f.get("spec_tok_s"), "speedup": f.get("speedup"),
+            "decode_speedup": f.get("decode_speedup")}  # fmt: skip
 
 
 def _bound(target: str, batch: int) -> dict[str, Any]:
