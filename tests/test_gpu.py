@@ -176,6 +176,20 @@ def smollm2_shaped(layers: int = 4):
     return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(CUDA).eval().requires_grad_(False)
 
 
+def test_a_prefill_keeps_its_attention_off_cudnn():
+    """torch's SDPA picks cuDNN's kernel on Hopper, which plans each new shape (40 ms a prompt
+    through SmolLM2's 30 layers on an H200, where flash's takes 0.5 ms), and every prompt length is
+    a new shape: a prefill's kernels include no cuDNN one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    target = SlotTarget(smollm2_shaped(2), 1, 512)
+    target.prefill([0], [tuple(range(3, 90))])  # compiles the prefill's pieces
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        target.prefill([0], [tuple(range(3, 150))])
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels and not [k for k in kernels if "cudnn" in k.lower()], kernels
+
 @pytest.mark.parametrize("context", [150, 1016])
 def test_a_verify_step_gives_each_token_the_bits_of_a_plain_step(context):
     """What keeps greedy speculation at batch 1 the target's own decode (SmolLM2's shape, bf16, the
