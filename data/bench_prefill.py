@@ -37,8 +37,7 @@ from dflash_cache.cache.spec import default_layer_ids  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
 from dflash_cache.evaluate import evaluate  # noqa: E402
-from dflash_cache.extract.target import text_config  # noqa: E402
-from dflash_cache.generate.slots import PREFILL_SDPA  # noqa: E402
+from dflash_cache.extract.target import SDPA_BACKENDS, text_config  # noqa: E402
 
 
 def attention_ms(tc: dict, lengths: range, backends: list | None) -> float:
@@ -87,7 +86,7 @@ def main() -> None:
     attention_ms(tc, range(4000, 4002), None)  # the kernels' first load
     result["attention_ms_new_length"] = {
         "default": attention_ms(tc, range(100, 120), None),
-        "flash, efficient, math (the prefill's)": attention_ms(tc, range(200, 220), PREFILL_SDPA),
+        "flash, efficient, math (the prefill's)": attention_ms(tc, range(200, 220), SDPA_BACKENDS),
     }
     print("attention", json.dumps(result["attention_ms_new_length"]), flush=True)
 

@@ -117,10 +117,11 @@ def decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, str, n
     raise TargetError(f"cannot find the {num_layers} decoder layers in {type(model).__name__}")
 
 
-# Every extract batch has a shape of its own (its rows' longest length), and cuDNN's attention,
-# which torch prefers on Hopper, builds a plan per new shape: about 50 ms each on an H200, 10% of
-# the forward. Flash attention has no per-shape setup and runs as fast (BENCHMARKS.md).
-_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# The SDPA kernels a forward of many shapes keeps to: every extract batch and every prefill has a
+# shape of its own (its longest length), and cuDNN's attention, which torch prefers on Hopper,
+# builds a plan per new shape: about 50 ms each on an H200, 10% of an extract forward and 40 ms of
+# a SmolLM2-135M prefill. Flash attention has no per-shape setup and runs as fast (BENCHMARKS.md).
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class LayerTaps:
@@ -193,7 +194,7 @@ class TappedTarget:
         Right padding needs no attention mask: under the causal mask a real token never sees
         the padding after it, so its hidden states are those of the unpadded sequence.
         """
-        with sdpa_kernel(_SDPA_BACKENDS):
+        with sdpa_kernel(SDPA_BACKENDS):
             out = self.base(input_ids=input_ids, use_cache=False)
         taps = self.taps.take()
         return [*taps, out.last_hidden_state] if self.final else taps

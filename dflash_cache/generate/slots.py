@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
+from dflash_cache.extract.target import SDPA_BACKENDS
 from dflash_cache.generate import slot_kernel
 
 
@@ -64,10 +65,6 @@ def _has_varlen_flash() -> bool:
 # the masked path, and a mismatch turns it off.
 _KERNELS = {"triton": slot_kernel.available(), "flash": _has_varlen_flash()}
 _checked: set[tuple[str, bool]] = set()
-# A prefill's attention leaves out cuDNN's kernel, which torch prefers on Hopper: it builds a plan
-# for each new shape (40 ms for a prompt through SmolLM2-135M's 30 layers on an H200, 0.5 ms with
-# flash's), and every prompt length is a new shape.
-PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def capturing() -> bool:
@@ -115,7 +112,7 @@ def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, val
         write_kv(key, value, k_buf, v_buf, step.slot, step.positions)
     if step.seen is None:
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        with sdpa_kernel(PREFILL_SDPA):
+        with sdpa_kernel(SDPA_BACKENDS):  # a prefill: no cuDNN plan per prompt length
             out = F.scaled_dot_product_attention(q, k, v, is_causal=query.shape[1] > 1, scale=scale,
                                                  enable_gqa=query.shape[2] != key.shape[2])  # fmt: skip
         return out.transpose(1, 2)
