@@ -105,26 +105,23 @@ def prefill_ms(target: SlotTarget, lengths: list[int], reps: int = 20) -> dict:
     """Median host time of a one-row prefill of each prompt length (it ends reading its logits back,
     as the engine's does), through the layers compiled for any shape and through the eager ones; and
     of prompts of lengths not seen before."""
+
+    def timed(n: int) -> float:
+        t0 = time.perf_counter()
+        target.prefill([0], [tuple(range(3, 3 + n))])[0].argmax(-1).tolist()
+        return 1e3 * (time.perf_counter() - t0)
+
     out = {}
     layers = target.decoder.layers
     compiled = layers.compiled["dynamic"]
     for name, fns in (("compiled", compiled), ("eager", layers.eager)):
         layers.compiled["dynamic"] = fns
         for n in lengths:
-            prompt = [tuple(range(3, 3 + n))]
-            times = []
-            for _ in range(reps + 2):  # the first two: compilation, allocations
-                t0 = time.perf_counter()
-                target.prefill([0], prompt)[0].argmax(-1).tolist()
-                times.append(time.perf_counter() - t0)
-            out[f"{name}, {n} tokens"] = 1e3 * statistics.median(times[2:])
+            times = [timed(n) for _ in range(reps + 2)]  # the first two: compilation, allocations
+            out[f"{name}, {n} tokens"] = statistics.median(times[2:])
     layers.compiled["dynamic"] = compiled
-    times = []
-    for n in range(lengths[-1] + 1, lengths[-1] + 11):  # prompt lengths not seen before: nothing cached
-        t0 = time.perf_counter()
-        target.prefill([0], [tuple(range(3, 3 + n))])[0].argmax(-1).tolist()
-        times.append(time.perf_counter() - t0)
-    out["compiled, a new length"] = 1e3 * statistics.median(times)
+    unseen = range(lengths[-1] + 1, lengths[-1] + 11)  # prompt lengths not seen before: nothing cached
+    out["compiled, a new length"] = statistics.median(timed(n) for n in unseen)
     return out
 
 

@@ -82,7 +82,8 @@ class BlockProposer:
     @torch.inference_mode()
     def add_context(self, states: Tensor, positions: Tensor, rows: Tensor | None = None) -> None:
         """Tapped target states [b, T, K*H] of the tokens at positions [b, T] of rows `rows` [b]
-        (all slots, in a step: then the compiled layers)."""
+        (all slots, in a step: the layers compiled for its fixed shape; else a prefill's, compiled
+        for any shape)."""
         self.layers.context(
             states, self.cache, SlotStep(positions, rows=rows), compiled="fixed" if rows is None else "dynamic"
         )
