@@ -190,6 +190,7 @@ def test_a_prefill_keeps_its_attention_off_cudnn():
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert kernels and not [k for k in kernels if "cudnn" in k.lower()], kernels
 
+
 @pytest.mark.parametrize("context", [150, 1016])
 def test_a_verify_step_gives_each_token_the_bits_of_a_plain_step(context):
     """What keeps greedy speculation at batch 1 the target's own decode (SmolLM2's shape, bf16, the
