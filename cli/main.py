@@ -368,6 +368,14 @@ def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _numbers(text: str, option: str) -> list[int]:
+    """A comma-separated option's whole numbers."""
+    try:
+        return [int(x) for x in _names(text)]
+    except ValueError:
+        raise typer.BadParameter(f"{option}: comma-separated whole numbers, got {text!r}") from None
+
+
 def _stage_bars(as_json: bool) -> Callable[[str], object]:
     """The progress bar of each stage of a pipeline command (demo, recipe), by the stage's name."""
     stage_bars = {"regen": RegenBar, "extract": ExtractBar, "train": TrainBar}
@@ -594,6 +602,9 @@ def bench_eval(
     replay: bool = typer.Option(False, "--replay", help="Decode with the first drafter only: the others' tau comes "
                                 "from replaying its greedy outputs (the decode's tau up to rounding, seconds instead "
                                 "of a decode each; no speed figures)."),  # fmt: skip
+    lookup: str = typer.Option("0", help="Comma-separated: each drafter runs once for each value, in that order: 0 "
+                               "alone, N with prompt lookup mixed in where the last N tokens occurred before "
+                               "(dflash eval --lookup)."),  # fmt: skip
     json_out: Path = typer.Option(Path("bench-eval.json"), "--json-out", help="Where the full result is written."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON instead of the table."),
 ) -> None:
@@ -614,7 +625,8 @@ def bench_eval(
             runs["untrained"] = bench_generate.untrained_like(drafter[0], Path(tmp) / "untrained")
         r = bench_generate.evaluation(target, runs, sets, max_new_tokens=max_new_tokens, limit=limit,
                                       batch_size=batch_size, first_turn=first_turn, temperature=temperature,
-                                      chat_template_kwargs=kwargs or None, replay=replay, out=json_out,
+                                      chat_template_kwargs=kwargs or None, replay=replay,
+                                      lookup=_numbers(lookup, "--lookup"), out=json_out,
                                       bars=None if as_json else EvalBar)  # fmt: skip
     if as_json:
         print(json.dumps(r, indent=2))

@@ -94,6 +94,9 @@ class EvalConfig:
     data_split: str | None = setting(None, SPLIT_HELP)
     first_turn: bool = setting(False, "Ask only the first turn of a turns row (DeepSpec's MT-Bench figure); by "
                                "default every turn is asked, as z-lab's benchmark does.")  # fmt: skip
+    lookup: int = setting(0, "Mix prompt lookup into the drafter: a step drafts from the context's own n-grams "
+                          "where its last N tokens occurred before, from the drafter elsewhere (0: the drafter "
+                          "alone). Greedy only.", min=0)  # fmt: skip
 
     @staticmethod
     def from_record(data: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -131,6 +134,9 @@ class RecipeConfig:
     eval_limit: int | None = setting(80, "Use only the first N prompts of each set (none: all; the ShareGPT "
                                      "hold-out's 179 conversations then take most of the eval).", min=1)  # fmt: skip
     max_new_tokens: int = setting(512, "Tokens to generate per eval prompt and turn.", min=1)
+    lookup: list[int] = setting(help="Each drafter is evaluated once for each value, in that order: 0 alone, N with "
+                                "prompt lookup mixed in where the last N tokens occurred before (dflash eval "
+                                "--lookup).", factory=lambda: [0])  # fmt: skip
     replay: bool = setting(True, "Decode with the first drafter only; the others' tau comes from replaying its "
                            "greedy outputs (dflash bench eval --replay: the decode's tau up to rounding, in "
                            "seconds, without speed figures).")  # fmt: skip

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,12 +139,16 @@ def untrained_like(export: Path, out: Path, seed: int = 0) -> Path:
 def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_new_tokens: int = 512,
                limit: int | None = None, batch_size: int | None = 1, first_turn: bool = False,
                temperature: float = 0.0, chat_template_kwargs: dict | None = None, replay: bool = False,
-               out: Path | None = None, bars: Callable[[str], ProgressSink | None] | None = None
+               lookup: Sequence[int] = (0,), out: Path | None = None,
+               bars: Callable[[str], ProgressSink | None] | None = None
                ) -> dict[str, Any]:  # fmt: skip
     """`dflash eval` of each drafter on each set (`benchsets.resolve`: a named set or a prompt file),
     the target alone once a set (with the first drafter's run), and each run's speedup over it.
     `bars(label)` gives a progress sink for each run. The result, also written to `out` as JSON, has
     a row for each set and run (``table``) and every run's figures (``sets``).
+
+    `lookup`: each drafter runs once for each value, as `EvalConfig.lookup` (0: the drafter alone,
+    named as given; N: prompt lookup mixed in, named "NAME + lookup N"), in that order.
 
     `replay` (greedy only): the drafters after the first are not decoded with; their tau comes from
     replaying the first run's outputs (`evaluate.replayed`), in seconds instead of a decode each, and
@@ -158,9 +162,15 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_n
     t0 = time.perf_counter()
     if replay and temperature != 0:  # before any set is decoded, not after the first drafter's run
         raise EvalError("--replay needs greedy decoding (temperature 0)")
+    if any(lookup) and temperature != 0:
+        raise EvalError("--lookup needs greedy decoding (temperature 0): lookup's drafts have no probabilities")
+    if not lookup or min(lookup) < 0 or len(set(lookup)) < len(lookup):
+        raise EvalError(f"--lookup: distinct values of 0 (the drafter alone) or more, got {list(lookup)}")
     settings = {"max_new_tokens": max_new_tokens, "limit": limit, "batch_size": batch_size, "first_turn": first_turn,
                 "temperature": temperature, "chat_template_kwargs": chat_template_kwargs}  # fmt: skip
-    result: dict[str, Any] = {"target": target, **settings, "replay": replay,
+    runs = {name if n == 0 else f"{name} + lookup {n}": (drafter, n) for name, drafter in drafters.items()
+            for n in lookup}  # fmt: skip
+    result: dict[str, Any] = {"target": target, **settings, "replay": replay, "lookup": list(lookup),
                               "drafters": {k: str(v) for k, v in drafters.items()},
                               "sets": {}, "table": []}  # fmt: skip
     partial = None if out is None else out.with_name(f"{out.stem}.partial.json")
@@ -171,8 +181,8 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_n
             if label in finished:
                 one = result["sets"][label] = finished[label]
             else:
-                configs = {name: EvalConfig(target=target, drafter=drafter, data=str(rows), **settings)
-                           for name, drafter in drafters.items()}  # fmt: skip
+                configs = {name: EvalConfig(target=target, drafter=drafter, data=str(rows), lookup=n, **settings)
+                           for name, (drafter, n) in runs.items()}  # fmt: skip
                 one = result["sets"][label] = about | _one_set(label, configs, bars, replay)
                 if partial is not None:
                     seconds = before + time.perf_counter() - t0

@@ -33,6 +33,9 @@ Every turn is a prompt of its own in ``tau_per_prompt``; ``turns`` reports each 
 The target-alone baseline decodes the same prompts in the same batches, so the speedup is that
 of speculative decoding at this batch size (`--batch-size 1` gives the single-stream figure).
 
+``lookup`` = N mixes prompt lookup into the drafter (`generate.lookup_mix`): a step drafts from the
+context's own n-grams where its last N tokens occurred before.
+
 `replayed` gives another drafter's greedy tau on an evaluation's outputs without decoding
 (`dflash_cache.replay`): one forward of each model per prompt, no speed figures.
 """
@@ -58,6 +61,7 @@ from dflash_cache.generate import (
     BlockProposer,
     Completion,
     Engine,
+    LookupMix,
     Request,
     StopRule,
     fit_slots,
@@ -192,6 +196,8 @@ def _check(cfg: EvalConfig) -> None:
         raise EvalError(f"temperature must be >= 0, got {cfg.temperature}")
     if cfg.block_size is not None and cfg.block_size < 2:
         raise EvalError(f"block size must be >= 2, got {cfg.block_size}")
+    if cfg.lookup and cfg.temperature != 0:
+        raise EvalError("--lookup needs greedy decoding (temperature 0): lookup's drafts have no probabilities")
     drafter = Path(cfg.drafter)
     if not (drafter / "config.json").is_file() or not (drafter / "model.safetensors").is_file():
         raise EvalError(f"--drafter {drafter}: not an exported drafter (needs config.json and model.safetensors)")
@@ -276,7 +282,7 @@ class _Setup:
     dcfg: Any
     family: Any
     target: Any
-    proposer: BlockProposer
+    proposer: BlockProposer | LookupMix
     engines: dict[str, Engine]
     block_size: int
 
@@ -304,6 +310,8 @@ def _setup(cfg: EvalConfig, prompts: _Prompts, device: torch.device, baseline: b
     proposer = BlockProposer(drafter, embed=model.get_input_embeddings().weight,
                              head=model.get_output_embeddings().weight, slots=target.slots, length=length,
                              block_size=B, family=family)  # fmt: skip
+    if cfg.lookup:
+        proposer = LookupMix(proposer, cfg.lookup)
     stop = StopRule(stop_token_ids(prompts.tokenizer, model))
     engines = {"spec": Engine(target, stop, temperature=cfg.temperature, proposer=proposer)}
     if baseline:
@@ -375,7 +383,7 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
             "target": str(cfg.target), "drafter": str(cfg.drafter), "data": str(cfg.data),
             "prompts": len(prompts.dialogues), "turn_prompts": len(samples), "first_turn": cfg.first_turn,
             "block_size": setup.block_size, "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature,
-            "seed": cfg.seed, "limit": cfg.limit, "chat_template_kwargs": prompts.kwargs,
+            "seed": cfg.seed, "limit": cfg.limit, "lookup": cfg.lookup, "chat_template_kwargs": prompts.kwargs,
             "data_split": cfg.data_split, "batch_size": setup.target.slots, "engine": type(setup.target).__name__,
             "drafter_family": setup.family.name, **where, "dtype": str(dtype).removeprefix("torch."),
             "target_layer_ids": list(setup.dcfg.target_layer_ids), "target_new_tokens": target_tokens,
@@ -407,7 +415,7 @@ def replayed(cfg: EvalConfig, earlier: EvalResult) -> EvalResult:
     with flush_denormals(device), worker_threads(Worker(0, 1, device)):
         for s in earlier.samples:
             lengths, k = replay.acceptance_lengths(target, drafter, family, embed, head, s["prompt_ids"],
-                                                s["output_ids"], B)  # fmt: skip
+                                                s["output_ids"], B, cfg.lookup)  # fmt: skip
             drafts = max(drafts, k)
             samples.append(s | {"steps": len(lengths), "tau": tau(lengths), "acceptance_lengths": lengths,
                                 "same_as_target": None, "first_difference": None})  # fmt: skip
@@ -415,7 +423,8 @@ def replayed(cfg: EvalConfig, earlier: EvalResult) -> EvalResult:
         **_acceptance(samples, drafts), new_tokens=sum(s["new_tokens"] for s in samples), spec_tok_s=0.0,
         target_tok_s=earlier.target_tok_s, speedup=0.0, samples=samples, lookup=earlier.lookup,
         settings=earlier.settings | {"drafter": str(cfg.drafter), "block_size": B, "drafter_family": family.name,
-                                     "target_layer_ids": list(dcfg.target_layer_ids), "spec_seconds": None,
+                                     "target_layer_ids": list(dcfg.target_layer_ids), "lookup": cfg.lookup,
+                                     "spec_seconds": None,
                                      "spec_prefill_seconds": None, "replayed": True},
     )  # fmt: skip
 

@@ -17,9 +17,9 @@ the output). Pure functions over token ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-__all__ = ["acceptance_lengths", "propose"]
+__all__ = ["NgramIndex", "acceptance_lengths", "propose", "walk"]
 
 
 def propose(context: Sequence[int], num_draft: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -37,6 +37,44 @@ def propose(context: Sequence[int], num_draft: int, max_ngram: int = 3, min_ngra
     return []
 
 
+class NgramIndex:
+    """The n-grams of one token sequence with their latest starts, indexed as a walk over its
+    prefixes asks for them: prompt lookup's proposal after every prefix in time linear in the
+    sequence, the answer `propose` gives."""
+
+    def __init__(self, seq: Sequence[int], max_ngram: int = 3, min_ngram: int = 1) -> None:
+        _check(1, max_ngram, min_ngram)
+        self.seq, self.max_ngram, self.min_ngram = list(seq), max_ngram, min_ngram
+        self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
+        self.indexed = 0  # the prefix length whose n-grams are in `latest`
+
+    def match(self, end: int, num_draft: int) -> tuple[list[int], int]:
+        """(`propose(seq[:end], num_draft)`, the length n of the suffix it matched: 0 for none).
+        `end` never decreases from one call to the next."""
+        seq = self.seq
+        for n in range(self.min_ngram, self.max_ngram + 1):
+            for s in range(max(0, self.indexed - n), end - n):  # the starts s with s + n < end not yet indexed
+                self.latest[n][tuple(seq[s : s + n])] = s
+        self.indexed = end
+        for n in range(min(self.max_ngram, end - 1), self.min_ngram - 1, -1):
+            s = self.latest[n].get(tuple(seq[end - n : end]))
+            if s is not None:
+                return seq[s + n : min(s + n + num_draft, end)], n
+        return [], 0
+
+
+def walk(n: int, accepted: Callable[[int], int]) -> list[int]:
+    """Tokens committed per verification step over an output of `n` tokens when the step that
+    starts after t of them accepts `accepted(t)` drafts: it commits those and the target's own
+    token, cut at the end of the output. The first token comes from the prefill and is no step."""
+    lengths, t = [], 1
+    while t < n:
+        committed = min(accepted(t) + 1, n - t)
+        lengths.append(committed)
+        t += committed
+    return lengths
+
+
 def acceptance_lengths(
     prompt: Sequence[int],
     output: Sequence[int],
@@ -44,45 +82,35 @@ def acceptance_lengths(
     block_size: int = 16,
     max_ngram: int = 3,
     min_ngram: int = 1,
+    drafter: Sequence[int] | None = None,
+    trust: int = 1,
 ) -> list[int]:
     """Tokens committed per verification step when a prompt-lookup drafter with block size B
     (B-1 drafts a step) speculates the greedy ``output`` of a target on ``prompt``.
 
     ``output`` is what greedy decoding generated, stop token and length limit included; its first
-    token comes from the prefill, so an output of length 1 has no step."""
+    token comes from the prefill, so an output of length 1 has no step.
+
+    With ``drafter`` (a trained drafter's accepted drafts at every step start: ``drafter[t - 1]``
+    after t output tokens), a step takes lookup's drafts only where their match is at least
+    ``trust`` tokens long, and the drafter's otherwise: lookup mixed into a drafter
+    (`generate.lookup_mix`)."""
     if block_size < 2:
         raise ValueError(f"block size must be >= 2, got {block_size}")
     _check(block_size - 1, max_ngram, min_ngram)
-    seq = [*prompt, *output]
+    index = NgramIndex([*prompt, *output], max_ngram, min_ngram)
     base = len(prompt)
-    # propose()'s answer without its backward scan: for each n, every n-gram of the context that
-    # something follows, with its latest start (a replay of a long output is then linear in it)
-    latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_ngram + 1)]
-    indexed = 0  # the context length whose n-grams are in `latest`
 
-    def drafts(end: int) -> list[int]:
-        nonlocal indexed
-        for n in range(min_ngram, max_ngram + 1):
-            for s in range(max(0, indexed - n), end - n):  # the starts s with s + n < end not yet indexed
-                latest[n][tuple(seq[s : s + n])] = s
-        indexed = end
-        for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
-            s = latest[n].get(tuple(seq[end - n : end]))
-            if s is not None:
-                return seq[s + n : min(s + n + block_size - 1, end)]
-        return []
-
-    lengths: list[int] = []
-    t = 1
-    while t < len(output):
-        proposed = drafts(base + t)
+    def accepted(t: int) -> int:
+        proposed, n = index.match(base + t, block_size - 1)
+        if drafter is not None and n < trust:
+            return drafter[t - 1]
         a = 0
         while a < len(proposed) and t + a < len(output) and proposed[a] == output[t + a]:
             a += 1
-        committed = min(a + 1, len(output) - t)
-        lengths.append(committed)
-        t += committed
-    return lengths
+        return a
+
+    return walk(len(output), accepted)
 
 
 def _check(num_draft: int, max_ngram: int, min_ngram: int) -> None:

@@ -156,13 +156,14 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     say(f"[6/6] eval: {', '.join(cfg.benchmarks)} at batch 1")
     evaluation = cfg.out / "eval.json"
     asked = {"drafters": {k: str(v) for k, v in exports.items()}, "max_new_tokens": cfg.max_new_tokens,
-             "limit": cfg.eval_limit, "replay": cfg.replay, "sets": [benchsets.label(s) for s in cfg.benchmarks]}
+             "limit": cfg.eval_limit, "replay": cfg.replay, "lookup": cfg.lookup,
+             "sets": [benchsets.label(s) for s in cfg.benchmarks]}
     done = json.loads(evaluation.read_text()) if evaluation.is_file() else None
     if done is None or {**{k: done.get(k) for k in asked}, "sets": list(done["sets"])} != asked:
         record.data["stages"].pop("eval", None)  # not evaluated yet, or with other drafters or settings
         done = record.stage("eval", lambda: bench_generate.evaluation(
             target, exports, cfg.benchmarks, max_new_tokens=cfg.max_new_tokens, limit=cfg.eval_limit,
-            batch_size=1, replay=cfg.replay, out=evaluation, bars=bars))  # fmt: skip
+            batch_size=1, replay=cfg.replay, lookup=cfg.lookup, out=evaluation, bars=bars))  # fmt: skip
     result = done
     record.data["table"] = result["table"]
     record.save()

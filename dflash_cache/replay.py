@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_cache import lookup as prompt_lookup
 from dflash_cache.drafters import Family
 from dflash_cache.drafters.attention import BlockLayout
 from dflash_cache.generate.requests import Chooser
@@ -31,7 +32,7 @@ from dflash_cache.generate.targets import Target
 
 @torch.inference_mode()
 def acceptance_lengths(target: Target, drafter: nn.Module, family: Family, embed: Tensor, head: Tensor,
-                       prompt: Sequence[int], output: Sequence[int], block_size: int
+                       prompt: Sequence[int], output: Sequence[int], block_size: int, lookup: int = 0
                        ) -> tuple[list[int], int]:  # fmt: skip
     """(tokens committed per verification step, drafts per block) when `drafter` (of `family`,
     reading `target`'s tapped states) speculates the greedy `output` of the target on `prompt` with
@@ -39,7 +40,9 @@ def acceptance_lengths(target: Target, drafter: nn.Module, family: Family, embed
 
     `output` is what greedy decoding generated, stop token and length limit included; its first
     token comes from the prefill, so an output of length 1 has no step. `target` is a `Target` of
-    the drafter's tapped layers with a row of room for prompt + output; its row 0 is overwritten."""
+    the drafter's tapped layers with a row of room for prompt + output; its row 0 is overwritten.
+    With `lookup` = N > 0, a step drafts by prompt lookup where the context's last N tokens occurred
+    before (`generate.lookup_mix.LookupMix`)."""
     n = len(output)
     if n < 2:
         return [], 0
@@ -59,9 +62,7 @@ def acceptance_lengths(target: Target, drafter: nn.Module, family: Family, embed
     padded = torch.cat([ids[base:], ids.new_full((k,), -1)])
     wanted = padded[torch.arange(1, n, device=device)[:, None] + torch.arange(k, device=device)]
     accepted = (drafts == wanted).long().cumprod(1).sum(1).tolist()
-    lengths, t = [], 1
-    while t < n:
-        committed = min(accepted[t - 1] + 1, n - t)
-        lengths.append(committed)
-        t += committed
-    return lengths, k
+    if lookup:
+        return prompt_lookup.acceptance_lengths(prompt, output, block_size=k + 1, max_ngram=max(lookup, 3),
+                                             drafter=accepted, trust=lookup), k  # fmt: skip
+    return prompt_lookup.walk(n, lambda t: accepted[t - 1]), k

@@ -11,7 +11,7 @@ import torch
 
 from dflash_cache.app_config import EvalConfig
 from dflash_cache.demo import DemoConfig, run
-from dflash_cache.evaluate import replayed
+from dflash_cache.evaluate import evaluate, replayed
 
 
 def test_demo_trained_drafter_beats_untrained(tmp_path):
@@ -37,3 +37,12 @@ def test_demo_trained_drafter_beats_untrained(tmp_path):
     assert [s["acceptance_lengths"] for s in replay.samples] == [s["acceptance_lengths"] for s in trained.samples]
     assert (replay.tau_per_prompt, replay.histogram, replay.turns) == (trained.tau_per_prompt, trained.histogram,
                                                                        trained.turns)  # fmt: skip
+    # prompt lookup mixed in (`--lookup 2`), decoded through the engine: still the target's own
+    # tokens, and each step what the walk over the drafter's replay and lookup's n-grams on the host
+    # commits
+    mixed_cfg = EvalConfig(**{**ecfg.__dict__, "lookup": 2})
+    mixed = evaluate(mixed_cfg, baseline=False)
+    assert [s["output_ids"] for s in mixed.samples] == [s["output_ids"] for s in trained.samples]
+    assert [s["acceptance_lengths"] for s in mixed.samples] == [
+        s["acceptance_lengths"] for s in replayed(mixed_cfg, untrained).samples]
+    assert [s["acceptance_lengths"] for s in mixed.samples] != [s["acceptance_lengths"] for s in trained.samples]

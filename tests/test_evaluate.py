@@ -126,6 +126,12 @@ class ScriptedProposer:
                 for t, pos in enumerate(positions[j].tolist()):
                     ctx[pos] = states[j, t].clone()
 
+    def start(self, rows, prompts, first):
+        pass
+
+    def commit(self, tokens, pos):
+        pass
+
     def propose(self, last, positions, choose):
         drafts = torch.full((last.shape[0], self.block_size - 1), -1, dtype=torch.long)
         for slot in range(last.shape[0]):
@@ -194,6 +200,12 @@ class TableProposer:
         self.table, self.block_size, self.slots = torch.tensor(seq + [0] * block_size), block_size, slots
 
     def add_context(self, states, positions, rows=None):
+        pass
+
+    def start(self, rows, prompts, first):
+        pass
+
+    def commit(self, tokens, pos):
         pass
 
     def propose(self, last, positions, choose):

@@ -26,7 +26,7 @@ from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.evaluate import evaluate, load_prompts, replayed, stop_token_ids
 from dflash_cache.extract import stage as extract_stage
-from dflash_cache.generate import BlockProposer, Engine, Request, StopRule
+from dflash_cache.generate import BlockProposer, Engine, LookupMix, Request, StopRule
 from dflash_cache.generate import slots as slot_module
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention
 from dflash_cache.generate.targets import SlotTarget
@@ -102,7 +102,8 @@ def test_slot_engine_on_cuda_is_transformers_greedy_decode(tiny):
 
 def test_graphs_equal_eager_steps_in_bf16(tiny, tmp_path):
     """bf16 with flash attention: the captured plain and speculative steps replay the eager steps'
-    kernels, so every token is the same; greedy speculation gives the target's own tokens."""
+    kernels, so every token is the same; greedy speculation gives the target's own tokens, with prompt
+    lookup mixed in too (its search compiled and captured), at the same steps eager and captured."""
     from dflash_cache import drafters
 
     tok, prompts = tiny
@@ -117,8 +118,11 @@ def test_graphs_equal_eager_steps_in_bf16(tiny, tmp_path):
         embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
         proposer = BlockProposer(drafter, embed=embed, head=head, slots=3, length=256, family=family)
         spec = decode(Engine(target, stop, graphs=graphs, proposer=proposer), prompts, 32)
-        outputs[graphs] = (plain, spec)
-        assert spec == plain, graphs
+        mix = Engine(target, stop, graphs=graphs, proposer=LookupMix(proposer, 1))
+        mixed = sorted(mix.stream(Request(p, 32, key=i) for i, p in enumerate(prompts)), key=lambda c: c.request.key)
+        outputs[graphs] = (plain, spec, [c.accepted for c in mixed])
+        assert spec == plain and [c.ids for c in mixed] == plain, graphs
+        assert sum(map(len, outputs[graphs][2])) < sum(map(len, plain)) - len(plain)  # lookup's drafts were taken
     assert outputs[True] == outputs[False]
 
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache import evaluate as ev
 from dflash_cache import lookup
+from dflash_cache.generate.lookup_mix import ngram_drafts
 
 
 def test_propose_takes_the_longest_most_recent_ngram():
@@ -84,3 +85,50 @@ def test_acceptance_equals_the_speculative_loop():
         assert c.accepted == lookup.acceptance_lengths(list(c.request.prompt), c.ids, block_size=B)
         total_steps += len(c.accepted)
     assert total_steps > 20 and max(drafted) == B - 1 and min(drafted) < B - 1  # full, short and empty drafts ran
+
+
+def test_lookup_on_the_device_drafts_what_propose_does():
+    """`lookup_mix.ngram_drafts`, the engine's search over a buffer of rows at different positions
+    (with stale tokens past each row's end), gives `lookup.propose`'s drafts on every row, and the
+    length of the suffix it matched."""
+    rng = random.Random(1)
+    for _ in range(300):
+        vocab, rows, L = rng.choice([2, 3, 5, 20]), rng.randint(1, 4), 48
+        k, max_n = rng.choice([1, 3, 7]), rng.choice([1, 2, 3, 4])
+        tokens = torch.tensor([[rng.randrange(vocab) for _ in range(L)] for _ in range(rows)])
+        pos = torch.tensor([rng.randrange(L) for _ in range(rows)])
+        drafts, matched = ngram_drafts(tokens, pos, k, max_n)
+        for r in range(rows):
+            context = tokens[r, : pos[r] + 1].tolist()
+            want = lookup.propose(context, k, max_n)
+            assert drafts[r].tolist() == want + [-1] * (k - len(want))
+            assert (int(matched[r]) > 0) == bool(want)
+            if want:
+                n = int(matched[r])
+                assert n == max(m for m in range(1, max_n + 1) if lookup.propose(context, k, m, m))
+
+
+def test_lookup_mixed_into_a_drafter_takes_lookup_where_its_match_is_long_enough():
+    """The mixed walk, step by step: lookup's drafts where its matched suffix has `trust` tokens or
+    more, the drafter's accepted count elsewhere."""
+    rng = random.Random(2)
+    for _ in range(500):
+        vocab = rng.choice([2, 3, 5, 20])
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        output = [rng.randrange(vocab) for _ in range(rng.randrange(60))]
+        B, trust = rng.choice([2, 4, 8]), rng.choice([1, 2, 3, 4])
+        drafter = [rng.randrange(B) for _ in range(len(output))]
+        seq, t, expected = [*prompt, *output], 1, []
+        while t < len(output):
+            context = seq[: len(prompt) + t]
+            n = next((m for m in range(max(trust, 3), 0, -1) if lookup.propose(context, B - 1, m, m)), 0)
+            if n >= trust:
+                drafts = lookup.propose(context, B - 1, max(trust, 3))
+                a = next((i for i, d in enumerate(drafts) if t + i >= len(output) or d != output[t + i]), len(drafts))
+            else:
+                a = drafter[t - 1]
+            expected.append(min(a + 1, len(output) - t))
+            t += expected[-1]
+        got = lookup.acceptance_lengths(prompt, output, block_size=B, max_ngram=max(trust, 3), drafter=drafter,
+                                        trust=trust)  # fmt: skip
+        assert got == expected

@@ -30,7 +30,8 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
            "--benchmarks", f"humaneval,mt-bench,{sharegpt_file}",
            "--rows", "6", "--code-rows", "4", "--code-roots", str(ROOT / "dflash_cache" / "generate"),
            "--regen-tokens", "8", "--families", "dflash,dspark", "--draft-layers", "1",
-           "--epochs", "1", "--eval-limit", "2", "--max-new-tokens", "8", "--token-budget", "256"]  # fmt: skip
+           "--epochs", "1", "--eval-limit", "2", "--max-new-tokens", "8", "--token-budget", "256",
+           "--lookup", "0,2"]  # fmt: skip
     missing = tmp_path / "no-such-sources"
     bad = [*cmd[: cmd.index("--code-roots") + 1], str(missing), *cmd[cmd.index("--code-roots") + 2 :]]
     failed = subprocess.run(bad, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -61,12 +62,12 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
         assert (out / "runs" / r / "export" / "config.json").is_file()
 
     table = [(row["set"], row["run"]) for row in record["table"]]
-    each = [*runs, "prompt lookup", "target alone"]
+    each = [run for r in runs for run in (r, f"{r} + lookup 2")] + ["prompt lookup", "target alone"]
     assert table == [(s, r) for s in ("humaneval", "mt-bench", "sharegpt") for r in each]
     evaluation = json.loads((out / "eval.json").read_text())
     decoded, replayed = runs  # the second drafter's tau is replayed on the first's outputs
     assert all(s["runs"][decoded]["same_as_target"] and s["runs"][replayed]["replayed"]
-               for s in evaluation["sets"].values())  # fmt: skip
+               and s["runs"][f"{decoded} + lookup 2"]["replayed"] for s in evaluation["sets"].values())  # fmt: skip
     mt, mt_file = evaluation["sets"]["mt-bench"], tmp_path / "mt-bench.jsonl"  # against decoding with it
     write_rows(set_rows("mt-bench")[1], mt_file)
     dspark = evaluate(EvalConfig(target=str(TINY_TARGET), drafter=out / "runs" / replayed / "export",

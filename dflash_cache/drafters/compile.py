@@ -3,6 +3,7 @@ and flex attention."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -34,3 +35,23 @@ def compile_for_cuda(fn: Callable, **kwargs) -> Callable | None:
     except Exception:  # pragma: no cover - torch.compile unsupported on this Python/platform
         return None
 
+
+
+def compiled_or_eager(fn: Callable, what: str) -> Callable:
+    """`fn` compiled for fixed shapes (a decode step's, captured in a CUDA graph), which falls back
+    to `fn` itself, with one warning, when the compiler fails on it."""
+    compiled = torch.compile(fn, dynamic=False)
+    state = {"fn": compiled}
+
+    def call(*args, **kwargs):
+        try:
+            return state["fn"](*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a compiler failure: run eagerly, loudly
+            if state["fn"] is fn:
+                raise
+            warnings.warn(f"torch.compile of {what} failed ({type(e).__name__}: {str(e)[:200]}); running it "
+                          "eagerly", stacklevel=2)  # fmt: skip
+            state["fn"] = fn
+            return fn(*args, **kwargs)
+
+    return call

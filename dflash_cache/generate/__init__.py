@@ -4,7 +4,8 @@ A backend takes requests (prompt ids, max new tokens, seed) and yields completio
 reason, per-step accepted counts where speculative, seconds): `requests.Backend`.
 
 - `engine.Engine` over `targets.SlotTarget`: the embedded target, many rows at once with
-  continuous batching and CUDA graphs, plainly or speculatively over a `proposer.BlockProposer`;
+  continuous batching and CUDA graphs, plainly or speculatively over a `proposer.BlockProposer`
+  (with prompt lookup mixed in: `lookup_mix.LookupMix`);
 - the same engine over `targets.CachedTarget`: one row at a time through transformers' own
   cache, for the models the slot target does not run (hybrid linear-attention models);
 - `server.ServerBackend`: an OpenAI-compatible server (vLLM, SGLang, llama.cpp), token-id prompts.
@@ -19,6 +20,7 @@ from torch import nn
 
 from dflash_cache.extract.target import text_config
 from dflash_cache.generate.engine import Engine
+from dflash_cache.generate.lookup_mix import LookupMix
 from dflash_cache.generate.proposer import BlockProposer
 from dflash_cache.generate.requests import ERROR, LENGTH, STOP, Backend, Completion, Request, StopRule
 from dflash_cache.generate.slots import SlotCache
@@ -32,6 +34,7 @@ __all__ = [
     "BlockProposer",
     "Completion",
     "Engine",
+    "LookupMix",
     "Request",
     "StopRule",
     "Target",

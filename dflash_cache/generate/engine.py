@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from dflash_cache.generate.lookup_mix import LookupMix
 from dflash_cache.generate.proposer import BlockProposer
 from dflash_cache.generate.requests import ERROR, LENGTH, STOP, Chooser, Completion, DraftChooser, Request, StopRule
 from dflash_cache.generate.requests import speculative_accept as accept
@@ -123,7 +124,7 @@ class Engine:
     captures the step as a CUDA graph (on CUDA, for a target that allows it)."""
 
     def __init__(self, target: Target, stop: StopRule, *, temperature: float = 0.0,
-                 proposer: BlockProposer | None = None, prefill_tokens: int = 16384,
+                 proposer: BlockProposer | LookupMix | None = None, prefill_tokens: int = 16384,
                  graphs: bool = True) -> None:  # fmt: skip
         self.target, self.stop, self.proposer, self.temperature = target, stop, proposer, temperature
         self.prefill_tokens = prefill_tokens
@@ -179,6 +180,7 @@ class Engine:
             self.proposer.add_context(states, positions)
         tokens = torch.cat([drafts, torch.zeros_like(bonus)[:, None]], 1)
         tokens.scatter_(1, a[:, None], bonus[:, None])  # drafts[:a], then the target's own token
+        self.proposer.commit(tokens, pos)
         return _advanced(last, pos, tokens, a + 1, self._top)
 
     # ------------------------------------------------------------------ scheduling
@@ -245,6 +247,8 @@ class Engine:
             positions = torch.arange(states.shape[1], device=states.device).expand(len(batch), -1)
             self.proposer.add_context(states, positions, index)
         self.last[index], self.pos[index] = first, lengths
+        if self.proposer is not None:
+            self.proposer.start(index, [r.prompt for r in batch], first)
         done = []
         for row, token in zip(rows, first.tolist(), strict=True):
             if (c := self._commit(row, [token], step=False)) is not None:

@@ -19,8 +19,7 @@ launched as separate kernels when eager.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +27,7 @@ from torch import Tensor, nn
 
 from dflash_cache import drafters
 from dflash_cache.drafters import Family
+from dflash_cache.drafters.compile import compiled_or_eager
 from dflash_cache.generate.decoder import LayerStack, activation
 from dflash_cache.generate.slots import SlotCache, SlotStep
 
@@ -53,9 +53,9 @@ class BlockProposer:
         self.model, self.embed, self.head = model, embed, head
         self.block_size, self.mask_token_id = block_size or cfg.block_size, cfg.mask_token_id
         self.layer_ids = list(cfg.target_layer_ids)
-        self.block_input, self.eager_draft = family.block_input, family.draft
+        self.block_input = family.block_input
         weight = model.fc.weight
-        self.draft = torch.compile(family.draft, dynamic=False) if compile and weight.is_cuda else family.draft
+        self.draft = compiled_or_eager(family.draft, "the draft") if compile and weight.is_cuda else family.draft
         self.cache = SlotCache(len(model.layers), slots, -(-length // 16) * 16, cfg.num_key_value_heads, cfg.head_dim,
                                dtype=weight.dtype, device=weight.device)  # fmt: skip
         self.slots, self.length = slots, self.cache.length
@@ -65,6 +65,12 @@ class BlockProposer:
                                  act=activation(cfg.hidden_act), norm=model.norm.weight, prologue=self._prologue,
                                  context_in=self._context_in, compile=compile)  # fmt: skip
         self._rope(torch.zeros(1, 1, dtype=torch.long, device=weight.device), weight.dtype)  # its tables on the device
+
+    def start(self, rows: Tensor, prompts: Sequence[Sequence[int]], first: Tensor) -> None:
+        """New requests' tokens: a block drafter reads the target's states (`add_context`) instead."""
+
+    def commit(self, tokens: Tensor, pos: Tensor) -> None:
+        """A step's tokens: likewise unread."""
 
     def _prologue(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         x = F.embedding(ids, self.embed).to(self.model.fc.weight.dtype)
@@ -98,14 +104,6 @@ class BlockProposer:
         pos = positions[:, None] + torch.arange(B, device=positions.device)
         step = SlotStep(pos, seen=positions + B, causal=False)
         hidden, _ = self.layers.run(ids, self.cache, step, compiled="fixed")
-        try:
-            drafts, probs = self.draft(self.model, hidden, ids, self.head, choose)
-        except Exception as e:  # noqa: BLE001 - a compiler failure: draft eagerly, loudly
-            if self.draft is self.eager_draft:
-                raise
-            warnings.warn(f"torch.compile of the draft failed ({type(e).__name__}: {str(e)[:200]}); drafting "
-                          "eagerly", stacklevel=2)  # fmt: skip
-            self.draft = self.eager_draft
-            drafts, probs = self.draft(self.model, hidden, ids, self.head, choose)
+        drafts, probs = self.draft(self.model, hidden, ids, self.head, choose)
         self.num_drafts = drafts.shape[1]
         return drafts, probs
