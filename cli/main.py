@@ -373,7 +373,7 @@ def _numbers(text: str, option: str) -> list[int]:
     try:
         return [int(x) for x in _names(text)]
     except ValueError:
-        raise typer.BadParameter(f"{option}: comma-separated whole numbers, got {text!r}") from None
+        raise UserError(f"{option}: comma-separated whole numbers, got {text!r}") from None
 
 
 def _stage_bars(as_json: bool) -> Callable[[str], object]:

@@ -136,7 +136,7 @@ class RecipeConfig:
     max_new_tokens: int = setting(512, "Tokens to generate per eval prompt and turn.", min=1)
     lookup: list[int] = setting(help="Each drafter is evaluated once for each value, in that order: 0 alone, N with "
                                 "prompt lookup mixed in where the last N tokens occurred before (dflash eval "
-                                "--lookup).", factory=lambda: [0])  # fmt: skip
+                                "--lookup); the first decodes, with --replay.", factory=lambda: [2, 0])  # fmt: skip
     replay: bool = setting(True, "Decode with the first drafter only; the others' tau comes from replaying its "
                            "greedy outputs (dflash bench eval --replay: the decode's tau up to rounding, in "
                            "seconds, without speed figures).")  # fmt: skip

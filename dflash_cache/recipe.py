@@ -15,9 +15,10 @@ one resumable command.
    trains on the same cache);
 5. **train**: one drafter for each family x draft layers x epochs asked for, on that one cache;
 6. **eval**: every drafter and the target alone on the benchmark sets at batch 1 (`dflash bench
-   eval`): tau per prompt and pooled (by turn on MT-Bench), tokens/s and the speedup. The first
-   drafter decodes; by default (`replay`) the others' tau is replayed on its greedy outputs, so a
-   grid of drafters costs one decode of each set.
+   eval`): tau per prompt and pooled (by turn on MT-Bench), tokens/s and the speedup. Each drafter
+   runs with prompt lookup mixed in (`lookup`, 2 by default: `generate.lookup_mix`) and alone
+   (0). The first drafter's first run decodes; by default (`replay`) the others' tau is replayed on
+   its greedy outputs, so a grid of drafters costs one decode of each set.
 
 Everything goes to OUT; `recipe.json` holds each stage's seconds (wall time on the machine that
 ran it: GPU minutes on a GPU), the settings and the evaluation's table, and is rewritten as each

@@ -288,6 +288,16 @@ def suite(tmp_path_factory) -> Suite:
     }
     jobs += [(name, lambda argv=argv: dflash(*argv)) for name, argv in wrong_kind.items()]
 
+    def eval_lookup_sampling() -> Result:  # a real export, asked to mix lookup into sampling
+        first = futures["train_skip_bad_units"].result()
+        if first.rc != 0:
+            pytest.fail(f"the run to evaluate failed:\n{first}")
+        return dflash("eval", "--target", TINY_TARGET, "--drafter", root / "run-skip" / "export", "--data", small,
+                      "--lookup", "2", "--temperature", "0.5")  # fmt: skip
+
+    jobs.append(("bench_eval_lookup_not_numbers", lambda: dflash("bench", "eval", "--target", TINY_TARGET, "--drafter",
+                                                                 a_dir, "--data", small, "--lookup", "2,x")))
+
     def export_out_is_a_file() -> Result:  # a real run, exported onto a file
         first = futures["train_skip_bad_units"].result()
         if first.rc != 0:
@@ -313,6 +323,7 @@ def suite(tmp_path_factory) -> Suite:
         submit(name, fn)
     submit("rerun_other_settings", rerun_other_settings)
     submit("export_out_is_a_file", export_out_is_a_file)
+    submit("eval_lookup_sampling", eval_lookup_sampling)
     pool.shutdown(wait=False)
     return Suite(root, expected, futures, start)
 
@@ -320,6 +331,11 @@ def suite(tmp_path_factory) -> Suite:
 # ------------------------------------------------------------------------------------------------
 # Bad rows inside a good file: counted rejections, exit 0
 # ------------------------------------------------------------------------------------------------
+
+
+def test_lookup_needs_greedy_decoding_and_numbers(suite):
+    assert_user_error(suite["eval_lookup_sampling"], "--lookup needs greedy decoding")
+    assert_user_error(suite["bench_eval_lookup_not_numbers"], "--lookup", "comma-separated whole numbers", "2,x")
 
 
 def test_bad_rows_are_counted_rejections(suite):
