@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -49,7 +50,27 @@ class Quiet:
         pass
 
 
-class ExtractBar:
+LOG_EVERY_S = float(os.environ.get("DFLASH_LOG_EVERY_S", 30))  # a bar's line in a log, every so many seconds
+
+
+class _Bar:
+    """A rich progress bar. On a terminal it redraws in place; rich writes nothing of it to a log
+    (stderr a file or a pipe) until it stops, so there it writes its line every LOG_EVERY_S
+    seconds, from its first update on: a run under nohup or CI shows how far it got."""
+
+    progress: Progress
+    _logged = float("-inf")
+
+    def _log(self) -> None:
+        if self.progress.console.is_terminal:
+            return
+        now = time.monotonic()
+        if now - self._logged >= LOG_EVERY_S:
+            self._logged = now
+            self.progress.console.print(self.progress.get_renderable())
+
+
+class ExtractBar(_Bar):
     """tokens/s, padding, units committed/planned, bytes written and ETA for `dflash extract`."""
 
     def __init__(self) -> None:
@@ -84,12 +105,13 @@ class ExtractBar:
             units=units,
             written=human_bytes(totals.get("bytes", 0)),
         )
+        self._log()
 
     def close(self) -> None:
         self.progress.stop()
 
 
-class TrainBar:
+class TrainBar(_Bar):
     """Epoch and step, context tokens trained (what the schedule counts), loss, implied acceptance
     length, tokens/s, useful TFLOP/s and MFU (on GPUs of known peak) and loader wait for `dflash
     train`; while it follows an extraction, also units committed/planned, units read and the time
@@ -133,6 +155,7 @@ class TrainBar:
                        "wait": f"{bar['wait']:.2f}s"}  # fmt: skip
         self.progress.update(self.task, total=total, completed=bar.get("completed"), **fields)
         self.shown = True
+        self._log()
 
     def close(self) -> None:
         if not self.shown:  # a run refused before its first batch leaves no empty bar above the error
@@ -140,7 +163,7 @@ class TrainBar:
         self.progress.stop()
 
 
-class RegenBar:
+class RegenBar(_Bar):
     """Rows regenerated/total, generated tokens/s and ETA for `dflash regen` (rows count when their
     part is committed)."""
 
@@ -159,12 +182,13 @@ class RegenBar:
     def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
         rate = totals.get("tokens", 0) / max(time.perf_counter() - self.started, 1e-9)
         self.progress.update(self.task, advance=delta.get("rows", 0), rate=f"{rate:,.0f} tok/s")
+        self._log()
 
     def close(self) -> None:
         self.progress.stop()
 
 
-class EvalBar:
+class EvalBar(_Bar):
     """Decodes done/total, the running tau per prompt and ETA for `dflash eval` (each prompt is
     decoded twice: speculatively, then by the target alone)."""
 
@@ -180,6 +204,7 @@ class EvalBar:
 
     def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
         self.progress.update(self.task, advance=delta.get("prompts", 0), tau=f"{totals.get('tau', 0):.3f}")
+        self._log()
 
     def close(self) -> None:
         self.progress.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -25,7 +26,7 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     out = tmp_path / "recipe"
     sharegpt_file = tmp_path / "sets" / "sharegpt.jsonl"  # a set given as a file, labelled by its name
     write_rows(set_rows("sharegpt")[1][:2], sharegpt_file)
-    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", "DFLASH_LOG_EVERY_S": "0"}
     cmd = [sys.executable, "-m", "cli.main", "recipe", "--target", str(TINY_TARGET), "--out", str(out),
            "--benchmarks", f"humaneval,mt-bench,{sharegpt_file}",
            "--rows", "6", "--code-rows", "4", "--code-roots", str(ROOT / "dflash_cache" / "generate"),
@@ -47,6 +48,11 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     assert list(record["stages"]) == ["target", "prompts", "regen", "extract", *[f"train {r}" for r in runs], "eval"]
     assert record["seconds"] == round(sum(s["seconds"] for s in record["stages"].values()), 1)
     assert f"{record['seconds'] / 60:.1f} minutes from prompts" in proc.stderr  # the console's, as every stage line
+    # stderr is a pipe: each bar writes its line as it moves (every DFLASH_LOG_EVERY_S seconds), not
+    # only its last one
+    regen_rows = [int(m) for m in re.findall(r"^regen .*? (\d+)/10 rows", proc.stderr, re.M)]
+    assert len(regen_rows) > 2 and regen_rows == sorted(regen_rows) and regen_rows[-1] == 10, proc.stderr
+    assert len(re.findall(r"^train ", proc.stderr, re.M)) >= 2 * len(runs), proc.stderr  # rich alone: one a run
 
     regen = [json.loads(line) for line in (out / "regen.jsonl").read_text().splitlines()]
     sharegpt = [json.loads(line) for line in (out / "sets" / "sharegpt-train.jsonl").read_text().splitlines()[:6]]
