@@ -158,6 +158,8 @@ class RecipeConfig:
             raise RecipeError("--rows and --code-rows are both 0: nothing to train on")
         if min(self.draft_layers) < 1 or min(self.epochs) < 1:
             raise RecipeError("--draft-layers and --epochs must be at least 1")
+        if not self.lookup or min(self.lookup) < 0 or len(set(self.lookup)) < len(self.lookup):
+            raise RecipeError(f"--lookup: distinct values of 0 (the drafter alone) or more, got {self.lookup}")
 
     @staticmethod
     def record_path(path: Path) -> Path:

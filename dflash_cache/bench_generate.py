@@ -259,7 +259,7 @@ def _run_figures(r, alone: dict[str, Any]) -> dict[str, Any]:
                                          for t in r.turns],  # fmt: skip
                       "first_differences": sorted(s["first_difference"] for s in r.samples
                                                   if s["first_difference"] is not None),  # fmt: skip
-                      "speedup": r.spec_tok_s / alone["tok_s"] if alone["tok_s"] > 0 else 0.0,
+                      "speedup": _ratio(r.spec_tok_s, alone["tok_s"]),
                       "decode_speedup": _ratio(_rate(r.new_tokens, seconds - prefill),
                                                alone["decode_tok_s"])}  # fmt: skip
 

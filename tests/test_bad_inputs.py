@@ -297,6 +297,8 @@ def suite(tmp_path_factory) -> Suite:
 
     jobs.append(("bench_eval_lookup_not_numbers", lambda: dflash("bench", "eval", "--target", TINY_TARGET, "--drafter",
                                                                  a_dir, "--data", small, "--lookup", "2,x")))
+    jobs.append(("recipe_lookup_twice", lambda: dflash("recipe", "--target", TINY_TARGET, "--out", root / "recipe-l",
+                                                       "--lookup", "2,2")))  # fmt: skip
 
     def export_out_is_a_file() -> Result:  # a real run, exported onto a file
         first = futures["train_skip_bad_units"].result()
@@ -336,6 +338,8 @@ def suite(tmp_path_factory) -> Suite:
 def test_lookup_needs_greedy_decoding_and_numbers(suite):
     assert_user_error(suite["eval_lookup_sampling"], "--lookup needs greedy decoding")
     assert_user_error(suite["bench_eval_lookup_not_numbers"], "--lookup", "comma-separated whole numbers", "2,x")
+    assert_user_error(suite["recipe_lookup_twice"], "--lookup", "distinct values")
+    assert not (suite.root / "recipe-l").exists()
 
 
 def test_bad_rows_are_counted_rejections(suite):
