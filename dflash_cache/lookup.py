@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-__all__ = ["NgramIndex", "acceptance_lengths", "propose", "walk"]
+__all__ = ["NgramIndex", "acceptance_lengths", "mixed_max_ngram", "propose", "walk"]
 
 
 def propose(context: Sequence[int], num_draft: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
@@ -61,6 +61,11 @@ class NgramIndex:
             if s is not None:
                 return seq[s + n : min(s + n + num_draft, end)], n
         return [], 0
+
+
+def mixed_max_ngram(trust: int) -> int:
+    """The longest suffix lookup matches when mixed into a drafter at `trust`: its own 3, or longer."""
+    return max(trust, 3)
 
 
 def walk(n: int, accepted: Callable[[int], int]) -> list[int]:

@@ -63,6 +63,6 @@ def acceptance_lengths(target: Target, drafter: nn.Module, family: Family, embed
     wanted = padded[torch.arange(1, n, device=device)[:, None] + torch.arange(k, device=device)]
     accepted = (drafts == wanted).long().cumprod(1).sum(1).tolist()
     if lookup:
-        return prompt_lookup.acceptance_lengths(prompt, output, block_size=k + 1, max_ngram=max(lookup, 3),
-                                             drafter=accepted, trust=lookup), k  # fmt: skip
+        return prompt_lookup.acceptance_lengths(prompt, output, block_size=k + 1, drafter=accepted, trust=lookup,
+                                                max_ngram=prompt_lookup.mixed_max_ngram(lookup)), k  # fmt: skip
     return prompt_lookup.walk(n, lambda t: accepted[t - 1]), k

@@ -36,7 +36,6 @@ def compile_for_cuda(fn: Callable, **kwargs) -> Callable | None:
         return None
 
 
-
 def compiled_or_eager(fn: Callable, what: str) -> Callable:
     """`fn` compiled for fixed shapes (a decode step's, captured in a CUDA graph), which falls back
     to `fn` itself, with one warning, when the compiler fails on it."""

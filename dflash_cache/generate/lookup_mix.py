@@ -23,6 +23,7 @@ from torch import Tensor
 
 from dflash_cache.drafters.compile import compiled_or_eager
 from dflash_cache.generate.proposer import BlockProposer
+from dflash_cache.lookup import mixed_max_ngram
 
 
 def ngram_drafts(tokens: Tensor, pos: Tensor, num_draft: int, max_ngram: int, min_ngram: int = 1
@@ -54,7 +55,7 @@ class LookupMix:
     def __init__(self, block: BlockProposer, trust: int, *, compile: bool = True) -> None:
         if trust < 1:
             raise ValueError(f"lookup needs a suffix of at least 1 token, got {trust}")
-        self.block, self.trust, self.max_ngram = block, trust, max(trust, 3)
+        self.block, self.trust, self.max_ngram = block, trust, mixed_max_ngram(trust)
         self.tokens = torch.zeros(block.slots, block.length, dtype=torch.long, device=block.embed.device)
         cuda = compile and self.tokens.is_cuda
         self.search: Callable = compiled_or_eager(ngram_drafts, "prompt lookup") if cuda else ngram_drafts
