@@ -31,6 +31,14 @@ def regen_record(out: Path) -> Path:
     return out.with_name(f".{out.name}.regen.json")
 
 
+def lookup_list_problem(values: list[int] | tuple[int, ...]) -> str | None:
+    """What is wrong with a list of `--lookup` values (recipe, bench eval), or None: each run decodes
+    once per value, so they are distinct, and each is 0 (the drafter alone) or an n-gram length."""
+    if not values or min(values) < 0 or len(set(values)) < len(values):
+        return f"--lookup: distinct values of 0 (the drafter alone) or more, got {list(values)}"
+    return None
+
+
 @dataclass
 class RegenConfig:
     target: str = setting(help=TARGET_HELP)
@@ -158,8 +166,8 @@ class RecipeConfig:
             raise RecipeError("--rows and --code-rows are both 0: nothing to train on")
         if min(self.draft_layers) < 1 or min(self.epochs) < 1:
             raise RecipeError("--draft-layers and --epochs must be at least 1")
-        if not self.lookup or min(self.lookup) < 0 or len(set(self.lookup)) < len(self.lookup):
-            raise RecipeError(f"--lookup: distinct values of 0 (the drafter alone) or more, got {self.lookup}")
+        if problem := lookup_list_problem(self.lookup):
+            raise RecipeError(problem)
 
     @staticmethod
     def record_path(path: Path) -> Path:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dflash_cache.app_config import EvalConfig
+from dflash_cache.app_config import EvalConfig, lookup_list_problem
 from dflash_cache.atomic import write_atomic
 from dflash_cache.bench import shape_config
 from dflash_cache.evaluate import EvalError, evaluate, load_prompts, replayed
@@ -164,8 +164,8 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_n
         raise EvalError("--replay needs greedy decoding (temperature 0)")
     if any(lookup) and temperature != 0:
         raise EvalError("--lookup needs greedy decoding (temperature 0): lookup's drafts have no probabilities")
-    if not lookup or min(lookup) < 0 or len(set(lookup)) < len(lookup):
-        raise EvalError(f"--lookup: distinct values of 0 (the drafter alone) or more, got {list(lookup)}")
+    if problem := lookup_list_problem(lookup):
+        raise EvalError(problem)
     settings = {"max_new_tokens": max_new_tokens, "limit": limit, "batch_size": batch_size, "first_turn": first_turn,
                 "temperature": temperature, "chat_template_kwargs": chat_template_kwargs}  # fmt: skip
     runs = {name if n == 0 else f"{name} + lookup {n}": (drafter, n) for name, drafter in drafters.items()
