@@ -32,7 +32,7 @@ from torch import nn
 from dflash_cache.app_config import EvalConfig, lookup_list_problem
 from dflash_cache.atomic import write_atomic
 from dflash_cache.bench import shape_config
-from dflash_cache.evaluate import EvalError, evaluate, load_prompts, replayed
+from dflash_cache.evaluate import EvalError, check_config, evaluate, load_prompts, replayed
 from dflash_cache.extract.target import load_tokenizer, stop_token_ids
 from dflash_cache.generate import Engine, Request, StopRule, fit_slots, load_model, slot_bytes
 from dflash_cache.generate.targets import SlotTarget
@@ -162,14 +162,14 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_n
     t0 = time.perf_counter()
     if replay and temperature != 0:  # before any set is decoded, not after the first drafter's run
         raise EvalError("--replay needs greedy decoding (temperature 0)")
-    if any(lookup) and temperature != 0:
-        raise EvalError("--lookup needs greedy decoding (temperature 0): lookup's drafts have no probabilities")
     if problem := lookup_list_problem(lookup):
         raise EvalError(problem)
     settings = {"max_new_tokens": max_new_tokens, "limit": limit, "batch_size": batch_size, "first_turn": first_turn,
                 "temperature": temperature, "chat_template_kwargs": chat_template_kwargs}  # fmt: skip
     runs = {name if n == 0 else f"{name} + lookup {n}": (drafter, n) for name, drafter in drafters.items()
             for n in lookup}  # fmt: skip
+    for drafter, n in runs.values():  # every run's settings, before the first set is decoded
+        check_config(EvalConfig(target=target, drafter=drafter, data="", lookup=n, **settings))
     result: dict[str, Any] = {"target": target, **settings, "replay": replay, "lookup": list(lookup),
                               "drafters": {k: str(v) for k, v in drafters.items()},
                               "sets": {}, "table": []}  # fmt: skip

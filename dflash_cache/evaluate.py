@@ -189,7 +189,8 @@ def check_fits(dcfg, target_config: dict) -> None:
         raise EvalError(f"drafter mask_token_id {dcfg.mask_token_id} is outside the target's vocabulary")
 
 
-def _check(cfg: EvalConfig) -> None:
+def check_config(cfg: EvalConfig) -> None:
+    """A one-line EvalError for settings no evaluation can run with, before anything loads."""
     if cfg.max_new_tokens < 1:
         raise EvalError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
     if cfg.temperature < 0:
@@ -329,7 +330,7 @@ def evaluate(cfg: EvalConfig, sink: ProgressSink | None = None, *, baseline: boo
     config's eos and at ``<|im_end|>``. Timings follow a short warm-up (which also captures the
     CUDA graphs). `sink` sees each decoded prompt (speculatively, then by the target alone) and the
     running tau per prompt. ``baseline=False`` skips the target-only run (no speed figures, ``same_as_target`` None)."""
-    _check(cfg)
+    check_config(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tokenizer = load_tokenizer(cfg.target)
     kwargs = check_template_kwargs(cfg.chat_template_kwargs)
@@ -399,7 +400,7 @@ def replayed(cfg: EvalConfig, earlier: EvalResult) -> EvalResult:
     target (`replay.acceptance_lengths`; the module docstring): what decoding with it would give, up
     to rounding, at one forward of each model per prompt. No speed is measured (its speed figures are
     0 and its spec_seconds None); the lookup figures are `earlier`'s, which are the outputs'."""
-    _check(cfg)
+    check_config(cfg)
     if earlier.settings["temperature"] != 0:
         raise EvalError("a replay needs greedy outputs (temperature 0)")
     if Path(earlier.settings["target"]) != Path(cfg.target):

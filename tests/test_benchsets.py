@@ -99,8 +99,9 @@ def test_a_missing_package_is_one_line_naming_the_pip_command(tmp_path):
     shadow.mkdir()
     (shadow / "__init__.py").write_text("")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
+    drafter = export_random_drafter(tmp_path / "drafter" / "export", 8)
     proc = subprocess.run([sys.executable, "-m", "cli.main", "bench", "eval", "--target", str(TINY_TARGET),
-                           "--drafter", str(tmp_path), "--benchmarks", "sharegpt"], cwd=ROOT, env=env,
+                           "--drafter", str(drafter), "--benchmarks", "sharegpt"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, lines
