@@ -28,42 +28,22 @@ arithmetic depends only on its own row and position:
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import Tensor
+
+from dflash_cache.triton_support import on_device
 
 BLOCK_M = 16  # query rows (token x head of the group) a program holds
 BLOCK_N = 64  # keys a block
 SPLIT = 1024  # keys a program walks in a buffer longer than this; a multiple of BLOCK_N
 
 
-@functools.cache
-def available() -> bool:
-    """Whether Triton imports (it ships with torch's CUDA builds)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def interpreted() -> bool:
-    """Whether Triton runs kernels on the CPU, in its interpreter (TRITON_INTERPRET=1: how the CPU
-    tests run the GPU kernels)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def on_device(t: Tensor) -> bool:
-    """Whether Triton kernels can run on `t`: a GPU tensor, or a CPU one under the interpreter."""
-    return t.is_cuda or (t.device.type == "cpu" and interpreted())
-
-
 def fits(query: Tensor, keys: Tensor) -> bool:
     """Whether the kernels serve this step: a half-precision query [b, T, heads, d] on a GPU and a
     head size of 16 to 256 (a power of two)."""
     d = query.shape[-1]
-    return (available() and on_device(query) and query.dtype in (torch.float16, torch.bfloat16)
+    return (on_device(query) and query.dtype in (torch.float16, torch.bfloat16)
             and keys.dtype == query.dtype and 16 <= d <= 256 and d & (d - 1) == 0)  # fmt: skip
 
 

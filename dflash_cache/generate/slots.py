@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import sdpa_kernel
 
+from dflash_cache import triton_support
 from dflash_cache.extract.target import SDPA_BACKENDS
 from dflash_cache.generate import slot_kernel
 
@@ -63,7 +64,7 @@ def _has_varlen_flash() -> bool:
 
 # The GPU kernels a step may use, in order of preference; the first call of each is compared with
 # the masked path, and a mismatch turns it off.
-_KERNELS = {"triton": slot_kernel.available(), "flash": _has_varlen_flash()}
+_KERNELS = {"triton": triton_support.available(), "flash": _has_varlen_flash()}
 _checked: set[tuple[str, bool]] = set()
 
 
@@ -96,7 +97,7 @@ class SlotStep:
         b, T = self.positions.shape
         device = self.positions.device
         self.slot = (torch.arange(b, device=device) if self.rows is None else self.rows)[:, None]
-        if self.seen is not None and slot_kernel.on_device(self.positions):
+        if self.seen is not None and triton_support.on_device(self.positions):
             steps = torch.arange(b + 1, device=device, dtype=torch.int32)
             self.cu_q, self.step_index = steps * T, steps
             self.seqused = self.seen.to(torch.int32)
@@ -116,7 +117,7 @@ def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, val
             out = F.scaled_dot_product_attention(q, k, v, is_causal=query.shape[1] > 1, scale=scale,
                                                  enable_gqa=query.shape[2] != key.shape[2])  # fmt: skip
         return out.transpose(1, 2)
-    if slot_kernel.on_device(query):
+    if triton_support.on_device(query):
         out = _on_gpu(query, k_buf, v_buf, step, scale)
         if out is not None:
             return out
