@@ -1,5 +1,6 @@
 """Chunked losses over the frozen LM head: full logits (blocks x slots x a 150-250K vocabulary:
-several GB) never exist at once, and no chunk's logits are computed twice.
+several GB) never exist at once, and no chunk's logits are computed twice. On a GPU each chunk's
+walks over its logits are one Triton kernel (`loss_kernel`); elsewhere they are the functions below.
 
 `chunked_loss` is the weighted cross-entropy (DFlash); `chunked_tv_loss` adds the total-variation
 (L1) distance to the target's own distribution and a low-rank logit bias (DSpark).
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dflash_cache.drafters import loss_kernel
 from dflash_cache.drafters.compile import compile_for_cuda
 
 
@@ -43,6 +45,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = weights.float() / weights.float().sum().clamp_min(1e-12)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ce = _ce_chunk_cuda if hidden.is_cuda and _ce_chunk_cuda is not None else _ce_chunk
+        no_l1 = torch.zeros_like(scale)
         grad_h = torch.zeros_like(hidden) if need_h else None
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
@@ -50,7 +53,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         correct = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         for s in range(0, hidden.shape[0], chunk_size):
             h = hidden[s : s + chunk_size].to(weight.dtype)
-            part, ok, g = ce(F.linear(h, weight), labels[s : s + chunk_size], scale[s : s + chunk_size])
+            logits, rows, w = F.linear(h, weight), labels[s : s + chunk_size], scale[s : s + chunk_size]
+            if loss_kernel.fits(logits):
+                part, _, ok, _, g = loss_kernel.tv_chunk(logits, None, rows, w, no_l1[s : s + chunk_size])
+                part = (part * w).sum()
+            else:
+                part, ok, g = ce(logits, rows, w)
             total += part
             correct[s : s + chunk_size] = ok
             g = g.to(weight.dtype)
@@ -140,7 +148,8 @@ class _TVLoss(torch.autograd.Function):
                 z = bias[s:e].to(weight.dtype)
                 logits = torch.addmm(logits, z, bias_weight.to(weight.dtype).T)
             tl = None if target is None else F.linear(target[s:e].to(weight.dtype), weight)
-            ce[s:e], l1[s:e], hits[s:e], accept[s:e], g = chunk(logits, tl, labels[s:e], ce_scale[s:e], l1_scale[s:e])
+            fused = loss_kernel.tv_chunk if loss_kernel.fits(logits) else chunk
+            ce[s:e], l1[s:e], hits[s:e], accept[s:e], g = fused(logits, tl, labels[s:e], ce_scale[s:e], l1_scale[s:e])
             g = g.to(weight.dtype)
             if need_h:
                 grad_h[s:e] = g @ weight
