@@ -73,12 +73,12 @@ def test_chunked_losses_through_the_kernel_equal_full_logits(monkeypatch):
         torch.testing.assert_close(torch.autograd.grad(loss, hidden)[0].float(), want_grad.float(), rtol=0.02,
                                    atol=2e-3)  # fmt: skip
 
-    logits = torch.addmm(F.linear(hidden, weight), bias, w2.T).float()
+    logits = hidden.float() @ weight.float().T + bias.float() @ w2.float().T  # the bf16 inputs, in float32
     p, q = torch.softmax(logits, -1), torch.softmax(F.linear(target, weight).float(), -1)
     want = (a * F.cross_entropy(logits, labels, reduction="none") + b * (p - q).abs().sum(-1)).sum()
     want_grads = torch.autograd.grad(want, [hidden, bias, w2])
     total, *_ = chunked_tv_loss(hidden, weight, labels, a, b, bias=bias, bias_weight=w2, target=target, chunk_size=8)
     torch.testing.assert_close(total, want, rtol=1e-4, atol=1e-4)
     for x, y in zip(torch.autograd.grad(total, [hidden, bias, w2]), want_grads, strict=True):
-        torch.testing.assert_close(x.float(), y.float(), rtol=0.02, atol=5e-3)
+        torch.testing.assert_close(x.float(), y.float(), rtol=0.02, atol=0.01 * y.abs().max().item())  # bf16 g
     assert len(calls) == 3 + 1 + 3  # every chunk: 21 rows by 8, by 21, by 8

@@ -25,9 +25,9 @@ from dflash_cache.triton_support import on_device
 BLOCK = 2048  # logits a program reads at once, of its one row
 
 
-def fits(logits: Tensor) -> bool:
-    """Whether the kernel serves this chunk: contiguous half-precision logits where Triton runs."""
-    return on_device(logits) and logits.dtype in (torch.bfloat16, torch.float16) and logits.is_contiguous()
+def fits(head: Tensor) -> bool:
+    """Whether the kernel serves a loss over this LM head's logits: half precision, where Triton runs."""
+    return on_device(head) and head.dtype in (torch.bfloat16, torch.float16)
 
 
 @functools.cache
@@ -117,6 +117,8 @@ def tv_chunk(logits: Tensor, target_logits: Tensor | None, labels: Tensor, ce_sc
     the logits). The gradient is written over `logits` (the caller's buffer, which it no longer
     needs) in their dtype; the rest are float32 [rows] and bool [rows]."""
     rows, vocab = logits.shape
+    if not logits.is_contiguous():
+        raise ValueError("the logits must be contiguous")
     if target_logits is not None and (target_logits.shape != logits.shape or not target_logits.is_contiguous()):
         raise ValueError("target_logits must be contiguous and shaped as the logits")
     ce = torch.empty(rows, dtype=torch.float32, device=logits.device)

@@ -45,7 +45,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = weights.float() / weights.float().sum().clamp_min(1e-12)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ce = _ce_chunk_cuda if hidden.is_cuda and _ce_chunk_cuda is not None else _ce_chunk
-        no_l1 = torch.zeros_like(scale)
+        fused, no_l1 = loss_kernel.fits(weight), torch.zeros_like(scale)
         grad_h = torch.zeros_like(hidden) if need_h else None
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
@@ -54,7 +54,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for s in range(0, hidden.shape[0], chunk_size):
             h = hidden[s : s + chunk_size].to(weight.dtype)
             logits, rows, w = F.linear(h, weight), labels[s : s + chunk_size], scale[s : s + chunk_size]
-            if loss_kernel.fits(logits):
+            if fused:
                 part, _, ok, _, g = loss_kernel.tv_chunk(logits, None, rows, w, no_l1[s : s + chunk_size])
                 part = (part * w).sum()
             else:
@@ -136,25 +136,36 @@ class _TVLoss(torch.autograd.Function):
         grad_h = torch.zeros_like(hidden) if need_h else None
         grad_b = torch.zeros_like(bias) if need_b else None
         grad_w2 = torch.zeros_like(bias_weight, dtype=acc) if need_w2 else None
-        n = hidden.shape[0]
+        n, width = hidden.shape[0], weight.shape[1]
         ce, l1 = torch.zeros(n, dtype=acc, device=hidden.device), torch.zeros(n, dtype=acc, device=hidden.device)
         hits = torch.zeros(n, dtype=torch.bool, device=hidden.device)
         accept = torch.zeros(n, dtype=acc, device=hidden.device)
+        fused = loss_kernel.fits(weight)
+        # With the kernel, the bias rides in the head's product: [h; z] @ [W; W2]^T makes the logits
+        # and g @ [W; W2] both input gradients, so no product reads the [chunk, V] logits twice.
+        joint = torch.cat([weight, bias_weight.to(weight.dtype)], 1) if fused and bias is not None else None
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             h = hidden[s:e].to(weight.dtype)
-            logits = F.linear(h, weight)
-            if bias is not None:  # the low-rank bias added by the GEMM itself: no second [chunk, V] pass
-                z = bias[s:e].to(weight.dtype)
-                logits = torch.addmm(logits, z, bias_weight.to(weight.dtype).T)
+            z = None if bias is None else bias[s:e].to(weight.dtype)
+            if joint is not None:
+                logits = F.linear(torch.cat([h, z], 1), joint)
+            elif z is not None:
+                logits = torch.addmm(F.linear(h, weight), z, bias_weight.to(weight.dtype).T)
+            else:
+                logits = F.linear(h, weight)
             tl = None if target is None else F.linear(target[s:e].to(weight.dtype), weight)
-            fused = loss_kernel.tv_chunk if loss_kernel.fits(logits) else chunk
-            ce[s:e], l1[s:e], hits[s:e], accept[s:e], g = fused(logits, tl, labels[s:e], ce_scale[s:e], l1_scale[s:e])
+            walk = loss_kernel.tv_chunk if fused else chunk
+            ce[s:e], l1[s:e], hits[s:e], accept[s:e], g = walk(logits, tl, labels[s:e], ce_scale[s:e], l1_scale[s:e])
             g = g.to(weight.dtype)
-            if need_h:
-                grad_h[s:e] = g @ weight
-            if need_b:
-                grad_b[s:e] = g @ bias_weight.to(weight.dtype)
+            if joint is not None and need_h and need_b:
+                both = g @ joint
+                grad_h[s:e], grad_b[s:e] = both[:, :width], both[:, width:]
+            else:
+                if need_h:
+                    grad_h[s:e] = g @ weight
+                if need_b:
+                    grad_b[s:e] = g @ bias_weight.to(weight.dtype)
             if need_w2:
                 grad_w2 += (g.T @ z).to(grad_w2.dtype)
         ctx.save_for_backward(grad_h, grad_b, grad_w2)
