@@ -29,6 +29,15 @@ TILE = 128  # flex attention's block size, for queries and keys
 # ----------------------------------------------------------------------------- layout
 
 
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """`t` on `device`. A host tensor goes through pinned memory: a copy from pageable memory
+    returns only once the GPU's stream has reached it, so the host would wait out the previous
+    step's kernels before building the next batch's blocks; a copy from pinned memory is queued."""
+    if torch.device(device).type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass
 class BlockLayout:
     """Where every context token and every block of a packed batch sits.
@@ -78,18 +87,10 @@ class BlockLayout:
         slots = torch.arange(self.block_size, device=self.block_anchor.device)
         return (self.block_anchor[:, None] + slots).reshape(-1)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> BlockLayout:
-        def mv(t: Tensor) -> Tensor:
-            return t.to(device, non_blocking=non_blocking)
-
-        return BlockLayout(
-            self.block_size,
-            mv(self.ctx_seq),
-            mv(self.ctx_pos),
-            mv(self.block_seq),
-            mv(self.block_anchor),
-            mv(self.offsets),
-        )
+    def to(self, device: torch.device | str) -> BlockLayout:
+        """The layout on `device` (`to_device`: queued behind the GPU's work, never waiting for it)."""
+        return BlockLayout(self.block_size, *(to_device(t, device) for t in (
+            self.ctx_seq, self.ctx_pos, self.block_seq, self.block_anchor, self.offsets)))  # fmt: skip
 
     def flex_block_mask(self) -> BlockMask:
         """The flex BlockMask of the attention rule over [context ; block tokens], built once.

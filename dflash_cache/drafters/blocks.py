@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_cache.drafters.attention import BlockLayout
+from dflash_cache.drafters.attention import BlockLayout, to_device
 
 # gamma of the slot decay exp(-(k-1)/gamma), from the DFlash paper.
 _PUBLISHED_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -95,14 +95,10 @@ class Blocks:
     weights: Tensor  # [nb, B] float32 slot decay * loss mask; 0 where a slot is not trained (DFlash: slot 0)
     first_slot: int = 1  # the slot of the first drafted token (DFlash: 1; a family that drafts from slot 0: 0)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Blocks:
-        return Blocks(
-            self.layout.to(device, non_blocking),
-            self.input_ids.to(device, non_blocking=non_blocking),
-            self.labels.to(device, non_blocking=non_blocking),
-            self.weights.to(device, non_blocking=non_blocking),
-            self.first_slot,
-        )
+    def to(self, device: torch.device | str) -> Blocks:
+        """The blocks on `device`, queued behind the GPU's work (`attention.to_device`)."""
+        ids, labels, weights = (to_device(t, device) for t in (self.input_ids, self.labels, self.weights))
+        return Blocks(self.layout.to(device), ids, labels, weights, self.first_slot)
 
 
 def make_blocks(

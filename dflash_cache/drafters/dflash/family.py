@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_cache.cache.spec import CacheSpec, check_drafter_fits
+from dflash_cache.drafters.attention import to_device
 from dflash_cache.drafters.base import Choose, Family, Output, TrainingBatch
 from dflash_cache.drafters.blocks import Blocks, make_blocks
 from dflash_cache.drafters.decoding import choose_each, mask_block
@@ -52,8 +53,8 @@ def forward_blocks(model: nn.Module, embed: Tensor, head: Tensor, batch: Trainin
     blocks = make_blocks(ids, mask, offsets, block_size=block_size, mask_token_id=mask_token_id,
                          max_anchors=max_anchors, generator=generator, gamma=gamma)  # fmt: skip
     # Only weighted slots reach the LM head: never slot 0 (the given anchor), nor unsupervised ones.
-    scored = blocks.weights.flatten().nonzero().squeeze(1).to(embed.device, non_blocking=True)
-    blocks = blocks.to(embed.device, non_blocking=True)
+    scored = to_device(blocks.weights.flatten().nonzero().squeeze(1), embed.device)
+    blocks = blocks.to(embed.device)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if embed.is_cuda else nullcontext()
     with autocast:
         block_embeds = F.embedding(blocks.input_ids.flatten(), embed)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_cache.drafters.attention import BlockLayout
+from dflash_cache.drafters.attention import BlockLayout, to_device
 from dflash_cache.drafters.base import Output, TrainingBatch, batch_final
 from dflash_cache.drafters.blocks import Blocks, anchors_by_sequence, pick_anchors
 from dflash_cache.drafters.dspark.config import GAMMA, DSparkConfig
@@ -76,9 +76,9 @@ def objective(model: nn.Module, embed: Tensor, head: Tensor, batch: TrainingBatc
                             max_anchors=settings.max_anchors, generator=generator,
                             gamma=dcfg.gamma if settings.gamma is None else settings.gamma)  # fmt: skip
     device = embed.device
-    scored = db.blocks.weights.flatten().nonzero().squeeze(1).to(device, non_blocking=True)
-    blocks = db.blocks.to(device, non_blocking=True)
-    prev, rows = db.prev_ids.to(device, non_blocking=True), db.rows.to(device, non_blocking=True)
+    scored = to_device(db.blocks.weights.flatten().nonzero().squeeze(1), device)
+    blocks = db.blocks.to(device)
+    prev, rows = to_device(db.prev_ids, device), to_device(db.rows, device)
     w = blocks.weights.flatten()[scored]
     den = w.sum()
     world = 1
