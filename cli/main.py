@@ -530,6 +530,8 @@ def bench_train(
     cold: bool = typer.Option(False, "--cold", help="Drop the cache from the page cache: read the disk."),
     drafter: str = typer.Option(TrainConfig.drafter, help=_help(TrainConfig, "drafter")),
     block_size: int | None = typer.Option(None, help=_help(TrainConfig, "block_size")),
+    draft_layers: int | None = typer.Option(None, help=_help(TrainConfig, "draft_layers") + " (default: dflash "
+                                            "train's; dflash recipe trains 2)"),
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Drafter steps with the real loader vs the same steps on batches already on the GPU, with the
@@ -537,7 +539,7 @@ def bench_train(
     from dflash_cache import bench
 
     given = {k: v for k, v in (("max_anchors", max_anchors), ("readers", readers), ("block_size", block_size),
-                               ("drafter", drafter)) if v}  # fmt: skip
+                               ("drafter", drafter), ("draft_layers", draft_layers)) if v}  # fmt: skip
     _print_json(bench.train(cache, steps=steps, token_budget=token_budget, cold=cold, **given))
 
 
