@@ -25,5 +25,6 @@ def interpreted() -> bool:
 
 
 def on_device(t: Tensor) -> bool:
-    """Whether Triton kernels can run on `t`: a GPU tensor, or a CPU one under the interpreter."""
-    return available() and (t.is_cuda or (t.device.type == "cpu" and interpreted()))
+    """Whether `t` sits where Triton kernels run: a GPU tensor, or a CPU one under the interpreter
+    (`available` says whether Triton itself imports)."""
+    return t.is_cuda or (t.device.type == "cpu" and interpreted())

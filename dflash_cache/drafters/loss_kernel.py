@@ -20,14 +20,14 @@ import functools
 import torch
 from torch import Tensor
 
-from dflash_cache.triton_support import on_device
+from dflash_cache.triton_support import available, on_device
 
 BLOCK = 2048  # logits a program reads at once, of its one row
 
 
 def fits(head: Tensor) -> bool:
     """Whether the kernel serves a loss over this LM head's logits: half precision, where Triton runs."""
-    return on_device(head) and head.dtype in (torch.bfloat16, torch.float16)
+    return available() and on_device(head) and head.dtype in (torch.bfloat16, torch.float16)
 
 
 @functools.cache

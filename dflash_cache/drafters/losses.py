@@ -45,7 +45,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         scale = weights.float() / weights.float().sum().clamp_min(1e-12)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ce = _ce_chunk_cuda if hidden.is_cuda and _ce_chunk_cuda is not None else _ce_chunk
-        fused, no_l1 = loss_kernel.fits(weight), torch.zeros_like(scale)
+        fused = loss_kernel.fits(weight)
+        no_l1 = torch.zeros_like(scale) if fused else None  # the kernel's L1 weights: cross-entropy alone
         grad_h = torch.zeros_like(hidden) if need_h else None
         acc = torch.promote_types(weight.dtype, torch.float32)
         grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None

@@ -3,9 +3,9 @@ row's last N tokens occurred before, and from the drafter elsewhere.
 
 A small target repeats itself (on MT-Bench's second turns prompt lookup accepts over 4 tokens a
 step of SmolLM2-135M's answers), and there prompt lookup (`dflash_cache.lookup`) drafts better than
-a trained drafter; on new text the drafter does. The choice is made per row and per step on the device, from the length
-of the suffix that lookup matched: N tokens or more, lookup's drafts; else the drafter's. Both are
-verified the same way, so greedy output stays the target's own.
+a trained drafter; on new text the drafter does. The choice is made per row and per step on the
+device, from the length of the suffix that lookup matched: N tokens or more, lookup's drafts; else
+the drafter's. Both are verified the same way, so greedy output stays the target's own.
 
 Lookup runs on the device over a buffer of each row's tokens (prompt and committed output), with
 the semantics of `lookup.propose`: the longest suffix of 1 to max(N, 3) tokens that occurred

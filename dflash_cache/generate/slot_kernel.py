@@ -32,7 +32,7 @@ import functools
 import torch
 from torch import Tensor
 
-from dflash_cache.triton_support import on_device
+from dflash_cache.triton_support import available, on_device
 
 BLOCK_M = 16  # query rows (token x head of the group) a program holds
 BLOCK_N = 64  # keys a block
@@ -43,7 +43,7 @@ def fits(query: Tensor, keys: Tensor) -> bool:
     """Whether the kernels serve this step: a half-precision query [b, T, heads, d] on a GPU and a
     head size of 16 to 256 (a power of two)."""
     d = query.shape[-1]
-    return (on_device(query) and query.dtype in (torch.float16, torch.bfloat16)
+    return (available() and on_device(query) and query.dtype in (torch.float16, torch.bfloat16)
             and keys.dtype == query.dtype and 16 <= d <= 256 and d & (d - 1) == 0)  # fmt: skip
 
 
