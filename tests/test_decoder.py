@@ -100,3 +100,19 @@ def test_a_compiler_failure_falls_back_to_the_eager_layers_with_a_warning():
     want, _ = plain.step(ids, positions)
     torch.testing.assert_close(logits, want, rtol=0, atol=0)
     torch.testing.assert_close(again, want, rtol=0, atol=0)
+
+
+def test_a_step_of_fewer_rows_than_slots_reads_only_its_own():
+    """A step of one row in a cache of three slots (batch row i is slot i) gives the logits of the
+    same row in a cache of one slot: the other slots' keys are not read."""
+    model = model_of("llama")
+    prompt = tuple(range(5, 17))
+    ids, positions = torch.tensor([[7, 8, 9]]), torch.arange(12, 15)[None]
+    got = []
+    for slots in (3, 1):
+        target = SlotTarget(model, slots=slots, length=64)
+        if slots == 3:  # other rows' keys in the slots beside
+            target.prefill([1, 2], [tuple(range(40, 60)), tuple(range(60, 90))])
+        target.prefill([0], [prompt])
+        got.append(target.step(ids, positions)[0])
+    torch.testing.assert_close(got[0], got[1], rtol=0, atol=0)

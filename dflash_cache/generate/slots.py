@@ -131,8 +131,12 @@ def write_kv(k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, slot: Tensor, p
 
 
 def _rows_of(k_buf: Tensor, v_buf: Tensor, step: SlotStep) -> tuple[Tensor, Tensor]:
-    """The buffers' slots of the step's batch rows, in batch order."""
-    return (k_buf, v_buf) if step.rows is None else (k_buf[step.rows], v_buf[step.rows])
+    """The buffers' slots of the step's batch rows, in batch order (without `rows`, batch row i is
+    slot i, and a step may hold fewer rows than the cache has slots)."""
+    if step.rows is None:
+        b = step.positions.shape[0]
+        return k_buf[:b], v_buf[:b]
+    return k_buf[step.rows], v_buf[step.rows]
 
 
 def _on_gpu(query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep, scale: float | None) -> Tensor | None:
