@@ -6,6 +6,7 @@ L1 to the target's softmax, a Markov bias of rank 256) and DFlash's cross-entrop
 useful FLOPs (`DSparkFlops`' per-slot terms; 4 V H a row for cross-entropy) over the H200's peak.
 
     python data/bench_loss.py --rows 32768
+    python data/bench_loss.py --tiles 2048x8,4096x8,1024x4,2048x16     # the kernel's BLOCK x WARPS
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--rank", type=int, default=256)
     ap.add_argument("--chunks", default="4096,8192")
+    ap.add_argument("--tiles", default="", help="the kernel's logits a load and warps a program, BLOCKxWARPS each "
+                    "(2048x8,4096x16): DSpark's loss through the kernel at each, after the other runs")
     a = ap.parse_args()
     dev = torch.device("cuda")
     n, h, v, r = a.rows, a.hidden, a.vocab, a.rank
@@ -65,8 +68,12 @@ def main() -> None:
     runs = [("dspark, products alone", products, tv_flops, True), ("dspark, compiled expression", tv, tv_flops, False),
             ("dspark, kernel", tv, tv_flops, True), ("dflash ce, compiled expression", ce, 4 * n * v * h, False),
             ("dflash ce, kernel", ce, 4 * n * v * h, True)]  # fmt: skip
+    for tile in filter(None, a.tiles.split(",")):
+        runs.append((f"dspark, kernel {tile}", tv, tv_flops, tile))
     for name, fn, flops, kernel in runs:
         loss_kernel.fits = kernel_fits if kernel else (lambda t: False)
+        if isinstance(kernel, str):
+            loss_kernel.BLOCK, loss_kernel.WARPS = (int(v) for v in kernel.split("x"))
         for chunk in (int(c) for c in a.chunks.split(",")):
             torch.cuda.reset_peak_memory_stats()
             for _ in range(3):

@@ -23,6 +23,7 @@ from torch import Tensor
 from dflash_cache.triton_support import available, on_device
 
 BLOCK = 2048  # logits a program reads at once, of its one row
+WARPS = 8  # warps a program runs (data/bench_loss.py --tiles times others)
 
 
 def fits(head: Tensor) -> bool:
@@ -127,6 +128,6 @@ def tv_chunk(logits: Tensor, target_logits: Tensor | None, labels: Tensor, ce_sc
     if rows:
         _kernel()[(rows,)](logits, logits if target_logits is None else target_logits, labels.contiguous(),
                            ce_scale.float().contiguous(), l1_scale.float().contiguous(), ce, l1, hits, vocab,
-                           HAS_TARGET=target_logits is not None, BLOCK=BLOCK, num_warps=8)  # fmt: skip
+                           HAS_TARGET=target_logits is not None, BLOCK=BLOCK, num_warps=WARPS)  # fmt: skip
     accept = (1 - 0.5 * l1).clamp(0, 1)
     return ce, l1, hits.bool(), accept, logits
