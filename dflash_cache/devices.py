@@ -21,6 +21,16 @@ from dflash_cache.interrupts import ready_for_interrupts, starting_children, tak
 from dflash_cache.settings import int_list
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`. A host tensor goes through pinned memory: a copy from pageable memory
+    returns only once the GPU's stream has reached it, so the host would wait out the kernels queued
+    before it (the previous step's, the previous batch's) before preparing the next; a copy from
+    pinned memory is queued."""
+    if torch.device(device).type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class DeviceError(UserError, ValueError):
     """A device request this machine cannot serve."""
 

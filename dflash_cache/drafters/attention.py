@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash_cache.devices import to_device
 from dflash_cache.drafters.compile import compile_for_cuda
 
 _flex_compiled = compile_for_cuda(flex_attention, dynamic=None)
@@ -27,15 +28,6 @@ TILE = 128  # flex attention's block size, for queries and keys
 
 
 # ----------------------------------------------------------------------------- layout
-
-
-def to_device(t: Tensor, device: torch.device | str) -> Tensor:
-    """`t` on `device`. A host tensor goes through pinned memory: a copy from pageable memory
-    returns only once the GPU's stream has reached it, so the host would wait out the previous
-    step's kernels before building the next batch's blocks; a copy from pinned memory is queued."""
-    if torch.device(device).type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 @dataclass

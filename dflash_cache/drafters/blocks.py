@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_cache.drafters.attention import BlockLayout, to_device
+from dflash_cache.devices import to_device
+from dflash_cache.drafters.attention import BlockLayout
 
 # gamma of the slot decay exp(-(k-1)/gamma), from the DFlash paper.
 _PUBLISHED_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
@@ -96,7 +97,7 @@ class Blocks:
     first_slot: int = 1  # the slot of the first drafted token (DFlash: 1; a family that drafts from slot 0: 0)
 
     def to(self, device: torch.device | str) -> Blocks:
-        """The blocks on `device`, queued behind the GPU's work (`attention.to_device`)."""
+        """The blocks on `device`, queued behind the GPU's work (`devices.to_device`)."""
         ids, labels, weights = (to_device(t, device) for t in (self.input_ids, self.labels, self.weights))
         return Blocks(self.layout.to(device), ids, labels, weights, self.first_slot)
 

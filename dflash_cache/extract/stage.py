@@ -46,7 +46,7 @@ from dflash_cache.cache.store import (
     write_frozen,
     write_rejected,
 )
-from dflash_cache.devices import GpuThrottle, Worker, launch, worker_threads
+from dflash_cache.devices import GpuThrottle, Worker, launch, to_device, worker_threads
 from dflash_cache.errors import ExtractError
 from dflash_cache.extract import data as data_mod
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
@@ -423,12 +423,7 @@ def batch_inputs(
         padded[i, :n] = ids[pos : pos + n]
         index[pos : pos + n] = i * max_len + np.arange(n)
         pos += n
-    pin = device.type == "cuda"
-    inp = torch.from_numpy(padded)
-    idx = torch.from_numpy(index)
-    if pin:
-        inp, idx = inp.pin_memory(), idx.pin_memory()
-    return inp.to(device, non_blocking=True), idx.to(device, non_blocking=True)
+    return to_device(torch.from_numpy(padded), device), to_device(torch.from_numpy(index), device)
 
 
 def copy_out(stream, buf: dict[str, torch.Tensor], r0: int, r1: int, encoded: dict[str, torch.Tensor]) -> None:
