@@ -18,7 +18,9 @@ token, so every prompt decodes to --max-new-tokens), one row at a time:
   drafts are rejected, so every step commits one token): its cost over a plain step, which is what
   a drafter's tau must beat (speedup = tau x plain step / speculative step), and whether its output
   is the target alone's; DSpark's also with its draft (the Markov head, slot by slot) left eager;
-- a profile of the plain and speculative steps: the kernels each launches and their summed time.
+- a profile of the plain and speculative steps: the kernels each launches and their summed time;
+  and the floor of that many kernels: a chain of empty ones replayed, launched plainly and with
+  programmatic dependent launch, and the step's products alone.
 - a prefill of one row at a few prompt lengths, through the layers compiled for any shape and the
   eager ones: the host time a new prompt costs before its first step.
 """
@@ -147,6 +149,42 @@ def kernel_profile(step, steps: int = 20) -> dict:
             "top_kernels_us_count": [[name[:90], round(us, 1), round(n, 1)] for name, (us, n) in top]}  # fmt: skip
 
 
+def launch_floor(target: SlotTarget, kernels: int) -> dict:
+    """What a step's count of kernels costs with no work in them: a replayed chain of `kernels` one-program
+    Triton kernels, each reading what the one before wrote, launched plainly and with programmatic
+    dependent launch; and the step's products alone (cuBLAS, one row, the layers' own weights)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def bump(X, PDL: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(X, tl.load(X) + 1)
+
+    x = torch.zeros(1, device=CUDA)
+    out = {"kernels": kernels}
+    for pdl in (False, True):
+        extra = {"launch_pdl": True} if pdl else {}
+        ms = replay_ms(lambda p=pdl, e=extra: [bump[(1,)](x, PDL=p, **e) for _ in range(kernels)], reps=50)
+        out["pdl_chain_ms" if pdl else "chain_ms"] = ms
+        out["pdl_us_per_kernel" if pdl else "us_per_kernel"] = 1e3 * ms / kernels
+    layers = target.decoder.layers.layers
+    row = torch.randn(1, 1, layers[0].o.shape[1], device=CUDA, dtype=layers[0].o.dtype)
+
+    def products() -> None:
+        for w in layers:
+            h = torch.nn.functional.linear(row, w.qkv)
+            torch.nn.functional.linear(h[..., : w.o.shape[1]], w.o)
+            g = torch.nn.functional.linear(row, w.gate_up)
+            torch.nn.functional.linear(g[..., : w.down.shape[1]], w.down)
+
+    out["products_ms"] = replay_ms(products, reps=50)
+    out["products"] = 4 * len(layers)
+    return out
+
+
 def plain_profile(target: SlotTarget, context: int) -> dict:
     target.prefill([0], [tuple(range(3, 3 + context))])
     ids, positions = torch.tensor([[5]], device=CUDA), torch.tensor([[context]], device=CUDA)
@@ -239,6 +277,8 @@ def main() -> None:
         target = SlotTarget(model, 1, length, compile=True)
         result["profile"] = plain_profile(target, args.prompt_tokens)
         print("profile", json.dumps(result["profile"]), flush=True)
+        result["floor"] = launch_floor(target, round(result["profile"]["kernels_per_step"]))
+        print("floor", json.dumps(result["floor"]), flush=True)
         save()
 
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight

@@ -32,7 +32,7 @@ import functools
 import torch
 from torch import Tensor
 
-from dflash_cache.triton_support import available, on_device
+from dflash_cache.triton_support import available, on_device, pdl_options
 
 BLOCK_M = 16  # query rows (token x head of the group) a program holds
 BLOCK_N = 64  # keys a block
@@ -60,10 +60,14 @@ def _kernels():
     @triton.jit
     def attend(Q, K, V, Out, ACC, STAT, SLOT, SEEN, sq_b, sq_t, sq_h, sk_s, sk_l, sk_h, so_b, so_t, so_h, T, tiles,
                splits, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+               CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """Without SPLIT: the attention of one tile of query rows over all the keys its row sees,
         into Out. With SPLIT: over keys [s SPLIT, (s+1) SPLIT), the unnormalised sum, its running
-        maximum and its total into ACC and STAT for `combine`."""
+        maximum and its total into ACC and STAT for `combine`. With PDL it may start before the
+        kernel before it ends, and waits for it first (everything it reads may come from it)."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b, kvh, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         tile, s = p % tiles, p // tiles
         m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # the group's query rows: token m // G, head m % G
@@ -158,7 +162,8 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
     flags = dict(G=groups, D=d, BLOCK_M=BLOCK_M)
     attend[(b, kv_heads, tiles * splits)](
         query, keys, values, out, acc, stat, slot, seen, *query.stride()[:3], *keys.stride()[:3], *out.stride()[:3],
-        T, tiles, splits, scale, **flags, BLOCK_N=BLOCK_N, CAUSAL=causal and T > 1, SPLIT=split, num_warps=4)
+        T, tiles, splits, scale, **flags, BLOCK_N=BLOCK_N, CAUSAL=causal and T > 1, SPLIT=split, num_warps=4,
+        **pdl_options(query))
     if split:
         combine[(b, kv_heads, tiles)](out, acc, stat, seen, *out.stride()[:3], T, tiles, splits, **flags, SPLIT=split,
                                       num_warps=4)  # fmt: skip
