@@ -136,7 +136,7 @@ class RecipeConfig:
     families: list[str] = setting(help="Drafter families to train: dflash, dspark.", factory=lambda: ["dspark"])
     draft_layers: list[int] = setting(help="Draft layers: one drafter for each value (each layer adds to every "
                                       "speculative step's cost).", factory=lambda: [2])  # fmt: skip
-    epochs: list[int] = setting(help="Training epochs: one drafter for each value.", factory=lambda: [12])
+    epochs: list[int] = setting(help="Training epochs: one drafter for each value.", factory=lambda: [24])
     benchmarks: list[str] = setting(help="Sets to evaluate on, as dflash bench eval's --benchmarks: humaneval, "
                                     "mt-bench, sharegpt, or prompt files.", factory=lambda: list(BENCHMARKS))
     eval_limit: int | None = setting(80, "Use only the first N prompts of each set (none: all; the ShareGPT "
