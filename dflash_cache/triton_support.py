@@ -30,20 +30,18 @@ def on_device(t: Tensor) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and interpreted())
 
 
-def pdl() -> bool:
-    """Whether kernels launch with programmatic dependent launch (PDL): on when Inductor emits it
-    for its own kernels (`torch._inductor.config.triton.enable_pdl`, TORCHINDUCTOR_ENABLE_PDL=1), so
-    that a step's kernels chain one way."""
-    import torch._inductor.config as inductor
-
-    return bool(inductor.triton.enable_pdl)
-
 
 def pdl_options(t: Tensor) -> dict:
-    """Launch options for a kernel with a `PDL` flag: on a Hopper or newer GPU it may start while the
-    kernel before it finishes, and waits for it (`tl.extra.cuda.gdc_wait`) before it reads anything.
-    Elsewhere (the interpreter, older GPUs) the stream orders kernels as usual."""
+    """Launch options for a kernel with a `PDL` flag. Where Inductor emits programmatic dependent
+    launch for its own kernels (`torch._inductor.config.triton.enable_pdl`, TORCHINDUCTOR_ENABLE_PDL=1)
+    and the GPU is a Hopper or newer, the kernel may start while the one before it finishes, and
+    waits for it (`tl.extra.cuda.gdc_wait`) before it reads anything; so a step's kernels chain one
+    way. Elsewhere (the interpreter, older GPUs, PDL off) the stream orders kernels as usual."""
     import torch
 
-    on = t.is_cuda and not interpreted() and pdl() and torch.cuda.get_device_capability(t.device)[0] >= 9
+    if not t.is_cuda or interpreted():
+        return {"PDL": False}
+    import torch._inductor.config as inductor
+
+    on = inductor.triton.enable_pdl and torch.cuda.get_device_capability(t.device)[0] >= 9
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
