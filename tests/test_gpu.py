@@ -28,6 +28,7 @@ from dflash_cache.evaluate import evaluate, load_prompts, replayed, stop_token_i
 from dflash_cache.extract import stage as extract_stage
 from dflash_cache.generate import BlockProposer, Engine, LookupMix, Request, StopRule
 from dflash_cache.generate import slots as slot_module
+from dflash_cache.generate.engine import _Graph
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention
 from dflash_cache.generate.targets import SlotTarget
 from dflash_cache.train import stage as train_stage
@@ -81,30 +82,12 @@ def test_slot_attention_kernels_equal_the_masked_path(kernel, monkeypatch):
     assert slot_module._KERNELS[kernel], "the kernel's own first-call check turned it off"
 
 
-def _replies(step, q: torch.Tensor, n: int = 4) -> torch.Tensor:
-    """`step()` captured as a CUDA graph, replayed once for each of `n` seeded queries written into q."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    replies = []
-    for i in range(n):
-        q.copy_(torch.randn(q.shape, device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(i), dtype=q.dtype))
-        graph.replay()
-        replies.append(out.clone())
-    return torch.stack(replies)
-
-
 @pytest.mark.parametrize("pieces", [1, 3])
 def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces, monkeypatch):
     """With programmatic dependent launch on (Inductor's switch, which the slot kernel follows), the
     slot kernel may start while the compiled kernel that makes its query still runs. Replayed as one
-    graph, with a new query each time, it gives the bits of the same two kernels without PDL, over a
-    buffer walked whole and one cut into pieces."""
+    graph (the engine's), with a new query each time, it gives the bits of the same two kernels
+    without PDL, over a buffer walked whole and one cut into pieces."""
     import torch._inductor.config as inductor
 
     from dflash_cache.generate import slot_kernel
@@ -112,7 +95,7 @@ def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces, mon
     g = torch.Generator(device=CUDA).manual_seed(0)
     length = 512 if pieces == 1 else pieces * slot_kernel.SPLIT
     keys, values = (torch.randn(1, length, 2, 64, device=CUDA, generator=g, dtype=torch.bfloat16) for _ in "kv")
-    q = torch.randn(1, 9, 8, 64, device=CUDA, generator=g, dtype=torch.bfloat16)
+    queries = torch.randn(4, 1, 9, 8, 64, device=CUDA, generator=g, dtype=torch.bfloat16)
     slot, seen = torch.zeros(1, dtype=torch.int32, device=CUDA), torch.full((1,), length, device=CUDA).int()
     assert slot_kernel.pieces(length) == pieces
     outs = {}
@@ -120,7 +103,9 @@ def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces, mon
         monkeypatch.setattr(inductor.triton, "enable_pdl", pdl)
         torch._dynamo.reset()  # the second compile of the same function, with other options
         make_query = torch.compile(lambda x: x * 1.5 + 0.25, options={"triton.enable_pdl": pdl})
-        outs[pdl] = _replies(lambda f=make_query: slot_kernel.attention(f(q), keys, values, slot, seen, True, 0.125), q)
+        graph = _Graph(lambda x, f=make_query: (slot_kernel.attention(f(x), keys, values, slot, seen, True, 0.125),))
+        outs[pdl] = torch.stack([graph(q.clone())[0].clone() for q in queries])  # the graph keeps the first q
+        assert graph.graph is not None and not graph.broken, "captured and replayed, not run eagerly"
     assert torch.equal(outs[True], outs[False])
     assert not torch.equal(outs[True][0], outs[True][1])
 
