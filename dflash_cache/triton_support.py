@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
 from torch import Tensor
 
 
@@ -30,15 +31,12 @@ def on_device(t: Tensor) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and interpreted())
 
 
-
 def pdl_options(t: Tensor) -> dict:
     """Launch options for a kernel with a `PDL` flag. Where Inductor emits programmatic dependent
     launch for its own kernels (`torch._inductor.config.triton.enable_pdl`, TORCHINDUCTOR_ENABLE_PDL=1)
     and the GPU is a Hopper or newer, the kernel may start while the one before it finishes, and
     waits for it (`tl.extra.cuda.gdc_wait`) before it reads anything; so a step's kernels chain one
     way. Elsewhere (the interpreter, older GPUs, PDL off) the stream orders kernels as usual."""
-    import torch
-
     if not t.is_cuda or interpreted():
         return {"PDL": False}
     import torch._inductor.config as inductor
