@@ -45,7 +45,8 @@ from dflash_cache import drafters  # noqa: E402
 from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
-from dflash_cache.generate import BlockProposer, Engine, Request, StopRule  # noqa: E402
+from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, decoder  # noqa: E402
+from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -181,6 +182,15 @@ def launch_floor(target: SlotTarget, kernels: int) -> dict:
             torch.nn.functional.linear(g[..., : w.down.shape[1]], w.down)
 
     out["products_ms"] = replay_ms(products, reps=50)
+
+    def kernel_products() -> None:  # the same products through the product kernel, nothing fused
+        for w in layers:
+            h = rows_product(row, w.qkv, None, None, None, 0.0, False)
+            rows_product(h[..., : w.o.shape[1]], w.o, None, None, None, 0.0, False)
+            g = rows_product(row, w.gate_up, None, None, None, 0.0, False)
+            rows_product(g[..., : w.down.shape[1]], w.down, None, None, None, 0.0, False)
+
+    out["kernel_products_ms"] = replay_ms(kernel_products, reps=50)
     out["products"] = 4 * len(layers)
     return out
 
@@ -245,17 +255,22 @@ def main() -> None:
 
     skip = set(filter(None, args.skip.split(",")))
     outputs = {}
-    ways = [("graphs", False), ("compiled graphs", True)]  # the compiled path is the plain step always timed
-    for name, compile in ways[1:] if "graphs" in skip else ways:
+    # the compiled path (its products through the product kernel) is the plain step always timed
+    ways = [("graphs", False, True), ("compiled graphs, cuBLAS products", True, False), ("compiled graphs", True, True)]
+    for name, compile, kernel in ways[2:] if "graphs" in skip else ways:
+        rows, decoder.KERNEL_ROWS = decoder.KERNEL_ROWS, decoder.KERNEL_ROWS if kernel else 0
         target = SlotTarget(model, 1, length, compile=compile)
         seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([])), prompts,
                                                              args.max_new_tokens)  # fmt: skip
+        decoder.KERNEL_ROWS = rows
         result["engine"][name] = {"tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
                                   "fraction_of_bound": tokens / seconds / result["bound_tok_s"]}  # fmt: skip
         print(name, json.dumps(result["engine"][name]), flush=True)
         save()
     if "graphs" in outputs:
         result["compiled_equal_graphs"] = outputs["compiled graphs"] == outputs["graphs"]
+        cublas = outputs["compiled graphs, cuBLAS products"]
+        result["kernel_products_same_tokens_as_cublas"] = outputs["compiled graphs"] == cublas
 
     if "prefill" not in skip:
         result["prefill_ms"] = prefill_ms(SlotTarget(model, 1, length, compile=True), [16, 150, length // 2])

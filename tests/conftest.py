@@ -44,6 +44,31 @@ def _triton_interpreter() -> None:
 
 _triton_interpreter()
 
+@pytest.fixture
+def triton_interpreter(monkeypatch):
+    """Triton's interpreter for a test's kernels (the module's top loads Triton for it). Its dot
+    product is replaced by one that, like a GPU's matrix instructions, computes each output row from
+    its own input row alone (numpy's matrix product may sum a row in another order by its place in
+    the tile), and that widens bfloat16 operands to float32 first (exact), where the interpreter's
+    own reads their raw 16-bit patterns (Triton 3.9)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU machine runs these kernels compiled (tests/test_gpu.py)")
+    pytest.importorskip("triton", reason="the kernels need Triton (pip install triton); its interpreter runs them")
+    from triton.runtime import interpreter as interp
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def dot(self, a, b, d, *args):
+        a, b = (x.data if x.data.dtype != np.uint16 else (x.data.astype(np.uint32) << 16).view(np.float32)
+                for x in (a, b))  # fmt: skip
+        rows = np.stack([np.matmul(row[None], b, dtype=d.data.dtype)[0] for row in a])
+        return interp.TensorHandle(rows + d.data, d.dtype.scalar)
+
+    monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", dot)
+
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "data" / "tiny-target"
 CHAT = ROOT / "data" / "chat.jsonl"

@@ -110,6 +110,58 @@ def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces, mon
     assert not torch.equal(outs[True][0], outs[True][1])
 
 
+def test_product_kernel_equals_torchs_ops_and_keeps_each_tokens_bits(monkeypatch):
+    """The product kernel compiled, on SmolLM2's layer shapes (K 576 and 1536; N 960, 576, 3072 as
+    [gate; up]): each kind against torch's own bf16 ops of the same operands, to their summation
+    order; each token's bits the same in steps of 1, 8 and 17 tokens; and a chain of products that
+    reads what the one before wrote, replayed as one graph with programmatic dependent launch (each
+    kernel loads its weights before it waits for its input), bit for bit as launched plainly."""
+    import torch.nn.functional as F
+
+    from dflash_cache.generate import product_kernel
+    from dflash_cache.generate.decoder import KernelProducts, Products
+
+    g = torch.Generator(device=CUDA).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=CUDA, generator=g) * scale).to(torch.bfloat16)
+
+    H, inter = 576, 1536
+    w = {"qkv": randn(960, H, scale=H**-0.5), "gate_up": randn(2 * inter, H, scale=H**-0.5),
+         "o": randn(H, H, scale=H**-0.5), "down": randn(H, inter, scale=inter**-0.5)}  # fmt: skip
+    norm, bias = 1 + randn(H, scale=0.2), randn(960, scale=0.1)
+    x, res, act = randn(17, H), randn(17, H), randn(17, inter)
+    kinds = {
+        "normed": lambda how, r: how.normed(x[r], norm, 1e-5, w["qkv"], bias),
+        "gated": lambda how, r: how.gated(x[r], norm, 1e-5, w["gate_up"], None, F.silu),
+        "residual o": lambda how, r: how.residual(res[r], x[r], w["o"], None),
+        "residual down": lambda how, r: how.residual(res[r], act[r], w["down"], None),
+    }
+    for kind, run in kinds.items():
+        got, want = run(KernelProducts, slice(None)).float(), run(Products, slice(None)).float()
+        assert float((got - want).norm() / want.norm()) < 5e-3, kind
+        for part in [slice(i, i + 1) for i in range(17)] + [slice(2, 10), slice(9, 17)]:
+            assert torch.equal(run(KernelProducts, part).float(), got[part]), (kind, part)
+
+    def chain(h):
+        for _ in range(3):
+            a = KernelProducts.gated(h, norm, 1e-5, w["gate_up"], None, F.silu)
+            h = KernelProducts.residual(h, a, w["down"], None)
+            q = KernelProducts.normed(h, norm, 1e-5, w["qkv"], bias)
+            h = KernelProducts.residual(h, q[:, :H], w["o"], None)
+        return (h,)
+
+    graph = _Graph(chain)
+    inputs = [randn(1, H) for _ in range(3)]
+    replayed = [graph(h.clone())[0].clone() for h in inputs]
+    assert graph.graph is not None and not graph.broken, "captured and replayed, not run eagerly"
+    assert product_kernel.pdl_options(x, always=True)["PDL"], "this GPU launches without PDL"
+    monkeypatch.setattr(product_kernel, "pdl_options", lambda t, always=False: {"PDL": False})
+    for h, got in zip(inputs, replayed, strict=True):
+        assert torch.equal(got, chain(h)[0])
+    assert not torch.equal(replayed[0], replayed[1])
+
+
 @pytest.fixture(scope="module")
 def tiny():
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)

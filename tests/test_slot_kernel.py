@@ -5,36 +5,13 @@ checks the same compiled, through the whole step (tests/test_gpu.py)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from dflash_cache.generate import slot_kernel
 from dflash_cache.generate.slots import SlotStep, _masked, _rows_of
 
-triton = pytest.importorskip("triton", reason="the kernels need Triton (pip install triton); its interpreter runs them")
-
-
-@pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    """Triton's interpreter for this test's kernels (conftest loads Triton for it). Its dot product
-    is replaced by one that, like a GPU's matrix instructions, computes each output row from its own
-    input row alone (numpy's matrix product may sum a row in another order by its place in the
-    tile), and that widens bfloat16 operands to float32 first (exact), where the interpreter's own
-    reads their raw 16-bit patterns (Triton 3.9)."""
-    if torch.cuda.is_available():
-        pytest.skip("a GPU machine runs these kernels compiled (tests/test_gpu.py)")
-    from triton.runtime import interpreter as interp
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-    def dot(self, a, b, d, *args):
-        a, b = (x.data if x.data.dtype != np.uint16 else (x.data.astype(np.uint32) << 16).view(np.float32)
-                for x in (a, b))  # fmt: skip
-        rows = np.stack([np.matmul(row[None], b, dtype=d.data.dtype)[0] for row in a])
-        return interp.TensorHandle(rows + d.data, d.dtype.scalar)
-
-    monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", dot)
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # conftest: the kernels on the CPU
 
 
 @pytest.mark.parametrize("split", [0, 64])

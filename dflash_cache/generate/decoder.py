@@ -39,10 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_cache.generate import product_kernel
+from dflash_cache.generate.product_kernel import rows_product
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention, write_kv
 
 RECOMPILE_LIMIT = 64
 Compiled = Literal["fixed", "dynamic"] | None  # which compiled pieces a forward runs
+KERNEL_ROWS = 4  # a step of at most this many batch rows runs its products as `KernelProducts`
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -66,6 +69,46 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
     from transformers.activations import ACT2FN
 
     return F.silu if name == "silu" else ACT2FN[name]
+
+
+class Products:
+    """A layer's three kinds of product, as tensor ops: what the compiler fuses with the elementwise
+    work around them, and what runs on a CPU and for prefills."""
+
+    @staticmethod
+    def normed(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
+        """The product of the RMS-normed x: the q/k/v projection."""
+        return F.linear(rms_norm(x, norm, eps), w, bias)
+
+    @staticmethod
+    def gated(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None,
+              act: Callable[[Tensor], Tensor]) -> Tensor:  # fmt: skip
+        """act(gate) * up of the RMS-normed x, w being [gate; up]: the MLP's input side."""
+        gate, up = Products.normed(x, norm, eps, w, bias).chunk(2, dim=-1)
+        return act(gate) * up
+
+    @staticmethod
+    def residual(x: Tensor, a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+        """The residual stream x plus the product of a: the o and down projections."""
+        return x + F.linear(a, w, bias)
+
+
+class KernelProducts(Products):
+    """The same products as `product_kernel.rows_product` (SiLU only): each one kernel, and each
+    token's bits the same whatever the step holds; for a decode or verify step's few rows."""
+
+    @staticmethod
+    def normed(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
+        return rows_product(x, w, bias, norm, None, eps, False)
+
+    @staticmethod
+    def gated(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None,
+              act: Callable[[Tensor], Tensor]) -> Tensor:  # fmt: skip
+        return rows_product(x, w, bias, norm, None, eps, True)
+
+    @staticmethod
+    def residual(x: Tensor, a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+        return rows_product(a, w, bias, None, x, 0.0, False)
 
 
 def _fused(linears: list[nn.Linear], name: str, owner: nn.Module) -> tuple[Tensor, Tensor | None]:
@@ -138,13 +181,13 @@ class _Layer:
 
 def attention_in(x: Tensor, norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, q_norm: Tensor | None,
                  k_norm: Tensor | None, cos: Tensor, sin: Tensor, kv: tuple, eps: float, heads: int,
-                 kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                 kv_heads: int, products: type[Products] = Products) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """x [b, T, H] -> queries [b, T, heads, d], keys and values [b, T, kv_heads, d] (queries and
     keys normed and rotated as one tensor, so one kernel), the keys and values also written into
     the cache (`kv`: the layer's key and value buffers, the rows' slots and the positions). Weights
     come as plain tensors, so that one compilation serves every layer."""
     b, T, _ = x.shape
-    h = F.linear(rms_norm(x, norm, eps), qkv, qkv_bias)
+    h = products.normed(x, norm, eps, qkv, qkv_bias)
     d = h.shape[-1] // (heads + 2 * kv_heads)
     qk, v = h.view(b, T, heads + 2 * kv_heads, d).split([heads + kv_heads, kv_heads], dim=2)
     if q_norm is not None:
@@ -156,25 +199,25 @@ def attention_in(x: Tensor, norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, 
 
 def attention_out(x: Tensor, attn: Tensor, o: Tensor, o_bias: Tensor | None, norm: Tensor, gate_up: Tensor,
                   gate_up_bias: Tensor | None, down: Tensor, down_bias: Tensor | None, eps: float,
-                  act: Callable[[Tensor], Tensor]) -> Tensor:  # fmt: skip
+                  act: Callable[[Tensor], Tensor], products: type[Products] = Products) -> Tensor:  # fmt: skip
     """The residual stream after the layer: x [b, T, H] and the attention's output [b, T, heads, d]."""
-    x = x + F.linear(attn.flatten(2), o, o_bias)
-    gate, up = F.linear(rms_norm(x, norm, eps), gate_up, gate_up_bias).chunk(2, dim=-1)
-    return x + F.linear(act(gate) * up, down, down_bias)
+    x = products.residual(x, attn.flatten(2), o, o_bias)
+    return products.residual(x, products.gated(x, norm, eps, gate_up, gate_up_bias, act), down, down_bias)
 
 
 def seam(x: Tensor, attn: Tensor, out: tuple, into: tuple, cos: Tensor, sin: Tensor, kv: tuple, eps: float,
-         heads: int, kv_heads: int, act: Callable[[Tensor], Tensor]) -> tuple[Tensor, ...]:  # fmt: skip
+         heads: int, kv_heads: int, act: Callable[[Tensor], Tensor], products: type[Products] = Products
+         ) -> tuple[Tensor, ...]:  # fmt: skip
     """Layer i's attention-out and layer i+1's attention-in in one piece (the residual add and the
     next norm fuse): (the residual stream after layer i, layer i+1's queries, keys and values)."""
-    x = attention_out(x, attn, *out, eps, act)
-    return (x, *attention_in(x, *into, cos, sin, kv, eps, heads, kv_heads))
+    x = attention_out(x, attn, *out, eps, act, products)
+    return (x, *attention_in(x, *into, cos, sin, kv, eps, heads, kv_heads, products))
 
 
-def last(x: Tensor, attn: Tensor, out: tuple, norm: Tensor, eps: float, act: Callable[[Tensor], Tensor]
-         ) -> tuple[Tensor, Tensor]:  # fmt: skip
+def last(x: Tensor, attn: Tensor, out: tuple, norm: Tensor, eps: float, act: Callable[[Tensor], Tensor],
+         products: type[Products] = Products) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The last layer's attention-out and the final norm: (the residual stream, its normed states)."""
-    x = attention_out(x, attn, *out, eps, act)
+    x = attention_out(x, attn, *out, eps, act, products)
     return x, rms_norm(x, norm, eps)
 
 
@@ -223,7 +266,18 @@ class LayerStack:
         """`inputs` (what the prologue takes) at `step.positions` through every layer: the final
         normed states [b, T, H], and the residual stream after each layer in `taps`. `compiled`:
         "fixed" for a step, "dynamic" for a prefill, None for the eager pieces."""
-        return self._pieces(compiled, lambda fns: self._run(fns, inputs, cache, step, taps or []))
+        products = self._products(step, compiled)
+        return self._pieces(compiled, lambda fns: self._run(fns, inputs, cache, step, taps or [], products))
+
+    def _products(self, step: SlotStep, compiled: Compiled) -> type[Products]:
+        """`KernelProducts` for a step (the fixed shapes) of at most KERNEL_ROWS batch rows where the
+        kernel serves the layers; chosen by the rows alone, so that a row's verify and decode steps
+        run the same products."""
+        w = self.layers[0]
+        if (compiled == "fixed" and step.positions.shape[0] <= KERNEL_ROWS and self.act is F.silu
+                and product_kernel.fits(w.qkv, w.o, w.gate_up, w.down)):  # fmt: skip
+            return KernelProducts
+        return Products
 
     def context(self, states: Tensor, cache: SlotCache, step: SlotStep, *, compiled: Compiled = None) -> None:
         """Write every layer's keys and values of the context made from tapped target states (a
@@ -246,20 +300,20 @@ class LayerStack:
     def _kv(self, cache: SlotCache, i: int, step: SlotStep) -> tuple:
         return cache.k[i], cache.v[i], step.slot, step.positions
 
-    def _run(self, fns: dict, inputs: Tensor, cache: SlotCache, step: SlotStep, taps: list[int]
-             ) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
+    def _run(self, fns: dict, inputs: Tensor, cache: SlotCache, step: SlotStep, taps: list[int],
+             products: type[Products]) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
         geometry = (self.eps, self.heads, self.kv_heads)
         x, cos, sin = fns["prologue"](inputs, step.positions)
-        q, k, v = fns["in"](x, *self.layers[0].into, cos, sin, self._kv(cache, 0, step), *geometry)
+        q, k, v = fns["in"](x, *self.layers[0].into, cos, sin, self._kv(cache, 0, step), *geometry, products)
         tapped = {}
         last_layer = len(self.layers) - 1
         for i, w in enumerate(self.layers):
             attn = slot_attention(cache, i, q, k, v, step, self.scale, write=False)
             if i < last_layer:
                 x, q, k, v = fns["seam"](x, attn, w.out, self.layers[i + 1].into, cos, sin,
-                                         self._kv(cache, i + 1, step), *geometry, self.act)  # fmt: skip
+                                         self._kv(cache, i + 1, step), *geometry, self.act, products)  # fmt: skip
             else:
-                x, normed = fns["last"](x, attn, w.out, self.norm, self.eps, self.act)
+                x, normed = fns["last"](x, attn, w.out, self.norm, self.eps, self.act, products)
             if i in taps:
                 tapped[i] = x
         return normed, tapped
