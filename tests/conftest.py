@@ -63,8 +63,11 @@ def triton_interpreter(monkeypatch):
     def dot(self, a, b, d, *args):
         a, b = (x.data if x.data.dtype != np.uint16 else (x.data.astype(np.uint32) << 16).view(np.float32)
                 for x in (a, b))  # fmt: skip
-        rows = np.stack([np.matmul(row[None], b, dtype=d.data.dtype)[0] for row in a])
-        return interp.TensorHandle(rows + d.data, d.dtype.scalar)
+        batched = a.ndim == 3  # a batch of products, [batch, M, K] x [batch, K, N]
+        a, b = (a, b) if batched else (a[None], b[None])
+        out = np.stack([np.stack([np.matmul(row[None], bb, dtype=d.data.dtype)[0] for row in aa])
+                        for aa, bb in zip(a, b, strict=True)])  # fmt: skip
+        return interp.TensorHandle((out if batched else out[0]) + d.data, d.dtype.scalar)
 
     monkeypatch.setattr(interp.InterpreterBuilder, "create_dot", dot)
 

@@ -35,6 +35,7 @@ from dflash_cache.triton_support import available, on_device, pdl_options
 
 BLOCK_T = 16  # rows (tokens) a program takes at once, whatever the step holds
 COLS = 16  # output columns a program owns
+SLICES = 8  # pieces of K a program sums side by side (one warp each)
 MAX_K = 4096  # the widest input row: a program holds its columns' weights whole
 
 
@@ -50,11 +51,14 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T"])  # compiled for T == 1 apart, a one-token step ran 1.5x slower
     def rows_times_weights(X, W, BIAS, NORM, RES, Y, T, N, eps, sx, sr, sy, K: tl.constexpr, KP: tl.constexpr,
-                           BLOCK_T: tl.constexpr, COLS: tl.constexpr, HAS_BIAS: tl.constexpr, NORMED: tl.constexpr,
-                           GATED: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        """Y[t, c] for this program's COLS columns c and every row t < T, BLOCK_T rows at a time."""
+                           BLOCK_T: tl.constexpr, COLS: tl.constexpr, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           NORMED: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
+                           PDL: tl.constexpr):  # fmt: skip
+        """Y[t, c] for this program's COLS columns c and every row t < T, BLOCK_T rows at a time. The
+        sums over K run as SLICES matrix products side by side, added in a fixed order: one product
+        over all of K is a chain of dependent matrix instructions, 4 us long at K = 2048."""
         DT = Y.dtype.element_ty
         cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
         live = cols < N
@@ -80,11 +84,12 @@ def _kernel():
                 h = x.to(tl.float32)
                 h = h * tl.rsqrt(tl.sum(h * h, 1) / K + eps)[:, None]
                 x = (g.to(tl.float32)[None, :] * h.to(DT).to(tl.float32)).to(DT)
-            y = tl.dot(x, tl.trans(w))
+            xs = tl.permute(tl.reshape(x, (BLOCK_T, SLICES, KP // SLICES)), (1, 0, 2))
+            y = tl.sum(tl.dot(xs, tl.permute(tl.reshape(w, (COLS, SLICES, KP // SLICES)), (1, 2, 0))), 0)
             if HAS_BIAS:
                 y += bias[None, :]
             if GATED:
-                up = tl.dot(x, tl.trans(u))
+                up = tl.sum(tl.dot(xs, tl.permute(tl.reshape(u, (COLS, SLICES, KP // SLICES)), (1, 2, 0))), 0)
                 if HAS_BIAS:
                     up += bias_u[None, :]
                 gate = y.to(DT).to(tl.float32)
@@ -110,12 +115,13 @@ def rows_product(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | 
     N = weight.shape[0] // (2 if gated else 1)
     out = torch.empty(rows.shape[0], N, dtype=x.dtype, device=x.device)
     res = residual.reshape(-1, N).contiguous() if residual is not None else out
-    KP = triton.next_power_of_2(K)
+    KP = max(triton.next_power_of_2(K), 16 * SLICES)  # a matrix instruction sums 16 of K at least
     _kernel()[(triton.cdiv(N, COLS),)](
         rows, weight.contiguous(), bias if bias is not None else out, norm if norm is not None else out, res, out,
         rows.shape[0], N, eps, rows.stride(0), res.stride(0), out.stride(0), K=K, KP=KP, BLOCK_T=BLOCK_T, COLS=COLS,
+        SLICES=SLICES,
         HAS_BIAS=bias is not None, NORMED=norm is not None, GATED=gated, RESIDUAL=residual is not None,
-        num_warps=8 if KP * (2 if gated else 1) > 1024 else 4, **pdl_options(x, always=True))  # fmt: skip
+        num_warps=SLICES, **pdl_options(x, always=True))  # fmt: skip
     return out.view(*x.shape[:-1], N)
 
 
