@@ -22,6 +22,11 @@ length (eager, a prefill launches some 30 kernels a layer, each paying the host'
 The drafter's layers, of the same structure, run the same way (`proposer.BlockProposer`), with
 one more piece: the context's keys and values.
 
+A step of a few rows (decoding at batch 1, a verify step) runs its products through
+`product_kernel` instead of cuBLAS (`KernelProducts`): each product one kernel with the norm, the
+SiLU gate or the residual add around it, the weights read while the kernel before it runs, and a
+token's bits the same whatever the step holds.
+
 The fused projections are the model's own weights: its q/k/v and gate/up parameters become views
 into one tensor each, so nothing is held twice and the model itself keeps working. The
 arithmetic is transformers' own (its RMSNorm formula, its rotary embedding module), so the logits
