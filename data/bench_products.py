@@ -1,0 +1,87 @@
+"""A batch-1 step's products on a GPU: the product kernel (generate/product_kernel.py) with and
+without programmatic dependent launch, against cuBLAS, in the whole step and alone.
+
+    python data/bench_products.py --shape smollm2-135m --out products.json
+
+For a random-weight target of a named shape (`dflash_cache.bench.SHAPES`), each a replayed CUDA
+graph:
+
+- the slot target's step of 1, 2 and 8 tokens at context 150, three ways: products by cuBLAS
+  (`decoder.Products`, the compiler fusing the norms, activation and residuals around them), by
+  the product kernel (`decoder.KernelProducts`, the default for up to `decoder.KERNEL_ROWS` rows),
+  and by the kernel launched plainly (no early weight loads);
+- the kernel's products alone, each kind 30 times in a row (qkv, o, gate_up, down: what a step's
+  layers launch), at 1 and 8 tokens, with and without PDL: microseconds a product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import replay_ms  # noqa: E402
+
+from dflash_cache.bench_generate import random_model  # noqa: E402
+from dflash_cache.generate import decoder, product_kernel  # noqa: E402
+from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
+from dflash_cache.generate.targets import SlotTarget  # noqa: E402
+
+CUDA = torch.device("cuda")
+KINDS = ("qkv", "o", "gate_up", "down")
+
+
+def plain_launch(t: torch.Tensor, always: bool = False) -> dict:
+    return {"PDL": False}
+
+
+def products_us(layers: list, tokens: int) -> dict:
+    """Each kind's products of every layer in a row, replayed: us a product."""
+    x = torch.randn(tokens, layers[0].o.shape[1], device=CUDA, dtype=layers[0].o.dtype)
+    inter = torch.randn(tokens, layers[0].down.shape[1], device=CUDA, dtype=x.dtype)
+
+    def kind(name: str) -> None:
+        for w in layers:
+            rows_product(inter if name == "down" else x, getattr(w, name), None, None, None, 0.0, False)
+
+    return {name: 1e3 * replay_ms(lambda n=name: kind(n), reps=50) / len(layers) for name in KINDS}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="smollm2-135m")
+    ap.add_argument("--context", type=int, default=150)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    model = random_model(args.shape, CUDA)
+    target = SlotTarget(model, 1, args.context + 64)
+    ids = torch.randint(0, 1000, (1, 8), device=CUDA)
+    positions = (args.context + torch.arange(8, device=CUDA))[None]
+    pdl, rows = product_kernel.pdl_options, decoder.KERNEL_ROWS
+    ways = {"cuBLAS products": (0, pdl), "kernel products": (rows, pdl),
+            "kernel products, no PDL": (rows, plain_launch)}  # fmt: skip
+    result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "context": args.context, "ways": {}}  # fmt: skip
+    for name, (kernel_rows, launch) in ways.items():
+        decoder.KERNEL_ROWS, product_kernel.pdl_options = kernel_rows, launch
+        target.prefill([0], [tuple(range(3, 3 + args.context))])
+        row = {f"step, {T} tokens, ms": replay_ms(lambda T=T: target.step(ids[:, :T], positions[:, :T]), reps=100)
+               for T in (1, 2, 8)}  # fmt: skip
+        if kernel_rows:
+            for T in (1, 8):
+                row[f"us a product, {T} tokens"] = products_us(target.decoder.layers.layers, T)
+        result["ways"][name] = row
+        print(name, json.dumps(row), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    decoder.KERNEL_ROWS, product_kernel.pdl_options = rows, pdl
+
+
+if __name__ == "__main__":
+    main()
