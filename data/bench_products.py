@@ -6,17 +6,20 @@ without programmatic dependent launch, against cuBLAS, in the whole step and alo
 For a random-weight target of a named shape (`dflash_cache.bench.SHAPES`), each a replayed CUDA
 graph:
 
-- the slot target's step of 1, 2 and 8 tokens at context 150, three ways: products by cuBLAS
+- the slot target's step of 1, 2 and 8 tokens at context 150: products by cuBLAS
   (`decoder.Products`, the compiler fusing the norms, activation and residuals around them), by
   the product kernel (`decoder.KernelProducts`, the default for up to `decoder.KERNEL_ROWS` rows),
-  and by the kernel launched plainly (no early weight loads);
-- the kernel's products alone, each kind 30 times in a row (qkv, o, gate_up, down: what a step's
-  layers launch), at 1 and 8 tokens, with and without PDL: microseconds a product.
+  by the kernel launched plainly (no early weight loads), with the attention kernel launched with
+  PDL too (so the o projection loads its weights during the attention), and with other tiles of
+  the kernel (`--tiles`);
+- each of those ways' products alone, each kind once a layer in a row (qkv, o, gate_up, down), at
+  1 and 8 tokens: microseconds a product.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -29,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import replay_ms  # noqa: E402
 
 from dflash_cache.bench_generate import random_model  # noqa: E402
-from dflash_cache.generate import decoder, product_kernel  # noqa: E402
+from dflash_cache.generate import decoder, product_kernel, slot_kernel  # noqa: E402
 from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
+from dflash_cache.triton_support import pdl_options  # noqa: E402
 
 CUDA = torch.device("cuda")
 KINDS = ("qkv", "o", "gate_up", "down")
@@ -39,6 +43,35 @@ KINDS = ("qkv", "o", "gate_up", "down")
 
 def plain_launch(t: torch.Tensor, always: bool = False) -> dict:
     return {"PDL": False}
+
+
+def attention_pdl(t: torch.Tensor, always: bool = False) -> dict:
+    return pdl_options(t, always=True)
+
+
+def ways(tiles: list[str]) -> dict[str, list[tuple[object, str, object]]]:
+    """Each way a step runs, as the module attributes it sets."""
+    out = {"cuBLAS products": [(decoder, "KERNEL_ROWS", 0)],
+           "kernel products": [],
+           "kernel products, no PDL": [(product_kernel, "pdl_options", plain_launch)],
+           "kernel products, attention launched with PDL": [(slot_kernel, "pdl_options", attention_pdl)]}  # fmt: skip
+    for tile in tiles:
+        cols, slices = map(int, tile.split("x"))
+        out[f"kernel products, {cols} columns a program, K in {slices} slices"] = [
+            (product_kernel, "COLS", cols), (product_kernel, "SLICES", slices)]  # fmt: skip
+    return out
+
+
+@contextlib.contextmanager
+def patched(changes: list[tuple[object, str, object]]):
+    old = [(module, name, getattr(module, name)) for module, name, _ in changes]
+    for module, name, value in changes:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in old:
+            setattr(module, name, value)
 
 
 def products_us(layers: list, tokens: int) -> dict:
@@ -57,31 +90,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=150)
+    ap.add_argument("--tiles", default="", help="other tiles of the kernel to time, COLSxSLICES: 16x4,32x8")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model = random_model(args.shape, CUDA)
     target = SlotTarget(model, 1, args.context + 64)
     ids = torch.randint(0, 1000, (1, 8), device=CUDA)
     positions = (args.context + torch.arange(8, device=CUDA))[None]
-    pdl, rows = product_kernel.pdl_options, decoder.KERNEL_ROWS
-    ways = {"cuBLAS products": (0, pdl), "kernel products": (rows, pdl),
-            "kernel products, no PDL": (rows, plain_launch)}  # fmt: skip
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "context": args.context, "ways": {}}  # fmt: skip
-    for name, (kernel_rows, launch) in ways.items():
-        decoder.KERNEL_ROWS, product_kernel.pdl_options = kernel_rows, launch
-        target.prefill([0], [tuple(range(3, 3 + args.context))])
-        row = {f"step, {T} tokens, ms": replay_ms(lambda T=T: target.step(ids[:, :T], positions[:, :T]), reps=100)
-               for T in (1, 2, 8)}  # fmt: skip
-        if kernel_rows:
-            for T in (1, 8):
-                row[f"us a product, {T} tokens"] = products_us(target.decoder.layers.layers, T)
+    for name, changes in ways([t for t in args.tiles.split(",") if t]).items():
+        with patched(changes):
+            target.prefill([0], [tuple(range(3, 3 + args.context))])
+            row = {f"step, {T} tokens, ms": replay_ms(lambda T=T: target.step(ids[:, :T], positions[:, :T]), reps=100)
+                   for T in (1, 2, 8)}  # fmt: skip
+            if name != "cuBLAS products":
+                for T in (1, 8):
+                    row[f"us a product, {T} tokens"] = products_us(target.decoder.layers.layers, T)
         result["ways"][name] = row
         print(name, json.dumps(row), flush=True)
         if args.out:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
-    decoder.KERNEL_ROWS, product_kernel.pdl_options = rows, pdl
-
 
 if __name__ == "__main__":
     main()
