@@ -44,6 +44,7 @@ def _triton_interpreter() -> None:
 
 _triton_interpreter()
 
+
 @pytest.fixture
 def triton_interpreter(monkeypatch):
     """Triton's interpreter for a test's kernels (the module's top loads Triton for it). Its dot
