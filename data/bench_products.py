@@ -54,7 +54,8 @@ def ways(tiles: list[str]) -> dict[str, list[tuple[object, str, object]]]:
     out = {"cuBLAS products": [(decoder, "KERNEL_ROWS", 0)],
            "kernel products": [],
            "kernel products, no PDL": [(product_kernel, "pdl_options", plain_launch)],
-           "kernel products, attention launched with PDL": [(slot_kernel, "pdl_options", attention_pdl)]}  # fmt: skip
+           "kernel products, attention launched with PDL": [(slot_kernel, "pdl_options", attention_pdl)],
+           "kernel products, weights loaded in the products' layout": [(product_kernel, "DIRECT", True)]}  # fmt: skip
     for tile in tiles:
         cols, slices = map(int, tile.split("x"))
         out[f"kernel products, {cols} columns a program, K in {slices} slices"] = [

@@ -36,6 +36,7 @@ from dflash_cache.triton_support import available, on_device, pdl_options
 BLOCK_T = 16  # rows (tokens) a program takes at once, whatever the step holds
 COLS = 16  # output columns a program owns
 SLICES = 8  # pieces of K a program sums side by side (one warp each)
+DIRECT = False  # load the weights in the products' [SLICES, K / SLICES, COLS] layout, not [COLS, K] reshaped
 MAX_K = 2048  # the widest input row: a program holds its columns' weights whole (measured up to 2048)
 
 
@@ -55,7 +56,7 @@ def _kernel():
     def rows_times_weights(X, W, BIAS, NORM, RES, Y, T, N, eps, sx, sr, sy, K: tl.constexpr, KP: tl.constexpr,
                            BLOCK_T: tl.constexpr, COLS: tl.constexpr, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
                            NORMED: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                           PDL: tl.constexpr):  # fmt: skip
+                           DIRECT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """Y[t, c] for this program's COLS columns c and every row t < T, BLOCK_T rows at a time. The
         sums over K run as SLICES matrix products side by side, added in a fixed order: one product
         over all of K is a chain of dependent matrix instructions, 4 us long at K = 2048."""
@@ -64,9 +65,19 @@ def _kernel():
         live = cols < N
         k = tl.arange(0, KP)
         inside = k < K
-        w = tl.load(W + cols[:, None] * K + k[None, :], mask=live[:, None] & inside[None, :], other=0.0)
-        if GATED:
-            u = tl.load(W + (cols + N)[:, None] * K + k[None, :], mask=live[:, None] & inside[None, :], other=0.0)
+        KS: tl.constexpr = KP // SLICES
+        if DIRECT:  # the weights as [SLICES, KS, COLS], the layout the matrix products take
+            k3 = tl.arange(0, SLICES)[:, None, None] * KS + tl.arange(0, KS)[None, :, None]
+            c3 = cols[None, None, :]
+            w = tl.load(W + c3 * K + k3, mask=(c3 < N) & (k3 < K), other=0.0)
+            if GATED:
+                u = tl.load(W + (c3 + N) * K + k3, mask=(c3 < N) & (k3 < K), other=0.0)
+        else:
+            w = tl.load(W + cols[:, None] * K + k[None, :], mask=live[:, None] & inside[None, :], other=0.0)
+            w = tl.permute(tl.reshape(w, (COLS, SLICES, KS)), (1, 2, 0))
+            if GATED:
+                u = tl.load(W + (cols + N)[:, None] * K + k[None, :], mask=live[:, None] & inside[None, :], other=0.0)
+                u = tl.permute(tl.reshape(u, (COLS, SLICES, KS)), (1, 2, 0))
         if HAS_BIAS:
             bias = tl.load(BIAS + cols, mask=live, other=0.0).to(tl.float32)
             if GATED:
@@ -84,12 +95,12 @@ def _kernel():
                 h = x.to(tl.float32)
                 h = h * tl.rsqrt(tl.sum(h * h, 1) / K + eps)[:, None]
                 x = (g.to(tl.float32)[None, :] * h.to(DT).to(tl.float32)).to(DT)
-            xs = tl.permute(tl.reshape(x, (BLOCK_T, SLICES, KP // SLICES)), (1, 0, 2))
-            y = tl.sum(tl.dot(xs, tl.permute(tl.reshape(w, (COLS, SLICES, KP // SLICES)), (1, 2, 0))), 0)
+            xs = tl.permute(tl.reshape(x, (BLOCK_T, SLICES, KS)), (1, 0, 2))
+            y = tl.sum(tl.dot(xs, w), 0)
             if HAS_BIAS:
                 y += bias[None, :]
             if GATED:
-                up = tl.sum(tl.dot(xs, tl.permute(tl.reshape(u, (COLS, SLICES, KP // SLICES)), (1, 2, 0))), 0)
+                up = tl.sum(tl.dot(xs, u), 0)
                 if HAS_BIAS:
                     up += bias_u[None, :]
                 gate = y.to(DT).to(tl.float32)
@@ -119,7 +130,7 @@ def rows_product(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | 
     _kernel()[(triton.cdiv(N, COLS),)](
         rows, weight.contiguous(), bias if bias is not None else out, norm if norm is not None else out, res, out,
         rows.shape[0], N, eps, rows.stride(0), res.stride(0), out.stride(0), K=K, KP=KP, BLOCK_T=BLOCK_T, COLS=COLS,
-        SLICES=SLICES, HAS_BIAS=bias is not None, NORMED=norm is not None, GATED=gated,
+        SLICES=SLICES, DIRECT=DIRECT, HAS_BIAS=bias is not None, NORMED=norm is not None, GATED=gated,
         RESIDUAL=residual is not None, num_warps=SLICES, **pdl_options(x, always=True))  # fmt: skip
     return out.view(*x.shape[:-1], N)
 
