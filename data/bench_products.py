@@ -55,7 +55,8 @@ def ways(tiles: list[str]) -> dict[str, list[tuple[object, str, object]]]:
            "kernel products": [],
            "kernel products, no PDL": [(product_kernel, "pdl_options", plain_launch)],
            "kernel products, attention launched with PDL": [(slot_kernel, "pdl_options", attention_pdl)],
-           "kernel products, weights loaded in the products' layout": [(product_kernel, "DIRECT", True)]}  # fmt: skip
+           "kernel products, weights loaded in the products' layout": [(product_kernel, "DIRECT", True)],
+           "kernel products, RoPE compiled apart": [(decoder, "ROPE_IN_PRODUCT", False)]}  # fmt: skip
     for tile in tiles:
         cols, slices = map(int, tile.split("x"))
         out[f"kernel products, {cols} columns a program, K in {slices} slices"] = [

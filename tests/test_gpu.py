@@ -162,6 +162,44 @@ def test_product_kernel_equals_torchs_ops_and_keeps_each_tokens_bits(monkeypatch
     assert not torch.equal(replayed[0], replayed[1])
 
 
+def test_qkv_product_with_rope_equals_torchs_ops_and_keeps_each_tokens_bits():
+    """The q/k/v product kernel with RoPE and the cache writes in its epilogue, compiled, on
+    SmolLM2's attention shape (9 heads, 3 kv heads of 64, hidden 576), two rows in slots 2 and 0
+    at positions past 1000: its queries, keys and values against torch's own bf16 ops; each token's
+    the same bits when it is stepped alone."""
+    from dflash_cache.generate.decoder import KernelProducts, Products
+
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    heads, kv_heads, d, H, T = 9, 3, 64, 576, 9
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=CUDA, generator=g) * scale).to(torch.bfloat16)
+
+    w, bias, norm = randn((heads + 2 * kv_heads) * d, H, scale=H**-0.5), None, 1 + randn(H, scale=0.2)
+    x = randn(2, T, H)
+    positions = torch.tensor([[1000], [40]], device=CUDA) + torch.arange(T, device=CUDA)
+    angles = positions[..., None] * 10000 ** (-torch.arange(0, d, 2, device=CUDA) / d)
+    cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
+    slot = torch.tensor([[2], [0]], device=CUDA)
+
+    def run(how, t=slice(None)):
+        caches = [torch.zeros(3, 1040, kv_heads, d, device=CUDA, dtype=torch.bfloat16) for _ in "kv"]
+        q, _, _ = how.qkv(x[:, t], norm, 1e-5, w, bias, None, None, cos[:, t], sin[:, t],
+                          (*caches, slot, positions[:, t]), heads, kv_heads)  # fmt: skip
+        return q, caches
+
+    q, caches = run(KernelProducts)
+    want_q, want_caches = run(Products)
+    for got, want in ((q, want_q), *zip(caches, want_caches, strict=True)):
+        assert float((got.float() - want.float()).norm() / want.float().norm()) < 5e-3
+    for t in range(T):
+        q1, caches1 = run(KernelProducts, slice(t, t + 1))
+        assert torch.equal(q1[:, 0], q[:, t])
+        for row in range(2):
+            at = (slot[row, 0], positions[row, t])
+            assert all(torch.equal(a[at], b[at]) for a, b in zip(caches1, caches, strict=True))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)

@@ -63,6 +63,43 @@ def test_a_token_gets_the_same_bits_in_a_step_of_any_size(kind):
         assert torch.equal(run(KernelProducts, kind, part), whole[rows]), (kind, rows)
 
 
+def test_the_qkv_product_rotates_its_keys_and_writes_them_into_the_cache():
+    """The q/k/v product with RoPE in its epilogue (`KernelProducts.qkv` without q/k norms), two rows
+    in slots 2 and 0 of a cache of three, 3 tokens each: its queries and the keys and values it wrote
+    against the tensor ops' (float64 on the same operands); a cache entry nobody wrote stays zero;
+    and each token's query and cache entries have the same bits when it is stepped alone."""
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, d, H = 4, 2, 16, 48
+    w = (torch.randn((heads + 2 * kv_heads) * d, H, generator=g) * H**-0.5).bfloat16()
+    bias = torch.randn((heads + 2 * kv_heads) * d, generator=g).bfloat16()
+    norm = (1 + 0.2 * torch.randn(H, generator=g)).bfloat16()
+    x = torch.randn(2, 3, H, generator=g).bfloat16()
+    angles = torch.randn(2, 3, d // 2, generator=g)
+    cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
+    slot, positions = torch.tensor([[2], [0]]), torch.tensor([[5, 6, 7], [0, 1, 2]])
+
+    def run(how, rows, cast=lambda t: t):
+        caches = [torch.zeros(3, 16, kv_heads, d, dtype=cast(x).dtype) for _ in "kv"]
+        q, _, _ = how.qkv(cast(x[rows]), cast(norm), 1e-5, cast(w), cast(bias), None, None, cast(cos[rows]),
+                          cast(sin[rows]), (*caches, slot[rows], positions[rows]), heads, kv_heads)  # fmt: skip
+        return q, caches
+
+    q, (kc, vc) = run(KernelProducts, slice(None))
+    want_q, (want_k, want_v) = run(Products, slice(None), lambda t: t.double())
+    for got, want in ((q, want_q), (kc, want_k), (vc, want_v)):
+        assert float((got.double() - want).norm() / want.norm()) < 3e-2
+    assert not kc[1].any() and not vc[1].any() and not kc[2, :5].any()
+    for t in range(3):
+        alone = {k: v[:, t : t + 1] for k, v in {"x": x, "cos": cos, "sin": sin, "positions": positions}.items()}
+        caches = [torch.zeros_like(kc) for _ in "kv"]
+        q1, _, _ = KernelProducts.qkv(alone["x"], norm, 1e-5, w, bias, None, None, alone["cos"], alone["sin"],
+                                      (*caches, slot, alone["positions"]), heads, kv_heads)  # fmt: skip
+        assert torch.equal(q1[:, 0], q[:, t])
+        for row in range(2):
+            at = (slot[row, 0], positions[row, t])
+            assert torch.equal(caches[0][at], kc[at]) and torch.equal(caches[1][at], vc[at])
+
+
 def small_model(model_type: str):
     config = AutoConfig.for_model(model_type=model_type, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
                                   num_attention_heads=6, num_key_value_heads=2, vocab_size=211, head_dim=16,

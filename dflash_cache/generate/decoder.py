@@ -45,12 +45,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_cache.generate import product_kernel
-from dflash_cache.generate.product_kernel import rows_product
+from dflash_cache.generate.product_kernel import rows_product, rows_qkv
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention, write_kv
 
 RECOMPILE_LIMIT = 64
 Compiled = Literal["fixed", "dynamic"] | None  # which compiled pieces a forward runs
 KERNEL_ROWS = 4  # a step of at most this many batch rows runs its products as `KernelProducts`
+ROPE_IN_PRODUCT = True  # KernelProducts' q/k/v projection rotates and writes the cache itself
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -77,19 +78,19 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
 
 
 class Products:
-    """A layer's three kinds of product, as tensor ops: what the compiler fuses with the elementwise
-    work around them, and what runs on a CPU and for prefills."""
+    """A layer's kinds of product, as tensor ops: what the compiler fuses with the elementwise work
+    around them, and what runs on a CPU and for prefills."""
 
     @staticmethod
     def normed(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
-        """The product of the RMS-normed x: the q/k/v projection."""
+        """The product of the RMS-normed x."""
         return F.linear(rms_norm(x, norm, eps), w, bias)
 
-    @staticmethod
-    def gated(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None,
+    @classmethod
+    def gated(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None,
               act: Callable[[Tensor], Tensor]) -> Tensor:  # fmt: skip
         """act(gate) * up of the RMS-normed x, w being [gate; up]: the MLP's input side."""
-        gate, up = Products.normed(x, norm, eps, w, bias).chunk(2, dim=-1)
+        gate, up = cls.normed(x, norm, eps, w, bias).chunk(2, dim=-1)
         return act(gate) * up
 
     @staticmethod
@@ -97,23 +98,49 @@ class Products:
         """The residual stream x plus the product of a: the o and down projections."""
         return x + F.linear(a, w, bias)
 
+    @classmethod
+    def qkv(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
+            k_norm: Tensor | None, cos: Tensor, sin: Tensor, kv: tuple, heads: int,
+            kv_heads: int) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+        """`attention_in`'s queries, keys and values (module docstring), the keys and values written
+        into the cache."""
+        b, T, _ = x.shape
+        h = cls.normed(x, norm, eps, w, bias)
+        d = h.shape[-1] // (heads + 2 * kv_heads)
+        qk, v = h.view(b, T, heads + 2 * kv_heads, d).split([heads + kv_heads, kv_heads], dim=2)
+        if q_norm is not None:
+            qk = rms_norm(qk, torch.cat([q_norm.expand(heads, d), k_norm.expand(kv_heads, d)]), eps)
+        q, k = rotate(qk, cos, sin).split([heads, kv_heads], dim=2)
+        write_kv(k, v, *kv)
+        return q, k, v
+
 
 class KernelProducts(Products):
-    """The same products as `product_kernel.rows_product` (SiLU only): each one kernel, and each
-    token's bits the same whatever the step holds; for a decode or verify step's few rows."""
+    """The same products as `product_kernel`'s kernels (SiLU only): each one kernel, and each
+    token's bits the same whatever the step holds; for a decode or verify step's few rows. Without
+    q/k norms, the q/k/v projection also rotates the queries and keys and writes the keys and values
+    into the cache itself (`ROPE_IN_PRODUCT`), and gives back the queries alone."""
 
     @staticmethod
     def normed(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
         return rows_product(x, w, bias, norm, None, eps, False)
 
-    @staticmethod
-    def gated(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None,
+    @classmethod
+    def gated(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None,
               act: Callable[[Tensor], Tensor]) -> Tensor:  # fmt: skip
         return rows_product(x, w, bias, norm, None, eps, True)
 
     @staticmethod
     def residual(x: Tensor, a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
         return rows_product(a, w, bias, None, x, 0.0, False)
+
+    @classmethod
+    def qkv(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
+            k_norm: Tensor | None, cos: Tensor, sin: Tensor, kv: tuple, heads: int,
+            kv_heads: int) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
+        if ROPE_IN_PRODUCT and q_norm is None and product_kernel.rope_fits(cos.shape[-1]):
+            return rows_qkv(x, w, bias, norm, eps, cos, sin, *kv, heads, kv_heads), None, None
+        return super().qkv(x, norm, eps, w, bias, q_norm, k_norm, cos, sin, kv, heads, kv_heads)
 
 
 def _fused(linears: list[nn.Linear], name: str, owner: nn.Module) -> tuple[Tensor, Tensor | None]:
@@ -186,20 +213,14 @@ class _Layer:
 
 def attention_in(x: Tensor, norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, q_norm: Tensor | None,
                  k_norm: Tensor | None, cos: Tensor, sin: Tensor, kv: tuple, eps: float, heads: int,
-                 kv_heads: int, products: type[Products] = Products) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+                 kv_heads: int, products: type[Products] = Products
+                 ) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
     """x [b, T, H] -> queries [b, T, heads, d], keys and values [b, T, kv_heads, d] (queries and
     keys normed and rotated as one tensor, so one kernel), the keys and values also written into
-    the cache (`kv`: the layer's key and value buffers, the rows' slots and the positions). Weights
-    come as plain tensors, so that one compilation serves every layer."""
-    b, T, _ = x.shape
-    h = products.normed(x, norm, eps, qkv, qkv_bias)
-    d = h.shape[-1] // (heads + 2 * kv_heads)
-    qk, v = h.view(b, T, heads + 2 * kv_heads, d).split([heads + kv_heads, kv_heads], dim=2)
-    if q_norm is not None:
-        qk = rms_norm(qk, torch.cat([q_norm.expand(heads, d), k_norm.expand(kv_heads, d)]), eps)
-    q, k = rotate(qk, cos, sin).split([heads, kv_heads], dim=2)
-    write_kv(k, v, *kv)
-    return q, k, v
+    the cache (`kv`: the layer's key and value buffers, the rows' slots and the positions; keys and
+    values None where the product kernel wrote them there itself). Weights come as plain tensors,
+    so that one compilation serves every layer."""
+    return products.qkv(x, norm, eps, qkv, qkv_bias, q_norm, k_norm, cos, sin, kv, heads, kv_heads)
 
 
 def attention_out(x: Tensor, attn: Tensor, o: Tensor, o_bias: Tensor | None, norm: Tensor, gate_up: Tensor,

@@ -53,15 +53,31 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit(do_not_specialize=["T"])  # a build for T == 1 made one-token steps 1.5x slower (H200)
-    def rows_times_weights(X, W, BIAS, NORM, RES, Y, T, N, eps, sx, sr, sy, K: tl.constexpr, KP: tl.constexpr,
-                           BLOCK_T: tl.constexpr, COLS: tl.constexpr, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           NORMED: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr,
-                           DIRECT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    def rows_times_weights(X, W, BIAS, NORM, RES, Y, T, N, eps, sx, sr, sy, COS, SIN, KC, VC, SLOT, POS, TT, s_slot,
+                           s_pos, s_head, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
+                           COLS: tl.constexpr, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, NORMED: tl.constexpr,
+                           GATED: tl.constexpr, RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HEADS: tl.constexpr,
+                           KV_HEADS: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr,
+                           PDL: tl.constexpr):  # fmt: skip
         """Y[t, c] for this program's COLS columns c and every row t < T, BLOCK_T rows at a time. The
         sums over K run as SLICES matrix products side by side, added in a fixed order: one product
-        over all of K is a chain of dependent matrix instructions, 4 us long at K = 2048."""
+        over all of K is a chain of dependent matrix instructions, 4 us long at K = 2048.
+
+        With ROPE the weight is [q; k; v] of HEADS, KV_HEADS, KV_HEADS heads of D columns, and a
+        program owns COLS / 2 columns of a head's first half and their partners in its second half,
+        so it rotates its own queries and keys (RoPE by the tables COS and SIN, [rows, D]); it
+        writes the queries into Y and the keys and values into the caches KC and VC at each row's
+        slot (SLOT, by batch row: TT rows each) and position (POS)."""
         DT = Y.dtype.element_ty
-        cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+        if ROPE:
+            HALF: tl.constexpr = D // 2
+            PER: tl.constexpr = HALF // (COLS // 2)  # programs a head
+            j = tl.arange(0, COLS)
+            second = j // (COLS // 2)  # 0: the head's first half, 1: its second
+            head, part = tl.program_id(0) // PER, tl.program_id(0) % PER
+            cols = head * D + second * HALF + part * (COLS // 2) + j % (COLS // 2)
+        else:
+            cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
         live = cols < N
         k = tl.arange(0, KP)
         inside = k < K
@@ -109,9 +125,47 @@ def _kernel():
             if RESIDUAL:
                 res = tl.load(RES + t[:, None] * sr + cols[None, :], mask=out, other=0.0)
                 y = y.to(DT).to(tl.float32) + res.to(tl.float32)
-            tl.store(Y + t[:, None] * sy + cols[None, :], y.to(DT), mask=out)
+            if ROPE:  # transformers' x * cos + rotate_half(x) * sin, each op rounded to DT
+                y = y.to(DT).to(tl.float32)
+                turned = tl.reshape(tl.flip(tl.reshape(y, (BLOCK_T, 2, COLS // 2)), 1), (BLOCK_T, COLS))
+                turned = turned * tl.where(second == 0, -1.0, 1.0)[None, :]
+                jh = (cols % D)[None, :]
+                cos = tl.load(COS + t[:, None] * D + jh, mask=out, other=1.0).to(tl.float32)
+                sin = tl.load(SIN + t[:, None] * D + jh, mask=out, other=0.0).to(tl.float32)
+                roped = (y * cos).to(DT).to(tl.float32) + (turned * sin).to(DT).to(tl.float32)
+                y = tl.where((cols < (HEADS + KV_HEADS) * D)[None, :], roped, y)
+                query = (cols < HEADS * D)[None, :]
+                tl.store(Y + t[:, None] * sy + cols[None, :], y.to(DT), mask=out & query)
+                c = cols - HEADS * D
+                value = (c >= KV_HEADS * D)[None, :]
+                c = c - tl.where(c >= KV_HEADS * D, KV_HEADS * D, 0)
+                slot = tl.load(SLOT + t // TT, mask=real, other=0).to(tl.int64)
+                pos = tl.load(POS + t, mask=real, other=0).to(tl.int64)
+                at = slot[:, None] * s_slot + pos[:, None] * s_pos + ((c // D) * s_head + c % D)[None, :]
+                tl.store(KC + at, y.to(DT), mask=out & ~query & ~value)
+                tl.store(VC + at, y.to(DT), mask=out & value)
+            else:
+                tl.store(Y + t[:, None] * sy + cols[None, :], y.to(DT), mask=out)
 
     return rows_times_weights
+
+
+def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | None, residual: Tensor | None,
+            eps: float, gated: bool, out: Tensor, rope: dict | None = None) -> None:  # fmt: skip
+    import triton
+
+    K = x.shape[-1]
+    rows = x.reshape(-1, K).contiguous()
+    N = weight.shape[0] // (2 if gated else 1)
+    res = residual.reshape(-1, N).contiguous() if residual is not None else out
+    KP = max(triton.next_power_of_2(K), 16 * SLICES)  # a matrix instruction sums 16 of K at least
+    rope = rope or {"COS": out, "SIN": out, "KC": out, "VC": out, "SLOT": out, "POS": out, "TT": 1, "s_slot": 0,
+                    "s_pos": 0, "s_head": 0, "HEADS": 0, "KV_HEADS": 0, "D": 0}  # fmt: skip
+    _kernel()[(triton.cdiv(N, COLS),)](
+        rows, weight.contiguous(), bias if bias is not None else out, norm if norm is not None else out, res, out,
+        rows.shape[0], N, eps, rows.stride(0), res.stride(0), out.stride(0), **rope, K=K, KP=KP, BLOCK_T=BLOCK_T,
+        COLS=COLS, SLICES=SLICES, DIRECT=DIRECT, HAS_BIAS=bias is not None, NORMED=norm is not None, GATED=gated,
+        RESIDUAL=residual is not None, ROPE=rope["D"] > 0, num_warps=SLICES, **pdl_options(x, always=True))  # fmt: skip
 
 
 @torch.library.custom_op("dflash_cache::rows_product", mutates_args=())
@@ -119,19 +173,9 @@ def rows_product(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | 
                  eps: float, gated: bool) -> Tensor:  # fmt: skip
     """x [..., K] times weight [N, K] (or [2N, K] when `gated`), with the module docstring's norm,
     activation and residual: [..., N]."""
-    import triton
-
-    K = x.shape[-1]
-    rows = x.reshape(-1, K).contiguous()
     N = weight.shape[0] // (2 if gated else 1)
-    out = torch.empty(rows.shape[0], N, dtype=x.dtype, device=x.device)
-    res = residual.reshape(-1, N).contiguous() if residual is not None else out
-    KP = max(triton.next_power_of_2(K), 16 * SLICES)  # a matrix instruction sums 16 of K at least
-    _kernel()[(triton.cdiv(N, COLS),)](
-        rows, weight.contiguous(), bias if bias is not None else out, norm if norm is not None else out, res, out,
-        rows.shape[0], N, eps, rows.stride(0), res.stride(0), out.stride(0), K=K, KP=KP, BLOCK_T=BLOCK_T, COLS=COLS,
-        SLICES=SLICES, DIRECT=DIRECT, HAS_BIAS=bias is not None, NORMED=norm is not None, GATED=gated,
-        RESIDUAL=residual is not None, num_warps=SLICES, **pdl_options(x, always=True))  # fmt: skip
+    out = torch.empty(x[..., 0].numel(), N, dtype=x.dtype, device=x.device)
+    _launch(x, weight, bias, norm, residual, eps, gated, out)
     return out.view(*x.shape[:-1], N)
 
 
@@ -139,3 +183,33 @@ def rows_product(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | 
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | None, residual: Tensor | None, eps: float,
       gated: bool) -> Tensor:  # fmt: skip
     return x.new_empty(*x.shape[:-1], weight.shape[0] // (2 if gated else 1))
+
+
+def rope_fits(head_dim: int) -> bool:
+    """Whether `rows_qkv` serves heads of this size: a program's COLS / 2 columns divide half a head."""
+    return head_dim % COLS == 0
+
+
+@torch.library.custom_op("dflash_cache::rows_qkv", mutates_args=("k_cache", "v_cache"))
+def rows_qkv(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor, eps: float, cos: Tensor, sin: Tensor,
+             k_cache: Tensor, v_cache: Tensor, slot: Tensor, positions: Tensor, heads: int,
+             kv_heads: int) -> Tensor:  # fmt: skip
+    """The q/k/v projection of the RMS-normed x [b, T, H] (weight [q; k; v]) with RoPE by cos/sin
+    [b, T, d] on the queries and keys: the keys and values written into the caches [S, L, kv_heads,
+    d] at slot [b, 1] and positions [b, T], the queries returned, [b, T, heads, d]."""
+    b, T, _ = x.shape
+    d = cos.shape[-1]
+    out = torch.empty(b * T, heads * d, dtype=x.dtype, device=x.device)
+    rope = {"COS": cos.reshape(b * T, d).contiguous(), "SIN": sin.reshape(b * T, d).contiguous(), "KC": k_cache,
+            "VC": v_cache, "SLOT": slot.reshape(b).contiguous(), "POS": positions.reshape(b * T).contiguous(),
+            "TT": T, "s_slot": k_cache.stride(0), "s_pos": k_cache.stride(1), "s_head": k_cache.stride(2),
+            "HEADS": heads, "KV_HEADS": kv_heads, "D": d}  # fmt: skip
+    _launch(x, weight, bias, norm, None, eps, False, out, rope)
+    return out.view(b, T, heads, d)
+
+
+@rows_qkv.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor, eps: float, cos: Tensor, sin: Tensor,
+      k_cache: Tensor, v_cache: Tensor, slot: Tensor, positions: Tensor, heads: int,
+      kv_heads: int) -> Tensor:  # fmt: skip
+    return x.new_empty(x.shape[0], x.shape[1], heads, cos.shape[-1])
