@@ -110,6 +110,12 @@ def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces, mon
     assert not torch.equal(outs[True][0], outs[True][1])
 
 
+def bf16_randn(seed: int):
+    """randn(*shape, scale=1.0): seeded normal bf16 tensors on the GPU, scaled."""
+    g = torch.Generator(device=CUDA).manual_seed(seed)
+    return lambda *shape, scale=1.0: (torch.randn(*shape, device=CUDA, generator=g) * scale).to(torch.bfloat16)
+
+
 def test_product_kernel_equals_torchs_ops_and_keeps_each_tokens_bits(monkeypatch):
     """The product kernel compiled, on SmolLM2's layer shapes (K 576 and 1536; N 960, 576, 3072 as
     [gate; up]): each kind against torch's own bf16 ops of the same operands, to their summation
@@ -121,11 +127,7 @@ def test_product_kernel_equals_torchs_ops_and_keeps_each_tokens_bits(monkeypatch
     from dflash_cache.generate import product_kernel
     from dflash_cache.generate.decoder import KernelProducts, Products
 
-    g = torch.Generator(device=CUDA).manual_seed(0)
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, device=CUDA, generator=g) * scale).to(torch.bfloat16)
-
+    randn = bf16_randn(0)
     H, inter = 576, 1536
     w = {"qkv": randn(960, H, scale=H**-0.5), "gate_up": randn(2 * inter, H, scale=H**-0.5),
          "o": randn(H, H, scale=H**-0.5), "down": randn(H, inter, scale=inter**-0.5)}  # fmt: skip
@@ -169,11 +171,8 @@ def test_qkv_product_with_rope_equals_torchs_ops_and_keeps_each_tokens_bits():
     the same bits when it is stepped alone."""
     from dflash_cache.generate.decoder import KernelProducts, Products
 
-    g = torch.Generator(device=CUDA).manual_seed(0)
+    randn = bf16_randn(0)
     heads, kv_heads, d, H, T = 9, 3, 64, 576, 9
-
-    def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, device=CUDA, generator=g) * scale).to(torch.bfloat16)
 
     w, bias, norm = randn((heads + 2 * kv_heads) * d, H, scale=H**-0.5), None, 1 + randn(H, scale=0.2)
     x = randn(2, T, H)
