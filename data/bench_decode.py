@@ -153,7 +153,8 @@ def kernel_profile(step, steps: int = 20) -> dict:
 def launch_floor(target: SlotTarget, kernels: int) -> dict:
     """What a step's count of kernels costs with no work in them: a replayed chain of `kernels` one-program
     Triton kernels, each reading what the one before wrote, launched plainly and with programmatic
-    dependent launch; and the step's products alone (cuBLAS, one row, the layers' own weights)."""
+    dependent launch; and the step's products alone (one row, the layers' own weights), by cuBLAS and by
+    the product kernel."""
     import triton
     import triton.language as tl
 
@@ -174,23 +175,16 @@ def launch_floor(target: SlotTarget, kernels: int) -> dict:
     layers = target.decoder.layers.layers
     row = torch.randn(1, 1, layers[0].o.shape[1], device=CUDA, dtype=layers[0].o.dtype)
 
-    def products() -> None:
+    def products(linear) -> None:  # each layer's four, on one row; the kernel's with nothing fused
         for w in layers:
-            h = torch.nn.functional.linear(row, w.qkv)
-            torch.nn.functional.linear(h[..., : w.o.shape[1]], w.o)
-            g = torch.nn.functional.linear(row, w.gate_up)
-            torch.nn.functional.linear(g[..., : w.down.shape[1]], w.down)
+            h = linear(row, w.qkv)
+            linear(h[..., : w.o.shape[1]], w.o)
+            g = linear(row, w.gate_up)
+            linear(g[..., : w.down.shape[1]], w.down)
 
-    out["products_ms"] = replay_ms(products, reps=50)
-
-    def kernel_products() -> None:  # the same products through the product kernel, nothing fused
-        for w in layers:
-            h = rows_product(row, w.qkv, None, None, None, 0.0, False)
-            rows_product(h[..., : w.o.shape[1]], w.o, None, None, None, 0.0, False)
-            g = rows_product(row, w.gate_up, None, None, None, 0.0, False)
-            rows_product(g[..., : w.down.shape[1]], w.down, None, None, None, 0.0, False)
-
-    out["kernel_products_ms"] = replay_ms(kernel_products, reps=50)
+    out["products_ms"] = replay_ms(lambda: products(torch.nn.functional.linear), reps=50)
+    out["kernel_products_ms"] = replay_ms(
+        lambda: products(lambda x, w: rows_product(x, w, None, None, None, 0.0, False)), reps=50)
     out["products"] = 4 * len(layers)
     return out
 

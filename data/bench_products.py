@@ -114,5 +114,6 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
 
+
 if __name__ == "__main__":
     main()

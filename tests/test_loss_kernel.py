@@ -11,15 +11,8 @@ import torch.nn.functional as F
 from dflash_cache.drafters import loss_kernel
 from dflash_cache.drafters.losses import _tv_chunk, chunked_loss, chunked_tv_loss
 
-triton = pytest.importorskip("triton", reason="the kernel needs Triton (pip install triton); its interpreter runs it")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # conftest: the kernel on the CPU
 V = 5000  # not a multiple of the kernel's block: its last block is partial
-
-
-@pytest.fixture(autouse=True)
-def interpreter(monkeypatch):
-    if torch.cuda.is_available():
-        pytest.skip("a GPU machine runs the kernel compiled (tests/test_gpu.py)")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
