@@ -31,17 +31,14 @@ def on_device(t: Tensor) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and interpreted())
 
 
-def pdl_options(t: Tensor, *, always: bool = False) -> dict:
-    """Launch options for a kernel with a `PDL` flag. On a Hopper GPU or newer, where Inductor emits
-    programmatic dependent launch for its own kernels (`torch._inductor.config.triton.enable_pdl`,
-    TORCHINDUCTOR_ENABLE_PDL=1) or `always`, the kernel may start while the one before it finishes,
-    and waits for it (`tl.extra.cuda.gdc_wait`) before it reads anything that kernel may write: a
-    step's kernels chain one way. After a kernel that never signals, it starts when that one ends,
-    as usual. `always` is for kernels with work to do before the wait (reading weights). Elsewhere
-    (the interpreter, older GPUs, PDL off) the stream orders kernels as usual."""
-    if not t.is_cuda or interpreted():
+def pdl_options(t: Tensor) -> dict:
+    """Launch options for a kernel with a `PDL` flag. On a Hopper GPU or newer it launches with
+    programmatic dependent launch: it may start while the kernel before it finishes, and waits for
+    it (`tl.extra.cuda.gdc_wait`) before it reads anything that kernel may write, so a step's
+    kernels chain without the launch gap between them, and work that reads nothing of the step (a
+    product's weights) overlaps the kernel before. After a kernel that never signals (the
+    compiler's, cuBLAS's), it starts when that one ends, as usual. Elsewhere (the interpreter, older
+    GPUs) the stream orders kernels as usual."""
+    if not t.is_cuda or interpreted() or torch.cuda.get_device_capability(t.device)[0] < 9:
         return {"PDL": False}
-    import torch._inductor.config as inductor
-
-    on = (always or inductor.triton.enable_pdl) and torch.cuda.get_device_capability(t.device)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True}

@@ -84,12 +84,10 @@ def test_slot_attention_kernels_equal_the_masked_path(kernel, monkeypatch):
 
 @pytest.mark.parametrize("pieces", [1, 3])
 def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces, monkeypatch):
-    """With programmatic dependent launch on (Inductor's switch, which the slot kernel follows), the
-    slot kernel may start while the compiled kernel that makes its query still runs. Replayed as one
-    graph (the engine's), with a new query each time, it gives the bits of the same two kernels
-    without PDL, over a buffer walked whole and one cut into pieces."""
-    import torch._inductor.config as inductor
-
+    """With programmatic dependent launch (the slot kernels' own, on a Hopper GPU), the slot kernel
+    may start while the compiled kernel that makes its query still runs. Replayed as one graph (the
+    engine's), with a new query each time, it gives the bits of the same two kernels without PDL,
+    over a buffer walked whole and one cut into pieces (the combine kernel launched with PDL too)."""
     from dflash_cache.generate import slot_kernel
 
     g = torch.Generator(device=CUDA).manual_seed(0)
@@ -98,9 +96,10 @@ def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces, mon
     queries = torch.randn(4, 1, 9, 8, 64, device=CUDA, generator=g, dtype=torch.bfloat16)
     slot, seen = torch.zeros(1, dtype=torch.int32, device=CUDA), torch.full((1,), length, device=CUDA).int()
     assert slot_kernel.pieces(length) == pieces
-    outs = {}
+    assert slot_kernel.pdl_options(keys)["PDL"], "this GPU launches without PDL"
+    outs, launch = {}, slot_kernel.pdl_options
     for pdl in (False, True):
-        monkeypatch.setattr(inductor.triton, "enable_pdl", pdl)
+        monkeypatch.setattr(slot_kernel, "pdl_options", launch if pdl else lambda t: {"PDL": False})
         torch._dynamo.reset()  # the second compile of the same function, with other options
         make_query = torch.compile(lambda x: x * 1.5 + 0.25, options={"triton.enable_pdl": pdl})
         graph = _Graph(lambda x, f=make_query: (slot_kernel.attention(f(x), keys, values, slot, seen, True, 0.125),))
@@ -157,8 +156,8 @@ def test_product_kernel_equals_torchs_ops_and_keeps_each_tokens_bits(monkeypatch
     inputs = [randn(1, H) for _ in range(3)]
     replayed = [graph(h.clone())[0].clone() for h in inputs]
     assert graph.graph is not None and not graph.broken, "captured and replayed, not run eagerly"
-    assert product_kernel.pdl_options(x, always=True)["PDL"], "this GPU launches without PDL"
-    monkeypatch.setattr(product_kernel, "pdl_options", lambda t, always=False: {"PDL": False})
+    assert product_kernel.pdl_options(x)["PDL"], "this GPU launches without PDL"
+    monkeypatch.setattr(product_kernel, "pdl_options", lambda t: {"PDL": False})
     for h, got in zip(inputs, replayed, strict=True):
         assert torch.equal(got, chain(h)[0])
     assert not torch.equal(replayed[0], replayed[1])

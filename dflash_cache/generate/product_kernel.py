@@ -35,8 +35,7 @@ from dflash_cache.triton_support import available, on_device, pdl_options
 
 BLOCK_T = 16  # rows (tokens) a program takes at once, whatever the step holds
 COLS = 16  # output columns a program owns
-SLICES = 8  # pieces of K a program sums side by side (one warp each)
-DIRECT = False  # load the weights in the products' [SLICES, K / SLICES, COLS] layout, not [COLS, K] reshaped
+SLICE_K = 256  # K a warp sums: a program sums K (padded to a power of two) in slices of this, side by side
 MAX_K = 2048  # the widest input row: a program holds its columns' weights whole (measured up to 2048)
 
 
@@ -57,8 +56,7 @@ def _kernel():
                            s_pos, s_head, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
                            COLS: tl.constexpr, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, NORMED: tl.constexpr,
                            GATED: tl.constexpr, RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HEADS: tl.constexpr,
-                           KV_HEADS: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr,
-                           PDL: tl.constexpr):  # fmt: skip
+                           KV_HEADS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """Y[t, c] for this program's COLS columns c and every row t < T, BLOCK_T rows at a time. The
         sums over K run as SLICES matrix products side by side, added in a fixed order: one product
         over all of K is a chain of dependent matrix instructions, 4 us long at K = 2048.
@@ -82,18 +80,11 @@ def _kernel():
         k = tl.arange(0, KP)
         inside = k < K
         KS: tl.constexpr = KP // SLICES
-        if DIRECT:  # the weights as [SLICES, KS, COLS], the layout the matrix products take
-            k3 = tl.arange(0, SLICES)[:, None, None] * KS + tl.arange(0, KS)[None, :, None]
-            c3 = cols[None, None, :]
-            w = tl.load(W + c3 * K + k3, mask=(c3 < N) & (k3 < K), other=0.0)
-            if GATED:
-                u = tl.load(W + (c3 + N) * K + k3, mask=(c3 < N) & (k3 < K), other=0.0)
-        else:
-            w = tl.load(W + cols[:, None] * K + k[None, :], mask=live[:, None] & inside[None, :], other=0.0)
-            w = tl.permute(tl.reshape(w, (COLS, SLICES, KS)), (1, 2, 0))
-            if GATED:
-                u = tl.load(W + (cols + N)[:, None] * K + k[None, :], mask=live[:, None] & inside[None, :], other=0.0)
-                u = tl.permute(tl.reshape(u, (COLS, SLICES, KS)), (1, 2, 0))
+        w = tl.load(W + cols[:, None] * K + k[None, :], mask=live[:, None] & inside[None, :], other=0.0)
+        w = tl.permute(tl.reshape(w, (COLS, SLICES, KS)), (1, 2, 0))
+        if GATED:
+            u = tl.load(W + (cols + N)[:, None] * K + k[None, :], mask=live[:, None] & inside[None, :], other=0.0)
+            u = tl.permute(tl.reshape(u, (COLS, SLICES, KS)), (1, 2, 0))
         if HAS_BIAS:
             bias = tl.load(BIAS + cols, mask=live, other=0.0).to(tl.float32)
             if GATED:
@@ -158,14 +149,15 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | None,
     rows = x.reshape(-1, K).contiguous()
     N = weight.shape[0] // (2 if gated else 1)
     res = residual.reshape(-1, N).contiguous() if residual is not None else out
-    KP = max(triton.next_power_of_2(K), 16 * SLICES)  # a matrix instruction sums 16 of K at least
+    KP = triton.next_power_of_2(max(K, 16))  # a matrix instruction sums 16 of K at least
+    slices = max(KP // SLICE_K, 1)
     rope = rope or {"COS": out, "SIN": out, "KC": out, "VC": out, "SLOT": out, "POS": out, "TT": 1, "s_slot": 0,
                     "s_pos": 0, "s_head": 0, "HEADS": 0, "KV_HEADS": 0, "D": 0}  # fmt: skip
     _kernel()[(triton.cdiv(N, COLS),)](
         rows, weight.contiguous(), bias if bias is not None else out, norm if norm is not None else out, res, out,
         rows.shape[0], N, eps, rows.stride(0), res.stride(0), out.stride(0), **rope, K=K, KP=KP, BLOCK_T=BLOCK_T,
-        COLS=COLS, SLICES=SLICES, DIRECT=DIRECT, HAS_BIAS=bias is not None, NORMED=norm is not None, GATED=gated,
-        RESIDUAL=residual is not None, ROPE=rope["D"] > 0, num_warps=SLICES, **pdl_options(x, always=True))  # fmt: skip
+        COLS=COLS, SLICES=slices, HAS_BIAS=bias is not None, NORMED=norm is not None, GATED=gated,
+        RESIDUAL=residual is not None, ROPE=rope["D"] > 0, num_warps=slices, **pdl_options(x))  # fmt: skip
 
 
 @torch.library.custom_op("dflash_cache::rows_product", mutates_args=())

@@ -114,8 +114,11 @@ def _kernels():
 
     @triton.jit
     def combine(Out, ACC, STAT, SEEN, so_b, so_t, so_h, T, tiles, splits, G: tl.constexpr, D: tl.constexpr,
-                BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+                BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """One tile's pieces, in order, into its output: the pieces its row's keys reach."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i = tl.arange(0, BLOCK_M)
         m = tile * BLOCK_M + i
@@ -159,11 +162,10 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
     if split:
         acc = torch.empty(b * kv_heads * tiles * splits * BLOCK_M * d, dtype=torch.float32, device=query.device)
         stat = torch.empty(b * kv_heads * tiles * splits * 2 * BLOCK_M, dtype=torch.float32, device=query.device)
-    flags = dict(G=groups, D=d, BLOCK_M=BLOCK_M)
+    flags = dict(G=groups, D=d, BLOCK_M=BLOCK_M, **pdl_options(query))
     attend[(b, kv_heads, tiles * splits)](
         query, keys, values, out, acc, stat, slot, seen, *query.stride()[:3], *keys.stride()[:3], *out.stride()[:3],
-        T, tiles, splits, scale, **flags, BLOCK_N=BLOCK_N, CAUSAL=causal and T > 1, SPLIT=split, num_warps=4,
-        **pdl_options(query))
+        T, tiles, splits, scale, **flags, BLOCK_N=BLOCK_N, CAUSAL=causal and T > 1, SPLIT=split, num_warps=4)
     if split:
         combine[(b, kv_heads, tiles)](out, acc, stat, seen, *out.stride()[:3], T, tiles, splits, **flags, SPLIT=split,
                                       num_warps=4)  # fmt: skip
