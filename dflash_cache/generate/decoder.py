@@ -25,7 +25,9 @@ one more piece: the context's keys and values.
 A step of a few rows (decoding at batch 1, a verify step) runs its products through
 `product_kernel` instead of cuBLAS (`KernelProducts`): each product one kernel with the norm, the
 SiLU gate or the residual add around it, the weights read while the kernel before it runs, and a
-token's bits the same whatever the step holds.
+token's bits the same whatever the step holds. For a model without q/k norms the q/k/v product
+also rotates the queries and keys and writes the keys and values into the cache, so a layer is
+five kernels: q/k/v, the attention, o, gate/up, down.
 
 The fused projections are the model's own weights: its q/k/v and gate/up parameters become views
 into one tensor each, so nothing is held twice and the model itself keeps working. The

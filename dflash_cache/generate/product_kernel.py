@@ -14,14 +14,20 @@ target's own decode). Around the product, the kernel does what the layer does ne
 - `norm`: transformers' RMSNorm of each input row first (the statistics in float32, the weight
   applied in the input dtype): the norm before the q/k/v and gate/up projections;
 - `gated`: the weight is [gate; up] (2N rows) and the output SiLU(gate) * up, N columns;
-- `residual`: the output added to the residual stream (the o and down projections).
+- `residual`: the output added to the residual stream (the o and down projections);
+- `rows_qkv`: the q/k/v projection of a model without q/k norms, its queries and keys rotated
+  (RoPE) and its keys and values written into the slot cache, so that the layer's attention
+  input is this one kernel.
+
+A program sums K in slices of SLICE_K (one warp each) side by side: on an H200, slices of 256 beat
+128 and 512 at both of SmolLM2's widths (576, 1,536).
 
 On a Hopper GPU or newer the kernel launches with programmatic dependent launch: it loads its
 weights, which never come from the step, before it waits for the kernel before it, so the read
 overlaps that kernel; and it lets the next one start as soon as it runs.
 
-`rows_product` is a torch custom op, so that the decoder's compiled pieces call it as one opaque
-kernel and fuse the rest around it.
+`rows_product` and `rows_qkv` are torch custom ops, so that the decoder's compiled pieces call
+each as one opaque kernel and fuse the rest around it.
 """
 
 from __future__ import annotations
