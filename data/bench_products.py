@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import replay_ms  # noqa: E402
 
+from dflash_cache import triton_support  # noqa: E402
 from dflash_cache.bench_generate import random_model  # noqa: E402
 from dflash_cache.generate import decoder, product_kernel, slot_kernel  # noqa: E402
 from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
@@ -44,7 +45,8 @@ def plain_launch(t: torch.Tensor) -> dict:
     return {"PDL": False}
 
 
-MODULES = {"decoder": decoder, "product_kernel": product_kernel, "slot_kernel": slot_kernel}
+MODULES = {"decoder": decoder, "product_kernel": product_kernel, "slot_kernel": slot_kernel,
+           "triton_support": triton_support}  # fmt: skip
 
 
 def ways(variants: list[str]) -> dict[str, list[tuple[object, str, object]]]:
@@ -95,7 +97,7 @@ def main() -> None:
     ap.add_argument("--shape", default="smollm2-135m")
     ap.add_argument("--context", type=int, default=150)
     ap.add_argument("--variants", default="", help="other settings to time, ';' between variants: "
-                    "product_kernel.SLICE_K=512;product_kernel.COLS=32,slot_kernel.BLOCK_N=128")  # fmt: skip
+                    "product_kernel.SLICE_K=512;triton_support.TRIGGER_FIRST=1,slot_kernel.BLOCK_N=128")  # fmt: skip
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model = random_model(args.shape, CUDA)

@@ -82,13 +82,18 @@ def test_slot_attention_kernels_equal_the_masked_path(kernel, monkeypatch):
     assert slot_module._KERNELS[kernel], "the kernel's own first-call check turned it off"
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["next after the wait", "next first"])
 @pytest.mark.parametrize("pieces", [1, 3])
-def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces, monkeypatch):
+def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces, first, monkeypatch):
     """With programmatic dependent launch (the slot kernels' own, on a Hopper GPU), the slot kernel
     may start while the compiled kernel that makes its query still runs. Replayed as one graph (the
     engine's), with a new query each time, it gives the bits of the same two kernels without PDL,
-    over a buffer walked whole and one cut into pieces (the combine kernel launched with PDL too)."""
+    over a buffer walked whole and one cut into pieces (the combine kernel launched with PDL too),
+    the next kernel let launch after each one's wait or before it (`TRIGGER_FIRST`)."""
+    from dflash_cache import triton_support
     from dflash_cache.generate import slot_kernel
+
+    monkeypatch.setattr(triton_support, "TRIGGER_FIRST", first)
 
     g = torch.Generator(device=CUDA).manual_seed(0)
     length = 512 if pieces == 1 else pieces * slot_kernel.SPLIT
@@ -123,6 +128,7 @@ def test_product_kernel_equals_torchs_ops_and_keeps_each_tokens_bits(monkeypatch
     kernel loads its weights before it waits for its input), bit for bit as launched plainly."""
     import torch.nn.functional as F
 
+    from dflash_cache import triton_support
     from dflash_cache.generate import product_kernel
     from dflash_cache.generate.decoder import KernelProducts, Products
 
@@ -152,15 +158,17 @@ def test_product_kernel_equals_torchs_ops_and_keeps_each_tokens_bits(monkeypatch
             h = KernelProducts.residual(h, q[:, :H], w["o"], None)
         return (h,)
 
-    graph = _Graph(chain)
-    inputs = [randn(1, H) for _ in range(3)]
-    replayed = [graph(h.clone())[0].clone() for h in inputs]
-    assert graph.graph is not None and not graph.broken, "captured and replayed, not run eagerly"
     assert product_kernel.pdl_options(x)["PDL"], "this GPU launches without PDL"
+    inputs, replayed = [randn(1, H) for _ in range(3)], {}
+    for first in (False, True):  # the next kernel launched after this one's wait; before it
+        monkeypatch.setattr(triton_support, "TRIGGER_FIRST", first)
+        graph = _Graph(chain)
+        replayed[first] = [graph(h.clone())[0].clone() for h in inputs]
+        assert graph.graph is not None and not graph.broken, "captured and replayed, not run eagerly"
     monkeypatch.setattr(product_kernel, "pdl_options", lambda t: {"PDL": False})
-    for h, got in zip(inputs, replayed, strict=True):
-        assert torch.equal(got, chain(h)[0])
-    assert not torch.equal(replayed[0], replayed[1])
+    for h, *got in zip(inputs, replayed[False], replayed[True], strict=True):
+        assert all(torch.equal(g, chain(h)[0]) for g in got)
+    assert not torch.equal(replayed[False][0], replayed[False][1])
 
 
 def test_qkv_product_with_rope_equals_torchs_ops_and_keeps_each_tokens_bits():

@@ -60,13 +60,18 @@ def _kernels():
     @triton.jit
     def attend(Q, K, V, Out, ACC, STAT, SLOT, SEEN, sq_b, sq_t, sq_h, sk_s, sk_l, sk_h, so_b, so_t, so_h, T, tiles,
                splits, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+               CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+               NEXT_FIRST: tl.constexpr = False):  # fmt: skip
         """Without SPLIT: the attention of one tile of query rows over all the keys its row sees,
         into Out. With SPLIT: over keys [s SPLIT, (s+1) SPLIT), the unnormalised sum, its running
         maximum and its total into ACC and STAT for `combine`. With PDL it may start before the
-        kernel before it ends, and waits for it first (everything it reads may come from it)."""
+        kernel before it ends, and waits for it first (everything it reads may come from it); it
+        lets the next kernel launch after that wait, or at once with NEXT_FIRST."""
+        if PDL and NEXT_FIRST:
+            tl.extra.cuda.gdc_launch_dependents()
         if PDL:
             tl.extra.cuda.gdc_wait()
+        if PDL and not NEXT_FIRST:
             tl.extra.cuda.gdc_launch_dependents()
         b, kvh, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         tile, s = p % tiles, p // tiles
@@ -162,11 +167,12 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
     if split:
         acc = torch.empty(b * kv_heads * tiles * splits * BLOCK_M * d, dtype=torch.float32, device=query.device)
         stat = torch.empty(b * kv_heads * tiles * splits * 2 * BLOCK_M, dtype=torch.float32, device=query.device)
-    flags = dict(G=groups, D=d, BLOCK_M=BLOCK_M, **pdl_options(query))
+    flags, pdl = dict(G=groups, D=d, BLOCK_M=BLOCK_M), pdl_options(query)
     attend[(b, kv_heads, tiles * splits)](
         query, keys, values, out, acc, stat, slot, seen, *query.stride()[:3], *keys.stride()[:3], *out.stride()[:3],
-        T, tiles, splits, scale, **flags, BLOCK_N=BLOCK_N, CAUSAL=causal and T > 1, SPLIT=split, num_warps=4)
+        T, tiles, splits, scale, **flags, BLOCK_N=BLOCK_N, CAUSAL=causal and T > 1, SPLIT=split, num_warps=4, **pdl)
     if split:
+        pdl.pop("NEXT_FIRST", None)  # the combine is short: the next kernel launches after its wait
         combine[(b, kv_heads, tiles)](out, acc, stat, seen, *out.stride()[:3], T, tiles, splits, **flags, SPLIT=split,
-                                      num_warps=4)  # fmt: skip
+                                      num_warps=4, **pdl)  # fmt: skip
     return out
