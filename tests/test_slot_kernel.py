@@ -34,8 +34,9 @@ def test_slot_kernel_equals_the_masked_path(monkeypatch, split):
 
 def test_slot_kernel_gives_a_query_the_same_bits_in_any_step(monkeypatch):
     """A query's output does not depend on the step around it: a verify step's 5 queries against 5
-    decode steps, over a buffer cut in pieces of 64 keys; and a query that sees one piece gets the
-    same bits whether the buffer is cut or not."""
+    decode steps, over a buffer cut in pieces of 64 keys, where the decode steps' rows reach one
+    piece or several; and a query that sees one piece gets the same bits whether the buffer is cut
+    or not."""
     monkeypatch.setattr(slot_kernel, "SPLIT", 64)
     g = torch.Generator().manual_seed(3)
     heads, kv, d = 6, 2, 32
@@ -46,9 +47,10 @@ def test_slot_kernel_gives_a_query_the_same_bits_in_any_step(monkeypatch):
         return slot_kernel.attention(query, k_buf, v_buf, slot, torch.tensor([seen], dtype=torch.int32), True, 0.2)
 
     query = torch.randn(1, 5, heads, d, generator=g).bfloat16()
-    block = attend(query, 150)
-    for t in range(5):
-        assert torch.equal(attend(query[:, t : t + 1].contiguous(), 146 + t)[:, 0], block[:, t])
+    for seen in (150, 67):  # at 67 the first two queries see one piece alone, the verify step's row two
+        block = attend(query, seen)
+        for t in range(5):
+            assert torch.equal(attend(query[:, t : t + 1].contiguous(), seen - 4 + t)[:, 0], block[:, t])
     one = query[:, :1].contiguous()
     cut = attend(one, 50)
     monkeypatch.setattr(slot_kernel, "SPLIT", 10**9)

@@ -18,7 +18,9 @@ arithmetic depends only on its own row and position:
 - a buffer longer than SPLIT positions is cut at fixed key positions (0, SPLIT, 2 SPLIT...): one
   program a piece, then a second kernel combines the pieces of each query in order. A query that
   sees SPLIT keys or fewer gets the one-piece result bit for bit either way (the combine's weights
-  are exactly 1 and 0), and one that sees more always goes through the combine;
+  are exactly 1 and 0), and one that sees more always goes through the combine. A row whose keys
+  all fit in the first piece has its output written by that piece's program, which is what the
+  combine would make of it, and the combine passes it by;
 - key blocks past what a query sees change nothing (their weights are exactly 0, the running
   maximum stays), so queries that see fewer keys than others in their tile are unaffected.
 
@@ -106,13 +108,16 @@ def _kernels():
             v = tl.load(v_base + n[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(weight.to(v.dtype), v)
             top = new_top
+        whole = s == 0  # this program saw every key its row sees: its output is the answer
         if SPLIT > 0:
-            piece = ((b * tl.num_programs(1) + kvh) * tiles + tile) * splits + s
-            i = tl.arange(0, BLOCK_M)
-            tl.store(ACC + (piece * BLOCK_M + i[:, None]) * D + d[None, :], acc)
-            tl.store(STAT + (piece * 2) * BLOCK_M + i, top)
-            tl.store(STAT + (piece * 2 + 1) * BLOCK_M + i, total)
-        else:
+            whole = whole & (seen <= SPLIT)  # what `combine` makes of one piece, bit for bit
+            if seen > SPLIT:
+                piece = ((b * tl.num_programs(1) + kvh) * tiles + tile) * splits + s
+                i = tl.arange(0, BLOCK_M)
+                tl.store(ACC + (piece * BLOCK_M + i[:, None]) * D + d[None, :], acc)
+                tl.store(STAT + (piece * 2) * BLOCK_M + i, top)
+                tl.store(STAT + (piece * 2 + 1) * BLOCK_M + i, total)
+        if whole:
             out = acc / total[:, None]
             tl.store(Out + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
                      out.to(Out.dtype.element_ty), mask=real[:, None])  # fmt: skip
@@ -120,30 +125,32 @@ def _kernels():
     @triton.jit
     def combine(Out, ACC, STAT, SEEN, so_b, so_t, so_h, T, tiles, splits, G: tl.constexpr, D: tl.constexpr,
                 BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        """One tile's pieces, in order, into its output: the pieces its row's keys reach."""
+        """One tile's pieces, in order, into its output: the pieces its row's keys reach (a row
+        whose keys fit in one piece has its output from `attend` already)."""
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         b, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        i = tl.arange(0, BLOCK_M)
-        m = tile * BLOCK_M + i
-        t, h = m // G, kvh * G + m % G
-        real = m < T * G
-        d = tl.arange(0, D)
         pieces = (tl.load(SEEN + b) + SPLIT - 1) // SPLIT
-        first = ((b * tl.num_programs(1) + kvh) * tiles + tile) * splits
-        top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for s in range(0, pieces):
-            top = tl.maximum(top, tl.load(STAT + ((first + s) * 2) * BLOCK_M + i))
-        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for s in range(0, pieces):
-            w = tl.exp2(tl.load(STAT + ((first + s) * 2) * BLOCK_M + i) - top)
-            total += tl.load(STAT + ((first + s) * 2 + 1) * BLOCK_M + i) * w
-            acc += tl.load(ACC + ((first + s) * BLOCK_M + i[:, None]) * D + d[None, :]) * w[:, None]
-        out = acc / total[:, None]
-        tl.store(Out + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :], out.to(Out.dtype.element_ty),
-                 mask=real[:, None])  # fmt: skip
+        if pieces > 1:
+            i = tl.arange(0, BLOCK_M)
+            m = tile * BLOCK_M + i
+            t, h = m // G, kvh * G + m % G
+            real = m < T * G
+            d = tl.arange(0, D)
+            first = ((b * tl.num_programs(1) + kvh) * tiles + tile) * splits
+            top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            for s in range(0, pieces):
+                top = tl.maximum(top, tl.load(STAT + ((first + s) * 2) * BLOCK_M + i))
+            acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+            total = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for s in range(0, pieces):
+                w = tl.exp2(tl.load(STAT + ((first + s) * 2) * BLOCK_M + i) - top)
+                total += tl.load(STAT + ((first + s) * 2 + 1) * BLOCK_M + i) * w
+                acc += tl.load(ACC + ((first + s) * BLOCK_M + i[:, None]) * D + d[None, :]) * w[:, None]
+            out = acc / total[:, None]
+            tl.store(Out + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
+                     out.to(Out.dtype.element_ty), mask=real[:, None])  # fmt: skip
 
     return attend, combine
 
