@@ -6,12 +6,13 @@ without programmatic dependent launch, against cuBLAS, in the whole step and alo
 For a random-weight target of a named shape (`dflash_cache.bench.SHAPES`), each a replayed CUDA
 graph:
 
-- the slot target's step of 1, 2 and 8 tokens at context 150: products by cuBLAS
+- the slot target's step of 1, 2 and 8 tokens at each of `--contexts` (150): products by cuBLAS
   (`decoder.Products`, the compiler fusing the norms, activation and residuals around them), by
   the product kernel (`decoder.KernelProducts`, the default for up to `decoder.KERNEL_ROWS` rows),
   by the kernels launched plainly (no early weight loads), the attention kernel alone launched
   plainly, the RoPE compiled apart from the q/k/v product, and with other settings of the kernels
-  (`--variants`: the product kernel's K slices and columns, the attention's key blocks);
+  (`--variants`: the product kernel's K slices and columns, the attention's key blocks and
+  pieces, the launch order under PDL);
 - each of those ways' products alone, each kind once a layer in a row (qkv, o, gate_up, down), at
   1 and 8 tokens: microseconds a product.
 """
@@ -95,23 +96,28 @@ def products_us(layers: list, tokens: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="smollm2-135m")
-    ap.add_argument("--context", type=int, default=150)
+    ap.add_argument("--contexts", default="150", help="the contexts the steps start at, in one buffer: 150,1024")
+    ap.add_argument("--length", type=int, help="the buffer's positions (default: the longest context + 64)")
     ap.add_argument("--variants", default="", help="other settings to time, ';' between variants: "
                     "product_kernel.SLICE_K=512;triton_support.TRIGGER_FIRST=1,slot_kernel.BLOCK_N=128")  # fmt: skip
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
     model = random_model(args.shape, CUDA)
-    target = SlotTarget(model, 1, args.context + 64)
+    target = SlotTarget(model, 1, args.length or max(contexts) + 64)
     ids = torch.randint(0, 1000, (1, 8), device=CUDA)
-    positions = (args.context + torch.arange(8, device=CUDA))[None]
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "context": args.context, "ways": {}}  # fmt: skip
+              "length": target.length, "ways": {}}  # fmt: skip
     for name, changes in ways([v for v in args.variants.split(";") if v]).items():
         with patched(changes):
             try:
-                target.prefill([0], [tuple(range(3, 3 + args.context))])
-                row = {f"step, {T} tokens, ms": replay_ms(lambda T=T: target.step(ids[:, :T], positions[:, :T]),
-                                                          reps=100) for T in (1, 2, 8)}  # fmt: skip
+                row = {}
+                for c in contexts:
+                    target.prefill([0], [tuple(range(3, 3 + c))])
+                    positions = (c + torch.arange(8, device=CUDA))[None]
+                    for T in (1, 2, 8):
+                        step = lambda T=T, p=positions: target.step(ids[:, :T], p[:, :T])  # noqa: E731
+                        row[f"step, {T} tokens, context {c}, ms"] = replay_ms(step, reps=100)
                 if name != "cuBLAS products":
                     for T in (1, 8):
                         row[f"us a product, {T} tokens"] = products_us(target.decoder.layers.layers, T)
