@@ -43,6 +43,8 @@ from dflash_cache.triton_support import available, on_device, pdl_options
 BLOCK_T = 16  # rows (tokens) a program takes at once, whatever the step holds
 COLS = 16  # output columns a program owns
 SLICE_K = 256  # K a warp sums: a program sums K (padded to a power of two) in slices of this, side by side
+WARPS = 0  # warps a program runs (0: one a slice)
+STAGES = 3  # Triton's software pipelining of the loop over rows (its default; 1 halves the shared memory)
 MAX_K = 2048  # the widest input row: a program holds its columns' weights whole (measured up to 2048)
 
 
@@ -168,7 +170,8 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | None,
         rows, weight.contiguous(), bias if bias is not None else out, norm if norm is not None else out, res, out,
         rows.shape[0], N, eps, rows.stride(0), res.stride(0), out.stride(0), **rope, K=K, KP=KP, BLOCK_T=BLOCK_T,
         COLS=COLS, SLICES=slices, HAS_BIAS=bias is not None, NORMED=norm is not None, GATED=gated,
-        RESIDUAL=residual is not None, ROPE=rope["D"] > 0, num_warps=slices, **pdl_options(x))  # fmt: skip
+        RESIDUAL=residual is not None, ROPE=rope["D"] > 0, num_warps=WARPS or slices, num_stages=STAGES,
+        **pdl_options(x))  # fmt: skip
 
 
 @torch.library.custom_op("dflash_cache::rows_product", mutates_args=())
