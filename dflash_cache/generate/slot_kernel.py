@@ -66,7 +66,8 @@ def _kernels():
                NEXT_FIRST: tl.constexpr = False):  # fmt: skip
         """Without SPLIT: the attention of one tile of query rows over all the keys its row sees,
         into Out. With SPLIT: over keys [s SPLIT, (s+1) SPLIT), the unnormalised sum, its running
-        maximum and its total into ACC and STAT for `combine`. With PDL it may start before the
+        maximum and its total into ACC and STAT for `combine` (into Out, when the row's keys all
+        fit in the first piece). With PDL it may start before the
         kernel before it ends, and waits for it first (everything it reads may come from it); it
         lets the next kernel launch after that wait, or at once with NEXT_FIRST."""
         if PDL and NEXT_FIRST:
