@@ -17,7 +17,9 @@ token, so every prompt decodes to --max-new-tokens), one row at a time:
 - a speculative step with a random drafter of each family (`--families`) of the target's shape (its
   drafts are rejected, so every step commits one token): its cost over a plain step, which is what
   a drafter's tau must beat (speedup = tau x plain step / speculative step), and whether its output
-  is the target alone's; DSpark's also with its draft (the Markov head, slot by slot) left eager;
+  is the target alone's; DSpark's also with its greedy Markov step as tensor ops instead of the
+  fused kernel (`drafters/dspark/markov_kernel.py`), and with its draft (the Markov head, slot by
+  slot) left eager;
 - a profile of the plain and speculative steps: the kernels each launches and their summed time;
   and the floor of that many kernels: a chain of empty ones replayed, launched plainly and with
   programmatic dependent launch, and the step's products alone.
@@ -44,12 +46,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_cache import drafters  # noqa: E402
 from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
+from dflash_cache.drafters.dspark import markov_kernel as dspark_kernel  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
 from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, decoder  # noqa: E402
 from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 
 CUDA = torch.device("cuda")
+dspark_kernel_fits = dspark_kernel.fits
 
 
 def timed_stream(engine: Engine, prompts: list[list[int]], max_new: int) -> tuple[float, int, int, list]:
@@ -197,9 +201,12 @@ def plain_profile(target: SlotTarget, context: int) -> dict:
 
 def speculative(model, family: drafters.Family, cfg: DrafterConfig, prompts: list[list[int]], max_new: int,
                 length: int, embed: torch.Tensor, head: torch.Tensor, plain_ms: float, plain: list,
-                compiled_draft: bool) -> dict:  # fmt: skip
+                compiled_draft: bool, markov_kernel: bool = True) -> dict:  # fmt: skip
     """A random drafter of `family` speculating for the target: its step against a plain one, and the
-    kernels the step launches."""
+    kernels the step launches. Without `markov_kernel`, DSpark's greedy Markov step runs as tensor
+    ops (a product, then an argmax)."""
+    torch._dynamo.reset()  # the draft compiled afresh, for this run's kernels
+    dspark_kernel.fits = dspark_kernel_fits if markov_kernel else (lambda *a: False)
     torch.manual_seed(0)
     drafter = family.model(cfg).to(CUDA, torch.bfloat16).eval().requires_grad_(False)
     target = SlotTarget(model, 1, length, cfg.target_layer_ids, compile=True)
@@ -299,11 +306,16 @@ def main() -> None:
                                          num_draft_layers=n)  # fmt: skip
         cfg = dcfg if family.name == "dflash" else DSparkConfig(**dataclasses.asdict(dcfg) | {
             "block_size": family.default_block_size})
-        for compiled_draft in (True, False) if family.name == "dspark" and "eager" not in skip else (True,):
-            name = f"{family.name}, {n} layers" + ("" if compiled_draft else ", eager draft")
+        ways = {"": (True, True)}
+        if family.name == "dspark":
+            ways[", Markov step as tensor ops"] = (True, False)
+            if "eager" not in skip:
+                ways[", eager draft"] = (False, True)
+        for suffix, (compiled_draft, fused) in ways.items():
+            name = f"{family.name}, {n} layers{suffix}"
             result["speculative"][name] = speculative(model, family, cfg, prompts, args.max_new_tokens, length,
                                                       embed, head, plain_ms, outputs["compiled graphs"],
-                                                      compiled_draft)  # fmt: skip
+                                                      compiled_draft, fused)  # fmt: skip
             print("speculative", name, json.dumps(result["speculative"][name]), flush=True)
             save()
     print(json.dumps(result, indent=2))

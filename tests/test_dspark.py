@@ -362,3 +362,64 @@ def test_block_proposer_drafts_as_the_training_forward_does():
             got, probs = proposer.propose(last, torch.tensor(anchors), Chooser(0.0))
         assert torch.equal(got, torch.stack(want)) and probs is None
         assert got.shape[1] == (cfg.block_size - 1 if name == "dflash" else cfg.block_size)
+
+
+def markov_case(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fused Markov step's tokens, the argmax of the logits it rounds as torch does, computed
+    apart) on integer operands, so that every summation order gives the same float32 sums and the
+    first of equal maxima decides (every logit comes twice, the second in another program's rows);
+    a vocabulary and a rank that are not multiples of the kernel's blocks; base logits as a strided
+    slot of a block."""
+    from dflash_cache.drafters.dspark.markov_kernel import BLOCK_R, BLOCK_V, markov_argmax
+
+    g = torch.Generator().manual_seed(0)
+    rows, vocab, rank, period = 3, 3 * BLOCK_V + 17, BLOCK_R + 32, BLOCK_V + 5
+    block = torch.randint(-8, 9, (rows, 4, period), generator=g).repeat(1, 1, 4)[..., :vocab].bfloat16().to(device)
+    z = torch.randint(-2, 3, (rows, rank), generator=g).bfloat16().to(device)
+    w2 = torch.randint(-2, 3, (period, rank), generator=g).repeat(4, 1)[:vocab].bfloat16().to(device)
+    base = block[:, 2]
+    logits = (base.float() + (z.float() @ w2.float().T).bfloat16().float()).bfloat16().float()
+    assert all((row == row.max()).sum() > 1 for row in logits), "the case needs tied maxima"
+    return markov_argmax(base, z, w2), logits.argmax(-1)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_markov_kernel_gives_torchs_argmax_of_the_same_logits():
+    """The fused Markov step under Triton's interpreter (`markov_case`); tests/test_gpu.py runs it
+    compiled, where the first of equal maxima is the GPU's reduction's to get right."""
+    got, want = markov_case("cpu")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+def test_a_greedy_half_precision_draft_takes_the_markov_kernel():
+    """A bf16 DSpark drafter drafting greedily through the engine's chooser runs each slot's Markov
+    step as the fused kernel, and drafts what the tensor ops' argmax drafts (integer Markov weights:
+    the same sums in any order)."""
+    from dflash_cache.drafters.dspark import markov_kernel
+    from dflash_cache.generate.requests import Chooser, DraftChooser
+
+    torch.manual_seed(0)
+    cfg = small_cfg("vanilla")
+    model = DSparkDrafter(cfg).eval()
+    with torch.no_grad():
+        head = model.markov_head
+        head.markov_w1.weight.copy_(torch.randint(-3, 4, head.markov_w1.weight.shape))
+        head.markov_w2.weight.copy_(torch.randint(-3, 4, head.markov_w2.weight.shape))
+    model = model.bfloat16()
+    weight = (torch.randn(V, H) * 0.3).bfloat16()
+    block = dspark.block_input(torch.tensor([7, 30]), B, cfg.mask_token_id)
+    hidden = torch.randn(2, B, H).bfloat16()
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        return markov_kernel.markov_argmax(*args)
+
+    with torch.no_grad():
+        want, _ = dspark.draft(model, hidden, block, weight, lambda x: (x.argmax(-1), None))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(dspark, "markov_kernel", SimpleNamespace(fits=markov_kernel.fits, markov_argmax=spy))
+            got, probs = dspark.draft(model, hidden, block, weight, DraftChooser(Chooser(0.0), torch.zeros(2).long()))
+    assert len(calls) == B and probs is None
+    assert torch.equal(got, want)

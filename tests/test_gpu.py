@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import CHAT, ROOT, TINY_TARGET, extract_config, hf_greedy, read_cache, read_metrics, smollm2_gguf
+from test_dspark import markov_case
 from test_evaluate import export_random_drafter
 from test_hybrid import write_rows
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -563,3 +564,10 @@ def test_ddp_over_nccl_trains_and_resumes_on_one_gpu(tiny_cache, tmp_path):
     train_stage.run(TrainConfig(**cfg, max_steps=6, gpus=[0]))
     losses = [m["loss"] for m in read_metrics(tmp_path / "run") if "loss" in m]
     assert len(losses) == 6 and all(np.isfinite(losses)) and Checkpointer(tmp_path / "run").load()["step"] == 6
+
+
+def test_markov_kernel_gives_torchs_argmax_of_the_same_logits_compiled():
+    """DSpark's fused Markov step compiled (tests/test_dspark.py's `markov_case`): the first of
+    equal maxima, within a program and across programs, as torch's argmax picks it."""
+    got, want = markov_case(CUDA)
+    assert torch.equal(got, want)

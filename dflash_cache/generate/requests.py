@@ -145,6 +145,7 @@ class DraftChooser:
 
     def __init__(self, chooser: Chooser, base: Tensor):
         self.chooser, self.base, self.calls = chooser, base, 0
+        self.greedy = chooser.temperature <= 0  # a family may then pick its argmax its own way
 
     def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
         self.calls += 1

@@ -16,6 +16,7 @@ from dflash_cache.drafters.dflash.config import MODELING_FILE as DFLASH_FILE
 from dflash_cache.drafters.dflash.config import MODELING_SOURCE as DFLASH_SOURCE
 from dflash_cache.drafters.dflash.family import StepFlops
 from dflash_cache.drafters.dflash.family import config as dflash_config
+from dflash_cache.drafters.dspark import markov_kernel
 from dflash_cache.drafters.dspark.config import (
     ARCHITECTURE,
     BLOCK_SIZE,
@@ -107,16 +108,21 @@ def draft(model: DSparkDrafter, hidden: Tensor, block_ids: Tensor, head_weight: 
     """B proposals from the block's hidden states [b, B, H]: slot k proposes the token at anchor + k +
     1. The base logits of every slot come from the LM head at once; the Markov head then runs slot by
     slot, its previous token the one just drafted (the anchor, block_ids[:, 0], for slot 0), as the
-    reference's `sample_block_tokens` does."""
+    reference's `sample_block_tokens` does. Greedy (`choose.greedy`) in half precision where Triton
+    runs, each slot's token is `markov_kernel`'s: the argmax without the slot's logits written."""
     base = hidden @ head_weight.to(hidden.dtype).T  # [b, B, V]
     head = model.markov_head
     if head is None:
         return choose_each(base.float(), choose)
     state, prev = head.init_state(hidden.shape[0], hidden), block_ids[:, 0]
+    fused = getattr(choose, "greedy", False) and markov_kernel.fits(base, head.markov_w2.weight)
     tokens, probs = [], []
     for k in range(hidden.shape[1]):
         state, z = head.step(state, prev, hidden[:, k])
-        tok, p = choose((base[:, k] + head.markov_w2(z.to(hidden.dtype))).float())
+        if fused:  # the argmax without the logits (markov_kernel)
+            tok, p = markov_kernel.markov_argmax(base[:, k], z.to(hidden.dtype), head.markov_w2.weight), None
+        else:
+            tok, p = choose((base[:, k] + head.markov_w2(z.to(hidden.dtype))).float())
         tokens.append(tok)
         probs.append(p)
         prev = tok

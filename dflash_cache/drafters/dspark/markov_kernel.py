@@ -1,0 +1,94 @@
+"""DSpark's greedy Markov step on a GPU: a slot's logits, base + W2 z, and their argmax, without
+writing the logits.
+
+Drafting a block, DSpark's Markov head runs slot by slot: each slot's rank-r latent z times W2
+[V, r] (25 MB at SmolLM2's vocabulary and rank 256), added to the slot's base logits, then the
+argmax over the vocabulary picks the token the next slot starts from. As tensor ops that is a
+product that writes V logits, and an argmax that reads them back in one block of threads, about 8
+us of an H200 for 49,152 logits, seven times a block. Here programs of BLOCK_V vocabulary rows each
+compute their logits, rounded as torch rounds them (the product in float32 to the input dtype, the
+sum with the base to it again), and keep their maximum and its first index; a second kernel picks
+each row's first maximum of those. The token is torch's argmax of the same logits (the first of
+equal maxima), up to the product's summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from dflash_cache.triton_support import available, on_device
+
+BLOCK_V = 128  # vocabulary rows a program takes
+BLOCK_R = 64  # of the rank, summed at once
+
+
+def fits(base: Tensor, w2: Tensor) -> bool:
+    """Whether the kernels serve this slot: half-precision logits and W2 where Triton runs."""
+    return (available() and on_device(base) and base.dtype in (torch.float16, torch.bfloat16)
+            and w2.dtype == base.dtype)  # fmt: skip
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_maxima(BASE, Z, W, TOP, AT, V, R, s_base, s_z, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+        """TOP/AT[row, p]: the largest logit of rows [p BLOCK_V, (p+1) BLOCK_V) and its first index."""
+        row, p = tl.program_id(0), tl.program_id(1)
+        DT = BASE.dtype.element_ty
+        v = p * BLOCK_V + tl.arange(0, BLOCK_V)
+        live = v < V
+        acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            z = tl.load(Z + row * s_z + r, mask=r < R, other=0.0).to(tl.float32)
+            w = tl.load(W + v[:, None] * R + r[None, :], mask=live[:, None] & (r < R)[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * z[None, :], 1)
+        base = tl.load(BASE + row * s_base + v, mask=live, other=0.0).to(tl.float32)
+        logit = (acc.to(DT).to(tl.float32) + base).to(DT).to(tl.float32)
+        logit = tl.where(live, logit, float("-inf"))
+        top, at = tl.max(logit, 0, return_indices=True, return_indices_tie_break_left=True)
+        programs = tl.num_programs(1)
+        tl.store(TOP + row * programs + p, top)
+        tl.store(AT + row * programs + p, p * BLOCK_V + at)
+
+    @triton.jit
+    def first_maximum(TOP, AT, OUT, P, BLOCK_P: tl.constexpr):
+        """OUT[row]: the index of the row's largest logit, the first of equal ones."""
+        row = tl.program_id(0)
+        i = tl.arange(0, BLOCK_P)
+        top = tl.load(TOP + row * P + i, mask=i < P, other=float("-inf"))
+        _, j = tl.max(top, 0, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(OUT + row, tl.load(AT + row * P + j).to(tl.int64))
+
+    return block_maxima, first_maximum
+
+
+@torch.library.custom_op("dflash_cache::markov_argmax", mutates_args=())
+def markov_argmax(base: Tensor, z: Tensor, w2: Tensor) -> Tensor:
+    """argmax(base + z @ w2.T) per row: base [b, V] (its last dimension contiguous), z [b, r], w2
+    [V, r]; [b] int64."""
+    import triton
+
+    b, V = base.shape
+    R = w2.shape[1]
+    programs = triton.cdiv(V, BLOCK_V)
+    top = torch.empty(b, programs, dtype=torch.float32, device=base.device)
+    at = torch.empty(b, programs, dtype=torch.int32, device=base.device)
+    out = torch.empty(b, dtype=torch.int64, device=base.device)
+    z, w2 = z.contiguous(), w2.contiguous()
+    block_maxima, first_maximum = _kernels()
+    block_maxima[(b, programs)](base, z, w2, top, at, V, R, base.stride(0), z.stride(0), BLOCK_V=BLOCK_V,
+                                BLOCK_R=BLOCK_R, num_warps=4)  # fmt: skip
+    first_maximum[(b,)](top, at, out, programs, BLOCK_P=triton.next_power_of_2(programs), num_warps=4)
+    return out
+
+
+@markov_argmax.register_fake
+def _(base: Tensor, z: Tensor, w2: Tensor) -> Tensor:
+    return base.new_empty(base.shape[0], dtype=torch.int64)
