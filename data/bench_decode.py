@@ -30,6 +30,7 @@ token, so every prompt decodes to --max-new-tokens), one row at a time:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -53,7 +54,19 @@ from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 
 CUDA = torch.device("cuda")
-dspark_kernel_fits = dspark_kernel.fits
+
+
+@contextlib.contextmanager
+def patched(changes: list[tuple[object, str, object]]):
+    """Module attributes set to other values (module, name, value) while the block runs."""
+    old = [(module, name, getattr(module, name)) for module, name, _ in changes]
+    for module, name, value in changes:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in old:
+            setattr(module, name, value)
 
 
 def timed_stream(engine: Engine, prompts: list[list[int]], max_new: int) -> tuple[float, int, int, list]:
@@ -206,24 +219,24 @@ def speculative(model, family: drafters.Family, cfg: DrafterConfig, prompts: lis
     kernels the step launches. Without `markov_kernel`, DSpark's greedy Markov step runs as tensor
     ops (a product, then an argmax)."""
     torch._dynamo.reset()  # the draft compiled afresh, for this run's kernels
-    dspark_kernel.fits = dspark_kernel_fits if markov_kernel else (lambda *a: False)
-    torch.manual_seed(0)
-    drafter = family.model(cfg).to(CUDA, torch.bfloat16).eval().requires_grad_(False)
-    target = SlotTarget(model, 1, length, cfg.target_layer_ids, compile=True)
-    proposer = BlockProposer(drafter, embed=embed, head=head, slots=1, length=length, family=family)
-    if not compiled_draft:
-        proposer.draft = proposer.eager_draft
-    engine = Engine(target, StopRule([]), proposer=proposer)
-    seconds, tokens, steps, spec = timed_stream(engine, prompts, max_new)
-    spec_ms = 1e3 * seconds / steps
-    with torch.inference_mode():
-        last, pos, seed = engine.last.clone(), engine.pos.clone(), engine.seed.clone()
-        pos.fill_(len(prompts[0]))
-        profile = kernel_profile(lambda: engine._step.fn(last, pos, seed))  # as the engine runs its steps
-    return {"draft_layers": cfg.num_hidden_layers, "block_size": cfg.block_size, "tau": tokens / steps,
-            "step_ms": spec_ms, "over_plain_step": spec_ms / plain_ms,
-            "speedup_at_tau": {t: t * plain_ms / spec_ms for t in (1.6, 2.0, 3.0, 4.0)},
-            "same_as_target": spec == plain, "profile": profile}  # fmt: skip
+    with patched([] if markov_kernel else [(dspark_kernel, "fits", lambda *a: False)]):
+        torch.manual_seed(0)
+        drafter = family.model(cfg).to(CUDA, torch.bfloat16).eval().requires_grad_(False)
+        target = SlotTarget(model, 1, length, cfg.target_layer_ids, compile=True)
+        proposer = BlockProposer(drafter, embed=embed, head=head, slots=1, length=length, family=family)
+        if not compiled_draft:
+            proposer.draft = proposer.eager_draft
+        engine = Engine(target, StopRule([]), proposer=proposer)
+        seconds, tokens, steps, spec = timed_stream(engine, prompts, max_new)
+        spec_ms = 1e3 * seconds / steps
+        with torch.inference_mode():
+            last, pos, seed = engine.last.clone(), engine.pos.clone(), engine.seed.clone()
+            pos.fill_(len(prompts[0]))
+            profile = kernel_profile(lambda: engine._step.fn(last, pos, seed))  # as the engine runs its steps
+        return {"draft_layers": cfg.num_hidden_layers, "block_size": cfg.block_size, "tau": tokens / steps,
+                "step_ms": spec_ms, "over_plain_step": spec_ms / plain_ms,
+                "speedup_at_tau": {t: t * plain_ms / spec_ms for t in (1.6, 2.0, 3.0, 4.0)},
+                "same_as_target": spec == plain, "profile": profile}  # fmt: skip
 
 
 def main() -> None:
@@ -259,11 +272,10 @@ def main() -> None:
     # the compiled path (its products through the product kernel) is the plain step always timed
     ways = [("graphs", False, True), ("compiled graphs, cuBLAS products", True, False), ("compiled graphs", True, True)]
     for name, compile, kernel in ways[2:] if "graphs" in skip else ways:
-        rows, decoder.KERNEL_ROWS = decoder.KERNEL_ROWS, decoder.KERNEL_ROWS if kernel else 0
-        target = SlotTarget(model, 1, length, compile=compile)
-        seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([])), prompts,
-                                                             args.max_new_tokens)  # fmt: skip
-        decoder.KERNEL_ROWS = rows
+        with patched([] if kernel else [(decoder, "KERNEL_ROWS", 0)]):
+            target = SlotTarget(model, 1, length, compile=compile)
+            seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([])), prompts,
+                                                                 args.max_new_tokens)  # fmt: skip
         result["engine"][name] = {"tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
                                   "fraction_of_bound": tokens / seconds / result["bound_tok_s"]}  # fmt: skip
         print(name, json.dumps(result["engine"][name]), flush=True)

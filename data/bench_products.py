@@ -20,7 +20,6 @@ graph:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import replay_ms  # noqa: E402
+from bench_decode import patched, replay_ms  # noqa: E402
 
 from dflash_cache import triton_support  # noqa: E402
 from dflash_cache.bench_generate import random_model  # noqa: E402
@@ -67,18 +66,6 @@ def ways(variants: list[str]) -> dict[str, list[tuple[object, str, object]]]:
             changes.append((MODULES[module], attr, int(value)))
         out[f"kernel products, {variant}"] = changes
     return out
-
-
-@contextlib.contextmanager
-def patched(changes: list[tuple[object, str, object]]):
-    old = [(module, name, getattr(module, name)) for module, name, _ in changes]
-    for module, name, value in changes:
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for module, name, value in old:
-            setattr(module, name, value)
 
 
 def products_us(layers: list, tokens: int) -> dict:
