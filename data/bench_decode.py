@@ -44,12 +44,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cache import drafters  # noqa: E402
+from dflash_cache import argmax_kernel, drafters, triton_support  # noqa: E402
 from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dspark import markov_kernel as dspark_kernel  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
-from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, decoder  # noqa: E402
+from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, decoder, product_kernel, slot_kernel  # noqa: E402
 from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 
@@ -69,15 +69,47 @@ def patched(changes: list[tuple[object, str, object]]):
             setattr(module, name, value)
 
 
-def timed_stream(engine: Engine, prompts: list[list[int]], max_new: int) -> tuple[float, int, int, list]:
+MODULES = {"decoder": decoder, "product_kernel": product_kernel, "slot_kernel": slot_kernel,
+           "triton_support": triton_support}  # fmt: skip
+
+
+def variant(settings: str) -> list[tuple[object, str, object]]:
+    """Module settings such as `product_kernel.SLICE_K=512,slot_kernel.BLOCK_N=128`, for `patched`."""
+    changes = []
+    for setting in settings.split(","):
+        name, value = setting.split("=")
+        module, attr = name.split(".")
+        changes.append((MODULES[module], attr, int(value)))
+    return changes
+
+
+@dataclasses.dataclass
+class Timed:
+    seconds: float
+    prefill_seconds: float
+    tokens: int
+    steps: int
+    outputs: list
+
+    def rates(self, bound: float) -> dict:
+        """tokens/s with the prefills and without them (as z-lab's benchmark times its baseline)."""
+        decode = self.seconds - self.prefill_seconds
+        return {"tok_s": self.tokens / self.seconds, "ms_per_token": 1e3 * self.seconds / self.tokens,
+                "fraction_of_bound": self.tokens / self.seconds / bound, "decode_tok_s": self.tokens / decode,
+                "decode_ms_per_token": 1e3 * decode / self.tokens,
+                "decode_fraction_of_bound": self.tokens / decode / bound,
+                "prefill_ms_per_prompt": 1e3 * self.prefill_seconds / len(self.outputs)}  # fmt: skip
+
+
+def timed_stream(engine: Engine, prompts: list[list[int]], max_new: int) -> Timed:
     list(engine.stream([Request(prompts[0], 16, key=-1)]))  # warm-up: compilation, the graph's capture
     torch.cuda.synchronize()
-    steps, t0 = engine.steps, time.perf_counter()
+    steps, prefill, t0 = engine.steps, engine.prefill_seconds, time.perf_counter()
     done = {c.request.key: c.ids for c in engine.stream(Request(p, max_new, key=i) for i, p in enumerate(prompts))}
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     outputs = [done[i] for i in range(len(prompts))]
-    return seconds, sum(map(len, outputs)), engine.steps - steps, outputs
+    return Timed(seconds, engine.prefill_seconds - prefill, sum(map(len, outputs)), engine.steps - steps, outputs)
 
 
 def replay_ms(fn, reps: int = 200) -> float:
@@ -167,6 +199,15 @@ def kernel_profile(step, steps: int = 20) -> dict:
             "top_kernels_us_count": [[name[:90], round(us, 1), round(n, 1)] for name, (us, n) in top]}  # fmt: skip
 
 
+@torch.inference_mode()
+def engine_profile(engine: Engine, context: int) -> dict:
+    """`kernel_profile` of the engine's step as it runs them (draft, argmax, bookkeeping), from
+    `context`."""
+    last, pos, seed = engine.last.clone(), engine.pos.clone(), engine.seed.clone()
+    pos.fill_(context)
+    return kernel_profile(lambda: engine._step.fn(last, pos, seed))
+
+
 def launch_floor(target: SlotTarget, kernels: int) -> dict:
     """What a step's count of kernels costs with no work in them: a replayed chain of `kernels` one-program
     Triton kernels, each reading what the one before wrote, launched plainly and with programmatic
@@ -213,11 +254,11 @@ def plain_profile(target: SlotTarget, context: int) -> dict:
 
 
 def speculative(model, family: drafters.Family, cfg: DrafterConfig, prompts: list[list[int]], max_new: int,
-                length: int, embed: torch.Tensor, head: torch.Tensor, plain_ms: float, plain: list,
+                length: int, embed: torch.Tensor, head: torch.Tensor, plain_ms: tuple[float, float], plain: list,
                 compiled_draft: bool, markov_kernel: bool = True) -> dict:  # fmt: skip
-    """A random drafter of `family` speculating for the target: its step against a plain one, and the
-    kernels the step launches. Without `markov_kernel`, DSpark's greedy Markov step runs as tensor
-    ops (a product, then an argmax)."""
+    """A random drafter of `family` speculating for the target: its step against a plain one
+    (`plain_ms`: with the prefills and without), and the kernels the step launches. Without
+    `markov_kernel`, DSpark's greedy Markov step runs as tensor ops (a product, then an argmax)."""
     torch._dynamo.reset()  # the draft compiled afresh, for this run's kernels
     with patched([] if markov_kernel else [(dspark_kernel, "fits", lambda *a: False)]):
         torch.manual_seed(0)
@@ -227,16 +268,16 @@ def speculative(model, family: drafters.Family, cfg: DrafterConfig, prompts: lis
         if not compiled_draft:
             proposer.draft = proposer.eager_draft
         engine = Engine(target, StopRule([]), proposer=proposer)
-        seconds, tokens, steps, spec = timed_stream(engine, prompts, max_new)
-        spec_ms = 1e3 * seconds / steps
-        with torch.inference_mode():
-            last, pos, seed = engine.last.clone(), engine.pos.clone(), engine.seed.clone()
-            pos.fill_(len(prompts[0]))
-            profile = kernel_profile(lambda: engine._step.fn(last, pos, seed))  # as the engine runs its steps
-        return {"draft_layers": cfg.num_hidden_layers, "block_size": cfg.block_size, "tau": tokens / steps,
-                "step_ms": spec_ms, "over_plain_step": spec_ms / plain_ms,
-                "speedup_at_tau": {t: t * plain_ms / spec_ms for t in (1.6, 2.0, 3.0, 4.0)},
-                "same_as_target": spec == plain, "profile": profile}  # fmt: skip
+        run = timed_stream(engine, prompts, max_new)
+        spec_ms = 1e3 * run.seconds / run.steps
+        decode_ms = 1e3 * (run.seconds - run.prefill_seconds) / run.steps
+        profile = engine_profile(engine, len(prompts[0]))
+        return {"draft_layers": cfg.num_hidden_layers, "block_size": cfg.block_size, "tau": run.tokens / run.steps,
+                "step_ms": spec_ms, "over_plain_step": spec_ms / plain_ms[0],
+                "speedup_at_tau": {t: t * plain_ms[0] / spec_ms for t in (1.6, 2.0, 3.0, 4.0)},
+                "decode_step_ms": decode_ms, "decode_over_plain_step": decode_ms / plain_ms[1],
+                "decode_speedup_at_tau": {t: t * plain_ms[1] / decode_ms for t in (1.6, 2.0, 3.0, 4.0)},
+                "same_as_target": run.outputs == plain, "profile": profile}  # fmt: skip
 
 
 def main() -> None:
@@ -249,6 +290,8 @@ def main() -> None:
     ap.add_argument("--draft-layers", default="5", help="draft layers of the speculative steps' drafters: 1,2,5")
     ap.add_argument("--skip", default="", help="sections to leave out: graphs, prefill, steps, profile, eager")
     ap.add_argument("--batch-rows", type=int, default=64)
+    ap.add_argument("--variants", default="", help="other settings of the target alone's way, ';' between "
+                    "variants: slot_kernel.SPLIT=256;product_kernel.STAGES=1")  # fmt: skip
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     model = random_model(args.shape, CUDA)
@@ -270,16 +313,26 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     outputs = {}
     # the compiled path (its products through the product kernel) is the plain step always timed
-    ways = [("graphs", False, True), ("compiled graphs, cuBLAS products", True, False), ("compiled graphs", True, True)]
-    for name, compile, kernel in ways[2:] if "graphs" in skip else ways:
-        with patched([] if kernel else [(decoder, "KERNEL_ROWS", 0)]):
+    ways = {"graphs": (False, []), "compiled graphs, cuBLAS products": (True, [(decoder, "KERNEL_ROWS", 0)]),
+            "compiled graphs, torch's argmax": (True, [(argmax_kernel, "fits", lambda x: False)]),
+            "compiled graphs": (True, [])}  # fmt: skip
+    if "graphs" in skip:
+        ways = {"compiled graphs": ways["compiled graphs"]}
+    ways |= {f"compiled graphs, {v}": (True, variant(v)) for v in args.variants.split(";") if v}
+    for name, (compile, changes) in ways.items():
+        with patched(changes):
+            torch._dynamo.reset()  # compiled afresh under this way's settings
             target = SlotTarget(model, 1, length, compile=compile)
-            seconds, tokens, steps, outputs[name] = timed_stream(Engine(target, StopRule([])), prompts,
-                                                                 args.max_new_tokens)  # fmt: skip
-        result["engine"][name] = {"tok_s": tokens / seconds, "ms_per_token": 1e3 * seconds / tokens,
-                                  "fraction_of_bound": tokens / seconds / result["bound_tok_s"]}  # fmt: skip
+            engine = Engine(target, StopRule([]))
+            run = timed_stream(engine, prompts, args.max_new_tokens)
+            if name == "compiled graphs" and "profile" not in skip:  # the engine's own step: argmax, bookkeeping
+                result["engine_step_profile"] = engine_profile(engine, args.prompt_tokens)
+        outputs[name] = run.outputs
+        result["engine"][name] = run.rates(result["bound_tok_s"]) | {"same_as_default": None}
         print(name, json.dumps(result["engine"][name]), flush=True)
         save()
+    for name in result["engine"]:
+        result["engine"][name]["same_as_default"] = outputs[name] == outputs["compiled graphs"]
     if "graphs" in outputs:
         result["compiled_equal_graphs"] = outputs["compiled graphs"] == outputs["graphs"]
         cublas = outputs["compiled graphs, cuBLAS products"]
@@ -310,7 +363,8 @@ def main() -> None:
         save()
 
     embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    plain_ms = result["engine"]["compiled graphs"]["ms_per_token"]
+    plain = result["engine"]["compiled graphs"]
+    plain_ms = (plain["ms_per_token"], plain["decode_ms_per_token"])
     result["speculative"] = {}
     for family, n in itertools.product(families, [int(n) for n in args.draft_layers.split(",")]):
         layers = [1, 2, 3, 4, 5][:n] if model.config.num_hidden_layers < 8 else None

@@ -29,9 +29,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import patched, replay_ms  # noqa: E402
+from bench_decode import patched, replay_ms, variant  # noqa: E402
 
-from dflash_cache import triton_support  # noqa: E402
 from dflash_cache.bench_generate import random_model  # noqa: E402
 from dflash_cache.generate import decoder, product_kernel, slot_kernel  # noqa: E402
 from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
@@ -45,10 +44,6 @@ def plain_launch(t: torch.Tensor) -> dict:
     return {"PDL": False}
 
 
-MODULES = {"decoder": decoder, "product_kernel": product_kernel, "slot_kernel": slot_kernel,
-           "triton_support": triton_support}  # fmt: skip
-
-
 def ways(variants: list[str]) -> dict[str, list[tuple[object, str, object]]]:
     """Each way a step runs, as the module attributes it sets; a variant is settings such as
     `product_kernel.SLICE_K=512,slot_kernel.BLOCK_N=128`."""
@@ -58,14 +53,7 @@ def ways(variants: list[str]) -> dict[str, list[tuple[object, str, object]]]:
                                        (slot_kernel, "pdl_options", plain_launch)],
            "kernel products, attention launched without PDL": [(slot_kernel, "pdl_options", plain_launch)],
            "kernel products, RoPE compiled apart": [(decoder, "ROPE_IN_PRODUCT", False)]}  # fmt: skip
-    for variant in variants:
-        changes = []
-        for setting in variant.split(","):
-            name, value = setting.split("=")
-            module, attr = name.split(".")
-            changes.append((MODULES[module], attr, int(value)))
-        out[f"kernel products, {variant}"] = changes
-    return out
+    return out | {f"kernel products, {v}": variant(v) for v in variants}
 
 
 def products_us(layers: list, tokens: int) -> dict:

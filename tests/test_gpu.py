@@ -566,6 +566,41 @@ def test_ddp_over_nccl_trains_and_resumes_on_one_gpu(tiny_cache, tmp_path):
     assert len(losses) == 6 and all(np.isfinite(losses)) and Checkpointer(tmp_path / "run").load()["step"] == 6
 
 
+def test_argmax_kernel_compiled_is_torchs_argmax():
+    """The greedy argmax kernels compiled, on SmolLM2's vocabulary: torch's index, the first of
+    equal maxima across the programs' blocks, for the rows of a verify step."""
+    from dflash_cache import argmax_kernel
+
+    logits = bf16_randn(0)(3, 8, 49152)
+    logits[0, 0, [40000, 5000, 5001]] = 20.0
+    logits[1, 2] = 0.5
+    want = logits.argmax(-1)
+    assert want[0, 0] == 5000 and want[1, 2] == 0
+    assert torch.equal(argmax_kernel.argmax(logits), want)
+    assert torch.equal(argmax_kernel.argmax(logits.float()), want)
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_slot_kernel_pieces_merged_by_the_last_to_finish_equal_the_combine_kernel(T, monkeypatch):
+    """The last piece of a row to finish merges the row's pieces (an atomic count a tile): over 64
+    rows that see 1 to 4 pieces, 20 times over, the bits of the separate combine kernel, and every
+    count back at zero after."""
+    from dflash_cache.generate import slot_kernel
+
+    randn = bf16_randn(1)
+    length = 4 * slot_kernel.SPLIT
+    keys, values = randn(64, length, 3, 64), randn(64, length, 3, 64)
+    query = randn(64, T, 9, 64)
+    slot = torch.arange(64, device=CUDA).flip(0).int()
+    seen = torch.randint(T, length + 1, (64,), device=CUDA, generator=torch.Generator(CUDA).manual_seed(2)).int()
+    monkeypatch.setattr(slot_kernel, "MERGE_LAST", False)
+    want = slot_kernel.attention(query, keys, values, slot, seen, True, 0.125)
+    monkeypatch.setattr(slot_kernel, "MERGE_LAST", True)
+    for _ in range(20):
+        assert torch.equal(slot_kernel.attention(query, keys, values, slot, seen, True, 0.125), want)
+    assert not slot_kernel._COUNTS[keys.device].any()
+
+
 def test_markov_kernel_gives_torchs_argmax_of_the_same_logits_compiled():
     """DSpark's fused Markov step compiled (tests/test_dspark.py's `markov_case`): the first of
     equal maxima, within a program and across programs, as torch's argmax picks it."""

@@ -17,6 +17,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from dflash_cache.argmax_kernel import argmax
+
 STOP, LENGTH, ERROR = "stop", "length", "error"  # why a completion ended
 
 # Streams of the noise, so that the draws of different decisions at one position never coincide.
@@ -130,9 +132,9 @@ class Chooser:
 
     def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
         if self.temperature <= 0:
-            return logits.argmax(-1), None
+            return argmax(logits), None
         scaled = logits.float() / self.temperature
-        tokens = (scaled + gumbel(self.seed, self.position, self.stream, scaled.shape[-1])).argmax(-1)
+        tokens = argmax(scaled + gumbel(self.seed, self.position, self.stream, scaled.shape[-1]))
         return tokens, torch.softmax(scaled, dim=-1)
 
     def at(self, position: Tensor, stream: int | None = None) -> Chooser:
@@ -159,7 +161,7 @@ class DraftChooser:
         self.calls += n
         c = self.chooser
         if c.temperature <= 0:
-            return logits.argmax(-1), None
+            return argmax(logits), None
         positions = self.base[:, None] + first + torch.arange(n, device=logits.device)
         tokens, probs = Chooser(c.temperature, c.seed.repeat_interleave(n), DRAFT_STREAM,
                                 positions.flatten())(logits.reshape(b * n, V))  # fmt: skip
@@ -180,7 +182,7 @@ def speculative_accept(drafts: Tensor, q: Tensor | None, logits: Tensor, chooser
     b, n = drafts.shape
     rows = torch.arange(b, device=drafts.device)
     if chooser.temperature <= 0:
-        target = logits.argmax(-1)
+        target = argmax(logits)
         a = (drafts == target[:, :n]).long().cumprod(1).sum(1)
         return a, target[rows, a]
     p = torch.softmax(logits.float() / chooser.temperature, dim=-1)
@@ -202,4 +204,4 @@ def speculative_accept(drafts: Tensor, q: Tensor | None, logits: Tensor, chooser
         residual = torch.where(empty, p_a, residual)
         p_a = torch.where((a < n)[:, None], residual, p_a)
     g = gumbel(chooser.seed, base + 1 + a, TARGET_STREAM, p.shape[-1])
-    return a, (torch.log(p_a) + g).argmax(-1)
+    return a, argmax(torch.log(p_a) + g)

@@ -39,6 +39,8 @@ from dflash_cache.triton_support import available, on_device, pdl_options
 BLOCK_M = 16  # query rows (token x head of the group) a program holds
 BLOCK_N = 64  # keys a block
 SPLIT = 1024  # keys a program walks in a buffer longer than this; a multiple of BLOCK_N
+WARPS = 4
+MERGE_LAST = True  # the last piece of a row to finish combines the pieces (else a second kernel does)
 
 
 def fits(query: Tensor, keys: Tensor) -> bool:
@@ -59,15 +61,41 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    global _merge  # a kernel calls a Triton function by its module-level name
+
     @triton.jit
-    def attend(Q, K, V, Out, ACC, STAT, SLOT, SEEN, sq_b, sq_t, sq_h, sk_s, sk_l, sk_h, so_b, so_t, so_h, T, tiles,
-               splits, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    def _merge(Out, ACC, STAT, first, pieces, b, kvh, tile, so_b, so_t, so_h, T, G: tl.constexpr, D: tl.constexpr,
+              BLOCK_M: tl.constexpr):  # fmt: skip
+        """A tile's `pieces` partial results, from piece `first` on, in order, into its output."""
+        i = tl.arange(0, BLOCK_M)
+        m = tile * BLOCK_M + i
+        t, h = m // G, kvh * G + m % G
+        real = m < T * G
+        d = tl.arange(0, D)
+        top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for s in range(0, pieces):  # .cg: what other programs wrote, from L2, never a stale L1 line
+            top = tl.maximum(top, tl.load(STAT + ((first + s) * 2) * BLOCK_M + i, cache_modifier=".cg"))
+        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+        total = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for s in range(0, pieces):
+            w = tl.exp2(tl.load(STAT + ((first + s) * 2) * BLOCK_M + i, cache_modifier=".cg") - top)
+            total += tl.load(STAT + ((first + s) * 2 + 1) * BLOCK_M + i, cache_modifier=".cg") * w
+            partial = tl.load(ACC + ((first + s) * BLOCK_M + i[:, None]) * D + d[None, :], cache_modifier=".cg")
+            acc += partial * w[:, None]
+        out = acc / total[:, None]
+        tl.store(Out + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=real[:, None])  # fmt: skip
+
+    @triton.jit
+    def attend(Q, K, V, Out, ACC, STAT, COUNT, SLOT, SEEN, sq_b, sq_t, sq_h, sk_s, sk_l, sk_h, so_b, so_t, so_h, T,
+               tiles, splits, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, SPLIT: tl.constexpr, MERGE_LAST: tl.constexpr, PDL: tl.constexpr,
                NEXT_FIRST: tl.constexpr = False):  # fmt: skip
         """Without SPLIT: the attention of one tile of query rows over all the keys its row sees,
         into Out. With SPLIT: over keys [s SPLIT, (s+1) SPLIT), the unnormalised sum, its running
         maximum and its total into ACC and STAT for `combine` (into Out, when the row's keys all
-        fit in the first piece). With PDL it may start before the
+        fit in the first piece). With MERGE_LAST the row's last piece to finish (COUNT counts
+        them) merges the pieces instead of `combine`. With PDL it may start before the
         kernel before it ends, and waits for it first (everything it reads may come from it); it
         lets the next kernel launch after that wait, or at once with NEXT_FIRST."""
         if PDL and NEXT_FIRST:
@@ -111,13 +139,20 @@ def _kernels():
             top = new_top
         whole = s == 0  # this program saw every key its row sees: its output is the answer
         if SPLIT > 0:
-            whole = whole & (seen <= SPLIT)  # what `combine` makes of one piece, bit for bit
-            if seen > SPLIT:
-                piece = ((b * tl.num_programs(1) + kvh) * tiles + tile) * splits + s
+            whole = whole & (seen <= SPLIT)  # what `merge` makes of one piece, bit for bit
+            pieces = (seen + SPLIT - 1) // SPLIT
+            if (seen > SPLIT) & (s < pieces):
+                group = (b * tl.num_programs(1) + kvh) * tiles + tile
                 i = tl.arange(0, BLOCK_M)
-                tl.store(ACC + (piece * BLOCK_M + i[:, None]) * D + d[None, :], acc)
-                tl.store(STAT + (piece * 2) * BLOCK_M + i, top)
-                tl.store(STAT + (piece * 2 + 1) * BLOCK_M + i, total)
+                tl.store(ACC + ((group * splits + s) * BLOCK_M + i[:, None]) * D + d[None, :], acc)
+                tl.store(STAT + ((group * splits + s) * 2) * BLOCK_M + i, top)
+                tl.store(STAT + ((group * splits + s) * 2 + 1) * BLOCK_M + i, total)
+                if MERGE_LAST:
+                    tl.debug_barrier()  # every thread's stores before the count that publishes them
+                    if tl.atomic_add(COUNT + group, 1, sem="acq_rel") == pieces - 1:
+                        tl.store(COUNT + group, 0)  # ready for the next launch
+                        _merge(Out, ACC, STAT, group * splits, pieces, b, kvh, tile, so_b, so_t, so_h, T, G, D,
+                              BLOCK_M)  # fmt: skip
         if whole:
             out = acc / total[:, None]
             tl.store(Out + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
@@ -134,26 +169,24 @@ def _kernels():
         b, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         pieces = (tl.load(SEEN + b) + SPLIT - 1) // SPLIT
         if pieces > 1:
-            i = tl.arange(0, BLOCK_M)
-            m = tile * BLOCK_M + i
-            t, h = m // G, kvh * G + m % G
-            real = m < T * G
-            d = tl.arange(0, D)
-            first = ((b * tl.num_programs(1) + kvh) * tiles + tile) * splits
-            top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            for s in range(0, pieces):
-                top = tl.maximum(top, tl.load(STAT + ((first + s) * 2) * BLOCK_M + i))
-            acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-            total = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for s in range(0, pieces):
-                w = tl.exp2(tl.load(STAT + ((first + s) * 2) * BLOCK_M + i) - top)
-                total += tl.load(STAT + ((first + s) * 2 + 1) * BLOCK_M + i) * w
-                acc += tl.load(ACC + ((first + s) * BLOCK_M + i[:, None]) * D + d[None, :]) * w[:, None]
-            out = acc / total[:, None]
-            tl.store(Out + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
-                     out.to(Out.dtype.element_ty), mask=real[:, None])  # fmt: skip
+            group = (b * tl.num_programs(1) + kvh) * tiles + tile
+            _merge(Out, ACC, STAT, group * splits, pieces, b, kvh, tile, so_b, so_t, so_h, T, G, D, BLOCK_M)
 
     return attend, combine
+
+
+_COUNTS: dict[torch.device, Tensor] = {}
+
+
+def _counts(device: torch.device, n: int) -> Tensor:
+    """n zeroed counters of the pieces finished, which the last piece of each tile sets back to
+    zero: one buffer a device, made before any CUDA graph captures a step (its warm-up call)."""
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("slot_kernel.attention: run a step of this size once before capturing it")
+        counts = _COUNTS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return counts
 
 
 def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: Tensor, causal: bool,
@@ -171,15 +204,17 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
         query = query.contiguous()
     attend, combine = _kernels()
     split = SPLIT if splits > 1 else 0
-    acc = stat = out
+    acc = stat = count = out
     if split:
         acc = torch.empty(b * kv_heads * tiles * splits * BLOCK_M * d, dtype=torch.float32, device=query.device)
         stat = torch.empty(b * kv_heads * tiles * splits * 2 * BLOCK_M, dtype=torch.float32, device=query.device)
+        count = _counts(query.device, b * kv_heads * tiles) if MERGE_LAST else out
     flags, pdl = dict(G=groups, D=d, BLOCK_M=BLOCK_M), pdl_options(query)
     attend[(b, kv_heads, tiles * splits)](
-        query, keys, values, out, acc, stat, slot, seen, *query.stride()[:3], *keys.stride()[:3], *out.stride()[:3],
-        T, tiles, splits, scale, **flags, BLOCK_N=BLOCK_N, CAUSAL=causal and T > 1, SPLIT=split, num_warps=4, **pdl)
-    if split:
+        query, keys, values, out, acc, stat, count, slot, seen, *query.stride()[:3], *keys.stride()[:3],
+        *out.stride()[:3], T, tiles, splits, scale, **flags, BLOCK_N=BLOCK_N, CAUSAL=causal and T > 1, SPLIT=split,
+        MERGE_LAST=MERGE_LAST, num_warps=WARPS, **pdl)  # fmt: skip
+    if split and not MERGE_LAST:
         pdl.pop("NEXT_FIRST", None)  # the combine is short: the next kernel launches after its wait
         combine[(b, kv_heads, tiles)](out, acc, stat, seen, *out.stride()[:3], T, tiles, splits, **flags, SPLIT=split,
                                       num_warps=4, **pdl)  # fmt: skip

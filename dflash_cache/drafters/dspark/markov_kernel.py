@@ -7,8 +7,8 @@ argmax over the vocabulary picks the token the next slot starts from. As tensor 
 product that writes V logits, and an argmax that reads them back in one block of threads, about 8
 us of an H200 for 49,152 logits, seven times a block. Here programs of BLOCK_V vocabulary rows each
 compute their logits, rounded as torch rounds them (the product in float32 to the input dtype, the
-sum with the base to it again), and keep their maximum and its first index; a second kernel picks
-each row's first maximum of those. The token is torch's argmax of the same logits (the first of
+sum with the base to it again), and keep their maximum and its first index; `argmax_kernel.pick`
+takes each row's first maximum of those. The token is torch's argmax of the same logits (the first of
 equal maxima), up to the product's summation order.
 """
 
@@ -19,6 +19,7 @@ import functools
 import torch
 from torch import Tensor
 
+from dflash_cache.argmax_kernel import pick
 from dflash_cache.triton_support import available, on_device
 
 BLOCK_V = 128  # vocabulary rows a program takes
@@ -57,16 +58,7 @@ def _kernels():
         tl.store(TOP + row * programs + p, top)
         tl.store(AT + row * programs + p, p * BLOCK_V + at)
 
-    @triton.jit
-    def first_maximum(TOP, AT, OUT, P, BLOCK_P: tl.constexpr):
-        """OUT[row]: the index of the row's largest logit, the first of equal ones."""
-        row = tl.program_id(0)
-        i = tl.arange(0, BLOCK_P)
-        top = tl.load(TOP + row * P + i, mask=i < P, other=float("-inf"))
-        _, j = tl.max(top, 0, return_indices=True, return_indices_tie_break_left=True)
-        tl.store(OUT + row, tl.load(AT + row * P + j).to(tl.int64))
-
-    return block_maxima, first_maximum
+    return block_maxima
 
 
 @torch.library.custom_op("dflash_cache::markov_argmax", mutates_args=())
@@ -80,13 +72,10 @@ def markov_argmax(base: Tensor, z: Tensor, w2: Tensor) -> Tensor:
     programs = triton.cdiv(V, BLOCK_V)
     top = torch.empty(b, programs, dtype=torch.float32, device=base.device)
     at = torch.empty(b, programs, dtype=torch.int32, device=base.device)
-    out = torch.empty(b, dtype=torch.int64, device=base.device)
     z, w2 = z.contiguous(), w2.contiguous()
-    block_maxima, first_maximum = _kernels()
-    block_maxima[(b, programs)](base, z, w2, top, at, V, R, base.stride(0), z.stride(0), BLOCK_V=BLOCK_V,
-                                BLOCK_R=BLOCK_R, num_warps=4)  # fmt: skip
-    first_maximum[(b,)](top, at, out, programs, BLOCK_P=triton.next_power_of_2(programs), num_warps=4)
-    return out
+    _kernels()[(b, programs)](base, z, w2, top, at, V, R, base.stride(0), z.stride(0), BLOCK_V=BLOCK_V,
+                              BLOCK_R=BLOCK_R, num_warps=4)  # fmt: skip
+    return pick(top, at)
 
 
 @markov_argmax.register_fake
