@@ -97,7 +97,7 @@ def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces, fir
     monkeypatch.setattr(triton_support, "TRIGGER_FIRST", first)
 
     g = torch.Generator(device=CUDA).manual_seed(0)
-    length = 512 if pieces == 1 else pieces * slot_kernel.SPLIT
+    length = pieces * slot_kernel.SPLIT
     keys, values = (torch.randn(1, length, 2, 64, device=CUDA, generator=g, dtype=torch.bfloat16) for _ in "kv")
     queries = torch.randn(4, 1, 9, 8, 64, device=CUDA, generator=g, dtype=torch.bfloat16)
     slot, seen = torch.zeros(1, dtype=torch.int32, device=CUDA), torch.full((1,), length, device=CUDA).int()
@@ -349,12 +349,13 @@ def test_a_verify_step_gives_each_token_the_bits_of_a_plain_step(context):
     """What keeps greedy speculation at batch 1 the target's own decode (SmolLM2's shape, bf16, the
     compiled layers and the slot attention kernel): a verify step of 17 tokens gives each token's
     logits and tapped states bit for bit as 17 one-token steps do; at a context of 150 in a buffer
-    of 512 (one piece) and of 1016 in a buffer of 2048 (its keys cut in pieces of 1024, the verify
-    step's queries on both sides of the cut)."""
+    of 512 (the queries see one piece) and of 1016 in a buffer of 2048 (its keys cut in pieces of
+    `slot_kernel.SPLIT`, the verify step's queries on both sides of the cut at 1024)."""
     from dflash_cache.generate import slot_kernel
 
+    assert 1024 % slot_kernel.SPLIT == 0 and slot_kernel.SPLIT >= 256
     model = smollm2_shaped()
-    length = 512 if context < 200 else 2 * slot_kernel.SPLIT
+    length = 512 if context < 200 else 2048
     g = torch.Generator(device=CUDA).manual_seed(context)
     prompt = tuple(torch.randint(0, 49152, (context,), generator=g, device=CUDA).tolist())
     ids = torch.randint(0, 49152, (1, 17), generator=g, device=CUDA)

@@ -38,7 +38,7 @@ from dflash_cache.triton_support import available, on_device, pdl_options
 
 BLOCK_M = 16  # query rows (token x head of the group) a program holds
 BLOCK_N = 64  # keys a block
-SPLIT = 1024  # keys a program walks in a buffer longer than this; a multiple of BLOCK_N
+SPLIT = 256  # keys a program walks in a buffer longer than this; a multiple of BLOCK_N
 WARPS = 4
 MERGE_LAST = True  # the last piece of a row to finish combines the pieces (else a second kernel does)
 
