@@ -20,6 +20,7 @@ def test_slot_kernel_equals_the_masked_path(monkeypatch, split, merge_last):
     and grouped-query heads, in one piece and cut at every 64 keys (the pieces merged by the last
     to finish, or by a second kernel): the masked SDPA path in float32."""
     monkeypatch.setattr(slot_kernel, "SPLIT", split or 10**9)
+    monkeypatch.setattr(slot_kernel, "BLOCK_N", 64)
     monkeypatch.setattr(slot_kernel, "MERGE_LAST", merge_last)
     g = torch.Generator().manual_seed(0)
     S, L, heads, kv, d = 3, 200, 6, 2, 32
@@ -41,6 +42,7 @@ def test_slot_kernel_gives_a_query_the_same_bits_in_any_step(monkeypatch):
     kernel does (and the last piece leaves its counter at zero for the next step); and a query that
     sees one piece gets the same bits whether the buffer is cut or not."""
     monkeypatch.setattr(slot_kernel, "SPLIT", 64)
+    monkeypatch.setattr(slot_kernel, "BLOCK_N", 64)
     g = torch.Generator().manual_seed(3)
     heads, kv, d = 6, 2, 32
     k_buf, v_buf = (torch.randn(1, 200, kv, d, generator=g).bfloat16() for _ in range(2))

@@ -44,7 +44,7 @@ BLOCK_T = 16  # rows (tokens) a program takes at once, whatever the step holds
 COLS = 16  # output columns a program owns
 SLICE_K = 256  # K a warp sums: a program sums K (padded to a power of two) in slices of this, side by side
 WARPS = 0  # warps a program runs (0: one a slice)
-STAGES = 3  # Triton's software pipelining of the loop over rows (its default; 1 halves the shared memory)
+STAGES = 1  # Triton's software pipelining of the loop over rows (1: none, the fastest one-row step; 3 is Triton's)
 MAX_K = 2048  # the widest input row: a program holds its columns' weights whole (measured up to 2048)
 
 

@@ -37,7 +37,7 @@ from torch import Tensor
 from dflash_cache.triton_support import available, on_device, pdl_options
 
 BLOCK_M = 16  # query rows (token x head of the group) a program holds
-BLOCK_N = 64  # keys a block
+BLOCK_N = 128  # keys a block
 SPLIT = 256  # keys a program walks in a buffer longer than this; a multiple of BLOCK_N
 WARPS = 4
 MERGE_LAST = True  # the last piece of a row to finish combines the pieces (else a second kernel does)
@@ -204,6 +204,8 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
         query = query.contiguous()
     attend, combine = _kernels()
     split = SPLIT if splits > 1 else 0
+    if split % BLOCK_N:
+        raise ValueError(f"slot_kernel: SPLIT ({SPLIT}) must be a multiple of BLOCK_N ({BLOCK_N})")
     acc = stat = count = out
     if split:
         acc = torch.empty(b * kv_heads * tiles * splits * BLOCK_M * d, dtype=torch.float32, device=query.device)
