@@ -70,7 +70,8 @@ def patched(changes: list[tuple[object, str, object]]):
 
 
 MODULES = {"decoder": decoder, "product_kernel": product_kernel, "slot_kernel": slot_kernel,
-           "triton_support": triton_support}  # fmt: skip
+           "triton_support": triton_support, "markov_kernel": dspark_kernel,
+           "argmax_kernel": argmax_kernel}  # fmt: skip
 
 
 def variant(settings: str) -> list[tuple[object, str, object]]:

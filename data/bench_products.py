@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import patched, replay_ms, variant  # noqa: E402
 
-from dflash_cache.bench_generate import random_model  # noqa: E402
+from dflash_cache.bench_generate import random_model, shape_config  # noqa: E402
 from dflash_cache.generate import decoder, product_kernel, slot_kernel  # noqa: E402
 from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
@@ -68,6 +68,31 @@ def products_us(layers: list, tokens: int) -> dict:
     return {name: 1e3 * replay_ms(lambda n=name: kind(n), reps=50) / len(layers) for name in KINDS}
 
 
+def markov_us(vocab: int, variants: list[str], rank: int = 256) -> dict:
+    """DSpark's greedy Markov step (`markov_kernel`) seven times in a row, as a block's draft runs
+    it, and the greedy argmax of a verify step's 8 rows (`argmax_kernel`), replayed under each
+    setting: us a call, and the Markov step's W2 read in GB/s."""
+    from dflash_cache.argmax_kernel import argmax
+    from dflash_cache.drafters.dspark.markov_kernel import markov_argmax
+
+    g = torch.Generator(device=CUDA).manual_seed(0)
+    base = torch.randn(1, 7, vocab, device=CUDA, generator=g).bfloat16()
+    z = torch.randn(1, rank, device=CUDA, generator=g).bfloat16()
+    w2 = (torch.randn(vocab, rank, device=CUDA, generator=g) * rank**-0.5).bfloat16()
+    logits = torch.randn(1, 8, vocab, device=CUDA, generator=g).bfloat16()
+    out = {}
+    for name in ["default", *variants]:
+        with patched([] if name == "default" else variant(name)):
+            try:
+                us = 1e3 * replay_ms(lambda: [markov_argmax(base[:, k], z, w2) for k in range(7)], reps=100) / 7
+                out[name] = {"markov_us": us, "markov_GBps": w2.numel() * 2 / us / 1e3,
+                             "argmax_8_rows_us": 1e3 * replay_ms(lambda: argmax(logits), reps=100)}  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - a setting the GPU cannot build: say so, go on
+                out[name] = {"error": f"{type(e).__name__}: {e}"}
+        print("markov", name, json.dumps(out[name]), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="smollm2-135m")
@@ -75,8 +100,18 @@ def main() -> None:
     ap.add_argument("--length", type=int, help="the buffer's positions (default: the longest context + 64)")
     ap.add_argument("--variants", default="", help="other settings to time, ';' between variants: "
                     "product_kernel.SLICE_K=512;triton_support.TRIGGER_FIRST=1,slot_kernel.BLOCK_N=128")  # fmt: skip
+    ap.add_argument("--markov", default=None, help="time the Markov and argmax kernels alone under these "
+                    "settings (';' between; '' for the defaults) instead of the step: markov_kernel.BLOCK_V=64")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.markov is not None:
+        shape = shape_config(args.shape)
+        variants = [v for v in args.markov.split(";") if v]
+        result = {"shape": args.shape, "device": torch.cuda.get_device_name(),
+                  "markov": markov_us(shape["vocab_size"], variants)}
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+        return
     contexts = [int(c) for c in args.contexts.split(",")]
     model = random_model(args.shape, CUDA)
     target = SlotTarget(model, 1, args.length or max(contexts) + 64)

@@ -1,11 +1,11 @@
-"""Greedy decoding's argmax over a vocabulary on a GPU, in two short kernels instead of one long one.
+"""Greedy decoding's argmax over a vocabulary on a GPU, as one kernel of many short programs.
 
 torch's argmax of one row of 49,152 logits runs in one block of threads, about 13 us of an H200,
 once per step of a batch-1 decode (and once per verified block). Here programs of BLOCK_V columns
-each keep their largest value and its first index (`block_maxima`), then one program a row picks
-the first of those (`first_maximum`, which DSpark's Markov kernel shares). The index is torch's:
-the first of equal maxima. Both kernels launch with programmatic dependent launch where the GPU has
-it (`triton_support.pdl_options`).
+each keep their largest value and its first index, and the last program of a row to finish (an
+atomic count a row) picks the first of those (`_pick_last`, which DSpark's Markov kernel shares).
+The index is torch's: the first of equal maxima. The kernel launches with programmatic dependent
+launch where the GPU has it (`triton_support.pdl_options`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import functools
 import torch
 from torch import Tensor
 
-from dflash_cache.triton_support import available, on_device, pdl_options
+from dflash_cache.triton_support import available, on_device, pdl_options, zeroed_counts
 
 BLOCK_V = 1024  # columns a program takes
 
@@ -27,13 +27,30 @@ def fits(x: Tensor) -> bool:
 
 @functools.cache
 def kernels():
-    """(block_maxima, first_maximum), compiled on first use."""
+    """(block_maxima, _pick_last), compiled on first use."""
+    global tl, _pick_last  # module-level names: how kernels, here and in markov_kernel, find them
     import triton
     import triton.language as tl
 
     @triton.jit
-    def block_maxima(X, TOP, AT, V, s_x, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
-        """TOP/AT[row, p]: the largest of columns [p BLOCK_V, (p+1) BLOCK_V) and its first index."""
+    def _pick_last(TOP, AT, OUT, COUNT, row, p, top, at, P, BLOCK_P: tl.constexpr):
+        """Program p of a row's P stores its block's largest value `top` and its index `at`; the
+        row's last program to finish writes OUT[row], the index at the first of the P largest."""
+        tl.store(TOP + row * P + p, top)
+        tl.store(AT + row * P + p, at)
+        tl.debug_barrier()  # the stores before the count that publishes them
+        if tl.atomic_add(COUNT + row, 1, sem="acq_rel") == P - 1:
+            tl.store(COUNT + row, 0)  # ready for the next launch
+            i = tl.arange(0, BLOCK_P)  # .cg: what other programs wrote, from L2
+            tops = tl.load(TOP + row * P + i, mask=i < P, other=float("-inf"), cache_modifier=".cg")
+            _, j = tl.max(tops, 0, return_indices=True, return_indices_tie_break_left=True)
+            tl.store(OUT + row, tl.load(AT + row * P + j, cache_modifier=".cg").to(tl.int64))
+
+    @triton.jit
+    def block_maxima(X, TOP, AT, OUT, COUNT, V, s_x, BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr,
+                     PDL: tl.constexpr):  # fmt: skip
+        """The largest of columns [p BLOCK_V, (p+1) BLOCK_V) of a row and its first index, into
+        `_pick_last`."""
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -41,35 +58,20 @@ def kernels():
         v = p * BLOCK_V + tl.arange(0, BLOCK_V)
         x = tl.load(X + row.to(tl.int64) * s_x + v, mask=v < V, other=float("-inf")).to(tl.float32)
         top, at = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
-        programs = tl.num_programs(1)
-        tl.store(TOP + row * programs + p, top)
-        tl.store(AT + row * programs + p, p * BLOCK_V + at)
+        _pick_last(TOP, AT, OUT, COUNT, row, p, top, p * BLOCK_V + at, tl.num_programs(1), BLOCK_P)
 
-    @triton.jit
-    def first_maximum(TOP, AT, OUT, P, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
-        """OUT[row]: AT at the first of the row's P largest TOP values."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        row = tl.program_id(0)
-        i = tl.arange(0, BLOCK_P)
-        top = tl.load(TOP + row * P + i, mask=i < P, other=float("-inf"))
-        _, j = tl.max(top, 0, return_indices=True, return_indices_tie_break_left=True)
-        tl.store(OUT + row, tl.load(AT + row * P + j).to(tl.int64))
-
-    return block_maxima, first_maximum
+    return block_maxima, _pick_last
 
 
-def pick(top: Tensor, at: Tensor, pdl: dict | None = None) -> Tensor:
-    """[rows] int64: for each row of top/at [rows, P] (a block's largest value, its index), the
-    index of the first largest."""
+def scratch(rows: int, programs: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """What `_pick_last` needs for `rows` rows of `programs` blocks: (TOP, AT, OUT [rows] int64,
+    COUNT, BLOCK_P)."""
     import triton
 
-    rows, P = top.shape
-    out = torch.empty(rows, dtype=torch.int64, device=top.device)
-    kernels()[1][(rows,)](top, at, out, P, BLOCK_P=triton.next_power_of_2(P), num_warps=4,
-                          **(pdl or {"PDL": False}))  # fmt: skip
-    return out
+    top = torch.empty(rows, programs, dtype=torch.float32, device=device)
+    at = torch.empty(rows, programs, dtype=torch.int32, device=device)
+    out = torch.empty(rows, dtype=torch.int64, device=device)
+    return top, at, out, zeroed_counts("argmax_kernel", device, rows), triton.next_power_of_2(programs)
 
 
 @torch.library.custom_op("dflash_cache::first_argmax", mutates_args=())
@@ -79,12 +81,12 @@ def first_argmax(x: Tensor) -> Tensor:
 
     rows, V = x.shape
     programs = triton.cdiv(V, BLOCK_V)
-    top = torch.empty(rows, programs, dtype=torch.float32, device=x.device)
-    at = torch.empty(rows, programs, dtype=torch.int32, device=x.device)
+    top, at, out, count, block_p = scratch(rows, programs, x.device)
     pdl = pdl_options(x)
     pdl.pop("NEXT_FIRST", None)
-    kernels()[0][(rows, programs)](x, top, at, V, x.stride(0), BLOCK_V=BLOCK_V, num_warps=4, **pdl)
-    return pick(top, at, pdl)
+    kernels()[0][(rows, programs)](x, top, at, out, count, V, x.stride(0), BLOCK_V=BLOCK_V, BLOCK_P=block_p,
+                                   num_warps=4, **pdl)  # fmt: skip
+    return out
 
 
 @first_argmax.register_fake

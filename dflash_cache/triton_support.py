@@ -47,3 +47,20 @@ def pdl_options(t: Tensor) -> dict:
     if not t.is_cuda or interpreted() or torch.cuda.get_device_capability(t.device)[0] < 9:
         return {"PDL": False}
     return {"PDL": True, "NEXT_FIRST": TRIGGER_FIRST, "launch_pdl": True}
+
+
+_COUNTS: dict[tuple[str, torch.device], Tensor] = {}
+
+
+def zeroed_counts(owner: str, device: torch.device, n: int) -> Tensor:
+    """n int32 counters, zero, for a kernel whose programs count themselves done so that the last
+    one finishes the work (merging the others' partial results) and sets its counter back to zero.
+    One buffer per owner and device, reused by every launch: kernels on one stream run one after
+    the other (a kernel launched with PDL waits for the one before it first). Made by a call
+    before any CUDA graph captures one."""
+    counts = _COUNTS.get((owner, device))
+    if counts is None or counts.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{owner}: run a step of this size once before capturing it in a CUDA graph")
+        counts = _COUNTS[owner, device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
+    return counts

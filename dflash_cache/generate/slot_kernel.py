@@ -34,7 +34,7 @@ import functools
 import torch
 from torch import Tensor
 
-from dflash_cache.triton_support import available, on_device, pdl_options
+from dflash_cache.triton_support import available, on_device, pdl_options, zeroed_counts
 
 BLOCK_M = 16  # query rows (token x head of the group) a program holds
 BLOCK_N = 128  # keys a block
@@ -175,20 +175,6 @@ def _kernels():
     return attend, combine
 
 
-_COUNTS: dict[torch.device, Tensor] = {}
-
-
-def _counts(device: torch.device, n: int) -> Tensor:
-    """n zeroed counters of the pieces finished, which the last piece of each tile sets back to
-    zero: one buffer a device, made before any CUDA graph captures a step (its warm-up call)."""
-    counts = _COUNTS.get(device)
-    if counts is None or counts.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("slot_kernel.attention: run a step of this size once before capturing it")
-        counts = _COUNTS[device] = torch.zeros(max(n, 1 << 16), dtype=torch.int32, device=device)
-    return counts
-
-
 def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: Tensor, causal: bool,
               scale: float) -> Tensor:  # fmt: skip
     """query [b, T, heads, d] (the last dimension contiguous) of batch row i against the first
@@ -210,7 +196,7 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
     if split:
         acc = torch.empty(b * kv_heads * tiles * splits * BLOCK_M * d, dtype=torch.float32, device=query.device)
         stat = torch.empty(b * kv_heads * tiles * splits * 2 * BLOCK_M, dtype=torch.float32, device=query.device)
-        count = _counts(query.device, b * kv_heads * tiles) if MERGE_LAST else out
+        count = zeroed_counts("slot_kernel", query.device, b * kv_heads * tiles) if MERGE_LAST else out
     flags, pdl = dict(G=groups, D=d, BLOCK_M=BLOCK_M), pdl_options(query)
     attend[(b, kv_heads, tiles * splits)](
         query, keys, values, out, acc, stat, count, slot, seen, *query.stride()[:3], *keys.stride()[:3],

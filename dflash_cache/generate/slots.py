@@ -88,18 +88,13 @@ class SlotStep:
     rows: Tensor | None = None
     causal: bool = True
     slot: Tensor = field(init=False)  # [b, 1]: the slot each batch row writes
-    cu_q: Tensor | None = field(init=False, default=None)  # flash's query offsets, its key offsets' index
-    step_index: Tensor | None = field(init=False, default=None)
     seqused: Tensor | None = field(init=False, default=None)  # seen, as the GPU kernels take it
-    _key_offsets: dict = field(init=False, default_factory=dict)  # flash's, per buffer length
+    _key_offsets: dict = field(init=False, default_factory=dict)  # flash's: the queries' ("q"), the keys' per length
 
     def __post_init__(self) -> None:
-        b, T = self.positions.shape
-        device = self.positions.device
+        b, device = self.positions.shape[0], self.positions.device
         self.slot = (torch.arange(b, device=device) if self.rows is None else self.rows)[:, None]
         if self.seen is not None and triton_support.on_device(self.positions):
-            steps = torch.arange(b + 1, device=device, dtype=torch.int32)
-            self.cu_q, self.step_index = steps * T, steps
             self.seqused = self.seen.to(torch.int32)
 
 
@@ -158,11 +153,14 @@ def _flash(query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep, scale: f
     keys, values = _rows_of(k_buf, v_buf, step)
     b, T, heads, d = query.shape
     S, L = keys.shape[:2]
-    if L not in step._key_offsets:  # once per forward, not once per layer
-        step._key_offsets[L] = step.step_index * L
+    offsets = step._key_offsets
+    if L not in offsets:  # once per forward, not once per layer (made here: the slot kernel needs none)
+        rows = offsets.setdefault("rows", torch.arange(b + 1, device=query.device, dtype=torch.int32))
+        offsets.setdefault("q", rows * T)
+        offsets[L] = rows * L
     out = torch.ops.aten._flash_attention_forward(
         query.reshape(b * T, heads, d), keys.view(S * L, *keys.shape[2:]), values.view(S * L, *values.shape[2:]),
-        step.cu_q, step._key_offsets[L], T, L, 0.0, step.causal and T > 1, False, scale=scale,
+        offsets["q"], offsets[L], T, L, 0.0, step.causal and T > 1, False, scale=scale,
         seqused_k=step.seqused,
     )[0]  # fmt: skip
     return out.view(b, T, heads, d)

@@ -4,12 +4,12 @@ writing the logits.
 Drafting a block, DSpark's Markov head runs slot by slot: each slot's rank-r latent z times W2
 [V, r] (25 MB at SmolLM2's vocabulary and rank 256), added to the slot's base logits, then the
 argmax over the vocabulary picks the token the next slot starts from. As tensor ops that is a
-product that writes V logits, and an argmax that reads them back in one block of threads, about 8
-us of an H200 for 49,152 logits, seven times a block. Here programs of BLOCK_V vocabulary rows each
-compute their logits, rounded as torch rounds them (the product in float32 to the input dtype, the
-sum with the base to it again), and keep their maximum and its first index; `argmax_kernel.pick`
-takes each row's first maximum of those. The token is torch's argmax of the same logits (the first of
-equal maxima), up to the product's summation order.
+product that writes V logits, and an argmax that reads them back. Here programs of BLOCK_V
+vocabulary rows each compute their logits, rounded as torch rounds them (the product in float32
+to the input dtype, the sum with the base to it again), and keep their maximum and its first
+index; the last program of a row to finish picks the first maximum of those
+(`argmax_kernel._pick_last`). The token is torch's argmax of the same logits (the first of equal
+maxima), up to the product's summation order.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import functools
 import torch
 from torch import Tensor
 
-from dflash_cache.argmax_kernel import pick
+from dflash_cache import argmax_kernel
 from dflash_cache.triton_support import available, on_device
 
 BLOCK_V = 128  # vocabulary rows a program takes
 BLOCK_R = 64  # of the rank, summed at once
+WARPS = 4
 
 
 def fits(base: Tensor, w2: Tensor) -> bool:
@@ -37,9 +38,14 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    global _pick_last  # a kernel calls a Triton function by its module-level name
+    _pick_last = argmax_kernel.kernels()[1]
+
     @triton.jit
-    def block_maxima(BASE, Z, W, TOP, AT, V, R, s_base, s_z, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
-        """TOP/AT[row, p]: the largest logit of rows [p BLOCK_V, (p+1) BLOCK_V) and its first index."""
+    def block_maxima(BASE, Z, W, TOP, AT, OUT, COUNT, V, R, s_base, s_z, BLOCK_V: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):  # fmt: skip
+        """The largest logit of rows [p BLOCK_V, (p+1) BLOCK_V) and its first index, into
+        `argmax_kernel`'s `_pick_last`."""
         row, p = tl.program_id(0), tl.program_id(1)
         DT = BASE.dtype.element_ty
         v = p * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -54,9 +60,7 @@ def _kernels():
         logit = (acc.to(DT).to(tl.float32) + base).to(DT).to(tl.float32)
         logit = tl.where(live, logit, float("-inf"))
         top, at = tl.max(logit, 0, return_indices=True, return_indices_tie_break_left=True)
-        programs = tl.num_programs(1)
-        tl.store(TOP + row * programs + p, top)
-        tl.store(AT + row * programs + p, p * BLOCK_V + at)
+        _pick_last(TOP, AT, OUT, COUNT, row, p, top, p * BLOCK_V + at, tl.num_programs(1), BLOCK_P)
 
     return block_maxima
 
@@ -70,12 +74,11 @@ def markov_argmax(base: Tensor, z: Tensor, w2: Tensor) -> Tensor:
     b, V = base.shape
     R = w2.shape[1]
     programs = triton.cdiv(V, BLOCK_V)
-    top = torch.empty(b, programs, dtype=torch.float32, device=base.device)
-    at = torch.empty(b, programs, dtype=torch.int32, device=base.device)
+    top, at, out, count, block_p = argmax_kernel.scratch(b, programs, base.device)
     z, w2 = z.contiguous(), w2.contiguous()
-    _kernels()[(b, programs)](base, z, w2, top, at, V, R, base.stride(0), z.stride(0), BLOCK_V=BLOCK_V,
-                              BLOCK_R=BLOCK_R, num_warps=4)  # fmt: skip
-    return pick(top, at)
+    _kernels()[(b, programs)](base, z, w2, top, at, out, count, V, R, base.stride(0), z.stride(0), BLOCK_V=BLOCK_V,
+                              BLOCK_R=BLOCK_R, BLOCK_P=block_p, num_warps=WARPS)  # fmt: skip
+    return out
 
 
 @markov_argmax.register_fake
