@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="150", help="the contexts the steps start at, in one buffer: 150,1024")
     ap.add_argument("--length", type=int, help="the buffer's positions (default: the longest context + 64)")
     ap.add_argument("--variants", default="", help="other settings to time, ';' between variants: "
-                    "product_kernel.SLICE_K=512;triton_support.TRIGGER_FIRST=1,slot_kernel.BLOCK_N=128")  # fmt: skip
+                    "product_kernel.SLICE_K=512;product_kernel.STAGES=3,slot_kernel.BLOCK_N=64")  # fmt: skip
     ap.add_argument("--markov", default=None, help="time the Markov and argmax kernels alone under these "
                     "settings (';' between; '' for the defaults) instead of the step: markov_kernel.BLOCK_V=64")
     ap.add_argument("--out", type=Path)

@@ -82,10 +82,8 @@ def first_argmax(x: Tensor) -> Tensor:
     rows, V = x.shape
     programs = triton.cdiv(V, BLOCK_V)
     top, at, out, count, block_p = scratch(rows, programs, x.device)
-    pdl = pdl_options(x)
-    pdl.pop("NEXT_FIRST", None)
     kernels()[0][(rows, programs)](x, top, at, out, count, V, x.stride(0), BLOCK_V=BLOCK_V, BLOCK_P=block_p,
-                                   num_warps=4, **pdl)  # fmt: skip
+                                   num_warps=4, **pdl_options(x))  # fmt: skip
     return out
 
 

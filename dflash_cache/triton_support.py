@@ -31,22 +31,17 @@ def on_device(t: Tensor) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and interpreted())
 
 
-TRIGGER_FIRST = False  # a kernel lets the next one launch before it waits for its own input, not after
-
-
 def pdl_options(t: Tensor) -> dict:
     """Launch options for a kernel with a `PDL` flag. On a Hopper GPU or newer it launches with
     programmatic dependent launch: it may start while the kernel before it finishes, and waits for
     it (`tl.extra.cuda.gdc_wait`) before it reads anything that kernel may write, so a step's
     kernels chain without the launch gap between them, and work that reads nothing of the step (a
     product's weights) overlaps the kernel before. After a kernel that never signals (the
-    compiler's, cuBLAS's), it starts when that one ends, as usual. With TRIGGER_FIRST a kernel lets
-    the next one launch as soon as it starts (`NEXT_FIRST`), so several kernels' weight loads may
-    run ahead of the chain; each still waits for the one before it. Elsewhere (the interpreter,
-    older GPUs) the stream orders kernels as usual."""
+    compiler's, cuBLAS's), it starts when that one ends, as usual. Elsewhere (the interpreter, older
+    GPUs) the stream orders kernels as usual."""
     if not t.is_cuda or interpreted() or torch.cuda.get_device_capability(t.device)[0] < 9:
         return {"PDL": False}
-    return {"PDL": True, "NEXT_FIRST": TRIGGER_FIRST, "launch_pdl": True}
+    return {"PDL": True, "launch_pdl": True}
 
 
 _COUNTS: dict[tuple[str, torch.device], Tensor] = {}

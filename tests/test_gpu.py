@@ -83,18 +83,13 @@ def test_slot_attention_kernels_equal_the_masked_path(kernel, monkeypatch):
     assert slot_module._KERNELS[kernel], "the kernel's own first-call check turned it off"
 
 
-@pytest.mark.parametrize("first", [False, True], ids=["next after the wait", "next first"])
 @pytest.mark.parametrize("pieces", [1, 3])
-def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces, first, monkeypatch):
+def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces, monkeypatch):
     """With programmatic dependent launch (the slot kernels' own, on a Hopper GPU), the slot kernel
     may start while the compiled kernel that makes its query still runs. Replayed as one graph (the
     engine's), with a new query each time, it gives the bits of the same two kernels without PDL,
-    over a buffer walked whole and one cut into pieces (the combine kernel launched with PDL too),
-    the next kernel let launch after each one's wait or before it (`TRIGGER_FIRST`)."""
-    from dflash_cache import triton_support
+    over a buffer walked whole and one cut into pieces (merged by the last piece to finish)."""
     from dflash_cache.generate import slot_kernel
-
-    monkeypatch.setattr(triton_support, "TRIGGER_FIRST", first)
 
     g = torch.Generator(device=CUDA).manual_seed(0)
     length = pieces * slot_kernel.SPLIT
@@ -129,7 +124,6 @@ def test_product_kernel_equals_torchs_ops_and_keeps_each_tokens_bits(monkeypatch
     kernel loads its weights before it waits for its input), bit for bit as launched plainly."""
     import torch.nn.functional as F
 
-    from dflash_cache import triton_support
     from dflash_cache.generate import product_kernel
     from dflash_cache.generate.decoder import KernelProducts, Products
 
@@ -160,16 +154,14 @@ def test_product_kernel_equals_torchs_ops_and_keeps_each_tokens_bits(monkeypatch
         return (h,)
 
     assert product_kernel.pdl_options(x)["PDL"], "this GPU launches without PDL"
-    inputs, replayed = [randn(1, H) for _ in range(3)], {}
-    for first in (False, True):  # the next kernel launched after this one's wait; before it
-        monkeypatch.setattr(triton_support, "TRIGGER_FIRST", first)
-        graph = _Graph(chain)
-        replayed[first] = [graph(h.clone())[0].clone() for h in inputs]
-        assert graph.graph is not None and not graph.broken, "captured and replayed, not run eagerly"
+    inputs = [randn(1, H) for _ in range(3)]
+    graph = _Graph(chain)
+    replayed = [graph(h.clone())[0].clone() for h in inputs]
+    assert graph.graph is not None and not graph.broken, "captured and replayed, not run eagerly"
     monkeypatch.setattr(product_kernel, "pdl_options", lambda t: {"PDL": False})
-    for h, *got in zip(inputs, replayed[False], replayed[True], strict=True):
-        assert all(torch.equal(g, chain(h)[0]) for g in got)
-    assert not torch.equal(replayed[False][0], replayed[False][1])
+    for h, got in zip(inputs, replayed, strict=True):
+        assert torch.equal(got, chain(h)[0])
+    assert not torch.equal(replayed[0], replayed[1])
 
 
 def test_qkv_product_with_rope_equals_torchs_ops_and_keeps_each_tokens_bits():
@@ -582,10 +574,10 @@ def test_argmax_kernel_compiled_is_torchs_argmax():
 
 
 @pytest.mark.parametrize("T", [1, 8])
-def test_slot_kernel_pieces_merged_by_the_last_to_finish_equal_the_combine_kernel(T, monkeypatch):
+def test_slot_kernel_pieces_merged_by_the_last_to_finish_are_the_attention(T):
     """The last piece of a row to finish merges the row's pieces (an atomic count a tile): over 64
-    rows that see 1 to 4 pieces, 20 times over, the bits of the separate combine kernel, and every
-    count back at zero after."""
+    rows that see 1 to 4 pieces, the masked path's attention, the same bits 20 times over whichever
+    program finishes last, and every count back at zero after."""
     from dflash_cache import triton_support
     from dflash_cache.generate import slot_kernel
 
@@ -593,13 +585,16 @@ def test_slot_kernel_pieces_merged_by_the_last_to_finish_equal_the_combine_kerne
     length = 4 * slot_kernel.SPLIT
     keys, values = randn(64, length, 3, 64), randn(64, length, 3, 64)
     query = randn(64, T, 9, 64)
-    slot = torch.arange(64, device=CUDA).flip(0).int()
-    seen = torch.randint(T, length + 1, (64,), device=CUDA, generator=torch.Generator(CUDA).manual_seed(2)).int()
-    monkeypatch.setattr(slot_kernel, "MERGE_LAST", False)
-    want = slot_kernel.attention(query, keys, values, slot, seen, True, 0.125)
-    monkeypatch.setattr(slot_kernel, "MERGE_LAST", True)
+    rows = torch.arange(64, device=CUDA).flip(0)
+    seen = torch.randint(T, length + 1, (64,), device=CUDA, generator=torch.Generator(CUDA).manual_seed(2))
+    got = slot_kernel.attention(query, keys, values, rows.int(), seen.int(), True, 0.125)
+    positions = seen[:, None] - T + torch.arange(T, device=CUDA)
+    step = SlotStep(positions, seen=seen, rows=rows, causal=True)
+    want = slot_module._masked(query.float(), *(t.float() for t in slot_module._rows_of(keys, values, step)), step,
+                               0.125)  # fmt: skip
+    assert float((got.float() - want).norm() / want.norm()) < 1e-2
     for _ in range(20):
-        assert torch.equal(slot_kernel.attention(query, keys, values, slot, seen, True, 0.125), want)
+        assert torch.equal(slot_kernel.attention(query, keys, values, rows.int(), seen.int(), True, 0.125), got)
     assert not triton_support._COUNTS["slot_kernel", keys.device].any()
 
 

@@ -15,14 +15,13 @@ from dflash_cache.generate.slots import SlotStep, _masked, _rows_of
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # conftest: the kernels on the CPU
 
 
-@pytest.mark.parametrize("split, merge_last", [(0, True), (64, True), (64, False)])
-def test_slot_kernel_equals_the_masked_path(monkeypatch, split, merge_last):
+@pytest.mark.parametrize("split", [0, 64])
+def test_slot_kernel_equals_the_masked_path(monkeypatch, split):
     """Decode steps, causal verify steps and the drafter's bidirectional block, rows of other slots
-    and grouped-query heads, in one piece and cut at every 64 keys (the pieces merged by the last
-    to finish, or by a second kernel): the masked SDPA path in float32."""
+    and grouped-query heads, in one piece and cut at every 64 keys (merged by the last piece of a
+    row to finish): the masked SDPA path in float32."""
     monkeypatch.setattr(slot_kernel, "SPLIT", split or 10**9)
     monkeypatch.setattr(slot_kernel, "BLOCK_N", 64)
-    monkeypatch.setattr(slot_kernel, "MERGE_LAST", merge_last)
     g = torch.Generator().manual_seed(0)
     S, L, heads, kv, d = 3, 200, 6, 2, 32
     k_buf, v_buf = (torch.randn(S, L, kv, d, generator=g).bfloat16() for _ in range(2))
@@ -39,9 +38,8 @@ def test_slot_kernel_equals_the_masked_path(monkeypatch, split, merge_last):
 def test_slot_kernel_gives_a_query_the_same_bits_in_any_step(monkeypatch):
     """A query's output does not depend on the step around it: a verify step's 5 queries against 5
     decode steps, over a buffer cut in pieces of 64 keys, where the decode steps' rows reach one
-    piece or several; the same bits whether the last piece to finish merges the pieces or a second
-    kernel does (and the last piece leaves its counter at zero for the next step); and a query that
-    sees one piece gets the same bits whether the buffer is cut or not."""
+    piece or several (the last piece to finish leaves its counter at zero for the next step); and a
+    query that sees one piece gets the same bits whether the buffer is cut or not."""
     monkeypatch.setattr(slot_kernel, "SPLIT", 64)
     monkeypatch.setattr(slot_kernel, "BLOCK_N", 64)
     g = torch.Generator().manual_seed(3)
@@ -58,9 +56,6 @@ def test_slot_kernel_gives_a_query_the_same_bits_in_any_step(monkeypatch):
         for t in range(5):
             assert torch.equal(attend(query[:, t : t + 1].contiguous(), seen - 4 + t)[:, 0], block[:, t])
         assert not triton_support._COUNTS["slot_kernel", block.device].any()
-        monkeypatch.setattr(slot_kernel, "MERGE_LAST", False)
-        assert torch.equal(attend(query, seen), block)
-        monkeypatch.setattr(slot_kernel, "MERGE_LAST", True)
     one = query[:, :1].contiguous()
     cut = attend(one, 50)
     monkeypatch.setattr(slot_kernel, "SPLIT", 10**9)

@@ -24,8 +24,7 @@ A program sums K in slices of SLICE_K (one warp each) side by side: on an H200, 
 
 On a Hopper GPU or newer the kernel launches with programmatic dependent launch: it loads its
 weights, which never come from the step, before it waits for the kernel before it, so the read
-overlaps that kernel; after that wait it lets the next one launch (as soon as it starts, with
-`triton_support.TRIGGER_FIRST`, so that several kernels' weight loads may run ahead).
+overlaps that kernel; after that wait it lets the next one launch.
 
 `rows_product` and `rows_qkv` are torch custom ops, so that the decoder's compiled pieces call
 each as one opaque kernel and fuse the rest around it.
@@ -65,8 +64,7 @@ def _kernel():
                            s_pos, s_head, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
                            COLS: tl.constexpr, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, NORMED: tl.constexpr,
                            GATED: tl.constexpr, RESIDUAL: tl.constexpr, ROPE: tl.constexpr, HEADS: tl.constexpr,
-                           KV_HEADS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr,
-                           NEXT_FIRST: tl.constexpr = False):  # fmt: skip
+                           KV_HEADS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """Y[t, c] for this program's COLS columns c and every row t < T, BLOCK_T rows at a time. The
         sums over K run as SLICES matrix products side by side, added in a fixed order: one product
         over all of K is a chain of dependent matrix instructions, 4 us long at K = 2048.
@@ -77,8 +75,6 @@ def _kernel():
         writes the queries into Y and the keys and values into the caches KC and VC at each row's
         slot (SLOT, by batch row: TT rows each) and position (POS)."""
         DT = Y.dtype.element_ty
-        if PDL and NEXT_FIRST:
-            tl.extra.cuda.gdc_launch_dependents()
         if ROPE:
             HALF: tl.constexpr = D // 2
             PER: tl.constexpr = HALF // (COLS // 2)  # programs a head
@@ -105,8 +101,7 @@ def _kernel():
             g = tl.load(NORM + k, mask=inside, other=0.0)
         if PDL:  # everything above is weights; what follows may come from the kernel before
             tl.extra.cuda.gdc_wait()
-            if not NEXT_FIRST:
-                tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_launch_dependents()
         for first in range(0, T, BLOCK_T):
             t = first + tl.arange(0, BLOCK_T)
             real = t < T

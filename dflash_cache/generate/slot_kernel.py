@@ -1,11 +1,12 @@
-"""A step's attention over the slot cache as Triton kernels whose every query comes out the same
+"""A step's attention over the slot cache as one Triton kernel whose every query comes out the same
 whatever else the step holds.
 
 A decode or verify step has few queries per row (1, or a block of 8 to 17) against a few hundred
-to a few thousand cached keys. One program per (row, key/value head, tile of 16 query rows) holds
-its queries of that head's group (grouped-query heads share the keys they read) and walks the keys
-in blocks of 64 with an online softmax. Flash attention's split-kv path takes two kernels a layer
-for what is one kernel here up to SPLIT positions.
+to a few thousand cached keys. One program per (row, key/value head, tile of 16 query rows, piece
+of SPLIT keys) holds its queries of that head's group (grouped-query heads share the keys they
+read) and walks its piece's keys in blocks of BLOCK_N with an online softmax; the last piece of a
+tile to finish merges the pieces (an atomic count a tile), so a layer's attention is one kernel at
+every context, where flash attention's split-kv path takes two.
 
 **The same bits in a decode and a verify step.** Greedy speculative decoding commits the target's
 own tokens only if a verify step (a block of tokens a row) computes each token's logits bit for bit
@@ -14,17 +15,16 @@ speculative output parts from the target alone's. Choosing the kernel by the ste
 for one-token steps over long buffers, this kernel for blocks) did exactly that. Here a query's
 arithmetic depends only on its own row and position:
 
-- the tile of query rows is always 16 and the key blocks always 64, whatever the step's size;
-- a buffer longer than SPLIT positions is cut at fixed key positions (0, SPLIT, 2 SPLIT...): one
-  program a piece, then a second kernel combines the pieces of each query in order. A query that
-  sees SPLIT keys or fewer gets the one-piece result bit for bit either way (the combine's weights
-  are exactly 1 and 0), and one that sees more always goes through the combine. A row whose keys
-  all fit in the first piece has its output written by that piece's program, which is what the
-  combine would make of it, and the combine passes it by;
+- the tile of query rows is always 16 and the key blocks always BLOCK_N, whatever the step's size;
+- the keys are cut at fixed positions (0, SPLIT, 2 SPLIT...) and the pieces a row's keys reach
+  are merged in order, whichever program merges them. A query that sees SPLIT keys or fewer gets
+  the one-piece result bit for bit either way (the merge's weights are exactly 1 and 0), and one
+  that sees more always goes through the merge. A row whose keys all fit in the first piece has
+  its output written by that piece's program, which is what the merge would make of it;
 - key blocks past what a query sees change nothing (their weights are exactly 0, the running
   maximum stays), so queries that see fewer keys than others in their tile are unaffected.
 
-`slot_attention` checks each kernel's first call against the masked path, as it does flash's.
+`slot_attention` checks the kernel's first call against the masked path, as it does flash's.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ BLOCK_M = 16  # query rows (token x head of the group) a program holds
 BLOCK_N = 128  # keys a block
 SPLIT = 256  # keys a program walks in a buffer longer than this; a multiple of BLOCK_N
 WARPS = 4
-MERGE_LAST = True  # the last piece of a row to finish combines the pieces (else a second kernel does)
 
 
 def fits(query: Tensor, keys: Tensor) -> bool:
@@ -89,20 +88,15 @@ def _kernels():
     @triton.jit
     def attend(Q, K, V, Out, ACC, STAT, COUNT, SLOT, SEEN, sq_b, sq_t, sq_h, sk_s, sk_l, sk_h, so_b, so_t, so_h, T,
                tiles, splits, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, SPLIT: tl.constexpr, MERGE_LAST: tl.constexpr, PDL: tl.constexpr,
-               NEXT_FIRST: tl.constexpr = False):  # fmt: skip
+               CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """Without SPLIT: the attention of one tile of query rows over all the keys its row sees,
         into Out. With SPLIT: over keys [s SPLIT, (s+1) SPLIT), the unnormalised sum, its running
-        maximum and its total into ACC and STAT for `combine` (into Out, when the row's keys all
-        fit in the first piece). With MERGE_LAST the row's last piece to finish (COUNT counts
-        them) merges the pieces instead of `combine`. With PDL it may start before the
-        kernel before it ends, and waits for it first (everything it reads may come from it); it
-        lets the next kernel launch after that wait, or at once with NEXT_FIRST."""
-        if PDL and NEXT_FIRST:
-            tl.extra.cuda.gdc_launch_dependents()
+        maximum and its total into ACC and STAT, and the row's last piece to finish (COUNT counts
+        them) merges the pieces into Out (the first piece writes Out itself when the row's keys all
+        fit in it). With PDL it may start before the kernel before it ends, and waits for it first
+        (everything it reads may come from it)."""
         if PDL:
             tl.extra.cuda.gdc_wait()
-        if PDL and not NEXT_FIRST:
             tl.extra.cuda.gdc_launch_dependents()
         b, kvh, p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         tile, s = p % tiles, p // tiles
@@ -139,7 +133,7 @@ def _kernels():
             top = new_top
         whole = s == 0  # this program saw every key its row sees: its output is the answer
         if SPLIT > 0:
-            whole = whole & (seen <= SPLIT)  # what `merge` makes of one piece, bit for bit
+            whole = whole & (seen <= SPLIT)  # what `_merge` makes of one piece, bit for bit
             pieces = (seen + SPLIT - 1) // SPLIT
             if (seen > SPLIT) & (s < pieces):
                 group = (b * tl.num_programs(1) + kvh) * tiles + tile
@@ -147,32 +141,16 @@ def _kernels():
                 tl.store(ACC + ((group * splits + s) * BLOCK_M + i[:, None]) * D + d[None, :], acc)
                 tl.store(STAT + ((group * splits + s) * 2) * BLOCK_M + i, top)
                 tl.store(STAT + ((group * splits + s) * 2 + 1) * BLOCK_M + i, total)
-                if MERGE_LAST:
-                    tl.debug_barrier()  # every thread's stores before the count that publishes them
-                    if tl.atomic_add(COUNT + group, 1, sem="acq_rel") == pieces - 1:
-                        tl.store(COUNT + group, 0)  # ready for the next launch
-                        _merge(Out, ACC, STAT, group * splits, pieces, b, kvh, tile, so_b, so_t, so_h, T, G, D,
-                              BLOCK_M)  # fmt: skip
+                tl.debug_barrier()  # every thread's stores before the count that publishes them
+                if tl.atomic_add(COUNT + group, 1, sem="acq_rel") == pieces - 1:
+                    tl.store(COUNT + group, 0)  # ready for the next launch
+                    _merge(Out, ACC, STAT, group * splits, pieces, b, kvh, tile, so_b, so_t, so_h, T, G, D, BLOCK_M)
         if whole:
             out = acc / total[:, None]
             tl.store(Out + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
                      out.to(Out.dtype.element_ty), mask=real[:, None])  # fmt: skip
 
-    @triton.jit
-    def combine(Out, ACC, STAT, SEEN, so_b, so_t, so_h, T, tiles, splits, G: tl.constexpr, D: tl.constexpr,
-                BLOCK_M: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-        """One tile's pieces, in order, into its output: the pieces its row's keys reach (a row
-        whose keys fit in one piece has its output from `attend` already)."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        b, kvh, tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        pieces = (tl.load(SEEN + b) + SPLIT - 1) // SPLIT
-        if pieces > 1:
-            group = (b * tl.num_programs(1) + kvh) * tiles + tile
-            _merge(Out, ACC, STAT, group * splits, pieces, b, kvh, tile, so_b, so_t, so_h, T, G, D, BLOCK_M)
-
-    return attend, combine
+    return attend
 
 
 def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: Tensor, causal: bool,
@@ -188,7 +166,6 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
     out = torch.empty(b, T, heads, d, dtype=query.dtype, device=query.device)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    attend, combine = _kernels()
     split = SPLIT if splits > 1 else 0
     if split % BLOCK_N:
         raise ValueError(f"slot_kernel: SPLIT ({SPLIT}) must be a multiple of BLOCK_N ({BLOCK_N})")
@@ -196,14 +173,9 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
     if split:
         acc = torch.empty(b * kv_heads * tiles * splits * BLOCK_M * d, dtype=torch.float32, device=query.device)
         stat = torch.empty(b * kv_heads * tiles * splits * 2 * BLOCK_M, dtype=torch.float32, device=query.device)
-        count = zeroed_counts("slot_kernel", query.device, b * kv_heads * tiles) if MERGE_LAST else out
-    flags, pdl = dict(G=groups, D=d, BLOCK_M=BLOCK_M), pdl_options(query)
-    attend[(b, kv_heads, tiles * splits)](
+        count = zeroed_counts("slot_kernel", query.device, b * kv_heads * tiles)
+    _kernels()[(b, kv_heads, tiles * splits)](
         query, keys, values, out, acc, stat, count, slot, seen, *query.stride()[:3], *keys.stride()[:3],
-        *out.stride()[:3], T, tiles, splits, scale, **flags, BLOCK_N=BLOCK_N, CAUSAL=causal and T > 1, SPLIT=split,
-        MERGE_LAST=MERGE_LAST, num_warps=WARPS, **pdl)  # fmt: skip
-    if split and not MERGE_LAST:
-        pdl.pop("NEXT_FIRST", None)  # the combine is short: the next kernel launches after its wait
-        combine[(b, kv_heads, tiles)](out, acc, stat, seen, *out.stride()[:3], T, tiles, splits, **flags, SPLIT=split,
-                                      num_warps=4, **pdl)  # fmt: skip
+        *out.stride()[:3], T, tiles, splits, scale, G=groups, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        CAUSAL=causal and T > 1, SPLIT=split, num_warps=WARPS, **pdl_options(query))  # fmt: skip
     return out

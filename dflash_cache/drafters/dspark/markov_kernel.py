@@ -24,7 +24,7 @@ from dflash_cache.triton_support import available, on_device
 
 BLOCK_V = 128  # vocabulary rows a program takes
 BLOCK_R = 64  # of the rank, summed at once
-WARPS = 4
+WARPS = 8  # an H200 reads W2 at 3.6 TB/s with 8 warps a program, 2.6 with 4
 
 
 def fits(base: Tensor, w2: Tensor) -> bool:
