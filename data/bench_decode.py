@@ -3,13 +3,16 @@ what a speculative step costs against a plain one.
 
     python data/bench_decode.py --shape smollm2-135m --out decode.json
     python data/bench_decode.py --families dspark --draft-layers 1,2,5 --skip graphs,steps,profile,eager
+    python data/bench_decode.py --variants "product_kernel.STAGES=3;slot_kernel.BLOCK_N=64" --set markov_kernel.WARPS=4
 
 For a random-weight target of a named shape (`dflash_cache.bench.SHAPES`, which never says its stop
 token, so every prompt decodes to --max-new-tokens), one row at a time:
 
-- the target alone through the engine two ways, side by side: the eager layers captured as a CUDA
-  graph, and the compiled layers captured (the default on a GPU); tokens/s against the
-  weight-bandwidth bound (bandwidth / weight bytes: every decode step reads every weight once);
+- the target alone through the engine, side by side: the eager layers captured as a CUDA graph,
+  the compiled layers captured (the default on a GPU) with cuBLAS's products, with torch's argmax
+  for the greedy token, and as they ship, and under other settings (`--variants`); tokens/s with
+  the prompts' prefills timed and left out, against the weight-bandwidth bound (bandwidth / weight
+  bytes: every decode step reads every weight once);
 - the cost of a verify step of B+1 tokens against a one-token step, each a replayed graph, at the
   prompt's context and at longer ones, and for a batch of rows;
 - whether a verify step gives each token's logits bit for bit as one-token steps do (the property

@@ -11,10 +11,13 @@ graph:
   the product kernel (`decoder.KernelProducts`, the default for up to `decoder.KERNEL_ROWS` rows),
   by the kernels launched plainly (no early weight loads), the attention kernel alone launched
   plainly, the RoPE compiled apart from the q/k/v product, and with other settings of the kernels
-  (`--variants`: the product kernel's K slices and columns, the attention's key blocks and
-  pieces, the launch order under PDL);
+  (`--variants`: the product kernel's K slices, columns and pipelining, the attention's key blocks
+  and pieces);
 - each of those ways' products alone, each kind once a layer in a row (qkv, o, gate_up, down), at
   1 and 8 tokens: microseconds a product.
+
+With `--markov`, instead: DSpark's greedy Markov kernel seven times in a row (a block's draft) and
+the greedy argmax of a verify step's rows, alone, under each setting given.
 """
 
 from __future__ import annotations
