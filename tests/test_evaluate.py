@@ -347,13 +347,14 @@ def test_speculative_sampling_rule_keeps_target_distribution():
     p0 = torch.softmax(logits[0, 0] / T, dim=-1)
     drafts = torch.multinomial(q, n, replacement=True, generator=g)[:, None]
     chooser = Chooser(T, torch.arange(n))
-    a, token = speculative_accept(drafts, q.expand(n, 1, V), logits, chooser, torch.zeros(n, dtype=torch.long))
-    first = torch.where(a == 1, drafts[:, 0], token)
+    a, tokens = speculative_accept(drafts, q.expand(n, 1, V), logits, chooser, torch.zeros(n, dtype=torch.long))
+    first = tokens[:, 0]
+    assert torch.equal(first[a == 1], drafts[a == 1, 0])
     assert torch.allclose(torch.bincount(first, minlength=V) / n, p0, atol=0.015)
     assert abs(a.float().mean() - torch.minimum(p0, q).sum()) < 0.015
     none = torch.full_like(drafts, -1)  # no draft: never accepted, and the token is a sample of p itself
-    a, token = speculative_accept(none, q.expand(n, 1, V), logits, chooser, torch.zeros(n, dtype=torch.long))
-    assert not a.any() and torch.allclose(torch.bincount(token, minlength=V) / n, p0, atol=0.015)
+    a, tokens = speculative_accept(none, q.expand(n, 1, V), logits, chooser, torch.zeros(n, dtype=torch.long))
+    assert not a.any() and torch.allclose(torch.bincount(tokens[:, 0], minlength=V) / n, p0, atol=0.015)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

@@ -175,11 +175,9 @@ class Engine:
         ids = torch.cat([last[:, None], drafts.clamp_min(0)], 1)
         positions = pos[:, None] + torch.arange(ids.shape[1], device=pos.device)
         logits, states = self.target.step(ids, positions)
-        a, bonus = accept(drafts, q, logits, chooser, pos)
+        a, tokens = accept(drafts, q, logits, chooser, pos)  # drafts[:a], then the target's own token
         if states is not None:
             self.proposer.add_context(states, positions)
-        tokens = torch.cat([drafts, torch.zeros_like(bonus)[:, None]], 1)
-        tokens.scatter_(1, a[:, None], bonus[:, None])  # drafts[:a], then the target's own token
         self.proposer.commit(tokens, pos)
         return _advanced(last, pos, tokens, a + 1, self._top)
 

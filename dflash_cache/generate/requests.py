@@ -170,21 +170,22 @@ class DraftChooser:
 
 def speculative_accept(drafts: Tensor, q: Tensor | None, logits: Tensor, chooser: Chooser, base: Tensor
                        ) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """(accepted draft count a [b], the target's token at slot a [b]) for drafts [b, n] proposed
-    after positions `base` [b] and verification logits [b, n+1, V] (row k: the target's
-    distribution of the token after slot k).
+    """(accepted draft count a [b], the step's tokens [b, n+1]) for drafts [b, n] proposed after
+    positions `base` [b] and verification logits [b, n+1, V] (row k: the target's distribution of
+    the token after slot k). Row r commits tokens[r, :a[r] + 1]: its accepted drafts, then the
+    target's token at slot a[r] (what follows is unspecified).
 
-    Greedy: the longest prefix of drafts equal to the target's argmaxes, then the target's argmax.
+    Greedy: the longest prefix of drafts equal to the target's argmaxes, then the target's argmax;
+    the tokens are the target's argmaxes themselves (the accepted drafts equal them).
     Sampling (Leviathan et al. 2023): draft k is kept with probability min(1, p_k(d) / q_k(d)); at
     the first rejection the token is drawn from norm(max(0, p - q)), and when all are kept from
     the last p. A proposer without probabilities (q None) counts as certain (q one-hot). A draft of
     -1 (a proposer that had fewer tokens to offer) is never accepted."""
     b, n = drafts.shape
-    rows = torch.arange(b, device=drafts.device)
     if chooser.temperature <= 0:
         target = argmax(logits)
-        a = (drafts == target[:, :n]).long().cumprod(1).sum(1)
-        return a, target[rows, a]
+        return (drafts == target[:, :n]).cumprod(1).sum(1), target
+    rows = torch.arange(b, device=drafts.device)
     p = torch.softmax(logits.float() / chooser.temperature, dim=-1)
     real, drafts = drafts >= 0, drafts.clamp_min(0)
     if n:
@@ -204,4 +205,6 @@ def speculative_accept(drafts: Tensor, q: Tensor | None, logits: Tensor, chooser
         residual = torch.where(empty, p_a, residual)
         p_a = torch.where((a < n)[:, None], residual, p_a)
     g = gumbel(chooser.seed, base + 1 + a, TARGET_STREAM, p.shape[-1])
-    return a, argmax(torch.log(p_a) + g)
+    tokens = torch.cat([drafts, drafts.new_zeros(b, 1)], 1)
+    tokens.scatter_(1, a[:, None], argmax(torch.log(p_a) + g)[:, None])  # drafts[:a], then the token at a
+    return a, tokens
