@@ -89,6 +89,8 @@ def variant(settings: str) -> list[tuple[object, str, object]]:
 
 @dataclasses.dataclass
 class Timed:
+    """One timed stream: its seconds, the prefills' share of them, tokens, steps and outputs."""
+
     seconds: float
     prefill_seconds: float
     tokens: int
