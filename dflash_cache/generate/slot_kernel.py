@@ -60,31 +60,6 @@ def _kernels():
     import triton
     import triton.language as tl
 
-    global _merge  # a kernel calls a Triton function by its module-level name
-
-    @triton.jit
-    def _merge(Out, ACC, STAT, first, pieces, b, kvh, tile, so_b, so_t, so_h, T, G: tl.constexpr, D: tl.constexpr,
-              BLOCK_M: tl.constexpr):  # fmt: skip
-        """A tile's `pieces` partial results, from piece `first` on, in order, into its output."""
-        i = tl.arange(0, BLOCK_M)
-        m = tile * BLOCK_M + i
-        t, h = m // G, kvh * G + m % G
-        real = m < T * G
-        d = tl.arange(0, D)
-        top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for s in range(0, pieces):  # .cg: what other programs wrote, from L2, never a stale L1 line
-            top = tl.maximum(top, tl.load(STAT + ((first + s) * 2) * BLOCK_M + i, cache_modifier=".cg"))
-        acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-        total = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for s in range(0, pieces):
-            w = tl.exp2(tl.load(STAT + ((first + s) * 2) * BLOCK_M + i, cache_modifier=".cg") - top)
-            total += tl.load(STAT + ((first + s) * 2 + 1) * BLOCK_M + i, cache_modifier=".cg") * w
-            partial = tl.load(ACC + ((first + s) * BLOCK_M + i[:, None]) * D + d[None, :], cache_modifier=".cg")
-            acc += partial * w[:, None]
-        out = acc / total[:, None]
-        tl.store(Out + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=real[:, None])  # fmt: skip
-
     @triton.jit
     def attend(Q, K, V, Out, ACC, STAT, COUNT, SLOT, SEEN, sq_b, sq_t, sq_h, sk_s, sk_l, sk_h, so_b, so_t, so_h, T,
                tiles, splits, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -133,7 +108,7 @@ def _kernels():
             top = new_top
         whole = s == 0  # this program saw every key its row sees: its output is the answer
         if SPLIT > 0:
-            whole = whole & (seen <= SPLIT)  # what `_merge` makes of one piece, bit for bit
+            whole = whole & (seen <= SPLIT)  # what the merge makes of one piece, bit for bit
             pieces = (seen + SPLIT - 1) // SPLIT
             if (seen > SPLIT) & (s < pieces):
                 group = (b * tl.num_programs(1) + kvh) * tiles + tile
@@ -142,9 +117,21 @@ def _kernels():
                 tl.store(STAT + ((group * splits + s) * 2) * BLOCK_M + i, top)
                 tl.store(STAT + ((group * splits + s) * 2 + 1) * BLOCK_M + i, total)
                 tl.debug_barrier()  # every thread's stores before the count that publishes them
-                if tl.atomic_add(COUNT + group, 1, sem="acq_rel") == pieces - 1:
+                if tl.atomic_add(COUNT + group, 1, sem="acq_rel") == pieces - 1:  # the last: merge, in order
                     tl.store(COUNT + group, 0)  # ready for the next launch
-                    _merge(Out, ACC, STAT, group * splits, pieces, b, kvh, tile, so_b, so_t, so_h, T, G, D, BLOCK_M)
+                    stat = STAT + group * splits * 2 * BLOCK_M + i  # .cg: other programs' writes, from L2
+                    top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                    for r in range(0, pieces):
+                        top = tl.maximum(top, tl.load(stat + r * 2 * BLOCK_M, cache_modifier=".cg"))
+                    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+                    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    for r in range(0, pieces):
+                        w = tl.exp2(tl.load(stat + r * 2 * BLOCK_M, cache_modifier=".cg") - top)
+                        total += tl.load(stat + (r * 2 + 1) * BLOCK_M, cache_modifier=".cg") * w
+                        partial = tl.load(ACC + ((group * splits + r) * BLOCK_M + i[:, None]) * D + d[None, :],
+                                          cache_modifier=".cg")  # fmt: skip
+                        acc += partial * w[:, None]
+                    whole = pieces > 1  # true: this program writes the merged output
         if whole:
             out = acc / total[:, None]
             tl.store(Out + b * so_b + t[:, None] * so_t + h[:, None] * so_h + d[None, :],
