@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cache import argmax_kernel, drafters, triton_support  # noqa: E402
+from dflash_cache import argmax_kernel, drafters  # noqa: E402
 from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dspark import markov_kernel as dspark_kernel  # noqa: E402
@@ -73,8 +73,7 @@ def patched(changes: list[tuple[object, str, object]]):
 
 
 MODULES = {"decoder": decoder, "product_kernel": product_kernel, "slot_kernel": slot_kernel,
-           "triton_support": triton_support, "markov_kernel": dspark_kernel,
-           "argmax_kernel": argmax_kernel}  # fmt: skip
+           "markov_kernel": dspark_kernel, "argmax_kernel": argmax_kernel}  # fmt: skip
 
 
 def variant(settings: str) -> list[tuple[object, str, object]]:
