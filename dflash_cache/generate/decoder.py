@@ -326,7 +326,7 @@ class LayerStack:
         return body(self.eager)
 
     def _kv(self, cache: SlotCache, i: int, step: SlotStep) -> tuple:
-        return cache.k[i], cache.v[i], step.slot, step.positions
+        return cache.k[i], cache.v[i], step.slot(cache), step.positions
 
     def _run(self, fns: dict, inputs: Tensor, cache: SlotCache, step: SlotStep, taps: list[int],
              products: type[Products]) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip

@@ -80,7 +80,7 @@ def _kernels():
         real = m < T * G
         d = tl.arange(0, D)
         q = tl.load(Q + b * sq_b + t[:, None] * sq_t + h[:, None] * sq_h + d[None, :], mask=real[:, None], other=0.0)
-        slot, seen = tl.load(SLOT + b), tl.load(SEEN + b)
+        slot, seen = tl.load(SLOT + b), tl.load(SEEN + b).to(tl.int32)  # seen: int32 or int64
         limit = seen - T + 1 + t if CAUSAL else tl.zeros([BLOCK_M], dtype=tl.int32) + seen
         k_base = K + slot.to(tl.int64) * sk_s + kvh * sk_h
         v_base = V + slot.to(tl.int64) * sk_s + kvh * sk_h

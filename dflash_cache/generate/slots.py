@@ -48,6 +48,7 @@ class SlotCache:
                 torch._dynamo.maybe_mark_dynamic(buf, 0)
                 torch._dynamo.maybe_mark_dynamic(buf, 1)
         self.slots, self.length = slots, length
+        self.index = torch.arange(slots, device=device)[:, None]  # [slots, 1]: made once, not per step
 
     @staticmethod
     def bytes_per_slot(layers: int, length: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -78,7 +79,8 @@ class SlotStep:
     """Where a forward's tokens go and what they see, shared by its layers.
 
     positions [b, T]: each token's position in its row. rows [b]: the slots written (None: slot i
-    for batch row i). seen [b]: the positions each row's queries see, the step's own included;
+    for batch row i; `slot` gives either as [b, 1]). seen [b]: the positions each row's queries
+    see, the step's own included;
     None for a prefill, whose rows start empty and see only the new tokens, causally (right
     padding is harmless: a real token never sees the padding after it). causal: a step's own
     tokens see each other causally (query t sees seen[r] - T + 1 + t positions), else all."""
@@ -87,15 +89,11 @@ class SlotStep:
     seen: Tensor | None = None
     rows: Tensor | None = None
     causal: bool = True
-    slot: Tensor = field(init=False)  # [b, 1]: the slot each batch row writes
-    seqused: Tensor | None = field(init=False, default=None)  # seen, as the GPU kernels take it
-    _key_offsets: dict = field(init=False, default_factory=dict)  # flash's: the queries' ("q"), the keys' per length
+    _flash_args: dict = field(init=False, default_factory=dict)  # flash's offsets and int32 key counts, made once
 
-    def __post_init__(self) -> None:
-        b, device = self.positions.shape[0], self.positions.device
-        self.slot = (torch.arange(b, device=device) if self.rows is None else self.rows)[:, None]
-        if self.seen is not None and triton_support.on_device(self.positions):
-            self.seqused = self.seen.to(torch.int32)
+    def slot(self, cache: SlotCache) -> Tensor:
+        """[b, 1]: the slot of `cache` each batch row writes (views: no kernel per step)."""
+        return cache.index[: self.positions.shape[0]] if self.rows is None else self.rows[:, None]
 
 
 def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, value: Tensor, step: SlotStep,
@@ -105,7 +103,7 @@ def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, val
     query sees)."""
     k_buf, v_buf = cache.k[layer], cache.v[layer]
     if write:
-        write_kv(key, value, k_buf, v_buf, step.slot, step.positions)
+        write_kv(key, value, k_buf, v_buf, step.slot(cache), step.positions)
     if step.seen is None:
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         with sdpa_kernel(SDPA_BACKENDS):  # a prefill: no cuDNN plan per prompt length
@@ -113,7 +111,7 @@ def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, val
                                                  enable_gqa=query.shape[2] != key.shape[2])  # fmt: skip
         return out.transpose(1, 2)
     if triton_support.on_device(query):
-        out = _on_gpu(query, k_buf, v_buf, step, scale)
+        out = _on_gpu(query, k_buf, v_buf, step.slot(cache), step, scale)
         if out is not None:
             return out
     return _masked(query, *_rows_of(k_buf, v_buf, step), step, scale)
@@ -134,11 +132,12 @@ def _rows_of(k_buf: Tensor, v_buf: Tensor, step: SlotStep) -> tuple[Tensor, Tens
     return k_buf[step.rows], v_buf[step.rows]
 
 
-def _on_gpu(query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep, scale: float | None) -> Tensor | None:
+def _on_gpu(query: Tensor, k_buf: Tensor, v_buf: Tensor, slot: Tensor, step: SlotStep, scale: float | None
+            ) -> Tensor | None:  # fmt: skip
     """A step's attention through the first GPU kernel that serves it, or None."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if _KERNELS["triton"] and slot_kernel.fits(query, k_buf):
-        out = slot_kernel.attention(query, k_buf, v_buf, step.slot[:, 0], step.seqused, step.causal, scale)
+        out = slot_kernel.attention(query, k_buf, v_buf, slot[:, 0], step.seen, step.causal, scale)
         if _trusted("triton", out, query, k_buf, v_buf, step, scale, cut=slot_kernel.pieces(k_buf.shape[1]) > 1):
             return out
     half = query.dtype in (torch.float16, torch.bfloat16)
@@ -153,15 +152,15 @@ def _flash(query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep, scale: f
     keys, values = _rows_of(k_buf, v_buf, step)
     b, T, heads, d = query.shape
     S, L = keys.shape[:2]
-    offsets = step._key_offsets
-    if L not in offsets:  # once per forward, not once per layer (made here: the slot kernel needs none)
-        rows = offsets.setdefault("rows", torch.arange(b + 1, device=query.device, dtype=torch.int32))
-        offsets.setdefault("q", rows * T)
-        offsets[L] = rows * L
+    args = step._flash_args
+    if L not in args:  # once per forward, not once per layer (made here: the slot kernel needs none)
+        rows = args.setdefault("rows", torch.arange(b + 1, device=query.device, dtype=torch.int32))
+        args.setdefault("q", rows * T)
+        args.setdefault("seen", step.seen.to(torch.int32))
+        args[L] = rows * L
     out = torch.ops.aten._flash_attention_forward(
         query.reshape(b * T, heads, d), keys.view(S * L, *keys.shape[2:]), values.view(S * L, *values.shape[2:]),
-        offsets["q"], offsets[L], T, L, 0.0, step.causal and T > 1, False, scale=scale,
-        seqused_k=step.seqused,
+        args["q"], args[L], T, L, 0.0, step.causal and T > 1, False, scale=scale, seqused_k=args["seen"],
     )[0]  # fmt: skip
     return out.view(b, T, heads, d)
 
