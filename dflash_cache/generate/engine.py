@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from dflash_cache.drafters.compile import compiled_or_eager
 from dflash_cache.generate.lookup_mix import LookupMix
 from dflash_cache.generate.proposer import BlockProposer
 from dflash_cache.generate.requests import ERROR, LENGTH, STOP, Chooser, Completion, DraftChooser, Request, StopRule
@@ -98,13 +99,22 @@ class _Graph:
         self.graph = graph
 
 
-def _advanced(last: Tensor, pos: Tensor, tokens: Tensor, counts: Tensor, top: int) -> Tensor:
-    """Row r commits tokens[r, :counts[r]]: its last token and position move on (in place), and the
-    step's result for the host is [counts, tokens] per row. Positions stop at `top`, so that a row
-    that ended runs its one extra step (the host is a step behind) inside its slot."""
+def _advanced(last: Tensor, pos: Tensor, tokens: Tensor, accepted: Tensor | None, top: int) -> Tensor:
+    """Row r commits tokens[r, :accepted[r] + 1] (one token where `accepted` is None): its last
+    token and position move on (in place), and the step's result for the host is [count, tokens]
+    per row. Positions stop at `top`, so that a row that ended runs its one extra step (the host is
+    a step behind) inside its slot."""
+    counts = torch.ones_like(pos) if accepted is None else accepted + 1
     last.copy_(tokens.gather(1, (counts - 1)[:, None]).squeeze(1))
     pos.add_(counts).clamp_(max=top)
     return torch.cat([counts[:, None], tokens], 1)
+
+
+def _verify_input(last: Tensor, drafts: Tensor, pos: Tensor, ahead: Tensor) -> tuple[Tensor, Tensor]:
+    """The verify forward's ids [b, 1 + n] (the last token, then the drafts; -1, no draft, read as
+    token 0) and their positions, from `ahead` = arange(>= 1 + n)."""
+    ids = torch.cat([last[:, None], drafts.clamp_min(0)], 1)
+    return ids, pos[:, None] + ahead[: ids.shape[1]]
 
 
 @dataclass
@@ -137,6 +147,7 @@ class Engine:
             self.last = torch.zeros(S, dtype=torch.long, device=device)
             self.pos = torch.zeros(S, dtype=torch.long, device=device)
             self.seed = torch.zeros(S, dtype=torch.long, device=device)
+            self.ahead = torch.arange(self.room, device=device)
         self.chooser = Chooser(temperature, self.seed)
         step = self._speculative_step if proposer is not None else self._plain_step
         # A step that runs Python bookkeeping per call (transformers' own cache, a proposer that
@@ -144,6 +155,12 @@ class Engine:
         # ahead of the host.
         self.graphable = target.graphable and getattr(proposer, "graphable", True)
         self._step = _Graph(step) if graphs and device.type == "cuda" and self.graphable else step
+        # The step's bookkeeping, compiled where the step is captured: a few fused kernels in
+        # place of some twenty small ones, each a launch in every replay.
+        fused = isinstance(self._step, _Graph)
+        self._accept = compiled_or_eager(accept, "the acceptance") if fused and temperature <= 0 else accept
+        self._advanced = compiled_or_eager(_advanced, "the step's advance") if fused else _advanced
+        self._verify_input = compiled_or_eager(_verify_input, "the verify input") if fused else _verify_input
         self.rows: list[_Row | None] = [None] * S
         self.steps = 0  # target forwards after the prefill whose results rows committed, over the engine's life
         self.prefill_seconds = 0.0  # host time in prefills (each ends reading its tokens back), over its life
@@ -166,20 +183,20 @@ class Engine:
 
     def _plain_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> Tensor:
         logits, _ = self.target.step(last[:, None], pos[:, None])
-        token, _ = Chooser(self.temperature, seed).at(pos + 1)(logits[:, 0])
-        return _advanced(last, pos, token[:, None], torch.ones_like(pos), self._top)
+        chooser = Chooser(self.temperature, seed)
+        token, _ = (chooser if self.temperature <= 0 else chooser.at(pos + 1))(logits[:, 0])
+        return self._advanced(last, pos, token[:, None], None, self._top)
 
     def _speculative_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> Tensor:
         chooser = Chooser(self.temperature, seed)
         drafts, q = self.proposer.propose(last, pos, DraftChooser(chooser, pos))  # -1: no draft there
-        ids = torch.cat([last[:, None], drafts.clamp_min(0)], 1)
-        positions = pos[:, None] + torch.arange(ids.shape[1], device=pos.device)
+        ids, positions = self._verify_input(last, drafts, pos, self.ahead)
         logits, states = self.target.step(ids, positions)
-        a, tokens = accept(drafts, q, logits, chooser, pos)  # drafts[:a], then the target's own token
+        a, tokens = self._accept(drafts, q, logits, chooser, pos)  # drafts[:a], then the target's own token
         if states is not None:
             self.proposer.add_context(states, positions)
         self.proposer.commit(tokens, pos)
-        return _advanced(last, pos, tokens, a + 1, self._top)
+        return self._advanced(last, pos, tokens, a, self._top)
 
     # ------------------------------------------------------------------ scheduling
 

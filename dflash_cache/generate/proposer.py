@@ -55,7 +55,10 @@ class BlockProposer:
         self.layer_ids = list(cfg.target_layer_ids)
         self.block_input = family.block_input
         weight = model.fc.weight
-        self.draft = compiled_or_eager(family.draft, "the draft") if compile and weight.is_cuda else family.draft
+        fused = compile and weight.is_cuda
+        self.draft = compiled_or_eager(family.draft, "the draft") if fused else family.draft
+        self._block = compiled_or_eager(self._block_of, "the block input") if fused else self._block_of
+        self.offsets = torch.arange(self.block_size, device=weight.device)
         self.cache = SlotCache(len(model.layers), slots, -(-length // 16) * 16, cfg.num_key_value_heads, cfg.head_dim,
                                dtype=weight.dtype, device=weight.device)  # fmt: skip
         self.slots, self.length = slots, self.cache.length
@@ -71,6 +74,11 @@ class BlockProposer:
 
     def commit(self, tokens: Tensor, pos: Tensor) -> None:
         """A step's tokens: likewise unread."""
+
+    def _block_of(self, last: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A proposal's block ids [b, B], their positions [b, B] and what its queries see [b]."""
+        B = self.block_size
+        return self.block_input(last, B, self.mask_token_id), positions[:, None] + self.offsets, positions + B
 
     def _prologue(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         x = F.embedding(ids, self.embed).to(self.model.fc.weight.dtype)
@@ -99,10 +107,8 @@ class BlockProposer:
         """Drafts [slots, n] for every row whose last committed token `last` [slots] sits at
         `positions` [slots] (its context: every position before), and their probabilities
         [slots, n, V] when `choose` samples."""
-        B = self.block_size
-        ids = self.block_input(last, B, self.mask_token_id)
-        pos = positions[:, None] + torch.arange(B, device=positions.device)
-        step = SlotStep(pos, seen=positions + B, causal=False)
+        ids, pos, seen = self._block(last, positions)
+        step = SlotStep(pos, seen=seen, causal=False)
         hidden, _ = self.layers.run(ids, self.cache, step, compiled="fixed")
         drafts, probs = self.draft(self.model, hidden, ids, self.head, choose)
         self.num_drafts = drafts.shape[1]
