@@ -199,9 +199,9 @@ def kernel_profile(step, steps: int = 20) -> dict:
         by_name.setdefault(e.name, [0.0, 0])
         by_name[e.name][0] += e.device_time_total / steps
         by_name[e.name][1] += 1 / steps
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:16]
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])
     return {"kernels_per_step": len(kernels) / steps, "kernel_us_per_step": sum(v[0] for v in by_name.values()),
-            "top_kernels_us_count": [[name[:90], round(us, 1), round(n, 1)] for name, (us, n) in top]}  # fmt: skip
+            "kernels_us_count": [[name[:90], round(us, 1), round(n, 1)] for name, (us, n) in ranked]}  # fmt: skip
 
 
 @torch.inference_mode()
