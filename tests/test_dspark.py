@@ -364,12 +364,13 @@ def test_block_proposer_drafts_as_the_training_forward_does():
         assert got.shape[1] == (cfg.block_size - 1 if name == "dflash" else cfg.block_size)
 
 
-def markov_case(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+def markov_case(device: torch.device | str, lookup: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(the fused Markov step's tokens, the argmax of the logits it rounds as torch does, computed
     apart) on integer operands, so that every summation order gives the same float32 sums and the
     first of equal maxima decides (every logit comes twice, the second in another program's rows);
     a vocabulary and a rank that are not multiples of the kernel's blocks; base logits as a strided
-    slot of a block."""
+    slot of a block. `lookup`: the latents are rows of a table the kernel reads through a strided
+    index (the vanilla head's W1[prev])."""
     from dflash_cache.drafters.dspark.markov_kernel import BLOCK_R, BLOCK_V, markov_argmax
 
     g = torch.Generator().manual_seed(0)
@@ -380,14 +381,20 @@ def markov_case(device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]
     base = block[:, 2]
     logits = (base.float() + (z.float() @ w2.float().T).bfloat16().float()).bfloat16().float()
     assert all((row == row.max()).sum() > 1 for row in logits), "the case needs tied maxima"
-    return markov_argmax(base, z, w2), logits.argmax(-1)
+    if not lookup:
+        return markov_argmax(base, z, w2), logits.argmax(-1)
+    table = torch.randint(-2, 3, (11, rank), generator=g).bfloat16().to(device)
+    at = torch.tensor([[9, 0], [2, 0], [5, 0]], device=device)[:, 0]  # strided, as block_ids[:, 0] is
+    table[at] = z
+    return markov_argmax(base, table, w2, at), logits.argmax(-1)
 
 
 @pytest.mark.usefixtures("triton_interpreter")
-def test_markov_kernel_gives_torchs_argmax_of_the_same_logits():
+@pytest.mark.parametrize("lookup", [False, True], ids=["latents", "table rows"])
+def test_markov_kernel_gives_torchs_argmax_of_the_same_logits(lookup):
     """The fused Markov step under Triton's interpreter (`markov_case`); tests/test_gpu.py runs it
     compiled, where the first of equal maxima is the GPU's reduction's to get right."""
-    got, want = markov_case("cpu")
+    got, want = markov_case("cpu", lookup)
     assert torch.equal(got, want)
 
 

@@ -598,8 +598,9 @@ def test_slot_kernel_pieces_merged_by_the_last_to_finish_are_the_attention(T):
     assert not triton_support._COUNTS["slot_kernel", keys.device].any()
 
 
-def test_markov_kernel_gives_torchs_argmax_of_the_same_logits_compiled():
+@pytest.mark.parametrize("lookup", [False, True], ids=["latents", "table rows"])
+def test_markov_kernel_gives_torchs_argmax_of_the_same_logits_compiled(lookup):
     """DSpark's fused Markov step compiled (tests/test_dspark.py's `markov_case`): the first of
     equal maxima, within a program and across programs, as torch's argmax picks it."""
-    got, want = markov_case(CUDA)
+    got, want = markov_case(CUDA, lookup)
     assert torch.equal(got, want)

@@ -109,20 +109,26 @@ def draft(model: DSparkDrafter, hidden: Tensor, block_ids: Tensor, head_weight: 
     1. The base logits of every slot come from the LM head at once; the Markov head then runs slot by
     slot, its previous token the one just drafted (the anchor, block_ids[:, 0], for slot 0), as the
     reference's `sample_block_tokens` does. Greedy (`choose.greedy`) in half precision where Triton
-    runs, each slot's token is `markov_kernel`'s: the argmax without the slot's logits written."""
+    runs, each slot's token is `markov_kernel`'s: the argmax without the slot's logits written (and,
+    for the vanilla head, without its latent W1[prev] copied out first)."""
     base = hidden @ head_weight.to(hidden.dtype).T  # [b, B, V]
     head = model.markov_head
     if head is None:
         return choose_each(base.float(), choose)
     state, prev = head.init_state(hidden.shape[0], hidden), block_ids[:, 0]
-    fused = getattr(choose, "greedy", False) and markov_kernel.fits(base, head.markov_w2.weight)
+    w1, w2 = head.markov_w1.weight, head.markov_w2.weight
+    fused = getattr(choose, "greedy", False) and markov_kernel.fits(base, w2)
+    lookup = fused and head.lookup and w1.dtype == base.dtype
     tokens, probs = [], []
     for k in range(hidden.shape[1]):
-        state, z = head.step(state, prev, hidden[:, k])
-        if fused:  # the argmax without the logits (markov_kernel)
-            tok, p = markov_kernel.markov_argmax(base[:, k], z.to(hidden.dtype), head.markov_w2.weight), None
+        if lookup:  # z = W1[prev], which the kernel reads in place
+            tok, p = markov_kernel.markov_argmax(base[:, k], w1, w2, prev), None
         else:
-            tok, p = choose((base[:, k] + head.markov_w2(z.to(hidden.dtype))).float())
+            state, z = head.step(state, prev, hidden[:, k])
+            if fused:  # the argmax without the logits (markov_kernel)
+                tok, p = markov_kernel.markov_argmax(base[:, k], z.to(hidden.dtype), w2), None
+            else:
+                tok, p = choose((base[:, k] + head.markov_w2(z.to(hidden.dtype))).float())
         tokens.append(tok)
         probs.append(p)
         prev = tok

@@ -42,18 +42,19 @@ def _kernels():
     _pick_last = argmax_kernel.kernels()[1]
 
     @triton.jit
-    def block_maxima(BASE, Z, W, TOP, AT, OUT, COUNT, V, R, s_base, s_z, BLOCK_V: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):  # fmt: skip
+    def block_maxima(BASE, Z, ROWS, W, TOP, AT, OUT, COUNT, V, R, s_base, s_z, s_rows, BLOCK_V: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, GATHER: tl.constexpr):  # fmt: skip
         """The largest logit of rows [p BLOCK_V, (p+1) BLOCK_V) and its first index, into
-        `argmax_kernel`'s `_pick_last`."""
+        `argmax_kernel`'s `_pick_last`. GATHER: the row's latent is Z[ROWS[row]]."""
         row, p = tl.program_id(0), tl.program_id(1)
+        latent = tl.load(ROWS + row * s_rows).to(tl.int64) if GATHER else row
         DT = BASE.dtype.element_ty
         v = p * BLOCK_V + tl.arange(0, BLOCK_V)
         live = v < V
         acc = tl.zeros([BLOCK_V], dtype=tl.float32)
         for r0 in range(0, R, BLOCK_R):
             r = r0 + tl.arange(0, BLOCK_R)
-            z = tl.load(Z + row * s_z + r, mask=r < R, other=0.0).to(tl.float32)
+            z = tl.load(Z + latent * s_z + r, mask=r < R, other=0.0).to(tl.float32)
             w = tl.load(W + v[:, None] * R + r[None, :], mask=live[:, None] & (r < R)[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * z[None, :], 1)
         base = tl.load(BASE + row * s_base + v, mask=live, other=0.0).to(tl.float32)
@@ -66,9 +67,10 @@ def _kernels():
 
 
 @torch.library.custom_op("dflash_cache::markov_argmax", mutates_args=())
-def markov_argmax(base: Tensor, z: Tensor, w2: Tensor) -> Tensor:
+def markov_argmax(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None = None) -> Tensor:
     """argmax(base + z @ w2.T) per row: base [b, V] (its last dimension contiguous), z [b, r], w2
-    [V, r]; [b] int64."""
+    [V, r]; [b] int64. With `rows` [b], row i's latent is z[rows[i]] instead: the vanilla head's
+    W1[prev], read in place rather than gathered by a kernel of its own."""
     import triton
 
     b, V = base.shape
@@ -76,11 +78,14 @@ def markov_argmax(base: Tensor, z: Tensor, w2: Tensor) -> Tensor:
     programs = triton.cdiv(V, BLOCK_V)
     top, at, out, count, block_p = argmax_kernel.scratch(b, programs, base.device)
     z, w2 = z.contiguous(), w2.contiguous()
-    _kernels()[(b, programs)](base, z, w2, top, at, out, count, V, R, base.stride(0), z.stride(0), BLOCK_V=BLOCK_V,
-                              BLOCK_R=BLOCK_R, BLOCK_P=block_p, num_warps=WARPS)  # fmt: skip
+    gather = rows is not None
+    rows = rows if gather else out
+    _kernels()[(b, programs)](base, z, rows, w2, top, at, out, count, V, R, base.stride(0), z.stride(0),
+                              rows.stride(0), BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, BLOCK_P=block_p, GATHER=gather,
+                              num_warps=WARPS)  # fmt: skip
     return out
 
 
 @markov_argmax.register_fake
-def _(base: Tensor, z: Tensor, w2: Tensor) -> Tensor:
+def _(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None = None) -> Tensor:
     return base.new_empty(base.shape[0], dtype=torch.int64)

@@ -15,6 +15,8 @@ from dflash_cache.drafters.dspark.config import DSparkConfig
 class VanillaMarkov(nn.Module):
     """z = W1[prev]: the previous token's rank-r embedding; its logit bias is W2 z."""
 
+    lookup = True  # z is a row of W1, as it is (what a drafting kernel may read in place)
+
     def __init__(self, vocab: int, rank: int, hidden: int) -> None:
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab, rank)
@@ -38,6 +40,8 @@ class VanillaMarkov(nn.Module):
 class GatedMarkov(VanillaMarkov):
     """z = sigmoid(G [h; W1[prev]]) * W1[prev]."""
 
+    lookup = False
+
     def __init__(self, vocab: int, rank: int, hidden: int) -> None:
         super().__init__(vocab, rank, hidden)
         self.gate_proj = nn.Linear(hidden + rank, rank)
@@ -54,6 +58,8 @@ class GatedMarkov(VanillaMarkov):
 class RNNMarkov(VanillaMarkov):
     """A GRU-like state s over the block's slots: [gate; candidate; out] = J [s; W1[prev]; h],
     s' = g s + (1 - g) tanh(candidate), z = tanh(out)."""
+
+    lookup = False
 
     def __init__(self, vocab: int, rank: int, hidden: int) -> None:
         super().__init__(vocab, rank, hidden)
