@@ -147,7 +147,7 @@ class Engine:
             self.last = torch.zeros(S, dtype=torch.long, device=device)
             self.pos = torch.zeros(S, dtype=torch.long, device=device)
             self.seed = torch.zeros(S, dtype=torch.long, device=device)
-            self.ahead = torch.arange(self.room, device=device)
+            self._ahead = torch.arange(self.room, device=device)  # the verify step's offsets from a row's position
         self.chooser = Chooser(temperature, self.seed)
         step = self._speculative_step if proposer is not None else self._plain_step
         # A step that runs Python bookkeeping per call (transformers' own cache, a proposer that
@@ -184,13 +184,15 @@ class Engine:
     def _plain_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> Tensor:
         logits, _ = self.target.step(last[:, None], pos[:, None])
         chooser = Chooser(self.temperature, seed)
-        token, _ = (chooser if self.temperature <= 0 else chooser.at(pos + 1))(logits[:, 0])
+        if self.temperature > 0:  # the sampled token's noise is keyed by its position
+            chooser = chooser.at(pos + 1)
+        token, _ = chooser(logits[:, 0])
         return self._advanced(last, pos, token[:, None], None, self._top)
 
     def _speculative_step(self, last: Tensor, pos: Tensor, seed: Tensor) -> Tensor:
         chooser = Chooser(self.temperature, seed)
         drafts, q = self.proposer.propose(last, pos, DraftChooser(chooser, pos))  # -1: no draft there
-        ids, positions = self._verify_input(last, drafts, pos, self.ahead)
+        ids, positions = self._verify_input(last, drafts, pos, self._ahead)
         logits, states = self.target.step(ids, positions)
         a, tokens = self._accept(drafts, q, logits, chooser, pos)  # drafts[:a], then the target's own token
         if states is not None:

@@ -58,7 +58,7 @@ class BlockProposer:
         fused = compile and weight.is_cuda
         self.draft = compiled_or_eager(family.draft, "the draft") if fused else family.draft
         self._block = compiled_or_eager(self._block_of, "the block input") if fused else self._block_of
-        self.offsets = torch.arange(self.block_size, device=weight.device)
+        self._offsets = torch.arange(self.block_size, device=weight.device)  # the block's, from its anchor
         self.cache = SlotCache(len(model.layers), slots, -(-length // 16) * 16, cfg.num_key_value_heads, cfg.head_dim,
                                dtype=weight.dtype, device=weight.device)  # fmt: skip
         self.slots, self.length = slots, self.cache.length
@@ -78,7 +78,7 @@ class BlockProposer:
     def _block_of(self, last: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """A proposal's block ids [b, B], their positions [b, B] and what its queries see [b]."""
         B = self.block_size
-        return self.block_input(last, B, self.mask_token_id), positions[:, None] + self.offsets, positions + B
+        return self.block_input(last, B, self.mask_token_id), positions[:, None] + self._offsets, positions + B
 
     def _prologue(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         x = F.embedding(ids, self.embed).to(self.model.fc.weight.dtype)
