@@ -79,7 +79,7 @@ def markov_argmax(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None = Non
     top, at, out, count, block_p = argmax_kernel.scratch(b, programs, base.device)
     z, w2 = z.contiguous(), w2.contiguous()
     gather = rows is not None
-    rows = rows if gather else out
+    rows = rows if gather else out  # without GATHER the kernel never reads ROWS: any int64 pointer will do
     _kernels()[(b, programs)](base, z, rows, w2, top, at, out, count, V, R, base.stride(0), z.stride(0),
                               rows.stride(0), BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, BLOCK_P=block_p, GATHER=gather,
                               num_warps=WARPS)  # fmt: skip
