@@ -312,11 +312,11 @@ def test_a_prefill_compiles_once_for_prompts_of_every_length():
         assert err < 2e-2, (lengths, err)
 
 
-def smollm2_shaped(layers: int = 4):
-    """A random bf16 model of SmolLM2-135M's shape, with fewer layers."""
+def random_shaped(layers: int = 4, shape: str = "smollm2-135m"):
+    """A random bf16 model of a `bench.SHAPES` shape (SmolLM2-135M's by default), with fewer layers."""
     from dflash_cache.bench import shape_config
 
-    config = AutoConfig.for_model(**{**shape_config("smollm2-135m"), "num_hidden_layers": layers})
+    config = AutoConfig.for_model(**{**shape_config(shape), "num_hidden_layers": layers})
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(CUDA).eval().requires_grad_(False)
 
@@ -327,7 +327,7 @@ def test_a_prefill_keeps_its_attention_off_cudnn():
     a new shape: a prefill's kernels include no cuDNN one."""
     from torch.profiler import ProfilerActivity, profile
 
-    target = SlotTarget(smollm2_shaped(2), 1, 512)
+    target = SlotTarget(random_shaped(2), 1, 512)
     target.prefill([0], [tuple(range(3, 90))])  # compiles the prefill's pieces
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         target.prefill([0], [tuple(range(3, 150))])
@@ -336,25 +336,28 @@ def test_a_prefill_keeps_its_attention_off_cudnn():
     assert kernels and not [k for k in kernels if "cudnn" in k.lower()], kernels
 
 
-@pytest.mark.parametrize("context", [150, 1016])
-def test_a_verify_step_gives_each_token_the_bits_of_a_plain_step(context):
-    """What keeps greedy speculation at batch 1 the target's own decode (SmolLM2's shape, bf16, the
-    compiled layers and the slot attention kernel): a verify step of 17 tokens gives each token's
-    logits and tapped states bit for bit as 17 one-token steps do; at a context of 150 in a buffer
-    of 512 (the queries see one piece) and of 1016 in a buffer of 2048 (its keys cut in pieces of
-    `slot_kernel.SPLIT`, the verify step's queries on both sides of the cut at 1024)."""
-    from dflash_cache.generate import slot_kernel
+@pytest.mark.parametrize(("shape", "context"), [("smollm2-135m", 150), ("smollm2-135m", 1016), ("qwen3-8b", 150)])
+def test_a_verify_step_gives_each_token_the_bits_of_a_plain_step(shape, context):
+    """What keeps greedy speculation at batch 1 the target's own decode (bf16, the compiled layers
+    and the slot attention kernel): a verify step of 17 tokens gives each token's logits and tapped
+    states bit for bit as 17 one-token steps do. SmolLM2's shape runs through the product kernel, at
+    a context of 150 in a buffer of 512 (the queries see one piece) and of 1016 in a buffer of 2048
+    (its keys cut in pieces of `slot_kernel.SPLIT`, the verify step's queries on both sides of the
+    cut at 1024); Qwen3-8B's widths (two layers), too wide for the kernel, through cuBLAS and
+    inductor's norms with each row's tokens padded (`decoder.PaddedProducts`)."""
+    from dflash_cache.generate import decoder, slot_kernel
 
     assert 1024 % slot_kernel.SPLIT == 0 and slot_kernel.SPLIT >= 256
-    model = smollm2_shaped()
+    model = random_shaped(4 if shape == "smollm2-135m" else 2, shape)
+    vocab = model.config.vocab_size
     length = 512 if context < 200 else 2048
     g = torch.Generator(device=CUDA).manual_seed(context)
-    prompt = tuple(torch.randint(0, 49152, (context,), generator=g, device=CUDA).tolist())
-    ids = torch.randint(0, 49152, (1, 17), generator=g, device=CUDA)
+    prompt = tuple(torch.randint(0, vocab, (context,), generator=g, device=CUDA).tolist())
+    ids = torch.randint(0, vocab, (1, 17), generator=g, device=CUDA)
     positions = (context + torch.arange(17, device=CUDA))[None]
 
     def fresh() -> SlotTarget:
-        t = SlotTarget(model, 1, length, [1, 2])
+        t = SlotTarget(model, 1, length, [0, 1])
         t.prefill([0], [prompt])
         return t
 
@@ -362,7 +365,9 @@ def test_a_verify_step_gives_each_token_the_bits_of_a_plain_step(context):
     target = fresh()
     steps = [target.step(ids[:, k : k + 1], positions[:, k : k + 1]) for k in range(17)]
     layers = target.decoder.layers
-    assert layers.compiled["fixed"] is not layers.eager, "the layers fell back to eager"
+    kind = decoder.KernelProducts if shape == "smollm2-135m" else decoder.PaddedProducts
+    assert layers._products(SlotStep(positions, seen=positions[:, -1] + 1), "fixed") is kind
+    assert layers.compiled["fixed" if shape == "smollm2-135m" else "padded"] is not layers.eager, "fell back to eager"
     assert torch.equal(torch.cat([s[0] for s in steps], 1), block)
     assert torch.equal(torch.cat([s[1] for s in steps], 1), block_states)
 
@@ -379,7 +384,7 @@ def test_greedy_speculation_over_long_replies_is_the_target_alone(family):
     from dflash_cache.drafters.dflash.config import DrafterConfig
     from dflash_cache.drafters.dspark.config import DSparkConfig
 
-    model = smollm2_shaped()
+    model = random_shaped()
     g = torch.Generator(device=CUDA).manual_seed(1)
     prompts = [torch.randint(0, 49152, (900,), generator=g, device=CUDA).tolist() for _ in range(2)]
     length = 900 + 300 + 64

@@ -45,6 +45,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._inductor import config as inductor_config
 
 from dflash_cache.generate import product_kernel
 from dflash_cache.generate.product_kernel import rows_product, rows_qkv
@@ -53,6 +54,7 @@ from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention, wri
 RECOMPILE_LIMIT = 64
 Compiled = Literal["fixed", "dynamic"] | None  # which compiled pieces a forward runs
 KERNEL_ROWS = 4  # a step of at most this many batch rows runs its products as `KernelProducts`
+PADDED_TOKENS = 32  # or, where it does not serve, with each row's tokens padded to this many (`PaddedProducts`)
 ROPE_IN_PRODUCT = True  # KernelProducts' q/k/v projection rotates and writes the cache itself
 
 
@@ -100,12 +102,26 @@ class Products:
         """The residual stream x plus the product of a: the o and down projections."""
         return x + F.linear(a, w, bias)
 
+    @staticmethod
+    def norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """The final norm."""
+        return rms_norm(x, weight, eps)
+
     @classmethod
     def qkv(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
             k_norm: Tensor | None, cos: Tensor, sin: Tensor, kv: tuple, heads: int,
             kv_heads: int) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
         """`attention_in`'s queries, keys and values (module docstring), the keys and values written
         into the cache."""
+        q, k, v = cls.project(x, norm, eps, w, bias, q_norm, k_norm, cos, sin, heads, kv_heads)
+        write_kv(k, v, *kv)
+        return q, k, v
+
+    @classmethod
+    def project(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
+                k_norm: Tensor | None, cos: Tensor, sin: Tensor, heads: int,
+                kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        """`qkv` without the cache writes."""
         b, T, _ = x.shape
         h = cls.normed(x, norm, eps, w, bias)
         d = h.shape[-1] // (heads + 2 * kv_heads)
@@ -113,8 +129,46 @@ class Products:
         if q_norm is not None:
             qk = rms_norm(qk, torch.cat([q_norm.expand(heads, d), k_norm.expand(kv_heads, d)]), eps)
         q, k = rotate(qk, cos, sin).split([heads, kv_heads], dim=2)
-        write_kv(k, v, *kv)
         return q, k, v
+
+
+def _padded(t: Tensor) -> Tensor:
+    """t [b, T, ...] as [b, PADDED_TOKENS, ...]: each row's T tokens, then zeros."""
+    return F.pad(t, (0, 0) * (t.dim() - 2) + (0, PADDED_TOKENS - t.shape[1]))
+
+
+def _unpadded(t: Tensor, T: int) -> Tensor:
+    return t[:, :T]
+
+
+class PaddedProducts(Products):
+    """The tensor ops' products and norms with each row's tokens padded to PADDED_TOKENS, for a
+    few-row step the product kernel does not serve (a target wider than `product_kernel.MAX_K`):
+    a one-token and a verify step then run every product and every norm at one shape, which
+    cuBLAS and the compiled reductions (deterministic: `LayerStack`) round alike, so each token's
+    bits are its own as with `KernelProducts`. Unpadded, the norms' kernels change with the
+    step's size, and a verify step's logits part from one-token steps' in their last bits."""
+
+    @staticmethod
+    def normed(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
+        return _unpadded(Products.normed(_padded(x), norm, eps, w, bias), x.shape[1])
+
+    @staticmethod
+    def residual(x: Tensor, a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+        return x + _unpadded(F.linear(_padded(a), w, bias), a.shape[1])
+
+    @staticmethod
+    def norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return _unpadded(rms_norm(_padded(x), weight, eps), x.shape[1])
+
+    @classmethod
+    def project(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
+                k_norm: Tensor | None, cos: Tensor, sin: Tensor, heads: int,
+                kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+        T = x.shape[1]
+        q, k, v = Products.project(_padded(x), norm, eps, w, bias, q_norm, k_norm, _padded(cos), _padded(sin),
+                                   heads, kv_heads)  # fmt: skip
+        return _unpadded(q, T), _unpadded(k, T), _unpadded(v, T)
 
 
 class KernelProducts(Products):
@@ -246,7 +300,7 @@ def last(x: Tensor, attn: Tensor, out: tuple, norm: Tensor, eps: float, act: Cal
          products: type[Products] = Products) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The last layer's attention-out and the final norm: (the residual stream, its normed states)."""
     x = attention_out(x, attn, *out, eps, act, products)
-    return x, rms_norm(x, norm, eps)
+    return x, products.norm(x, norm, eps)
 
 
 def context_kv(ctx: Tensor, kv_w: Tensor, kv_bias: Tensor | None, k_norm: Tensor | None, cos: Tensor, sin: Tensor,
@@ -259,6 +313,14 @@ def context_kv(ctx: Tensor, kv_w: Tensor, kv_bias: Tensor | None, k_norm: Tensor
     if k_norm is not None:
         k = rms_norm(k, k_norm, eps)
     write_kv(rotate(k, cos, sin), v, *kv)
+
+
+# How each kind of piece compiles: a prefill's for every shape; a padded step's without the
+# on-device benchmarking that would pick its reductions' configurations by timing (so the one- and
+# the many-token steps get the same ones, and round alike).
+_COMPILE = {"fixed": {"dynamic": False}, "dynamic": {"dynamic": True},
+            "padded": {"dynamic": False, "options": {"deterministic": True} if hasattr(inductor_config, "deterministic")
+                       else {}}}  # fmt: skip
 
 
 class LayerStack:
@@ -278,9 +340,9 @@ class LayerStack:
         self.eager = {"prologue": prologue, "in": attention_in, "seam": seam, "last": last, "kv": context_kv}
         if context_in is not None:
             self.eager["context_in"] = context_in
-        self.compiled = {"fixed": self.eager, "dynamic": self.eager}
+        self.compiled = {"fixed": self.eager, "dynamic": self.eager, "padded": self.eager}
         if compile and self.layers[0].qkv.is_cuda:
-            self.compiled = {kind: {k: torch.compile(f, dynamic=kind == "dynamic") for k, f in self.eager.items()}
+            self.compiled = {kind: {k: torch.compile(f, **_COMPILE[kind]) for k, f in self.eager.items()}
                              for kind in self.compiled}  # fmt: skip
             # A fixed piece compiles once per step shape (rows, tokens), dtype and layer geometry,
             # and the target's and the drafter's layers share the pieces: an eval of a drafter beside
@@ -295,16 +357,22 @@ class LayerStack:
         normed states [b, T, H], and the residual stream after each layer in `taps`. `compiled`:
         "fixed" for a step, "dynamic" for a prefill, None for the eager pieces."""
         products = self._products(step, compiled)
-        return self._pieces(compiled, lambda fns: self._run(fns, inputs, cache, step, taps or [], products))
+        kind = "padded" if products is PaddedProducts else compiled
+        return self._pieces(kind, lambda fns: self._run(fns, inputs, cache, step, taps or [], products))
 
     def _products(self, step: SlotStep, compiled: Compiled) -> type[Products]:
-        """`KernelProducts` for a step (the fixed shapes) of at most KERNEL_ROWS batch rows where the
-        kernel serves the layers; chosen by the rows alone, so that a row's verify and decode steps
-        run the same products."""
+        """For a step (the fixed shapes) of at most KERNEL_ROWS batch rows: `KernelProducts` where
+        the kernel serves the layers, else `PaddedProducts` in half precision (up to PADDED_TOKENS
+        tokens a row); chosen by the rows, so that a row's verify and decode steps run the same
+        products. `Products` otherwise."""
         w = self.layers[0]
-        if (compiled == "fixed" and step.positions.shape[0] <= KERNEL_ROWS and self.act is F.silu
-                and product_kernel.fits(w.qkv, w.o, w.gate_up, w.down)):  # fmt: skip
+        b, T = step.positions.shape
+        if compiled != "fixed" or b > KERNEL_ROWS:
+            return Products
+        if self.act is F.silu and product_kernel.fits(w.qkv, w.o, w.gate_up, w.down):
             return KernelProducts
+        if w.qkv.dtype in (torch.float16, torch.bfloat16) and T <= PADDED_TOKENS:
+            return PaddedProducts
         return Products
 
     def context(self, states: Tensor, cache: SlotCache, step: SlotStep, *, compiled: Compiled = None) -> None:
