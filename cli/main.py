@@ -167,6 +167,9 @@ def extract(
             "layers": spec.layers.ids, "storage": spec.storage.dtype, "mask_token_id": spec.tokenizer.mask_token_id,
             "mask_token": spec.tokenizer.mask_token,
             "final_hidden": spec.layers.final_hidden, **ex.final_bytes(spec),
+            "projection": spec.projection and {"basis": spec.projection.basis, "rank": spec.projection.rank},
+            "stored_values_per_token": spec.row_width,
+            "raw_bf16_bytes_per_token": 2 * len(spec.layers.ids) * spec.target.hidden_size,
             "estimated_bytes_max": ex.estimated_bytes(spec, plan.num_tokens),
         }, indent=2))  # fmt: skip
         return
@@ -275,8 +278,8 @@ def verify(
         console.print("all units sound")
     if bad:
         for unit, problems in ({} if as_json else bad).items():
-            console.print(f"[red]bad unit {unit}:[/red] " + "; ".join(problems))
-        console.print(f"[red]error:[/red] {len(bad)} bad or missing unit(s) in {cache}: {', '.join(bad)}")
+            console.print(f"[red]bad {'unit ' if unit.startswith('u') else ''}{unit}:[/red] " + "; ".join(problems))
+        console.print(f"[red]error:[/red] {len(bad)} bad or missing part(s) of {cache}: {', '.join(bad)}")
         raise typer.Exit(1)
 
 

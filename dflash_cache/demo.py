@@ -28,6 +28,7 @@ from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.progress import ProgressSink
 from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig, drafter_config
+from dflash_cache.train.fold import save_export
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
@@ -94,7 +95,7 @@ def untrained_drafter(tcfg: TrainConfig, out: Path) -> Path:
         torch.manual_seed(tcfg.seed)
         family = tcfg.family()
         dcfg = drafter_config(tcfg, read_spec(tcfg.cache))
-        family.save_serving(family.model(dcfg), dcfg, out, frozen=read_frozen(tcfg.cache))
+        save_export(family, family.model(dcfg), dcfg, out, cache_dir=tcfg.cache, frozen=read_frozen(tcfg.cache))
     return out
 
 

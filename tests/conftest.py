@@ -156,8 +156,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def extract_config(out: Path, **overrides):
     from dflash_cache.extract.config import ExtractConfig
 
+    # the tapped layers as they are, so that tests compare them with the model's own; tests/test_projection.py
+    # checks the projected form against the same references
     kwargs = {"target": str(TINY_TARGET), "data": str(CHAT), "out": out, "max_length": 512, "unit_mb": 4,
-              "token_budget": 2048, "tokenize_procs": 1}
+              "token_budget": 2048, "tokenize_procs": 1, "project": "none"}
     kwargs.update(overrides)
     return ExtractConfig(**kwargs)
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cache.cache.format import FINAL_ARRAYS, CorruptUnit, RowFormat, UnitReader, verify_unit
+from dflash_cache.cache.projection import PROJECTION, Basis, CorruptBasis
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import PARTIAL, committed_units, unit_name
 
@@ -28,6 +29,8 @@ def info(cache_dir: Path) -> dict[str, Any]:
         final_bytes += sum(size for rel, size in r.files.items() if rel.split("/", 1)[0] in FINAL_ARRAYS)
     row = RowFormat.of(spec)
     raw = tokens * row.row_bytes
+    taps_bf16 = 2 * len(spec.layers.ids) * spec.target.hidden_size  # the tapped layers as bf16, per token
+    taps_on_disk = (nbytes - final_bytes) / tokens if tokens else 0.0
     partial = Path(cache_dir) / PARTIAL
     final = {}
     if row.final:  # what the final hidden state adds to each token: raw, and as stored (compressed)
@@ -43,6 +46,10 @@ def info(cache_dir: Path) -> dict[str, Any]:
         "bytes_on_disk": nbytes,
         "bytes_per_token": nbytes / tokens if tokens else 0.0,
         "compression_ratio": raw / nbytes if nbytes else 0.0,
+        # the tapped layers' share of the disk (ids and mask included, the final state not) against raw bf16
+        "raw_bf16_bytes_per_token": taps_bf16,
+        "fraction_of_raw_bf16": taps_on_disk / taps_bf16 if tokens else 0.0,
+        **({"retained_energy": spec.projection.retained_energy} if spec.projection else {}),
         "final_hidden": spec.layers.final_hidden,
         **final,
         "partial_entries": len(list(partial.iterdir())) if partial.is_dir() else 0,
@@ -52,6 +59,7 @@ def info(cache_dir: Path) -> dict[str, Any]:
 
 def verify(cache_dir: Path, *, present_only: bool = False) -> dict[str, list[str]]:
     """Decode every committed unit; maps each bad unit's name to its problems (empty: all sound).
+    A projected cache's basis is checked against cache.json's digest too (`projection.safetensors`).
 
     Also checks that no sample appears in two units and that every unit holds what the plan
     says, so a cache that lost or duplicated samples does not pass. A planned unit that is not
@@ -61,6 +69,11 @@ def verify(cache_dir: Path, *, present_only: bool = False) -> dict[str, list[str
     spec = read_spec(cache_dir)
     bad: dict[str, list[str]] = {}
     seen: dict[int, str] = {}
+    if spec.projection is not None:
+        try:
+            Basis.load(cache_dir, spec)
+        except CorruptBasis as e:
+            bad[PROJECTION] = [str(e)]
     units = committed_units(cache_dir)
     if not present_only:
         for uid in sorted(set(range(spec.plan.num_units)) - set(units)):

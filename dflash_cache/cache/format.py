@@ -53,7 +53,8 @@ ID_MASK_BYTES = 4 + 1  # input_ids (int32) and loss_mask (uint8) of one token
 @dataclass(frozen=True)
 class RowFormat:
     """One cached token: `layers` (K) tapped layers of `width // layers` values each, in `storage`,
-    and with `final` > 0 the target's final hidden state of `final` (H) values."""
+    and with `final` > 0 the target's final hidden state of `final` (H) values. Under a projection
+    the "layers" are its groups of projected values (`CacheSpec.groups`): one for a joint basis."""
 
     storage: str
     width: int  # K*H stored values per token
@@ -63,7 +64,7 @@ class RowFormat:
     @classmethod
     def of(cls, spec: CacheSpec) -> RowFormat:
         final = spec.target.hidden_size if spec.layers.final_hidden else 0
-        return cls(spec.storage.dtype, spec.row_width, len(spec.layers.ids), final)
+        return cls(spec.storage.dtype, spec.row_width, len(spec.groups), final)
 
     @property
     def fp8(self) -> bool:

@@ -17,7 +17,9 @@ from typing import Any
 from dflash_cache.atomic import write_atomic
 from dflash_cache.errors import UserError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # a cache of the tapped layers as they are
+PROJECTED_VERSION = 2  # a cache of the projected features (`projection`): readers before it must refuse it
+VERSIONS = (FORMAT_VERSION, PROJECTED_VERSION)
 CACHE_JSON = "cache.json"
 LAYER_MEANING = (
     "layer id l is the output of decoder layer l (0-based), i.e. hidden_states[l + 1] of "
@@ -31,7 +33,11 @@ FINAL_MEANING = (
 _VOLATILE = {"created", "tool_version"}
 # Fields that explain another field rather than decide anything (the id is compared, the reason
 # for it is not; caches from before the field have none).
-_EXPLANATIONS = {"tokenizer.mask_token"}
+# The basis's digest and what its fit measured are checked against the basis file (`dflash verify`), not
+# against a rerun's settings: a rerun takes the stored basis, it does not fit another.
+_EXPLANATIONS = {"tokenizer.mask_token", "projection.digest", "projection.fitted_tokens", "projection.retained_energy"}
+BASES = ("joint", "per-layer")
+SCALINGS = ("layer-rms", "none")
 
 
 class SpecError(UserError, ValueError):
@@ -149,6 +155,29 @@ class PlanInfo:
 
 
 @dataclass
+class ProjectionInfo:
+    """The fold (DESIGN.md section 3): the cache holds `z = W x` per token, not the tapped layers `x`.
+
+    `W` (`projection.safetensors`, cache/projection.py) is fitted on the target's own features
+    before the first unit: each tapped layer divided by its RMS (`scaling` "layer-rms"), then the
+    top principal directions of their second moment, `rank` values in all: one basis over the K
+    layers together ("joint"), or `rank / K` for each layer ("per-layer", which keeps layer subsets
+    possible). A drafter trains its `fc` on `z`; the export folds it back (`fc = fc' W`)."""
+
+    basis: str  # "joint" or "per-layer"
+    rank: int  # stored values per token, all groups together
+    scaling: str  # "layer-rms" or "none"
+    fit_tokens: int  # the setting: tokens of the run's own data the basis is fitted on, at most
+    digest: str = ""  # sha-256 prefix of projection.safetensors
+    fitted_tokens: int = 0  # tokens it was fitted on
+    retained_energy: list[float] = field(default_factory=list)  # per tapped layer, of the fit sample
+
+    def groups(self, num_layers: int) -> list[list[int]]:
+        """The tapped layers' positions that each stored group of values projects."""
+        return [list(range(num_layers))] if self.basis == "joint" else [[i] for i in range(num_layers)]
+
+
+@dataclass
 class CacheSpec:
     """The parsed `cache.json`."""
 
@@ -158,17 +187,53 @@ class CacheSpec:
     tokenizer: TokenizerInfo
     data: DataInfo
     plan: PlanInfo
+    projection: ProjectionInfo | None = None  # None: the tapped layers as they are
     format_version: int = FORMAT_VERSION
     tool_version: str = ""
     created: str = ""
 
+    def __post_init__(self) -> None:
+        self.format_version = PROJECTED_VERSION if self.projection is not None else FORMAT_VERSION
+
     @property
     def row_width(self) -> int:
-        """Values per cached token: K tapped layers times the hidden size."""
+        """Values per cached token: K tapped layers times the hidden size, or the projection's rank."""
+        if self.projection is not None:
+            return self.projection.rank
         return len(self.layers.ids) * self.target.hidden_size
+
+    @property
+    def groups(self) -> list[list[int]]:
+        """Positions of the tapped layers in each stored group of values: one group a layer, or
+        one for all of them under a joint projection."""
+        k = len(self.layers.ids)
+        return self.projection.groups(k) if self.projection is not None else [[i] for i in range(k)]
+
+    def group_positions(self, layer_ids: list[int]) -> list[int]:
+        """The stored groups a drafter of `layer_ids` reads, in the cache's order (SpecError when
+        its layers do not make whole groups)."""
+        cached = list(self.layers.ids)
+        check_drafter_fits(self, layer_ids=layer_ids)
+        positions = [cached.index(i) for i in layer_ids]
+        if len(set(positions)) != len(positions) or positions != sorted(positions):
+            raise SpecError(f"layers: {layer_ids} must be distinct and in the cache's order {cached}")
+        wanted = set(positions)
+        groups = [g for g, members in enumerate(self.groups) if wanted & set(members)]
+        if any(not set(self.groups[g]) <= wanted for g in groups):
+            raise SpecError(f"layers: the cache stores layers {cached} projected together (projection.basis "
+                            f"'joint'), so a drafter reads all of them, not {layer_ids}; extract with "
+                            "--project-basis per-layer to keep layer subsets possible")  # fmt: skip
+        return groups
+
+    def context_width(self, layer_ids: list[int]) -> int:
+        """Values per token a drafter of `layer_ids` reads from this cache: its `fc`'s inputs."""
+        groups = self.group_positions(layer_ids)
+        return self.row_width * len(groups) // len(self.groups)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        if self.projection is None:  # cache.json stays what versions before the option wrote
+            del d["projection"]
         if not self.layers.final_hidden:  # cache.json stays what versions before the option wrote
             del d["layers"]["final_hidden"]
         else:
@@ -178,12 +243,16 @@ class CacheSpec:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CacheSpec:
         version = d.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in VERSIONS:
             raise SpecError(
-                f"format_version: cache has {version!r}, this dflash-cache reads {FORMAT_VERSION}"
-                + (" (upgrade dflash-cache)" if isinstance(version, int) and version > FORMAT_VERSION else "")
+                f"format_version: cache has {version!r}, this dflash-cache reads {' and '.join(map(str, VERSIONS))}"
+                + (" (upgrade dflash-cache)" if isinstance(version, int) and version > max(VERSIONS) else "")
             )
+        if (version == PROJECTED_VERSION) != ("projection" in d):
+            raise SpecError(f"cache.json is malformed: format_version {version} "
+                            f"{'needs' if version == PROJECTED_VERSION else 'has no'} a projection")  # fmt: skip
         try:
+            projection = ProjectionInfo(**d["projection"]) if "projection" in d else None
             return cls(
                 target=TargetInfo(**d["target"]),
                 layers=LayerInfo(**{k: v for k, v in d["layers"].items() if k != "final_meaning"}),
@@ -191,6 +260,7 @@ class CacheSpec:
                 tokenizer=TokenizerInfo(**d["tokenizer"]),
                 data=DataInfo(**d["data"]),
                 plan=PlanInfo(**d["plan"]),
+                projection=projection,
                 format_version=version,
                 tool_version=d.get("tool_version", ""),
                 created=d.get("created", ""),

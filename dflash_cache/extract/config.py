@@ -20,6 +20,18 @@ GPUS_HELP = "GPUs, one process each: 0-4 or 0,2,5."
 GPU_IDS = "GPU ids like 0-4 or 0,2,5"
 
 
+def resolve_rank(project: int | str, basis: str, num_layers: int, hidden_size: int) -> int | None:
+    """The stored values a token for `--project` (None: the tapped layers as they are). auto is
+    H/2, rounded up to a multiple of K for a per-layer basis; a rank of every tapped value or more
+    projects nothing."""
+    if project == "none":
+        return None
+    rank = hidden_size // 2 if project == "auto" else int(project)
+    if basis == "per-layer":
+        rank = -(-rank // num_layers) * num_layers if project == "auto" else rank
+    return None if project == "auto" and rank >= num_layers * hidden_size else rank
+
+
 def resolve_token_budget(token_budget: int | None, cuda: bool) -> int:
     """Padded tokens per forward: the setting, else 16384 on a GPU and 4096 on a CPU."""
     return token_budget or (16384 if cuda else 4096)
@@ -41,6 +53,18 @@ class ExtractConfig:
     final_hidden: bool = setting(False, "Also cache the target's last hidden state after its final norm (the LM "
                                  "head's input), which DSpark drafters train on; the target then runs all its "
                                  "layers (never the LM head).")  # fmt: skip
+    project: int | Literal["auto", "none"] = setting(
+        "auto", "Store each token's tapped layers projected to R values (a basis fitted on the target's own "
+        "features, which the drafter's fc folds back at export, exactly): R, auto (H/2), or none (the layers "
+        "as they are).")  # fmt: skip
+    project_basis: Literal["joint", "per-layer"] = setting(
+        "joint", "One basis over the tapped layers together, or one per layer (R/K values each; lets a "
+        "drafter read a subset of the layers).")  # fmt: skip
+    project_scaling: Literal["layer-rms", "none"] = setting(
+        "layer-rms", "Divide each tapped layer by its RMS before fitting the basis, so that quiet layers "
+        "count as much as loud ones.", tuning=True)  # fmt: skip
+    project_fit_tokens: int = setting(131072, "Tokens of the data the basis is fitted on, spread over the plan.",
+                                      min=1, tuning=True)  # fmt: skip
     zstd_level: int = setting(3, "zstd level for the shards.", tuning=True)
     token_budget: int | None = setting(None, "Padded tokens per forward (default 16384 GPU, 4096 CPU).", min=1)
     unit_mb: int = setting(512, "Hidden-state MiB per work unit.", min=1)
@@ -80,6 +104,9 @@ class ExtractConfig:
             "zstd_level": spec.storage.codec.get("level", 3), "token_budget": spec.plan.token_budget,
             "unit_mb": round(spec.plan.unit_tokens * RowFormat.of(spec).hidden_bytes / (1 << 20)),
             "mask_token_id": spec.tokenizer.mask_token_id,
+            "project": spec.projection.rank if spec.projection else "none",
+            **({"project_basis": spec.projection.basis, "project_scaling": spec.projection.scaling,
+                "project_fit_tokens": spec.projection.fit_tokens} if spec.projection else {}),
             "chat_template_kwargs": spec.tokenizer.chat_template_kwargs or None,
             "data_split": spec.data.split, "max_samples": spec.data.max_samples,
         }  # fmt: skip

@@ -9,11 +9,12 @@ whatever the dataset size.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -23,11 +24,14 @@ import numpy as np
 import torch
 
 from dflash_cache.cache.format import STORAGES, RowFormat, chunk_tokens_for, encode_rows
+from dflash_cache.cache.projection import Basis, check_projection
 from dflash_cache.cache.spec import (
+    CACHE_JSON,
     CacheSpec,
     DataInfo,
     LayerInfo,
     PlanInfo,
+    ProjectionInfo,
     SpecError,
     StorageInfo,
     TokenizerInfo,
@@ -49,10 +53,11 @@ from dflash_cache.cache.store import (
 from dflash_cache.devices import GpuThrottle, Worker, launch, to_device, worker_threads
 from dflash_cache.errors import ExtractError
 from dflash_cache.extract import data as data_mod
+from dflash_cache.extract.basis import fit_basis, fit_sample
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
-from dflash_cache.extract.config import ExtractConfig, resolve_token_budget
+from dflash_cache.extract.config import ExtractConfig, resolve_rank, resolve_token_budget
 from dflash_cache.extract.mask import AUTO, choose_mask_token, data_token_ids
-from dflash_cache.extract.plan import Plan, Unit, make_plan
+from dflash_cache.extract.plan import Batch, Plan, Unit, make_plan
 from dflash_cache.extract.target import (
     compute_dtype_for,
     frozen_weights,
@@ -112,15 +117,19 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     mask_choice = choose_mask_token(tokenizer, vocab_size, cfg.mask_token_id,
                                     data_ids=data_token_ids(tokens.dataset, vocab_size))  # fmt: skip
     device = _device_kind(cfg)
-    row_bytes = RowFormat(cfg.storage, len(layer_ids) * int(tc["hidden_size"]), len(layer_ids)).hidden_bytes
+    projection = _projection(cfg, len(layer_ids), int(tc["hidden_size"]))
+    groups = projection.groups(len(layer_ids)) if projection else layer_ids
+    width = projection.rank if projection else len(layer_ids) * int(tc["hidden_size"])
+    row_bytes = RowFormat(cfg.storage, width, len(groups)).hidden_bytes
     plan = make_plan(
         np.asarray(tokens.dataset["length"], dtype=np.int64),
         bucket_edges=default_bucket_edges(cfg.max_length),
         token_budget=resolve_token_budget(cfg.token_budget, device.type == "cuda"),
         unit_tokens=max(1, (cfg.unit_mb << 20) // row_bytes),
     )
-    spec = _describe(cfg, config, layer_ids, tokenizer, tokens, mask_choice, plan, template_kwargs, device, row_bytes)
-    if (cfg.out / "cache.json").exists():
+    spec = _describe(cfg, config, layer_ids, tokenizer, tokens, mask_choice, plan, template_kwargs, device, row_bytes,
+                     projection)  # fmt: skip
+    if (cfg.out / CACHE_JSON).exists():
         diffs = read_spec(cfg.out).differences(spec)
         if diffs:
             raise ExtractError(
@@ -129,10 +138,23 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     return Prepared(spec, plan, tokens, set(committed_units(cfg.out)))
 
 
+def _projection(cfg: ExtractConfig, num_layers: int, hidden_size: int) -> ProjectionInfo | None:
+    """What `--project` asks for (its basis not fitted yet), or None for the tapped layers as they are."""
+    rank = resolve_rank(cfg.project, cfg.project_basis, num_layers, hidden_size)
+    if rank is None:
+        return None
+    problem = check_projection(cfg.project_basis, rank, cfg.project_scaling, num_layers, hidden_size)
+    if problem is not None:
+        raise ExtractError(f"--project: {problem}")
+    return ProjectionInfo(basis=cfg.project_basis, rank=rank, scaling=cfg.project_scaling,
+                          fit_tokens=cfg.project_fit_tokens)  # fmt: skip
+
+
 def _describe(cfg: ExtractConfig, config: dict, layer_ids: list[int], tokenizer, tokens: data_mod.Tokenized,
               mask_choice, plan: Plan, template_kwargs: dict, device: torch.device,
-              row_bytes: int) -> CacheSpec:  # fmt: skip
-    """What the cache will be (cache.json): the target, taps, storage, tokenizer, data and plan."""
+              row_bytes: int, projection: ProjectionInfo | None) -> CacheSpec:  # fmt: skip
+    """What the cache will be (cache.json): the target, taps, storage, tokenizer, data, plan and
+    projection (its basis fitted later, by the first worker)."""
     eos = tokenizer.eos_token_id
     return CacheSpec(
         target=target_info(cfg.target, cfg.revision, config, compute_dtype_for(device)),
@@ -170,6 +192,7 @@ def _describe(cfg: ExtractConfig, config: dict, layer_ids: list[int], tokenizer,
             num_tokens=plan.num_tokens,
             padded_tokens=plan.padded_tokens,
         ),
+        projection=projection,
         tool_version=_tool_version(),
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
@@ -222,8 +245,8 @@ def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
                 "free space, use --storage fp8, or point --out elsewhere"
             )
         lead = not in_torchrun or os.environ["RANK"] == "0"  # one process writes the shared files
-        if lead and not (cfg.out / "cache.json").exists():
-            write_spec(cfg.out, prep.spec)
+        if lead and not (cfg.out / CACHE_JSON).exists() and prep.spec.projection is None:
+            write_spec(cfg.out, prep.spec)  # a projected cache's first worker writes it, once its basis is fitted
         if lead and not (cfg.out / REJECTED).exists():
             write_rejected(cfg.out, prep.tokens.rejected)
         swept = 0 if in_torchrun else sweep_partial(cfg.out)
@@ -271,7 +294,8 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
     done = set(committed_units(cfg.out))
     todo = [u for u in plan.units_for_rank(w.rank, w.world_size) if u.id not in done]
     needs_frozen = w.rank == 0 and not (cfg.out / FROZEN).exists()
-    if not todo and not needs_frozen:
+    needs_basis = w.rank == 0 and spec.projection is not None and not (cfg.out / CACHE_JSON).exists()
+    if not todo and not needs_frozen and not needs_basis:
         return
     with worker_threads(w):
         target, model, _ = load_target(spec.target.path, spec.layers.ids, w.device, spec.target.revision,
@@ -279,7 +303,57 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
         if needs_frozen:
             write_frozen(cfg.out, *frozen_weights(model))
         del model  # the upper layers and the LM head stay on the CPU only until here
+        if spec.projection is not None:
+            spec, basis = _basis(w, target, cfg.out, spec, plan, dataset, channel.put)
+            target = _projecting(target, basis, len(spec.layers.ids))
         extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put, writers=cfg.writers)
+
+
+def _basis(w: Worker, target: Callable[[torch.Tensor], list[torch.Tensor]], out: Path, spec: CacheSpec, plan: Plan,
+           dataset, report: Callable[[dict], None]) -> tuple[CacheSpec, Basis]:  # fmt: skip
+    """A projected cache's basis, and its spec as cache.json holds it: the first worker fits the
+    basis on the plan's own batches, saves it and writes cache.json with its digest; every other
+    worker (other GPUs, other nodes) waits for that cache.json. A rerun takes the stored basis."""
+    if w.rank == 0 and not (out / CACHE_JSON).exists():
+        sample = fit_sample(plan, spec.projection.fit_tokens)
+        tokens = sum(int(u.lengths[b.start : b.stop].sum()) for u, b in sample)
+        report({"info": f"fitting the projection basis ({spec.projection.basis}, {spec.projection.rank} values a "
+                        f"token) on {tokens:,} tokens"})  # fmt: skip
+        started = time.perf_counter()
+        basis, spec = fit_basis(target, _fit_batches(sample, dataset, spec, w.device), spec, w.device)
+        spec = dataclasses.replace(spec, projection=dataclasses.replace(spec.projection, digest=basis.save(out)))
+        write_spec(out, spec)
+        report({"info": f"fitted the basis in {time.perf_counter() - started:.1f}s; energy kept per tapped layer: "
+                        + ", ".join(f"{100 * e:.1f}%" for e in spec.projection.retained_energy)})  # fmt: skip
+    else:
+        while not (out / CACHE_JSON).exists():
+            time.sleep(0.5)
+        spec = read_spec(out)
+    return spec, Basis.load(out, spec)
+
+
+def _fit_batches(sample: list[tuple[Unit, Batch]], dataset, spec: CacheSpec, device: torch.device
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """The fit sample's batches as the target takes them (`batch_inputs`)."""
+    ids: tuple[int, np.ndarray] | None = None
+    for unit, batch in sample:
+        if ids is None or ids[0] != unit.id:
+            ids = (unit.id, unit_tokens(dataset, unit)[0])
+        r0, r1 = int(unit.offsets[batch.start]), int(unit.offsets[batch.stop])
+        yield batch_inputs(ids[1][r0:r1], unit.lengths[batch.start : batch.stop], batch.max_len,
+                           spec.tokenizer.pad_token_id or 0, device)  # fmt: skip
+
+
+def _projecting(target: Callable[[torch.Tensor], list[torch.Tensor]], basis: Basis, num_layers: int
+                ) -> Callable[[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+    """`target` whose tapped layers come out projected: one output per group of the basis, then the
+    final hidden state as it is, when the cache holds it."""
+
+    def projected(inp: torch.Tensor) -> list[torch.Tensor]:
+        outputs = target(inp)
+        return basis.project(outputs[:num_layers]) + outputs[num_layers:]
+
+    return projected
 
 
 def extract_units(

@@ -529,7 +529,7 @@ class CacheLoader:
         self.cache_dir = Path(cache_dir)
         self.spec = spec or read_spec(self.cache_dir)
         self.layer_ids = list(self.spec.layers.ids) if layer_ids is None else list(layer_ids)
-        positions = _layer_positions(self.spec, self.layer_ids)
+        positions = self.spec.group_positions(self.layer_ids)
         check_drafter_fits(self.spec, layer_ids=self.layer_ids, final_hidden=final_hidden)
         self.final_hidden = final_hidden
         row = RowFormat.of(self.spec)
@@ -673,16 +673,6 @@ class CacheLoader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _layer_positions(spec: CacheSpec, layer_ids: list[int]) -> list[int]:
-    """Where the drafter's layers sit among the cached ones (a subset, in the cache's order)."""
-    cached = list(spec.layers.ids)
-    check_drafter_fits(spec, layer_ids=layer_ids)
-    positions = [cached.index(i) for i in layer_ids]
-    if len(set(positions)) != len(positions) or positions != sorted(positions):
-        raise SpecError(f"layers: {layer_ids} must be distinct and in the cache's order {cached}")
-    return positions
 
 
 def _full_device(device: torch.device | str) -> torch.device:

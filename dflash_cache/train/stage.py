@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_cache.atomic import write_atomic
+from dflash_cache.cache.projection import Basis
 from dflash_cache.cache.spec import CacheSpec, SpecError, read_spec
 from dflash_cache.cache.store import read_frozen
 from dflash_cache.devices import GpuThrottle, Worker, launch, process_group, torchrun_worker, worker_threads
@@ -42,6 +43,7 @@ from dflash_cache.progress import ProgressSink, Reporter
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
 from dflash_cache.train.config import TrainConfig, TrainError, drafter_config
 from dflash_cache.train.cost import FEW_STEPS, drafter_cost, run_token_budget
+from dflash_cache.train.fold import folded_config, save_export
 from dflash_cache.train.follow import is_complete, wait_for_cache
 from dflash_cache.train.loader import Batch, CacheLoader
 from dflash_cache.train.metrics import MetricsLog, StepWindow, Trace, clock
@@ -91,6 +93,8 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
             wait_for_cache(cfg.cache, on_wait=lambda: reporter.channel.put(
                 {"warning": f"waiting for `dflash extract` to write {cfg.cache}/cache.json"}))  # fmt: skip
         spec = read_spec(cfg.cache)
+        if spec.projection is not None:
+            Basis.load(cfg.cache, spec)  # the export folds through it: a damaged one is refused before any step
         try:
             dcfg = drafter_config(cfg, spec)
         except SpecError as e:
@@ -132,7 +136,9 @@ def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: Any) -> None:
         return
     record = {"identity": ident, "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
               # the drafter's geometry, so that `dflash export` needs the run directory only
-              "drafter": cfg.family().serving_config(dcfg)}  # fmt: skip
+              "drafter": cfg.family().serving_config(folded_config(dcfg)),
+              # fc's inputs when the cache is projected: the checkpoints' fc reads the projected values
+              **({"context_width": dcfg.context_width} if dcfg.context_width else {})}  # fmt: skip
     # every torchrun rank gets here at once: never let one read another's half-written file
     write_atomic(path, json.dumps(record, indent=2) + "\n")
 
@@ -234,7 +240,8 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     tell = channel.put if w.rank == 0 else None  # progress, warnings and notes: rank 0 speaks for all
     s = setup(w, cfg, control_group=control_group, on_status=tell and (lambda st: tell({"follow": st})),
               on_warning=tell and (lambda text: tell({"warning": text})))  # fmt: skip
-    save = partial(s.family.save_serving, s.model, s.dcfg, frozen=(s.embed, s.head))
+    save = partial(save_export, s.family, s.model, s.dcfg, cache_dir=cfg.cache, spec=s.loader.spec,
+                   frozen=(s.embed, s.head))  # fmt: skip
     best = BestExport(cfg.out, save if tell else lambda where: None)
     ckpt = Checkpointer(cfg.out, cfg.keep_checkpoints, every=cfg.save_every, top=(s.schedule, s.loader),
                         states={"model": s.model, "optimizer": s.opt, "rng": CpuRng(),
@@ -367,7 +374,8 @@ def export(run_dir: Path, out: Path) -> Path:
     """Write the serving format of a run's latest checkpoint (what vLLM, SGLang and z-lab load for
     DFlash; DeepSpec's layout for DSpark). It needs the run directory only: the cache may have moved
     or been deleted (a family whose layout carries the target's embedding and LM head takes them
-    from the cache when it is still there, and leaves them to the serving engine otherwise)."""
+    from the cache when it is still there, and leaves them to the serving engine otherwise), unless
+    the cache is projected: then its basis folds `fc` back (`fold.py`)."""
     record = json.loads((Path(run_dir) / RUN_JSON).read_text())
     conf = record["config"]
     cfg = TrainConfig(cache=Path(conf["cache"]), out=Path(run_dir), layers=conf["layers"],
@@ -376,6 +384,7 @@ def export(run_dir: Path, out: Path) -> Path:
     family = cfg.family()
     if "drafter" in record:
         dcfg = family.from_serving_config(record["drafter"])
+        dcfg.context_width = record.get("context_width")
     else:  # a run directory from before train.json recorded the drafter: its geometry is in the cache
         dcfg = drafter_config(cfg, read_spec(cfg.cache))
     state = Checkpointer(run_dir).load()
@@ -384,6 +393,6 @@ def export(run_dir: Path, out: Path) -> Path:
     model = family.model(dcfg)
     model.load_state_dict(state["model"])
     frozen = read_frozen(cfg.cache) if (cfg.cache / "frozen.safetensors").is_file() else None
-    family.save_serving(model, dcfg, Path(out), frozen=frozen)
+    save_export(family, model, dcfg, Path(out), cache_dir=cfg.cache, frozen=frozen)
     return Path(out)
 

@@ -40,6 +40,10 @@ class DrafterConfig:
     block_size: int = BLOCK_SIZE
     attention_bias: bool = False
     hidden_act: str = "silu"
+    # fc's inputs in training on a projected cache (the projected values of the tapped layers); None:
+    # the K tapped layers side by side. The export folds the projection back (fc = fc' W), so a
+    # serving config never has it.
+    context_width: int | None = None
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -60,6 +64,11 @@ class DrafterConfig:
     @property
     def num_context_layers(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def fc_inputs(self) -> int:
+        """Values per context token that `fc` reads: the projected ones, or the K tapped layers'."""
+        return self.context_width or self.num_context_layers * self.hidden_size
 
     @classmethod
     def from_target(
@@ -91,6 +100,9 @@ class DrafterConfig:
 
     def to_serving_config(self) -> dict:
         """The config.json that z-lab's DFlashDraftModel, vLLM and SGLang read."""
+        if self.context_width is not None:
+            raise ValueError("a drafter trained on projected features is served folded: export it through "
+                             "dflash_cache.train.fold")  # fmt: skip
         n = self.num_hidden_layers
         return {
             "architectures": [ARCHITECTURE],

@@ -40,6 +40,8 @@ def config(settings: DrafterSettings, spec: CacheSpec) -> DrafterConfig:
                                      block_size=settings.block_size or BLOCK_SIZE)  # fmt: skip
     check_drafter_fits(spec, layer_ids=layers, hidden_size=dcfg.hidden_size, vocab_size=dcfg.vocab_size,
                        mask_token_id=dcfg.mask_token_id)  # fmt: skip
+    if spec.projection is not None:
+        dcfg.context_width = spec.context_width(layers)
     return dcfg
 
 

@@ -127,7 +127,7 @@ class DFlashDrafter(nn.Module):
         self.config = cfg
         h = cfg.hidden_size
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.fc = nn.Linear(cfg.num_context_layers * h, h, bias=False)
+        self.fc = nn.Linear(cfg.fc_inputs, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.gradient_checkpointing = False  # recompute each layer in backward to save memory
@@ -165,7 +165,8 @@ class DFlashDrafter(nn.Module):
     def forward(self, block_embeds: Tensor, context: Tensor, layout: BlockLayout, attention: str | None = None
                 ) -> Tensor:
         """block_embeds [nb*B, H]: target embeddings of the block tokens; context [Nc, K*H]: the
-        batch's packed tapped target hidden states. Returns the final-normed hidden [nb*B, H];
+        batch's packed tapped target hidden states (their projected values [Nc, context_width] on a
+        projected cache). Returns the final-normed hidden [nb*B, H];
         the caller applies the frozen LM head. `attention`: the backend, "flex" or "sdpa"; None
         picks flex on CUDA where it works (`attention.block_attention`)."""
         ctx = self.hidden_norm(self.fc(context))

@@ -1,0 +1,58 @@
+"""Fitting a projected cache's basis on the run's own data, before its first unit.
+
+The first worker runs the target over a sample of the plan's batches, spread evenly over the plan
+(so every length bucket is in it), sums the tapped layers' second moment (`projection.Moments`)
+and fits W (`projection.fit`). The basis is a property of the target and the data, not of any one
+drafter, so one cache still serves every run; it is fitted once, whatever the number of GPUs or
+nodes, and stored before cache.json names its digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+
+from dflash_cache.cache.projection import Basis, Moments, fit
+from dflash_cache.cache.spec import CacheSpec
+from dflash_cache.extract.plan import Batch, Plan, Unit
+
+
+def fit_sample(plan: Plan, tokens: int) -> list[tuple[Unit, Batch]]:
+    """Batches of the plan holding about `tokens` real tokens (all of them when the plan holds
+    fewer), evenly spaced over the plan's order."""
+    batches = [(u, b) for u in plan.units for b in u.batches]
+    sizes = np.array([int(u.lengths[b.start : b.stop].sum()) for u, b in batches])
+    total = int(sizes.sum())
+    if total <= tokens:
+        return batches
+    step = total / tokens  # take the batch that holds every step-th token, more or less
+    picked, taken = [], 0
+    for i in np.unique(np.floor(np.arange(0, len(batches), step)).astype(np.int64)):
+        picked.append(batches[int(i)])
+        taken += int(sizes[i])
+        if taken >= tokens:
+            break
+    return picked
+
+
+def fit_basis(target: Callable[[torch.Tensor], list[torch.Tensor]],
+              batches: Iterable[tuple[torch.Tensor, torch.Tensor]], spec: CacheSpec,
+              device: torch.device) -> tuple[Basis, CacheSpec]:  # fmt: skip
+    """Fit the basis `spec.projection` asks for on the target's own features over `batches`
+    (padded input ids and the flat indices of their real tokens, as the stage feeds the target);
+    returns it and the spec completed with what the fit measured (its digest is filled in when the
+    basis is saved)."""
+    proj = spec.projection
+    assert proj is not None
+    k, h = len(spec.layers.ids), spec.target.hidden_size
+    moments = Moments(k, h, device)
+    with torch.inference_mode():
+        for inp, rows in batches:
+            taps = target(inp)[:k]
+            moments.add([t.reshape(-1, h).index_select(0, rows) for t in taps])
+        basis, kept = fit(moments, proj, k)
+    done = dataclasses.replace(proj, fitted_tokens=moments.tokens, retained_energy=kept)
+    return basis, dataclasses.replace(spec, projection=done)
