@@ -504,6 +504,9 @@ def bench_extract(
     like: str | None = typer.Option(None, "--like", help="A target (model directory) whose shape the random "
                                     "target takes instead of Qwen3-8B's; only its config.json is read."),
     final_hidden: bool = typer.Option(False, "--final-hidden", help=_help(ExtractConfig, "final_hidden")),
+    project: int | None = typer.Option(None, help="Projected values a token (the stage's basis fitted on the random "
+                                       "target's features); default: the tapped layers as they are."),
+    project_basis: str = typer.Option(ExtractConfig.project_basis, help=_help(ExtractConfig, "project_basis")),
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Full extract path vs the bare truncated forward of a random target of a real shape (Qwen3-8B by default)."""
@@ -512,7 +515,8 @@ def bench_extract(
     _paths(("output_dir", out, "--out"))
     config = bench.shape_of(like) if like else bench.shape_config(shape)
     result = bench.extract(out, config=config, num_tokens=tokens, storage=storage, token_budget=token_budget,
-                           writers=writers, long=long, final_hidden=final_hidden)  # fmt: skip
+                           writers=writers, long=long, final_hidden=final_hidden, project=project,
+                           project_basis=project_basis)  # fmt: skip
     bench.write_random_frozen(out, config)
     if peer:
         result |= {f"loader_{k}": v for k, v in bench.loader_rate(out, token_budget=token_budget).items()}

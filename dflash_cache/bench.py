@@ -14,6 +14,7 @@ on the weights.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import shutil
@@ -311,7 +312,8 @@ def synthetic_dataset(lengths: np.ndarray, vocab: int, seed: int = 0):
     })  # fmt: skip
 
 
-def bench_spec(config: dict, layer_ids: list[int], plan, storage: str, chunk_tokens: int, final_hidden: bool = False):
+def bench_spec(config: dict, layer_ids: list[int], plan, storage: str, chunk_tokens: int, final_hidden: bool = False,
+               projection=None):  # fmt: skip
     """A cache spec for a synthetic benchmark cache."""
     from dflash_cache.cache.spec import CacheSpec, DataInfo, LayerInfo, PlanInfo, StorageInfo, TargetInfo, TokenizerInfo
 
@@ -331,6 +333,7 @@ def bench_spec(config: dict, layer_ids: list[int], plan, storage: str, chunk_tok
         plan=PlanInfo(bucket_edges=list(plan.bucket_edges), token_budget=plan.token_budget,
                       unit_tokens=plan.unit_tokens, num_units=len(plan.units), num_samples=plan.num_samples,
                       num_tokens=plan.num_tokens, padded_tokens=plan.padded_tokens),
+        projection=projection,
     )  # fmt: skip
 
 
@@ -366,16 +369,21 @@ def _steady_rate(plan, marks: dict) -> float:
 def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, token_budget: int | None = None,
             storage: str = "bf16", unit_mb: int = 512, writers: int = 6,
             device: torch.device | None = None, target=None, long: bool = False,
-            lengths: np.ndarray | None = None, final_hidden: bool = False) -> dict[str, Any]:  # fmt: skip
+            lengths: np.ndarray | None = None, final_hidden: bool = False,
+            project: int | None = None, project_basis: str = "joint") -> dict[str, Any]:  # fmt: skip
     """Full extract path vs the bare truncated forward, same model, same batches, one process.
     `long`: samples of 16K to 32K tokens instead of the chat mix; `lengths`: these samples instead
     (e.g. a cache's, from `cache_lengths`). `final_hidden`: the cache also holds the final hidden
-    state (what DSpark trains on); the bare forward then runs every layer."""
+    state (what DSpark trains on); the bare forward then runs every layer. `project`: the cache
+    holds that many projected values a token (the stage's fit, timed apart as fit_s, on the
+    random target's own features); the bare forward stays the target's alone, so the ratio
+    carries the projection's product."""
     from dflash_cache.cache.format import RowFormat, chunk_tokens_for, encode_rows, host_rows
-    from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids, write_spec
+    from dflash_cache.cache.spec import ProjectionInfo, default_bucket_edges, default_layer_ids, write_spec
     from dflash_cache.cache.store import committed_units
+    from dflash_cache.extract.basis import fit_basis, fit_sample
     from dflash_cache.extract.plan import make_plan
-    from dflash_cache.extract.stage import copy_out, extract_units
+    from dflash_cache.extract.stage import copy_out, extract_units, projecting
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
@@ -385,14 +393,28 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
         lengths = long_lengths(max(2, num_tokens // 24576)) if long else lognormal_lengths(max(8, num_tokens // 700))
     lengths = np.asarray(lengths, dtype=np.int64)
     dataset = synthetic_dataset(lengths, config["vocab_size"])
-    row = RowFormat(storage, len(layer_ids) * config["hidden_size"], len(layer_ids),
+    projection = None
+    if project:
+        projection = ProjectionInfo(basis=project_basis, rank=project, scaling="layer-rms", fit_tokens=131072)
+    groups = len(projection.groups(len(layer_ids))) if projection else len(layer_ids)
+    row = RowFormat(storage, project or len(layer_ids) * config["hidden_size"], groups,
                     config["hidden_size"] if final_hidden else 0)  # fmt: skip
     row_bytes = row.hidden_bytes
     plan = make_plan(lengths, bucket_edges=default_bucket_edges(LONG_MAX if long else 3072),
                      token_budget=max(token_budget, int(lengths.max())),
                      unit_tokens=(unit_mb << 20) // row_bytes)  # fmt: skip
-    spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row_bytes), final_hidden)
+    spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row_bytes), final_hidden, projection)
     out.mkdir(parents=True, exist_ok=True)
+    bare_target, fit_s = target, 0.0
+    if projection is not None:
+        t = time.perf_counter()
+        sample = {(u.id, b) for u, b in fit_sample(plan, projection.fit_tokens)}
+        basis, spec = fit_basis(target, ((inp, index) for u, b, inp, index in _plan_batches(plan, dataset, device)
+                                         if (u.id, b) in sample), spec, device)  # fmt: skip
+        _sync(device)
+        fit_s = time.perf_counter() - t
+        spec = dataclasses.replace(spec, projection=dataclasses.replace(spec.projection, digest=basis.save(out)))
+        target = projecting(target, basis, len(layer_ids))
     write_spec(out, spec)
     # warm up kernels on the largest batch, outside the timings
     target(next(_plan_batches(plan, dataset, device))[2])
@@ -418,7 +440,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     times["setup"], times["drain"] = written["first"] - t0, t0 + times["full"] - written["last"]
     with _timer(device, times, "bare"):
         for *_, inp, _index in _plan_batches(plan, dataset, device):
-            target(inp)
+            bare_target(inp)
     # Forward, unpad and the device-to-host copy into one pinned buffer, without compression or
     # disk: separates what the copy-out costs from what the writers cost.
     buf = host_rows(max(u.num_tokens for u in plan.units), row, pin=device.type == "cuda")
@@ -435,7 +457,8 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
         "model_type": config["model_type"],
         **({f"kernel_{k}": v for k, v in linear_attention_kernels().items()} if hybrid else {}),
         "tokens": plan.num_tokens, "samples": plan.num_samples, "units": len(plan.units),
-        "padding": plan.padding_ratio, "storage": storage,
+        "padding": plan.padding_ratio, "storage": storage, "project": project, "fit_s": fit_s,
+        "raw_bf16_bytes_per_token": 2 * len(layer_ids) * config["hidden_size"],
         "bare_tok_s": plan.num_tokens / times["bare"], "full_tok_s": plan.num_tokens / times["full"],
         "ratio": times["bare"] / times["full"], "setup_s": times["setup"], "drain_s": times["drain"],
         "steady_ratio": _steady_rate(plan, written) * times["bare"] / plan.num_tokens,

@@ -536,6 +536,35 @@ def test_fp8_cache_on_cuda_equals_the_cpu_one(tmp_path):
         assert np.array_equal(a[s][1], b[s][1]) and np.array_equal(a[s][2], b[s][2])
 
 
+def test_projected_cache_on_cuda_trains_a_drafter_that_decodes_as_the_target(tmp_path):
+    """A projected cache extracted on the GPU (the basis fitted there, bf16 products) holds the
+    basis applied to the float32 model's own hidden states, to bf16 rounding; a drafter trained on
+    it there exports folded, and eval with the target live decodes the target alone's tokens."""
+    from dflash_cache.cache.format import decode_hidden
+    from dflash_cache.cache.projection import Basis
+
+    data = write_rows(tmp_path / "rows.jsonl", [json.loads(x) for x in CHAT.read_text().splitlines()[:48]])
+    cache = tmp_path / "cache"
+    extract_stage.run(extract_config(cache, data=str(data), project="auto", gpus=[0]))
+    spec = read_spec(cache)
+    basis = Basis.load(cache, spec)
+    model = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+    cached = read_cache(cache)
+    for s in sorted(cached)[:4]:
+        bits, ids, _, _ = cached[s]
+        with torch.inference_mode():
+            states = model(input_ids=torch.tensor([ids.tolist()]), output_hidden_states=True).hidden_states
+        want = torch.cat([states[lid + 1][0] for lid in spec.layers.ids], dim=1) @ basis.weights[0].T
+        got = decode_hidden(torch.from_numpy(bits), None, 1).float()
+        assert float((got - want).norm() / want.norm()) < 5e-2, s
+    run = tmp_path / "run"
+    train_stage.run(TrainConfig(cache=cache, out=run, epochs=1, max_steps=8, token_budget=1024, max_anchors=16,
+                                draft_layers=1, block_size=8, log_every=1, gpus=[0]))  # fmt: skip
+    r = evaluate(EvalConfig(target=str(TINY_TARGET), drafter=run / "export", data=str(ROOT / "data" / "prompts.jsonl"),
+                            max_new_tokens=24, limit=4))  # fmt: skip
+    assert r.settings["device"] == "cuda" and all(x["same_as_target"] for x in r.samples)
+
+
 def test_compiled_training_step_on_cuda_follows_the_cpu_run(tiny_cache, tmp_path):
     """The drafter's training on the GPU (compiled objective, bf16 autocast) against the same run on
     the CPU: the same batches give the same first losses to bf16 rounding, and both learn."""

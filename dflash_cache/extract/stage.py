@@ -305,7 +305,7 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
         del model  # the upper layers and the LM head stay on the CPU only until here
         if spec.projection is not None:
             spec, basis = _basis(w, target, cfg.out, spec, plan, dataset, channel.put)
-            target = _projecting(target, basis, len(spec.layers.ids))
+            target = projecting(target, basis, len(spec.layers.ids))
         extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put, writers=cfg.writers)
 
 
@@ -344,7 +344,7 @@ def _fit_batches(sample: list[tuple[Unit, Batch]], dataset, spec: CacheSpec, dev
                            spec.tokenizer.pad_token_id or 0, device)  # fmt: skip
 
 
-def _projecting(target: Callable[[torch.Tensor], list[torch.Tensor]], basis: Basis, num_layers: int
+def projecting(target: Callable[[torch.Tensor], list[torch.Tensor]], basis: Basis, num_layers: int
                 ) -> Callable[[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
     """`target` whose tapped layers come out projected: one output per group of the basis, then the
     final hidden state as it is, when the cache holds it."""
