@@ -110,12 +110,13 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids) -> list[i
 
 
 def extract_cmd(data: Path, out: Path, *extra: str, target: Path = TINY_TARGET, max_length: int = 512,
-                unit_mb: int = 1, token_budget: int = 512) -> list[str]:
+                unit_mb: int = 1, token_budget: int = 512, project: str = "none") -> list[str]:
     """The `dflash extract` command line of the CLI tests: small units and batches, so a run
-    commits several units and a kill can land between them."""
+    commits several units and a kill can land between them (the tapped layers as they are by
+    default: a projected unit of 1 MiB holds ten times the tokens)."""
     return [sys.executable, "-m", "cli.main", "extract", "--target", str(target), "--data", str(data),
             "--out", str(out), "--max-length", str(max_length), "--unit-mb", str(unit_mb),
-            "--token-budget", str(token_budget), *extra]  # fmt: skip
+            "--token-budget", str(token_budget), "--project", project, *extra]  # fmt: skip
 
 
 def read_cache(cache: Path) -> dict[int, tuple]:

@@ -32,7 +32,7 @@ ENV = {
     "NO_COLOR": "1",
 }
 WORKERS = min(4, (os.cpu_count() or 2) + 1)
-EXTRACT = ("--max-length", "512", "--unit-mb", "4")
+EXTRACT = ("--max-length", "512", "--unit-mb", "4", "--project", "none")
 TRAIN = ("--epochs", "1", "--token-budget", "2048", "--max-anchors", "16", "--draft-layers", "1", "--log-every", "1")
 GOOD_ROWS = 80  # about 8K tokens: two 4 MiB units, so one can be broken and the other trained on
 BAD_CACHE_CASES = [("info", "not_a_cache"), ("verify", "not_a_cache"), ("train", "not_a_cache"),

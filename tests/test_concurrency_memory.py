@@ -23,7 +23,8 @@ from dflash_cache.cache.store import committed_units
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 # small units and batches: one extract of 100 rows is ~6 units and a few seconds on 2 CPU cores
-EXTRACT_ARGS = ["--target", str(TINY_TARGET), "--max-length", "512", "--unit-mb", "1", "--token-budget", "512"]
+EXTRACT_ARGS = ["--target", str(TINY_TARGET), "--max-length", "512", "--unit-mb", "1", "--token-budget", "512",
+                "--project", "none"]
 TRAIN_ARGS = ["--epochs", "1", "--max-anchors", "16", "--token-budget", "1024", "--draft-layers", "1"]
 # run the CLI in this very process, then print its own peak RSS and the largest of its child
 # processes' (extract's unit writers) (Linux: KiB)

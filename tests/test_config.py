@@ -237,7 +237,10 @@ def test_json_output_is_one_object_on_stdout(tmp_path):
     r = _cli("extract", "--config", config, "--json")
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout)
-    assert summary["samples"] == 12 and summary["missing_units"] == [] and r.stderr == ""
+    # stderr: only the two notes of the projection basis's fit (what it was fitted on, what it keeps)
+    notes = r.stderr.splitlines()
+    assert summary["samples"] == 12 and summary["missing_units"] == [] and len(notes) == 2, r.stderr
+    assert notes[0].startswith("fitting the projection basis") and notes[1].startswith("fitted the basis")
     assert json.loads(_cli("info", cache, "--json").stdout)["spec"]["data"]["num_rows"] == 12
     r = _cli("verify", cache, "--json")
     assert r.exit_code == 0 and json.loads(r.stdout) == {"cache": str(cache), "ok": True, "present_only": False,

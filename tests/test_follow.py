@@ -40,15 +40,15 @@ def _start(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
 
-def _extract(data: Path, cache: Path) -> subprocess.Popen:
+def _extract(data: Path, cache: Path, project: str = "none") -> subprocess.Popen:
     return _start("extract", "--target", str(TINY_TARGET), "--data", str(data), "--out", str(cache),
-                  "--max-length", "512", "--unit-mb", "1", "--token-budget", "512")  # fmt: skip
+                  "--max-length", "512", "--unit-mb", "1", "--token-budget", "512", "--project", project)  # fmt: skip
 
 
-def _extract_started(data: Path, cache: Path) -> subprocess.Popen:
+def _extract_started(data: Path, cache: Path, project: str = "none") -> subprocess.Popen:
     """The extraction, once it holds the cache directory: train refuses a --cache that does not
     exist (a typo must not wait), and waits for one that an extract is preparing."""
-    proc = _extract(data, cache)
+    proc = _extract(data, cache, project)
     _wait_for(lambda: extract_running(cache) or (cache / "cache.json").exists() or proc.poll() is not None,
               what="the extraction to start")  # fmt: skip
     return proc
@@ -97,7 +97,7 @@ def _epoch_ends(run: Path) -> dict[int, dict]:
 
 def test_train_follows_a_paused_and_resumed_extraction(tmp_path):
     cache, run = tmp_path / "cache", tmp_path / "run"
-    extract = _extract_started(_data(tmp_path), cache)
+    extract = _extract_started(_data(tmp_path), cache, "auto")  # a projected cache: the default
     trainer = _train(cache, run, "--epochs", "2")  # it waits for cache.json if the extract has not written it
     try:
         _wait_for(lambda: len(committed_units(cache)) >= 1, what="a first unit")

@@ -49,7 +49,7 @@ def real_cache(smollm2, tmp_path_factory):
     data.write_text("".join(json.dumps(r) + "\n" for r in chat_rows()))
     cache = tmp / "cache"
     summary = run(ExtractConfig(target=str(smollm2), data=str(data), out=cache, layers=LAYERS, max_length=256,
-                                token_budget=1024, unit_mb=1, tokenize_procs=1))  # fmt: skip
+                                token_budget=1024, unit_mb=1, tokenize_procs=1, project="none"))  # fmt: skip
     return cache, summary
 
 

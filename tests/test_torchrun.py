@@ -28,7 +28,7 @@ from dflash_cache.extract.stage import run
 from dflash_cache.train import stage as train
 
 ROWS = 80  # 3 units at --unit-mb 1: rank 0 extracts two, rank 1 one
-EXTRACT = ["--max-length", "512", "--unit-mb", "1", "--token-budget", "2048"]
+EXTRACT = ["--max-length", "512", "--unit-mb", "1", "--token-budget", "2048", "--project", "none"]
 TRAIN = ["--epochs", "1", "--token-budget", "1024", "--max-anchors", "16", "--draft-layers", "1", "--log-every", "1",
          "--save-every", "3", "--trace"]  # fmt: skip
 TIMING = {"time", "tokens_per_s", "tflops_per_gpu", "mfu", "loader_wait_s"}  # measured, not computed
