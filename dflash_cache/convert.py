@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dflash_cache.damage import damaged, read_json, reading
 from dflash_cache.errors import UserError
 from dflash_cache.paths import output_dir
 
@@ -79,13 +80,14 @@ def convert(gguf: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> di
         raise ConvertError(f"--dtype {dtype!r}: expected {' or '.join(DTYPES)}")
     record = {"source": str(src.resolve()), "fingerprint": fingerprint(src), "dtype": dtype}
     if (out / RECORD).is_file():
-        old = json.loads((out / RECORD).read_text())
+        old = read_json(out / RECORD, f"delete OUT {out} to convert again")
         if {k: old.get(k) for k in ("fingerprint", "dtype")} == {k: record[k] for k in ("fingerprint", "dtype")}:
             return {"out": str(out), "reused": True, **old}
         raise ConvertError(f"OUT {out} holds a conversion of another file or dtype ({old.get('source')}, "
                            f"{old.get('dtype')}); use another OUT or delete it")  # fmt: skip
     if out.exists() and any(out.iterdir()):
         raise ConvertError(f"OUT {out} is a non-empty directory that is not a conversion")
+    check_gguf(src)
     t0 = time.perf_counter()
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -98,6 +100,23 @@ def convert(gguf: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> di
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"out": str(out), "reused": False, **record, "check": check, "seconds": time.perf_counter() - t0}
+
+
+def check_gguf(src: Path) -> None:
+    """Refuse a GGUF that is cut short (a download that stopped) or not a GGUF at all, naming it,
+    before transformers reads it: its reader fails on one with numpy's words and a traceback. The
+    header and tensor table must parse, and every tensor's bytes must lie inside the file."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # transformers' own load says what to install
+        return
+    fix = "download or copy it again"
+    with reading(src, "GGUF file", fix, (KeyError, IndexError)):
+        reader = GGUFReader(src)
+    size = src.stat().st_size
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise damaged(src, "GGUF file", f"its tensors end at byte {end:,} and the file has {size:,}", fix)
 
 
 def _write(src: Path, out: Path, dtype: str) -> dict[str, float]:

@@ -23,6 +23,7 @@ resumed run sees exactly the batches and anchors an uninterrupted one would have
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -35,7 +36,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_cache.atomic import write_atomic
 from dflash_cache.cache.spec import CacheSpec, SpecError, read_spec
-from dflash_cache.cache.store import read_frozen
+from dflash_cache.cache.store import FROZEN, read_frozen
+from dflash_cache.damage import DamagedFile, read_json
 from dflash_cache.devices import GpuThrottle, Worker, launch, process_group, torchrun_worker, worker_threads
 from dflash_cache.drafters import DrafterSettings, Family, Objective, Output
 from dflash_cache.progress import ProgressSink, Reporter
@@ -102,7 +104,10 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
                                              "none to hold out; training without validation"})  # fmt: skip
         cfg.out.mkdir(parents=True, exist_ok=True)
         _check_run_dir(cfg, spec, dcfg)
-        if (state := Checkpointer(cfg.out).load(mmap=True)) is not None:  # refused here: one error line
+        # refused here, in one error line; a damaged newest checkpoint is skipped for the one before it
+        state = Checkpointer(cfg.out).load(mmap=True, on_damaged=lambda path, e: reporter.channel.put(
+            {"warning": skipped_checkpoint(path, e)}))  # fmt: skip
+        if state is not None:
             check_resume(state, _world_size(cfg), is_complete(cfg.cache, spec.plan.num_units))
         launch(_worker, (cfg, reporter.channel), gpus=cfg.gpus, procs=cfg.procs)
     finally:
@@ -110,6 +115,11 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     last = {"export_last": str(cfg.out / EXPORT_LAST)} if vset is not None else {}
     return {"run": str(cfg.out), "export": str(cfg.out / EXPORT), **last,
             **{k: v for k, v in totals.items() if k != "bar"}}  # fmt: skip
+
+
+def skipped_checkpoint(path: Path, e: DamagedFile, doing: str = "resuming from") -> str:
+    """The warning for a checkpoint that does not load and is passed over for an older one."""
+    return f"{path} does not load ({e.problem}); {doing} the checkpoint before it (the file is left in place)"
 
 
 def _val_set(cfg: TrainConfig, spec: CacheSpec, dcfg: Any, family: Family) -> ValSet | None:
@@ -123,7 +133,7 @@ def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: Any) -> None:
     ident = {"cache_created": spec.created, "cache_target": spec.target.weights_fingerprint, **cfg.identity()}
     path = cfg.out / RUN_JSON
     if path.exists():
-        old = json.loads(path.read_text())
+        old = read_json(path, f"restore it, or use a new --out (it records the settings {cfg.out} was trained with)")
         diffs = [f"{k} ({old.get('identity', {}).get(k)!r} vs {v!r})"
                  for k, v in ident.items() if old.get("identity", {}).get(k) != v]  # fmt: skip
         if diffs:
@@ -239,7 +249,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     ckpt = Checkpointer(cfg.out, cfg.keep_checkpoints, every=cfg.save_every, top=(s.schedule, s.loader),
                         states={"model": s.model, "optimizer": s.opt, "rng": CpuRng(),
                                 "best_export": best})  # fmt: skip
-    state = ckpt.restore()
+    state = ckpt.restore()  # rank 0 of the launching process has warned of a damaged newest checkpoint
     s.schedule.total = cfg.epochs * _epoch_tokens(s)  # over tokens: see schedule.py
     resume_step = state and state["step"]
     trackers = open_trackers(cfg.report_to, cfg.out, rank=w.rank, resume_step=resume_step, config=asdict(cfg))
@@ -247,7 +257,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     validator = s.vset and Validator.of(s.vset, cfg, s.family.bind(s.dcfg, s.settings), s.loader)
     trace = Trace(cfg.out, w.rank, w.world_size, s.schedule.step, enabled=cfg.trace)
     if tell:
-        _announce(s, tell, ckpt.latest() if state else None)
+        _announce(s, tell, ckpt.loaded)
     throttle = GpuThrottle(w.device.type == "cuda")
     window = StepWindow(s.family.flops(s.model), w.device, w.world_size, wait=lambda: s.loader.wait_seconds)
 
@@ -363,12 +373,14 @@ def _sync_grads(model: torch.nn.Module, ddp: torch.nn.Module) -> None:
             p.grad /= dist.get_world_size()
 
 
-def export(run_dir: Path, out: Path) -> Path:
+def export(run_dir: Path, out: Path, on_warning: Callable[[str], None] | None = None) -> Path:
     """Write the serving format of a run's latest checkpoint (what vLLM, SGLang and z-lab load for
     DFlash; DeepSpec's layout for DSpark). It needs the run directory only: the cache may have moved
     or been deleted (a family whose layout carries the target's embedding and LM head takes them
-    from the cache when it is still there, and leaves them to the serving engine otherwise)."""
-    record = json.loads((Path(run_dir) / RUN_JSON).read_text())
+    from the cache when it is still there, and leaves them to the serving engine otherwise). A
+    damaged newest checkpoint is skipped for the one before it, with `on_warning`."""
+    record = read_json(Path(run_dir) / RUN_JSON, "restore it from a copy of the run directory: it records "
+                       "the drafter's settings and geometry, which the export needs")  # fmt: skip
     conf = record["config"]
     cfg = TrainConfig(cache=Path(conf["cache"]), out=Path(run_dir), layers=conf["layers"],
                       draft_layers=conf["draft_layers"], block_size=conf["block_size"],
@@ -378,12 +390,13 @@ def export(run_dir: Path, out: Path) -> Path:
         dcfg = family.from_serving_config(record["drafter"])
     else:  # a run directory from before train.json recorded the drafter: its geometry is in the cache
         dcfg = drafter_config(cfg, read_spec(cfg.cache))
-    state = Checkpointer(run_dir).load()
+    ckpt = Checkpointer(run_dir)
+    state = ckpt.load(on_damaged=on_warning and (lambda path, e: on_warning(skipped_checkpoint(path, e, "exporting"))))
     if state is None:
         raise TrainError(f"{run_dir} has no checkpoint yet")
     model = family.model(dcfg)
     model.load_state_dict(state["model"])
-    frozen = read_frozen(cfg.cache) if (cfg.cache / "frozen.safetensors").is_file() else None
+    frozen = read_frozen(cfg.cache) if (cfg.cache / FROZEN).is_file() else None
     family.save_serving(model, dcfg, Path(out), frozen=frozen)
     return Path(out)
 
