@@ -36,15 +36,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflash_cache.atomic import write_atomic
 from dflash_cache.cache.spec import CacheSpec, SpecError, read_spec
-from dflash_cache.cache.store import FROZEN, read_frozen
+from dflash_cache.cache.store import FROZEN, committed_units, read_frozen
 from dflash_cache.damage import DamagedFile, read_json
 from dflash_cache.devices import GpuThrottle, Worker, launch, process_group, torchrun_worker, worker_threads
 from dflash_cache.drafters import DrafterSettings, Family, Objective, Output
 from dflash_cache.progress import ProgressSink, Reporter
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
-from dflash_cache.train.config import TrainConfig, TrainError, drafter_config
+from dflash_cache.train.config import CACHE_APPEAR_S, TrainConfig, TrainError, drafter_config
 from dflash_cache.train.cost import FEW_STEPS, drafter_cost, run_token_budget
-from dflash_cache.train.follow import is_complete, wait_for_cache
+from dflash_cache.train.follow import is_complete, progress_line, refuse_unwritten, wait_for_cache
 from dflash_cache.train.loader import Batch, CacheLoader
 from dflash_cache.train.metrics import MetricsLog, StepWindow, Trace, clock
 from dflash_cache.train.schedule import Schedule
@@ -89,10 +89,12 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
             raise TrainError(f"--grad-reduce {cfg.grad_reduce!r}: expected fp32 or bf16")
         if cfg.keep_checkpoints < 1:
             raise TrainError(f"--keep-checkpoints {cfg.keep_checkpoints}: keep at least 1")
-        if cfg.follow:
-            wait_for_cache(cfg.cache, on_wait=lambda: reporter.channel.put(
-                {"warning": f"waiting for `dflash extract` to write {cfg.cache}/cache.json"}))  # fmt: skip
+        if cfg.follow is not False:
+            wait_for_cache(cfg.cache, appear=CACHE_APPEAR_S if cfg.follow else 0.0,
+                           on_wait=lambda text: reporter.channel.put({"info": text}))  # fmt: skip
         spec = read_spec(cfg.cache)
+        if cfg.follow is not False:  # waiting for units that nothing writes would never end
+            refuse_unwritten(cfg.cache, spec.plan.num_units)
         try:
             dcfg = drafter_config(cfg, spec)
         except SpecError as e:
@@ -203,7 +205,7 @@ class Setup:
 
 
 def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | None = None,
-          on_status=None, on_warning=None) -> Setup:  # fmt: skip
+          on_status=None, on_warning=None, on_wait=None) -> Setup:  # fmt: skip
     """The drafter (the same initial weights on every rank), the frozen embedding and head, DDP,
     the optimizer, the loader of this rank's batches, and the schedule (its length is set once a
     checkpoint has told the loader where it stands). Nothing is written to the run directory."""
@@ -221,7 +223,8 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
                          token_budget=run_token_budget(cfg, dcfg, spec, device), seed=cfg.seed, rank=w.rank,
                          world_size=w.world_size, device=device,
                          prefetch=cfg.prefetch, readers=cfg.readers, skip_bad_units=cfg.skip_bad_units,
-                         follow=cfg.follow, control_group=control_group, on_status=on_status, on_warning=on_warning,
+                         follow=cfg.follow is not False, control_group=control_group, on_status=on_status,
+                         on_warning=on_warning, on_wait=on_wait, report_every=cfg.wait_report,
                          batch_cost=cost, units=vset and vset.train_units,
                          final_hidden=family.needs_final_hidden)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
@@ -243,7 +246,8 @@ def optimizer_step(s: Setup) -> None:
 def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     tell = channel.put if w.rank == 0 else None  # progress, warnings and notes: rank 0 speaks for all
     s = setup(w, cfg, control_group=control_group, on_status=tell and (lambda st: tell({"follow": st})),
-              on_warning=tell and (lambda text: tell({"warning": text})))  # fmt: skip
+              on_warning=tell and (lambda text: tell({"warning": text})),
+              on_wait=tell and (lambda text: tell({"info": text})))  # fmt: skip
     save = partial(s.family.save_serving, s.model, s.dcfg, frozen=(s.embed, s.head))
     best = BestExport(cfg.out, save if tell else lambda where: None)
     ckpt = Checkpointer(cfg.out, cfg.keep_checkpoints, every=cfg.save_every, top=(s.schedule, s.loader),
@@ -331,6 +335,9 @@ def _announce(s: Setup, tell, resumed_from: Path | None) -> None:
                  f"epoch {loader.position.epoch + 1}, batch {loader.position.batch} (step {step})")  # fmt: skip
         tell({"info": f"resumed at {where} from {resumed_from}"})
     p = loader.position
+    if not loader.complete and loader.follows(p.epoch, p.follow):
+        tell({"info": "following the extraction: " + progress_line(s.cfg.cache, len(committed_units(s.cfg.cache)),
+                                                                   loader.spec.plan.num_units)})  # fmt: skip
     if not loader.complete and not loader.follows(p.epoch, p.follow):
         tell({"warning": f"training on the {len(loader.units.readers)} of {loader.spec.plan.num_units} units "
                          "committed so far (--no-follow)"})  # fmt: skip
