@@ -97,6 +97,8 @@ class Checkpointer:
             except DamagedFile as e:
                 failed.append((candidate, e))
                 continue
+            except FileNotFoundError:  # pruned by the run writing this directory while we looked
+                continue
             for bad, e in failed if on_damaged is not None else ():
                 on_damaged(bad, e)
             self.loaded = candidate

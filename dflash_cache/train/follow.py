@@ -5,6 +5,11 @@ the loader runs out of work it asks for everything committed since the last wind
 extraction is finished is read from the cache alone: every unit of the plan in `cache.json` is
 committed. No process has to be alive for the trainer to know it is done.
 
+Whether the missing units are being written is another question (`writer`): an extract holds the
+cache's lock on this host, or its heartbeat (`cache/heartbeat.py`) is fresh, from any host. A run
+that starts on a cache lacking units that nothing writes is refused (`refuse_unwritten`), since it
+would wait forever; one that waits says what for, every `report_every` seconds.
+
 DDP ranks must see the same windows in the same order, or they would run different numbers of
 steps and hang. Rank 0 decides; a thread on every rank takes part in a broadcast on a gloo group
 every `poll` seconds (a heartbeat when there is nothing new, so no collective ever waits long),
