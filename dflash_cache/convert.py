@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -104,8 +105,9 @@ def convert(gguf: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> di
 
 def check_gguf(src: Path) -> None:
     """Refuse a GGUF that is cut short (a download that stopped) or not a GGUF at all, naming it,
-    before transformers reads it: its reader fails on one with numpy's words and a traceback. The
-    header and tensor table must parse, and every tensor's bytes must lie inside the file."""
+    before transformers reads it, whose reader fails on one with the words of `struct` ("requires a
+    buffer of at least ...") or worse, reads on. The header and tensor table must parse (the gguf
+    package's reader, about a second for SmolLM2), and every tensor's bytes must lie in the file."""
     try:
         from gguf import GGUFReader
     except ImportError:  # transformers' own load says what to install
@@ -130,7 +132,7 @@ def _write(src: Path, out: Path, dtype: str) -> dict[str, float]:
             model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     except ImportError as e:  # gguf or accelerate missing
         raise ConvertError(f"{src}: {e} (pip install gguf accelerate)") from None
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, struct.error) as e:  # struct: transformers' own GGUF reader
         raise ConvertError(f"{src}: transformers cannot read it ({str(e).strip().splitlines()[0]})") from None
     model.eval()
     text = tokenizer.apply_chat_template(PROBE, tokenize=False)
