@@ -576,12 +576,18 @@ def _damaged_file_jobs(root: Path, futures: dict[str, Future], on_truncated, ski
         (parts / "part-00000.jsonl").write_bytes(b"".join(rows)[:-40])
         return dflash(*args, "--out", root / "regen-2.jsonl")
 
+    def recipe_record_damaged() -> Result:
+        out = root / "recipe-damaged"
+        out.mkdir()
+        (out / "recipe.json").write_text('{"settings": {"target": ')
+        return dflash("recipe", "--target", TINY_TARGET, "--out", out)
+
     with open(smollm2_gguf(), "rb") as f:
         first_mib = f.read(1 << 20)  # a download of the real GGUF that stopped after 1 MiB
     return [("train_frozen_truncated", frozen_truncated),
             ("convert_gguf_cut_short", gguf("cut-short.gguf", first_mib)),
             ("convert_not_a_gguf", gguf("text.gguf", b"a text file named .gguf\n" * 100)),
-            ("regen_part_damaged", regen_part_damaged)]  # fmt: skip
+            ("regen_part_damaged", regen_part_damaged), ("recipe_record_damaged", recipe_record_damaged)]  # fmt: skip
 
 
 def _after_run_jobs(root: Path, futures: dict[str, Future], on_truncated, skip_run) -> list:
@@ -649,6 +655,7 @@ DAMAGED = {  # case: what its one error line must say (the file, and what to do)
     "convert_gguf_cut_short": ("cut-short.gguf", "not a readable GGUF file", "download or copy it again"),
     "convert_not_a_gguf": ("text.gguf", "not a readable GGUF file"),
     "regen_part_damaged": ("part-00000.jsonl", "rerun the same command"),
+    "recipe_record_damaged": ("recipe-damaged/recipe.json", "not a readable JSON file", "delete it"),
     "eval_truncated_export": ("run-export-cut/export/model.safetensors", "not a readable safetensors file",
                               "dflash export"),
     "bench_eval_config_damaged": ("run-config-cut/export/config.json", "not a readable JSON file", "dflash export"),
