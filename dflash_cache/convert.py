@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.damage import damaged, read_json, reading
+from dflash_cache.damage import damaged, read_json, reason
 from dflash_cache.errors import UserError
 from dflash_cache.paths import output_dir
 
@@ -113,9 +113,12 @@ def check_gguf(src: Path) -> None:
     except ImportError:  # transformers' own load says what to install
         return
     fix = "download or copy it again"
-    with reading(src, "GGUF file", fix, (KeyError, IndexError)):
-        reader = GGUFReader(src)
     size = src.stat().st_size
+    try:
+        reader = GGUFReader(src)
+    except (OSError, ValueError, KeyError, IndexError, struct.error) as e:  # its parser at a cut or in garbage
+        raise damaged(src, "GGUF file", f"its header and tensor table do not parse in its {size:,} bytes: "
+                      f"{reason(e)}", fix) from None  # fmt: skip
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
         raise damaged(src, "GGUF file", f"its tensors end at byte {end:,} and the file has {size:,}", fix)

@@ -34,7 +34,7 @@ class DamagedFile(UserError, ValueError):
         self.problem = problem or message
 
 
-def _problem(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
     """The library's own reason, on one line and short (their messages run to several lines)."""
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     text = lines[0] if lines else type(e).__name__
@@ -59,7 +59,7 @@ def reading(path: str | Path, kind: str, fix: str, errors: tuple[type[BaseExcept
     except (OSError, ValueError, EOFError, *errors) as e:
         if isinstance(e, UserError):
             raise
-        raise damaged(path, kind, _problem(e), fix) from None
+        raise damaged(path, kind, reason(e), fix) from None
 
 
 def load_safetensors(path: str | Path, fix: str, *, device: str = "cpu") -> dict[str, torch.Tensor]:
