@@ -225,7 +225,8 @@ def export(
     from dflash_cache.train.stage import export as export_run
 
     _paths(("input_dir", run, "RUN"), ("output_dir", out, "OUT"))
-    _emit({"export": str(export_run(run, out))}, as_json, lambda r: console.print(f"exported to {r['export']}"))
+    exported = export_run(run, out, on_warning=lambda text: console.print(f"[yellow]warning:[/yellow] {text}"))
+    _emit({"export": str(exported)}, as_json, lambda r: console.print(f"exported to {r['export']}"))
 
 
 @app.command()

@@ -32,6 +32,7 @@ from torch import nn
 from dflash_cache.app_config import EvalConfig, lookup_list_problem
 from dflash_cache.atomic import write_atomic
 from dflash_cache.bench import shape_config
+from dflash_cache.damage import read_json
 from dflash_cache.evaluate import EvalError, check_config, evaluate, load_prompts, replayed
 from dflash_cache.extract.target import load_tokenizer, stop_token_ids
 from dflash_cache.generate import Engine, Request, StopRule, fit_slots, load_model, slot_bytes
@@ -201,7 +202,7 @@ def _finished(partial: Path | None, asked: dict[str, Any]) -> tuple[dict[str, An
     `partial`, and its seconds; nothing for another evaluation's."""
     if partial is None or not partial.is_file():
         return {}, 0.0
-    kept = json.loads(partial.read_text())
+    kept = read_json(partial, "delete it to evaluate every set again (it keeps the sets an interrupted run finished)")
     same = json.loads(json.dumps({k: v for k, v in asked.items() if k not in ("sets", "table")}))
     if any(kept.get(k) != v for k, v in same.items()):
         return {}, 0.0

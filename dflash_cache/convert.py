@@ -23,11 +23,13 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dflash_cache.damage import damaged, read_json, reason
 from dflash_cache.errors import UserError
 from dflash_cache.paths import output_dir
 
@@ -79,13 +81,14 @@ def convert(gguf: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> di
         raise ConvertError(f"--dtype {dtype!r}: expected {' or '.join(DTYPES)}")
     record = {"source": str(src.resolve()), "fingerprint": fingerprint(src), "dtype": dtype}
     if (out / RECORD).is_file():
-        old = json.loads((out / RECORD).read_text())
+        old = read_json(out / RECORD, f"delete OUT {out} to convert again")
         if {k: old.get(k) for k in ("fingerprint", "dtype")} == {k: record[k] for k in ("fingerprint", "dtype")}:
             return {"out": str(out), "reused": True, **old}
         raise ConvertError(f"OUT {out} holds a conversion of another file or dtype ({old.get('source')}, "
                            f"{old.get('dtype')}); use another OUT or delete it")  # fmt: skip
     if out.exists() and any(out.iterdir()):
         raise ConvertError(f"OUT {out} is a non-empty directory that is not a conversion")
+    check_gguf(src)
     t0 = time.perf_counter()
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -100,6 +103,27 @@ def convert(gguf: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> di
     return {"out": str(out), "reused": False, **record, "check": check, "seconds": time.perf_counter() - t0}
 
 
+def check_gguf(src: Path) -> None:
+    """Refuse a GGUF that is cut short (a download that stopped) or not a GGUF at all, naming it,
+    before transformers reads it, whose reader fails on one with the words of `struct` ("requires a
+    buffer of at least ...") or worse, reads on. The header and tensor table must parse (the gguf
+    package's reader, about a second for SmolLM2), and every tensor's bytes must lie in the file."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:  # transformers' own load says what to install
+        return
+    fix = "download or copy it again"
+    size = src.stat().st_size
+    try:
+        reader = GGUFReader(src)
+    except (OSError, ValueError, KeyError, IndexError, struct.error) as e:  # its parser at a cut or in garbage
+        raise damaged(src, "GGUF file", f"its header and tensor table do not parse in its {size:,} bytes: "
+                      f"{reason(e)}", fix) from None  # fmt: skip
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise damaged(src, "GGUF file", f"its tensors end at byte {end:,} and the file has {size:,}", fix)
+
+
 def _write(src: Path, out: Path, dtype: str) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -111,7 +135,7 @@ def _write(src: Path, out: Path, dtype: str) -> dict[str, float]:
             model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     except ImportError as e:  # gguf or accelerate missing
         raise ConvertError(f"{src}: {e} (pip install gguf accelerate)") from None
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, struct.error) as e:  # struct: transformers' own GGUF reader
         raise ConvertError(f"{src}: transformers cannot read it ({str(e).strip().splitlines()[0]})") from None
     model.eval()
     text = tokenizer.apply_chat_template(PROBE, tokenize=False)

@@ -52,6 +52,7 @@ from torch import nn
 
 from dflash_cache import drafters, lookup, replay
 from dflash_cache.app_config import EvalConfig
+from dflash_cache.damage import DamagedFile
 from dflash_cache.devices import Worker, flush_denormals, worker_threads
 from dflash_cache.dialogue import Dialogue, load_dialogues, reply_decoder, turn_by_turn
 from dflash_cache.extract.data import DataError, RowRejected, check_template_kwargs
@@ -293,6 +294,8 @@ def _load_drafter(cfg: EvalConfig, model: nn.Module, device: torch.device) -> tu
     dtype = model.get_input_embeddings().weight.dtype
     try:
         drafter, dcfg, family = drafters.load_serving(Path(cfg.drafter), dtype=dtype, device=device)
+    except DamagedFile:  # names the file already
+        raise
     except (KeyError, ValueError, RuntimeError) as e:
         raise EvalError(f"--drafter {cfg.drafter}: cannot load it ({first_line(e)})") from None
     drafter.eval().requires_grad_(False)

@@ -37,6 +37,7 @@ from typing import Any
 from dflash_cache import benchsets, code_prompts, regen
 from dflash_cache.app_config import RecipeConfig, RecipeError, RegenConfig
 from dflash_cache.atomic import write_atomic
+from dflash_cache.damage import read_json
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.progress import ProgressSink
@@ -44,13 +45,15 @@ from dflash_cache.settings import plain
 from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig
 
+_RECORD_FIX = "delete it (the stages' own outputs are kept, and each resumes or is reused)"
+
 
 class _Record:
     """OUT/recipe.json: the settings and each stage's seconds and result, kept across resumed runs."""
 
     def __init__(self, cfg: RecipeConfig) -> None:
         self.path = cfg.out / "recipe.json"
-        old = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        old = read_json(self.path, _RECORD_FIX) if self.path.is_file() else {}
         self.data: dict[str, Any] = {"settings": plain(cfg),
                                      "stages": old.get("stages", {})}  # fmt: skip
         self.partial: dict[str, float] = old.get("unfinished", {})  # seconds of stages begun, not done
@@ -102,7 +105,7 @@ def _prompts(cfg: RecipeConfig) -> Path:
         code_prompts.build(code, roots=cfg.code_roots, seed=cfg.seed)
     made_path = code_prompts.manifest_path(train)  # written after the file: its counts
     if made_path.is_file():
-        made = json.loads(made_path.read_text())
+        made = read_json(made_path, f"delete {sets} to make the training rows again")
         if (made["rows"], made["code_rows"]) != (cfg.rows, cfg.code_rows):
             raise RecipeError(f"{cfg.out} was made with --rows {made['rows']} --code-rows {made['code_rows']}: "
                               "rerun with those, or choose another --out")  # fmt: skip
@@ -159,7 +162,7 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     asked = {"drafters": {k: str(v) for k, v in exports.items()}, "max_new_tokens": cfg.max_new_tokens,
              "limit": cfg.eval_limit, "replay": cfg.replay, "lookup": cfg.lookup,
              "sets": [benchsets.label(s) for s in cfg.benchmarks]}
-    done = json.loads(evaluation.read_text()) if evaluation.is_file() else None
+    done = read_json(evaluation, "delete it to evaluate again") if evaluation.is_file() else None
     if done is None or {**{k: done.get(k) for k in asked}, "sets": list(done["sets"])} != asked:
         record.data["stages"].pop("eval", None)  # not evaluated yet, or with other drafters or settings
         done = record.stage("eval", lambda: bench_generate.evaluation(

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cache.app_config import RegenConfig, regen_record
+from dflash_cache.damage import damaged, read_json, read_jsonl
 from dflash_cache.devices import Worker, flush_denormals, launch, worker_threads
 from dflash_cache.dialogue import chat_prompt, reply_decoder, turn_by_turn
 from dflash_cache.extract.data import (
@@ -85,7 +86,7 @@ def _settings(cfg: RegenConfig) -> dict[str, Any]:
 def _check_settings(path: Path, settings: dict[str, Any], what: Path) -> None:
     if not path.is_file():
         return
-    old = json.loads(path.read_text())
+    old = read_json(path, f"delete {what} to regenerate it from the start, or use another --out")
     old.pop("config", None)  # how it was run, for `--config OUT.jsonl`; not what decides the rows
     old.setdefault("generator", "embedded")  # runs from before the generation seam
     old.setdefault("server_model", None)
@@ -136,6 +137,8 @@ def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     parts.mkdir(parents=True, exist_ok=True)
     (parts / "settings.json").write_text(json.dumps({**settings, "config": plain(cfg)}))
     done = {int(p.stem.split("-")[1]) for p in parts.glob("part-*.jsonl")}
+    for i in sorted(done):  # a damaged part is named now, not after hours of regenerating the rest
+        _read_part(parts, i, len(_part_rows(i, cfg, len(rows))))
     reporter = Reporter(sink)
     reporter.start(total=len(rows), done=sum(len(_part_rows(i, cfg, len(rows))) for i in done))
     t0 = time.perf_counter()
@@ -151,10 +154,10 @@ def run(cfg: RegenConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     if missing:
         why = f" ({totals['failed']})" if totals.get("failed") else ""
         raise DataError(f"regen: {len(missing)} of {n_parts} parts were not written{why}; rerun to resume")
-    return _join(cfg, n_parts, totals, time.perf_counter() - t0)
+    return _join(cfg, n_parts, len(rows), totals, time.perf_counter() - t0)
 
 
-def _join(cfg: RegenConfig, n_parts: int, totals: dict[str, Any], seconds: float) -> dict[str, Any]:
+def _join(cfg: RegenConfig, n_parts: int, n_rows: int, totals: dict[str, Any], seconds: float) -> dict[str, Any]:
     """The parts, in order, as OUT.jsonl (and OUT.rejected.jsonl); nothing at all if no row was kept."""
     parts = parts_dir(cfg.out)
     tmp = cfg.out.with_name(f".{cfg.out.name}.{os.getpid()}.tmp")
@@ -162,10 +165,9 @@ def _join(cfg: RegenConfig, n_parts: int, totals: dict[str, Any], seconds: float
     kept = rejected = truncated = 0
     with open(tmp, "w") as out, open(rejected_path, "w") as rej:
         for i in range(n_parts):
-            for line in open(parts / f"part-{i:05d}.jsonl"):
-                rec = json.loads(line)
+            for rec in _read_part(parts, i, len(_part_rows(i, cfg, n_rows))):
                 if "rejected" in rec:
-                    rej.write(line)
+                    rej.write(json.dumps(rec, ensure_ascii=False) + "\n")
                     rejected += 1
                     truncated += rec.get("truncated", False)
                 else:
@@ -181,6 +183,17 @@ def _join(cfg: RegenConfig, n_parts: int, totals: dict[str, Any], seconds: float
     shutil.rmtree(parts, ignore_errors=True)
     return {"out": str(cfg.out), "rows": kept, "rejected": rejected, "truncated": truncated, "resumed": False,
             "generated_tokens": totals.get("tokens", 0), "seconds": round(seconds, 3)}  # fmt: skip
+
+
+def _read_part(parts: Path, part: int, n_rows: int) -> list[dict[str, Any]]:
+    """A committed part's records, one a row; `DamagedFile` naming a part that is not whole JSON
+    Lines or lacks rows (damaged after it was committed, since a part appears by rename)."""
+    path = parts / f"part-{part:05d}.jsonl"
+    fix = "delete it and rerun the same command: its rows are regenerated"
+    records = read_jsonl(path, fix)
+    if len(records) != n_rows:
+        raise damaged(path, "regen part", f"it holds {len(records)} rows of {n_rows}", fix)
+    return records
 
 
 def _part_rows(part: int, cfg: RegenConfig, n_rows: int) -> range:

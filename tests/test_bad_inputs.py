@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHAT, ROOT, TINY_TARGET
+from conftest import CHAT, ROOT, TINY_TARGET, smollm2_gguf
 
 ENV = {
     **{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR")},
@@ -218,7 +218,9 @@ def suite(tmp_path_factory) -> Suite:
     def on_truncated(*args: object) -> Callable[[], Result]:
         return lambda: dflash(*(futures["truncated"].result()["path"] if a is _TRUNCATED else a for a in args))
 
-    skip_run = ("train", "--cache", _TRUNCATED, "--out", root / "run-skip", *TRAIN, "--skip-bad-units")
+    # a checkpoint every step of a few (two kept): the damaged-checkpoint cases resume from the one before the last
+    skip_run = ("train", "--cache", _TRUNCATED, "--out", root / "run-skip", *TRAIN, "--skip-bad-units",
+                "--save-every", "1", "--token-budget", "1024")  # fmt: skip
 
     def rerun_other_settings() -> Result:
         first = futures["train_skip_bad_units"].result()
@@ -306,6 +308,7 @@ def suite(tmp_path_factory) -> Suite:
             pytest.fail(f"the run to export failed:\n{first}")
         return dflash("export", root / "run-skip", a_file)
 
+    jobs += _damaged_file_jobs(root, futures, on_truncated, skip_run)
     truncated_jobs = [
         ("truncated", after_cache(truncate_biggest_unit)),
         ("train_skip_bad_units", on_truncated(*skip_run)),
@@ -326,6 +329,8 @@ def suite(tmp_path_factory) -> Suite:
     submit("rerun_other_settings", rerun_other_settings)
     submit("export_out_is_a_file", export_out_is_a_file)
     submit("eval_lookup_sampling", eval_lookup_sampling)
+    for name, fn in _after_run_jobs(root, futures, on_truncated, skip_run):
+        submit(name, fn)
     pool.shutdown(wait=False)
     return Suite(root, expected, futures, start)
 
@@ -527,6 +532,163 @@ def test_train_skip_bad_units_reports_dropped_samples(suite):
     ends = [m["samples"] for m in metrics if "epoch_end" in m]
     assert ends == [broken["kept"]], (ends, broken)  # one process, one epoch: every sample of the good units
     assert (suite.root / "run-skip" / "export" / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Damaged files: each kind of file a command reads, cut short or of the wrong kind
+# ------------------------------------------------------------------------------------------------
+
+
+def cut(path: Path, keep: int | None = None) -> None:
+    """Truncate a file to `keep` bytes (default: half), as a copy or download that stopped does."""
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2 if keep is None else keep)
+
+
+def _damaged_file_jobs(root: Path, futures: dict[str, Future], on_truncated, skip_run) -> list:
+    """Cases that need only the shared cache (or nothing): frozen weights, a GGUF, a regen part."""
+    small = root / "small.jsonl"
+
+    def frozen_truncated() -> Result:
+        futures["cache"].result()
+        path = root / "frozen-cut"
+        shutil.copytree(root / "cache", path)
+        cut(path / "frozen.safetensors")
+        return dflash("train", "--cache", path, "--out", root / "run-frozen", *TRAIN)
+
+    def gguf(name: str, content: bytes) -> Callable[[], Result]:
+        def run() -> Result:
+            (root / name).write_bytes(content)
+            return dflash("convert", root / name, root / f"converted-{name}")
+
+        return run
+
+    def regen_part_damaged() -> Result:
+        """A real regen's record and rows as the parts of an interrupted one, the first part cut mid-line."""
+        args = ("regen", "--target", TINY_TARGET, "--data", small, "--max-new-tokens", "4", "--part-rows", "5")
+        first = dflash(*args, "--out", root / "regen-1.jsonl")
+        if first.rc != 0:
+            pytest.fail(f"the regen to copy failed:\n{first}")
+        parts = root / "regen-2.jsonl.parts"
+        parts.mkdir()
+        shutil.copy(root / ".regen-1.jsonl.regen.json", parts / "settings.json")
+        rows = (root / "regen-1.jsonl").read_bytes().splitlines(keepends=True)[:5]
+        (parts / "part-00000.jsonl").write_bytes(b"".join(rows)[:-40])
+        return dflash(*args, "--out", root / "regen-2.jsonl")
+
+    def recipe_record_damaged() -> Result:
+        out = root / "recipe-damaged"
+        out.mkdir()
+        (out / "recipe.json").write_text('{"settings": {"target": ')
+        return dflash("recipe", "--target", TINY_TARGET, "--out", out)
+
+    with open(smollm2_gguf(), "rb") as f:
+        first_mib = f.read(1 << 20)  # a download of the real GGUF that stopped after 1 MiB
+    return [("train_frozen_truncated", frozen_truncated),
+            ("convert_gguf_cut_short", gguf("cut-short.gguf", first_mib)),
+            ("convert_not_a_gguf", gguf("text.gguf", b"a text file named .gguf\n" * 100)),
+            ("regen_part_damaged", regen_part_damaged), ("recipe_record_damaged", recipe_record_damaged)]  # fmt: skip
+
+
+def _after_run_jobs(root: Path, futures: dict[str, Future], on_truncated, skip_run) -> list:
+    """Cases on copies of the trained run (run-skip): its export, checkpoints and train.json."""
+    small = root / "small.jsonl"
+
+    def copy_of_run(name: str, edit: Callable[[Path], None]) -> Path:
+        first = futures["train_skip_bad_units"].result()
+        if first.rc != 0:
+            pytest.fail(f"the run to copy failed:\n{first}")
+        path = root / name
+        shutil.copytree(root / "run-skip", path)
+        edit(path)
+        return path
+
+    def checkpoints(run: Path) -> list[Path]:
+        return sorted((run / "checkpoints").glob("step_*.pt"))
+
+    def eval_truncated_export() -> Result:
+        run = copy_of_run("run-export-cut", lambda p: cut(p / "export" / "model.safetensors"))
+        return dflash("eval", "--target", TINY_TARGET, "--drafter", run / "export", "--data", small,
+                      "--max-new-tokens", "4")  # fmt: skip
+
+    def bench_eval_config_damaged() -> Result:
+        run = copy_of_run("run-config-cut", lambda p: cut(p / "export" / "config.json"))
+        return dflash("bench", "eval", "--target", TINY_TARGET, "--drafter", run / "export", "--data", small,
+                      "--limit", "1", "--max-new-tokens", "4", "--json-out", root / "bench-eval.json")  # fmt: skip
+
+    def train_resumes_past_damage() -> dict[str, object]:
+        run = copy_of_run("run-fallback", lambda p: None)
+        newest = checkpoints(run)[-1]
+        before = torch.load(newest, weights_only=False)
+        cut(newest)
+        argv = [run if a == root / "run-skip" else a for a in skip_run]
+        return {"result": on_truncated(*argv)(), "newest": newest, "older": checkpoints(run)[-2],
+                "before": before, "after": torch.load(newest, weights_only=False)}  # fmt: skip
+
+    def every_checkpoint_cut(name: str) -> Path:
+        return copy_of_run(name, lambda p: [cut(c) for c in checkpoints(p)])
+
+    def train_no_checkpoint_loads() -> Result:
+        run = every_checkpoint_cut("run-none-loads")
+        return on_truncated(*[run if a == root / "run-skip" else a for a in skip_run])()
+
+    def train_run_json_damaged() -> Result:
+        run = copy_of_run("run-json-cut", lambda p: cut(p / "train.json"))
+        return on_truncated(*[run if a == root / "run-skip" else a for a in skip_run])()
+
+    def export_run_json_damaged() -> Result:  # another kind of file where train.json belongs
+        run = copy_of_run("run-json-binary", lambda p: (p / "train.json").write_bytes(b"\x00\xff" * 64))
+        return dflash("export", run, root / "export-json")
+
+    return [("eval_truncated_export", eval_truncated_export),
+            ("bench_eval_config_damaged", bench_eval_config_damaged),
+            ("train_resumes_past_damage", train_resumes_past_damage),
+            ("train_no_checkpoint_loads", train_no_checkpoint_loads),
+            ("export_no_checkpoint_loads", lambda: dflash("export", every_checkpoint_cut("run-export-none"),
+                                                          root / "export-none")),
+            ("train_run_json_damaged", train_run_json_damaged),
+            ("export_run_json_damaged", export_run_json_damaged)]  # fmt: skip
+
+
+DAMAGED = {  # case: what its one error line must say (the file, and what to do)
+    "train_frozen_truncated": ("frozen-cut/frozen.safetensors", "not a readable safetensors file", "dflash extract"),
+    "convert_gguf_cut_short": ("cut-short.gguf", "not a readable GGUF file", "download or copy it again"),
+    "convert_not_a_gguf": ("text.gguf", "not a readable GGUF file"),
+    "regen_part_damaged": ("part-00000.jsonl", "rerun the same command"),
+    "recipe_record_damaged": ("recipe-damaged/recipe.json", "not a readable JSON file", "delete it"),
+    "eval_truncated_export": ("run-export-cut/export/model.safetensors", "not a readable safetensors file",
+                              "dflash export"),
+    "bench_eval_config_damaged": ("run-config-cut/export/config.json", "not a readable JSON file", "dflash export"),
+    "train_no_checkpoint_loads": ("no checkpoint in", "run-none-loads/checkpoints loads", "nothing was deleted",
+                                  "start the run afresh"),
+    "export_no_checkpoint_loads": ("no checkpoint in", "run-export-none/checkpoints loads", "nothing was deleted"),
+    "train_run_json_damaged": ("run-json-cut/train.json", "not a readable JSON file", "new --out"),
+    "export_run_json_damaged": ("run-json-binary/train.json", "not a readable JSON file"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", DAMAGED)
+def test_a_damaged_file_is_named_in_one_error_line(suite, name):
+    r = suite[name]
+    assert_user_error(r, *DAMAGED[name])
+    lines = [x for x in _ANSI.sub("", r.stderr).splitlines() if x.strip()]
+    assert lines[-1].startswith("error:") and sum("error:" in x for x in lines) == 1, str(r)
+
+
+def test_train_resumes_from_the_checkpoint_before_a_damaged_one(suite):
+    case = suite["train_resumes_past_damage"]
+    r, newest, older = case["result"], case["newest"], case["older"]
+    assert_no_traceback(r)
+    assert r.rc == 0, str(r)
+    assert f"warning: {newest}" in r.flat_err and "does not load" in r.flat_err, str(r)
+    step = int(older.stem.split("_")[1])
+    assert f"(step {step}) from {older}" in r.flat_err, str(r)  # resumed from the older one
+    assert older.exists()  # nothing deleted
+    # it trained on from the older step to the newest again, to the same weights bitwise
+    before, after = case["before"], case["after"]
+    assert after["step"] == before["step"] > step
+    for k, v in before["model"].items():
+        assert torch.equal(v, after["model"][k]), k
 
 
 # ------------------------------------------------------------------------------------------------

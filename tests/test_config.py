@@ -175,6 +175,14 @@ def test_wait_for_cache_fails_at_once_on_a_typo_and_waits_for_a_live_extract(tmp
     with pytest.raises(PathKindError, match="does not exist"):
         wait_for_cache(tmp_path / "typo")
     assert time.monotonic() - t0 < 1.0
+    told = []  # --follow given: the directory may come, for a bounded time, and it says so
+    with pytest.raises(PathKindError, match="does not exist after waiting"):
+        wait_for_cache(tmp_path / "never", poll=0.05, appear=0.3, on_wait=told.append)
+    assert len(told) == 1 and "waiting up to" in told[0]
+    later = threading.Timer(0.3, (tmp_path / "later").mkdir)
+    later.start()
+    wait_for_cache(tmp_path / "later", poll=0.05, appear=30)  # created in time: no cache.json, no extract
+    later.join()
     wait_for_cache(tmp_path)  # an existing directory that no extract holds: back at once
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -188,9 +196,9 @@ def test_wait_for_cache_fails_at_once_on_a_typo_and_waits_for_a_live_extract(tmp
         writer = threading.Thread(target=extract_writes_its_spec)
         writer.start()
         waited = []
-        wait_for_cache(cache, poll=0.05, on_wait=lambda: waited.append(1))
+        wait_for_cache(cache, poll=0.05, on_wait=waited.append)
         writer.join()
-    assert waited == [1] and (cache / CACHE_JSON).exists()
+    assert len(waited) == 1 and "holds its lock" in waited[0] and (cache / CACHE_JSON).exists()
 
 
 def test_train_with_a_mistyped_cache_fails_at_once(tmp_path):

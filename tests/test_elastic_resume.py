@@ -24,6 +24,7 @@ from conftest import CHAT, extract_config
 from test_follow import _committed_samples, _epoch_ends, _signal, _start, _trace, _wait_for
 
 from dflash_cache.cache.format import UnitReader
+from dflash_cache.cache.heartbeat import beating
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import UNITS, committed_units
 from dflash_cache.extract.stage import run as extract
@@ -130,25 +131,27 @@ def test_followed_run_killed_on_two_processes_finishes_on_three(tmp_path):
     for uid in list(units)[2:]:  # an extraction part way: the last units not committed yet
         shutil.move(units[uid], held / units[uid].name)
 
-    trainer = _train(cache, run, 2)
-    try:
-        _wait_for(lambda: (p := Checkpointer(run).latest()) is not None and p.name >= "step_00000002",
-                  timeout=180, what="a checkpoint mid-follow")  # fmt: skip
-        _signal(trainer, signal.SIGKILL)
-        trainer.wait()
-    finally:
-        if trainer.poll() is None:
+    # the extract's heartbeat, as one on another node keeps it: a trainer follows only a cache being written
+    with beating(cache, interval=1.0):
+        trainer = _train(cache, run, 2)
+        try:
+            _wait_for(lambda: (p := Checkpointer(run).latest()) is not None and p.name >= "step_00000002",
+                      timeout=180, what="a checkpoint mid-follow")  # fmt: skip
             _signal(trainer, signal.SIGKILL)
-    state = Checkpointer(run).load()
-    assert state["epoch"] == 0 and state["batch"] > 0 and state["world_size"] == 2 and state["follow"]["windows"]
-    killed_at = state["step"]
+            trainer.wait()
+        finally:
+            if trainer.poll() is None:
+                _signal(trainer, signal.SIGKILL)
+        state = Checkpointer(run).load()
+        assert state["epoch"] == 0 and state["batch"] > 0 and state["world_size"] == 2 and state["follow"]["windows"]
+        killed_at = state["step"]
 
-    refused = _train(cache, run, 3)
-    out, _ = refused.communicate(timeout=120)
-    assert refused.returncode != 0 and "error: the checkpoint is" in out and "until the extraction ends" in out, out
+        refused = _train(cache, run, 3)
+        out, _ = refused.communicate(timeout=120)
+        assert refused.returncode != 0 and "error: the checkpoint is" in out and "until the extraction ends" in out, out
 
-    for path in held.iterdir():  # the extraction ends: every unit committed
-        shutil.move(path, cache / UNITS / path.name)
+        for path in held.iterdir():  # the extraction ends: every unit committed
+            shutil.move(path, cache / UNITS / path.name)
     resumed = _train(cache, run, 3)
     out, _ = resumed.communicate(timeout=300)
     assert resumed.returncode == 0, out

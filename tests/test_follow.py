@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,8 +22,9 @@ from pathlib import Path
 from conftest import CHAT, ROOT, TINY_TARGET
 
 from dflash_cache.cache.format import UnitReader
+from dflash_cache.cache.heartbeat import HEARTBEAT, STALE
 from dflash_cache.cache.spec import read_spec
-from dflash_cache.cache.store import committed_units, extract_running
+from dflash_cache.cache.store import committed_units, extract_running, unit_name
 from dflash_cache.train.checkpoint import Checkpointer
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -97,8 +100,11 @@ def _epoch_ends(run: Path) -> dict[int, dict]:
 
 def test_train_follows_a_paused_and_resumed_extraction(tmp_path):
     cache, run = tmp_path / "cache", tmp_path / "run"
-    extract = _extract_started(_data(tmp_path), cache, "auto")  # a projected cache: the default
-    trainer = _train(cache, run, "--epochs", "2")  # it waits for cache.json if the extract has not written it
+    # Started first, with --follow: it waits for the extract to create the directory, then for
+    # cache.json while the extract holds the lock (a projected cache writes it once its basis is
+    # fitted), and says what it waits for while paused.
+    trainer = _train(cache, run, "--epochs", "2", "--follow", "--wait-report", "1")
+    extract = _extract(_data(tmp_path), cache, "auto")  # a projected cache: the default
     try:
         _wait_for(lambda: len(committed_units(cache)) >= 1, what="a first unit")
         _signal(extract, signal.SIGSTOP)
@@ -123,6 +129,8 @@ def test_train_follows_a_paused_and_resumed_extraction(tmp_path):
                 _signal(p, signal.SIGCONT)
                 _signal(p, signal.SIGKILL)
     assert "units" in out and "committed" in out  # the follow status line was shown
+    assert f"waiting up to 120s for `dflash extract` to create {cache}" in out
+    assert "waiting for units: " in out and "an extract holds its lock on this host" in out
     everything = _committed_samples(cache)
     assert len(everything) == read_spec(cache).plan.num_samples
     for epoch in (0, 1):  # every sample exactly once per epoch, while following and after
@@ -155,9 +163,10 @@ def test_two_ranks_follow_through_extract_and_trainer_restarts(tmp_path):
         trainer.wait()
         state = Checkpointer(run).load()
         assert state["epoch"] == 0 and state["follow"] is not None and state["follow"]["windows"]
-        trainer = _train(cache, run, *args)
-        time.sleep(1.0)
+        # (a trainer started on a cache that nothing writes is refused: the extract comes first)
         extract = _extract(data, cache)
+        _wait_for(lambda: extract_running(cache) or extract.poll() is not None, what="the rerun extract's lock")
+        trainer = _train(cache, run, *args)
         _finish(extract)
         _finish(trainer)
     finally:
@@ -172,3 +181,78 @@ def test_two_ranks_follow_through_extract_and_trainer_restarts(tmp_path):
     assert max(Counter(flat).values()) == 1, "a sample was trained twice in the epoch"
     assert set(flat) <= everything and len(everything) - len(flat) <= 1  # at most W - 1 left out
     assert _epoch_ends(run)[0]["samples"] == len(flat)
+
+
+# ------------------------------------------------------------------------------------------------
+# No silent waiting: a cache whose missing units nothing writes, and one written from another node
+# ------------------------------------------------------------------------------------------------
+
+
+def _part_of(cache: Path, tmp: Path) -> tuple[Path, list[str]]:
+    """A copy of a finished cache with one unit committed, as a cache whose extract stopped (or a
+    copy still in progress) looks; the other units are moved aside to tmp/held."""
+    part, held = tmp / "part", tmp / "held"
+    shutil.copytree(cache, part)
+    held.mkdir()
+    moved = sorted(committed_units(part))[1:]
+    for u in moved:
+        os.rename(part / "units" / unit_name(u), held / unit_name(u))
+    return part, [unit_name(u) for u in moved]
+
+
+def _beat(cache: Path, age: float = 0.0) -> None:
+    """The heartbeat an extract on another node writes into a shared cache (heartbeat.py's format)."""
+    beat = {"host": "other-node", "pid": 4242, "time": time.time() - age}
+    tmp = cache / ".heartbeat.tmp"
+    tmp.write_text(json.dumps(beat))
+    os.replace(tmp, cache / HEARTBEAT)
+
+
+def test_train_refuses_at_once_a_cache_that_nothing_writes(tiny_cache, tmp_path):
+    part, missing = _part_of(tiny_cache, tmp_path)
+    _beat(part, age=10 * STALE)  # an extract on another node that stopped long ago
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "cli.main", "train", "--cache", str(part), "--out",
+                        str(tmp_path / "run")], env={**ENV, "NO_COLOR": "1"}, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 60, "it waited before refusing"
+    assert err.count("error:") == 1 and missing[0] in err and f"dflash extract --out {part}" in err, err
+    assert "--no-follow" in err and f"lacks {len(missing)} of the {len(missing) + 1} units" in err, err
+    assert not (tmp_path / "run").exists() or not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_train_waits_for_a_live_heartbeat_from_another_node_and_says_so(tiny_cache, tmp_path):
+    part, missing = _part_of(tiny_cache, tmp_path)
+    log = tmp_path / "train.log"
+    stop = threading.Event()
+
+    def extract_on_another_node() -> None:
+        while not stop.is_set():
+            _beat(part)
+            stop.wait(0.3)
+
+    beating = threading.Thread(target=extract_on_another_node, daemon=True)
+    beating.start()
+    with open(log, "w") as out:
+        trainer = subprocess.Popen([sys.executable, "-m", "cli.main", "train", "--cache", str(part), "--out",
+                                    str(tmp_path / "run"), "--token-budget", "512", "--max-anchors", "4",
+                                    "--draft-layers", "1", "--block-size", "4", "--wait-report", "1"],
+                                   env={**ENV, "NO_COLOR": "1"}, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # fmt: skip
+    try:
+        _wait_for(lambda: log.read_text().count("waiting for units: ") >= 2 or trainer.poll() is not None,
+                  what="two lines saying what training waits for")  # fmt: skip
+        assert trainer.poll() is None, log.read_text()
+        _signal(trainer, signal.SIGINT)  # as a terminal's Ctrl-C
+        trainer.wait(timeout=120)
+    finally:
+        stop.set()
+        if trainer.poll() is None:
+            _signal(trainer, signal.SIGKILL)
+    text = log.read_text()
+    want = f"{part}: 1 of {len(missing) + 1} units committed; an extract on other-node (pid 4242) wrote its"
+    assert f"following the extraction: {want}" in text, text
+    assert f"waiting for units: {want}" in text, text
+    assert trainer.returncode == 130 and "Traceback" not in text, text

@@ -78,6 +78,16 @@ def test_report_refuses_a_directory_without_metrics(tmp_path):
         report(tmp_path)
 
 
+def test_report_skips_damaged_bytes_in_the_metrics(tmp_path):
+    """Bytes that are not text (a disk error) are dropped as a torn line is, not a UnicodeDecodeError."""
+    lines = [json.dumps(m) for m in _metrics(tmp_path, val=False)]
+    (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe\x00garbage\n" + "\n".join(lines).encode() + b"\n")
+    report(tmp_path)
+    (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe\x00" * 100)
+    with pytest.raises(ReportError, match="no step"):
+        report(tmp_path)
+
+
 def test_histogram_png(tmp_path):
     path = plot_histogram([5, 3, 0, 2], tmp_path / "sub" / "hist.png", title="tau 2.1")
     assert png_size(path) == (750, 320)

@@ -127,6 +127,40 @@ def test_sweep_removes_only_dead_writers(tmp_path):
     assert sorted(p.name.split(".")[0] for p in (tmp_path / PARTIAL).iterdir()) == ["u000002", "u000003"]
 
 
+def test_heartbeat_is_fresh_while_it_beats_and_gone_after(tmp_path):
+    """The rule a trainer applies (heartbeat.py): a fresh beat from another host, or from a live
+    process of this one, means the cache is being written; a stale one, or a dead local pid, not."""
+    import json
+    import socket
+    import time
+
+    from dflash_cache.cache.heartbeat import HEARTBEAT, STALE, beating, live_beat
+
+    def written() -> float:
+        return json.loads((tmp_path / HEARTBEAT).read_text())["time"]
+
+    with beating(tmp_path, interval=0.05):
+        first = written()
+        time.sleep(0.3)
+        beat = live_beat(tmp_path)
+        assert beat is not None and (beat.host, beat.pid) == (socket.gethostname(), os.getpid())
+        assert beat.age < 0.3 and written() > first  # rewritten meanwhile
+    assert not (tmp_path / HEARTBEAT).exists() and live_beat(tmp_path) is None  # an ended extract is no writer
+
+    def write(host: str, pid: int, age: float) -> None:
+        (tmp_path / HEARTBEAT).write_text(json.dumps({"host": host, "pid": pid, "time": time.time() - age}))
+
+    write("other-node", 1, 5.0)
+    assert live_beat(tmp_path).host == "other-node"  # another host's pid is not ours to check
+    write("other-node", 1, STALE + 1)
+    assert live_beat(tmp_path) is None
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    write(socket.gethostname(), int(dead.stdout), 1.0)
+    assert live_beat(tmp_path) is None  # fresh, but its process on this host is gone
+    (tmp_path / HEARTBEAT).write_text("{not json")
+    assert live_beat(tmp_path) is None
+
+
 def test_verify_fails_an_incomplete_cache_unless_asked_for_present_units(tmp_path):
     """A cache missing a planned unit would train on part of the data: `dflash verify` names the
     unit and exits 1; `--present-only` checks the committed units alone (a cache still growing)."""

@@ -165,7 +165,7 @@ def sweep_partial(cache_dir: Path) -> int:
     host, removed = socket.gethostname(), 0
     for entry in root.iterdir():
         parts = entry.name.split(".")
-        if len(parts) >= 4 and parts[-3] == host and parts[-2].isdigit() and _alive(int(parts[-2])):
+        if len(parts) >= 4 and parts[-3] == host and parts[-2].isdigit() and pid_alive(int(parts[-2])):
             continue
         if len(parts) >= 4 and parts[-3] != host:
             continue
@@ -174,7 +174,8 @@ def sweep_partial(cache_dir: Path) -> int:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this host with this id exists."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -198,10 +199,15 @@ def write_frozen(cache_dir: Path, embed: torch.Tensor, lm_head: torch.Tensor | N
 
 
 def read_frozen(cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frozen (embedding, LM head) pair; the same tensor twice when the target ties them."""
-    from safetensors.torch import load_file
+    """The frozen (embedding, LM head) pair; the same tensor twice when the target ties them. A
+    damaged file is `DamagedFile`, which says how to have extract write it again."""
+    from dflash_cache.damage import damaged, load_safetensors
 
-    tensors = load_file(str(Path(cache_dir) / FROZEN))
+    path = Path(cache_dir) / FROZEN
+    fix = f"delete it and rerun the `dflash extract --out {cache_dir}` that made the cache: it writes it again"
+    tensors = load_safetensors(path, fix)
+    if "embed_tokens.weight" not in tensors:
+        raise damaged(path, "frozen weights file", "it has no embed_tokens.weight", fix)
     embed = tensors["embed_tokens.weight"]
     return embed, tensors.get("lm_head.weight", embed)
 

@@ -14,10 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from dflash_cache.damage import load_safetensors, read_json
+
 FAMILY_KEY = "drafter_family"  # where a non-DFlash export's config.json names its family
+REEXPORT = "export the drafter again from its run directory (`dflash export RUN OUT`)"
 
 
 def write_export(out_dir: Path, config: dict, tensors: dict[str, Tensor], modeling_source: Path,
@@ -60,7 +63,7 @@ def load_export(path: Path, config: Any, model_class: Callable[[Any], nn.Module]
     """The model of the export in `path`, whose config is `config`: built on the meta device (no
     wasted init: the weights come from the file) and given model.safetensors' tensors but those
     named in `skip`. dtype None keeps the file's."""
-    state = load_file(str(Path(path) / "model.safetensors"), device=str(device))
+    state = load_safetensors(Path(path) / "model.safetensors", REEXPORT, device=str(device))
     state = {k: v for k, v in state.items() if k not in skip}
     with torch.device("meta"):
         model = model_class(config)
@@ -117,4 +120,4 @@ def target_text_config(target_config: dict) -> dict:
 
 def read_config(path: Path) -> dict:
     """An export's config.json."""
-    return json.loads((Path(path) / "config.json").read_text())
+    return read_json(Path(path) / "config.json", REEXPORT)

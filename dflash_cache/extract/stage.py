@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dflash_cache.cache.format import STORAGES, RowFormat, chunk_tokens_for, encode_rows
+from dflash_cache.cache.heartbeat import HEARTBEAT, beating
 from dflash_cache.cache.projection import Basis, check_projection
 from dflash_cache.cache.spec import (
     CACHE_JSON,
@@ -94,7 +95,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     template_kwargs = data_mod.check_template_kwargs(cfg.chat_template_kwargs)
     output_dir(cfg.out, "--out")
     if cfg.out.is_dir() and any(cfg.out.iterdir()) and not (cfg.out / "cache.json").exists():
-        if not set(os.listdir(cfg.out)) <= {WORK, ".lock"}:
+        if not set(os.listdir(cfg.out)) <= {WORK, ".lock", HEARTBEAT}:
             raise ExtractError(f"--out {cfg.out} is a non-empty directory that is not a dflash cache")
     config = load_config(cfg.target, cfg.revision)
     tc = text_config(config)
@@ -234,7 +235,7 @@ def run(cfg: ExtractConfig, sink: ProgressSink | None = None) -> dict:
 
 def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    with nullcontext() if in_torchrun else cache_lock(cfg.out):
+    with nullcontext() if in_torchrun else cache_lock(cfg.out), beating(cfg.out):  # heartbeat.py: for trainers
         prep = prepare(cfg)
         todo_tokens = sum(u.num_tokens for u in prep.plan.units if u.id not in prep.done)
         need = estimated_bytes(prep.spec, todo_tokens)

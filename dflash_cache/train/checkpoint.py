@@ -13,7 +13,7 @@ have always kept them, so older run directories still resume.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 
 from dflash_cache.atomic import write_atomic
+from dflash_cache.damage import DamagedFile, torch_load
 
 LATEST = "LATEST"
+_FIX = "delete it to resume from the checkpoint before it, or train into a new --out"
 
 
 class Stateful(Protocol):
@@ -57,27 +59,63 @@ class Checkpointer:
         self.every = every
         self.states = dict(states or {})
         self.top = list(top)
+        self.loaded: Path | None = None  # the checkpoint `load` or `restore` last loaded
 
     def latest(self) -> Path | None:
+        """The checkpoint `LATEST` names, if it exists (whether it loads is `load`'s question)."""
         pointer = self.dir / LATEST
         if not pointer.is_file():
             return None
         path = self.dir / pointer.read_text().strip()
         return path if path.is_file() else None
 
-    def load(self, path: Path | None = None, *, mmap: bool = False) -> dict[str, Any] | None:
-        """The latest (or given) checkpoint, or None. `mmap` maps the tensors instead of reading
-        them: cheap when only the position is wanted (an 8B-shaped drafter's is several GB)."""
-        path = path or self.latest()
-        if path is None:
-            return None
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    def candidates(self) -> list[Path]:
+        """The checkpoints a resume may start from, newest first: `LATEST`'s, then the others by step."""
+        latest = self.latest()
+        older = sorted(self.dir.glob("step_*.pt"), reverse=True)
+        return ([latest] if latest else []) + [p for p in older if p != latest]
 
-    def restore(self) -> dict[str, Any] | None:
-        """Load the latest checkpoint into the components; returns it, or None for a fresh run.
-        The counters go first: they refuse a checkpoint they cannot continue before any weights load.
-        A named component the checkpoint lacks (one added since it was written) keeps its state."""
-        state = self.load()
+    def load(self, path: Path | None = None, *, mmap: bool = False,
+             on_damaged: Callable[[Path, DamagedFile], None] | None = None) -> dict[str, Any] | None:  # fmt: skip
+        """The given checkpoint, else the newest one that loads, or None for a fresh run. `mmap`
+        maps the tensors instead of reading them: cheap when only the position is wanted (an
+        8B-shaped drafter's is several GB).
+
+        A checkpoint that does not load (cut short by a full disk, damaged by a copy) is skipped
+        for the one before it, which is why a run keeps two: `on_damaged(path, error)` hears of
+        each skipped once one loads. If none loads, `DamagedFile` says how to start afresh.
+        Nothing is deleted either way. `self.loaded` is the path that was loaded."""
+        self.loaded = None
+        if path is not None:
+            state = torch_load(path, _FIX, map_location="cpu", weights_only=False, mmap=mmap)
+            self.loaded = path
+            return state
+        failed: list[tuple[Path, DamagedFile]] = []
+        for candidate in self.candidates():
+            try:
+                state = torch_load(candidate, _FIX, map_location="cpu", weights_only=False, mmap=mmap)
+            except DamagedFile as e:
+                failed.append((candidate, e))
+                continue
+            except FileNotFoundError:  # pruned by the run writing this directory while we looked
+                continue
+            for bad, e in failed if on_damaged is not None else ():
+                on_damaged(bad, e)
+            self.loaded = candidate
+            return state
+        if failed:
+            names = ", ".join(p.name for p, _ in failed)
+            raise DamagedFile(f"no checkpoint in {self.dir} loads ({names}: truncated or corrupt; "
+                              f"{failed[0][1].problem}); nothing was deleted. To start the run afresh, move "
+                              f"{self.dir} aside, or train into a new --out")  # fmt: skip
+        return None
+
+    def restore(self, on_damaged: Callable[[Path, DamagedFile], None] | None = None) -> dict[str, Any] | None:
+        """Load the newest checkpoint that loads into the components; returns it, or None for a
+        fresh run. The counters go first: they refuse a checkpoint they cannot continue before any
+        weights load. A named component the checkpoint lacks (one added since it was written)
+        keeps its state."""
+        state = self.load(on_damaged=on_damaged)
         if state is not None:
             for part in self.top:
                 part.load_state_dict(state)
@@ -114,7 +152,10 @@ class Checkpointer:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         write_atomic(self.dir / LATEST, path.name)
-        for old in sorted(self.dir.glob("step_*.pt"))[: -self.keep]:
+        # the newest `keep` up to this step stay; a later step's file (a damaged one that a resume
+        # went back past) is left alone: this step's rewrite replaces it when the run gets there
+        kept = sorted(p for p in self.dir.glob("step_*.pt") if p.name <= path.name)
+        for old in kept[: -self.keep]:
             old.unlink(missing_ok=True)
         return path
 

@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # a family's code loads torch and transformers; the settings 
     from dflash_cache.drafters import Family
 
 
+CACHE_APPEAR_S = 120.0  # how long `train --follow` waits for its extract to create the cache directory
+
+
 class TrainError(UserError, RuntimeError):
     """A training run that cannot start or resume; the message says why."""
 
@@ -64,8 +67,11 @@ class TrainerSettings:
     readers: int = setting(4, "Loader threads that decode batches.", min=1, tuning=True)
     skip_bad_units: bool = setting(False, "Train without units that fail their checks.")
     trace: bool = setting(False, "Log which samples every batch held to OUT/trace/rank<r>.jsonl.")
-    follow: bool = setting(True, "On a cache still being extracted, epoch 1 follows the extraction "
-                           "(--no-follow: train on the units committed so far).")  # fmt: skip
+    follow: bool | None = setting(None, "On a cache still being extracted, epoch 1 follows the extraction (the "
+                                  "default; --no-follow: train on the units committed so far). --follow also waits "
+                                  f"up to {CACHE_APPEAR_S:.0f}s for the cache directory to be created.")  # fmt: skip
+    wait_report: float = setting(60.0, "While following an extraction and no unit commits, say every N seconds "
+                                 "what training waits for.", min=0, tuning=True)  # fmt: skip
     val_fraction: float = setting(0.0, "Hold out this fraction of the cache's units for validation, chosen by a hash "
                                   "of the unit id (at least one unit when above 0).", min=0)  # fmt: skip
     val_cache: Path | None = setting(None, "Validate on this second cache (same target and tokenizer) instead.")

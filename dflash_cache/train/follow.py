@@ -5,6 +5,11 @@ the loader runs out of work it asks for everything committed since the last wind
 extraction is finished is read from the cache alone: every unit of the plan in `cache.json` is
 committed. No process has to be alive for the trainer to know it is done.
 
+Whether the missing units are being written is another question (`writer`): an extract holds the
+cache's lock on this host, or its heartbeat (`cache/heartbeat.py`) is fresh, from any host. A run
+that starts on a cache lacking units that nothing writes is refused (`refuse_unwritten`), since it
+would wait forever; one that waits says what for, every `report_every` seconds.
+
 DDP ranks must see the same windows in the same order, or they would run different numbers of
 steps and hang. Rank 0 decides; a thread on every rank takes part in a broadcast on a gloo group
 every `poll` seconds (a heartbeat when there is nothing new, so no collective ever waits long),
@@ -24,8 +29,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from dflash_cache.cache.heartbeat import HEARTBEAT, live_beat
 from dflash_cache.cache.spec import CACHE_JSON
-from dflash_cache.cache.store import FROZEN, committed_units, extract_running
+from dflash_cache.cache.store import FROZEN, committed_units, extract_running, unit_name
+from dflash_cache.errors import UserError
 from dflash_cache.paths import PathKindError
 
 
@@ -42,23 +49,72 @@ def is_complete(cache_dir: Path, num_units: int) -> bool:
     return len(committed_units(cache_dir)) >= num_units
 
 
-def wait_for_cache(cache_dir: Path, *, poll: float = 0.5, on_wait: Callable[[], None] | None = None) -> None:
-    """Wait for the cache.json and frozen weights of a cache that an extract is still preparing
-    (tokenizing, planning and loading the target come first), as long as an extract holds the
-    cache's lock. A path that does not exist is an error at once: a mistyped --cache must not
-    wait for an extract that will never come, so start `dflash extract` first (it creates the
-    directory and takes the lock before anything else). An existing directory without cache.json
-    and without a live extract returns at once, so the caller's error can say what is wrong with it."""
+class FollowError(UserError, RuntimeError):
+    """A cache that training would wait for although nothing is writing it."""
+
+
+def writer(cache_dir: Path) -> str | None:
+    """What is writing `cache_dir` now, in words, or None: an extract that holds its lock on this
+    host, or one anywhere whose heartbeat (`CACHE/.heartbeat`, heartbeat.py) is fresh."""
+    if extract_running(cache_dir):
+        return "an extract holds its lock on this host"
+    beat = live_beat(cache_dir)
+    if beat is not None:
+        return f"an extract on {beat.host} (pid {beat.pid}) wrote its {HEARTBEAT} {beat.age:.0f}s ago"
+    return None
+
+
+NO_WRITER = f"no extract is writing it (none holds its lock on this host, and no fresh {HEARTBEAT} from any host)"
+
+
+def progress_line(cache_dir: Path, committed: int, planned: int) -> str:
+    """What a trainer following `cache_dir` waits for: units committed of the plan, and who writes."""
+    return f"{cache_dir}: {committed} of {planned} units committed; {writer(cache_dir) or NO_WRITER}"
+
+
+def refuse_unwritten(cache_dir: Path, num_units: int) -> None:
+    """Refuse to follow a cache that lacks units and that nothing is writing: training would wait
+    forever. The message names the missing units and the two ways on."""
     cache_dir = Path(cache_dir)
-    if not cache_dir.exists():
-        raise PathKindError(f"--cache {cache_dir} does not exist (to train beside an extraction, start "
-                            f"`dflash extract --out {cache_dir}` first)")  # fmt: skip
+    committed = committed_units(cache_dir)
+    if len(committed) >= num_units or writer(cache_dir) is not None:
+        return
+    missing = [unit_name(u) for u in range(num_units) if u not in committed]
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    finish = f"finish it with the `dflash extract --out {cache_dir} ...` command that made it (it resumes)"
+    units = f"{len(committed)} committed unit{'s' if len(committed) > 1 else ''}"
+    rest = (f", or train on the {units} with --no-follow" if committed
+            else "; it has no unit to train on yet")  # fmt: skip
+    raise FollowError(f"{cache_dir} lacks {len(missing)} of the {num_units} units of its plan ({shown}) and "
+                      f"{NO_WRITER}: {finish}{rest}")  # fmt: skip
+
+
+def wait_for_cache(cache_dir: Path, *, poll: float = 0.5, appear: float = 0.0,
+                   on_wait: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    """Wait for the cache.json and frozen weights of a cache that an extract is still preparing
+    (tokenizing, planning and loading the target come first), as long as an extract writes it
+    (`writer`). A path that does not exist is an error at once, so that a mistyped --cache never
+    waits, unless `appear` allows it that many seconds to be created (`--follow` asked for
+    explicitly: a trainer started at the same moment as its extract). An existing directory
+    without cache.json and without a live extract returns at once, so the caller's error can say
+    what is wrong with it. `on_wait(text)` hears what it waits for, once per thing."""
+    cache_dir = Path(cache_dir)
+    deadline = time.monotonic() + appear
+    if not cache_dir.exists() and appear > 0 and on_wait is not None:
+        on_wait(f"waiting up to {appear:.0f}s for `dflash extract` to create {cache_dir}")
+    while not cache_dir.exists():
+        if time.monotonic() >= deadline:
+            waited = f" after waiting {appear:.0f}s" if appear > 0 else ""
+            raise PathKindError(f"--cache {cache_dir} does not exist{waited} (to train beside an extraction, "
+                                f"start `dflash extract --out {cache_dir}` first, or give --follow)")  # fmt: skip
+        time.sleep(poll)
     told = False
     while not all((cache_dir / name).exists() for name in (CACHE_JSON, FROZEN)):
-        if not extract_running(cache_dir):
+        who = writer(cache_dir)
+        if who is None:
             return
         if not told and on_wait is not None:
-            on_wait()
+            on_wait(f"waiting for `dflash extract` to write {cache_dir}/{CACHE_JSON} ({who})")
             told = True
         time.sleep(poll)
 
@@ -82,6 +138,8 @@ class UnitFeed:
         group: dist.ProcessGroup | None = None,
         poll: float = 0.5,
         on_status: Callable[[dict], None] | None = None,
+        on_wait: Callable[[str], None] | None = None,
+        report_every: float = 60.0,
     ):
         if world_size > 1 and group is None:
             raise ValueError("a multi-rank feed needs a gloo process group for its broadcasts")
@@ -90,6 +148,8 @@ class UnitFeed:
         self.rank, self.world_size, self.group = rank, world_size, group
         self.poll = poll
         self.on_status = on_status
+        self.on_wait, self.report_every = on_wait, report_every
+        self._changed = self._said = time.monotonic()  # when the committed count last moved; last told
         self.windowed = {u for w in known for u in w.units}
         self.committed = len(self.windowed)
         self._windows: queue.Queue[Window | BaseException] = queue.Queue()
@@ -147,6 +207,8 @@ class UnitFeed:
         if self._stop.is_set():
             return "stop", None
         committed = set(committed_units(self.cache_dir))
+        if len(committed) != self.committed:
+            self._changed = time.monotonic()
         self.committed = len(committed)
         if self.on_status is not None:
             self.on_status(self.status())
@@ -157,13 +219,21 @@ class UnitFeed:
                 self._wanted.clear()
                 self.windowed.update(new)
                 return "window", Window(tuple(new), final)
+            self._still_waiting()
             time.sleep(self.poll)  # asked, but nothing new yet: look again after a pause
         return "wait", self.committed
+
+    def _still_waiting(self) -> None:
+        """Say what training waits for, every `report_every` seconds while no unit commits."""
+        now = time.monotonic()
+        if self.on_wait is not None and now - max(self._changed, self._said) >= self.report_every:
+            self._said = now
+            self.on_wait("waiting for units: " + progress_line(self.cache_dir, self.committed, self.num_units))
 
     def status(self) -> dict:
         """What the progress bar shows: units committed/planned and whether an extract runs."""
         return {
             "committed": self.committed,
             "planned": self.num_units,
-            "extract_running": extract_running(self.cache_dir),
+            "extract_running": writer(self.cache_dir) is not None,
         }

@@ -509,7 +509,8 @@ class CacheLoader:
     the plan committed), it consumes units window by window as they commit (see `follow.py`),
     shuffling within each window and waiting, without spinning, when it has consumed everything
     committed so far; it ends once the extraction is complete. The windows taken are part of the
-    position; later epochs shuffle over the whole cache.
+    position; later epochs shuffle over the whole cache. While it waits and no unit commits,
+    `on_wait` hears every `report_every` seconds what it waits for.
 
     `final_hidden`: also hand over the target's final hidden state (`Batch.final`); the cache must
     hold it (`dflash extract --final-hidden`). `spec`: the cache's cache.json, when the caller has
@@ -521,7 +522,8 @@ class CacheLoader:
                  skip_bad_units: bool = False, follow: bool = True, control_group: dist.ProcessGroup | None = None,
                  on_status: Callable[[dict], None] | None = None, on_warning: Callable[[str], None] | None = None,
                  batch_cost: BatchCost | None = None, units: Callable[[int], bool] | None = None,
-                 final_hidden: bool = False, spec: CacheSpec | None = None):  # fmt: skip
+                 final_hidden: bool = False, spec: CacheSpec | None = None,
+                 on_wait: Callable[[str], None] | None = None, report_every: float = 60.0):  # fmt: skip
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if prefetch < 0 or readers < 1 or token_budget < 1:
@@ -544,6 +546,7 @@ class CacheLoader:
                                           "batch_cost": batch_cost}, rank, world_size)  # fmt: skip
         self.control_group = control_group
         self.on_status = on_status
+        self.on_wait, self.report_every = on_wait, report_every  # what a followed epoch waits for, how often
         self.position = Position(samples=[0] * world_size)
         self._follow: _FollowSource | None = None
 
@@ -735,7 +738,8 @@ class _FollowSource(_Source):
         if not self.final:
             self.feed = UnitFeed(loader.cache_dir, loader.spec.plan.num_units, known=self.windows, rank=loader.rank,
                                  world_size=loader.world_size, group=loader.control_group,
-                                 on_status=self._status if loader.on_status is not None else None)  # fmt: skip
+                                 on_status=self._status if loader.on_status is not None else None,
+                                 on_wait=loader.on_wait, report_every=loader.report_every)  # fmt: skip
 
     def _add(self, w: Window) -> None:
         mine, self.carry = self.loader.plan.window(len(self.windows), w, self.carry)

@@ -165,7 +165,9 @@ class MetricsLog:
         if rank != 0:
             return
         if resume_step is not None and self.path.exists():
-            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and _step(ln) <= resume_step]
+            # a torn or damaged line (a kill mid-write, a disk error) is dropped with the lines past the checkpoint
+            text = self.path.read_text(errors="replace")
+            kept = [ln for ln in text.splitlines() if ln.strip() and _step(ln) <= resume_step]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         elif resume_step is None:
             self.path.write_text("")
@@ -232,10 +234,12 @@ class Trace:
 
 def _trim_trace(path: Path, resume_step: int) -> None:
     """Keep a trace's lines up to `resume_step`'s step line (none for a fresh run)."""
-    lines = path.read_text().splitlines() if path.exists() and resume_step > 0 else []
+    lines = path.read_text(errors="replace").splitlines() if path.exists() and resume_step > 0 else []
     kept = []
     for line in lines:  # a step's batch lines are written together with its step line
+        if _step(line) == 1 << 62:  # torn or damaged: what follows it is past the checkpoint too
+            break
         kept.append(line)
-        if json.loads(line).get("step") == resume_step:
+        if _step(line) == resume_step:
             break
     path.write_text("".join(x + "\n" for x in kept))

@@ -23,6 +23,7 @@ resumed run sees exactly the batches and anchors an uninterrupted one would have
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -36,15 +37,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dflash_cache.atomic import write_atomic
 from dflash_cache.cache.projection import Basis
 from dflash_cache.cache.spec import CacheSpec, SpecError, read_spec
-from dflash_cache.cache.store import read_frozen
+from dflash_cache.cache.store import FROZEN, committed_units, read_frozen
+from dflash_cache.damage import DamagedFile, read_json
 from dflash_cache.devices import GpuThrottle, Worker, launch, process_group, torchrun_worker, worker_threads
 from dflash_cache.drafters import DrafterSettings, Family, Objective, Output
 from dflash_cache.progress import ProgressSink, Reporter
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
-from dflash_cache.train.config import TrainConfig, TrainError, drafter_config
+from dflash_cache.train.config import CACHE_APPEAR_S, TrainConfig, TrainError, drafter_config
 from dflash_cache.train.cost import FEW_STEPS, drafter_cost, run_token_budget
 from dflash_cache.train.fold import folded_config, save_export
-from dflash_cache.train.follow import is_complete, wait_for_cache
+from dflash_cache.train.follow import is_complete, progress_line, refuse_unwritten, wait_for_cache
 from dflash_cache.train.loader import Batch, CacheLoader
 from dflash_cache.train.metrics import MetricsLog, StepWindow, Trace, clock
 from dflash_cache.train.schedule import Schedule
@@ -89,12 +91,14 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
             raise TrainError(f"--grad-reduce {cfg.grad_reduce!r}: expected fp32 or bf16")
         if cfg.keep_checkpoints < 1:
             raise TrainError(f"--keep-checkpoints {cfg.keep_checkpoints}: keep at least 1")
-        if cfg.follow:
-            wait_for_cache(cfg.cache, on_wait=lambda: reporter.channel.put(
-                {"warning": f"waiting for `dflash extract` to write {cfg.cache}/cache.json"}))  # fmt: skip
+        if cfg.follow is not False:
+            wait_for_cache(cfg.cache, appear=CACHE_APPEAR_S if cfg.follow else 0.0,
+                           on_wait=lambda text: reporter.channel.put({"info": text}))  # fmt: skip
         spec = read_spec(cfg.cache)
         if spec.projection is not None:
             Basis.load(cfg.cache, spec)  # the export folds through it: a damaged one is refused before any step
+        if cfg.follow is not False:  # waiting for units that nothing writes would never end
+            refuse_unwritten(cfg.cache, spec.plan.num_units)
         try:
             dcfg = drafter_config(cfg, spec)
         except SpecError as e:
@@ -106,7 +110,10 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
                                              "none to hold out; training without validation"})  # fmt: skip
         cfg.out.mkdir(parents=True, exist_ok=True)
         _check_run_dir(cfg, spec, dcfg)
-        if (state := Checkpointer(cfg.out).load(mmap=True)) is not None:  # refused here: one error line
+        # refused here, in one error line; a damaged newest checkpoint is skipped for the one before it
+        state = Checkpointer(cfg.out).load(mmap=True, on_damaged=lambda path, e: reporter.channel.put(
+            {"warning": skipped_checkpoint(path, e)}))  # fmt: skip
+        if state is not None:
             check_resume(state, _world_size(cfg), is_complete(cfg.cache, spec.plan.num_units))
         launch(_worker, (cfg, reporter.channel), gpus=cfg.gpus, procs=cfg.procs)
     finally:
@@ -114,6 +121,11 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     last = {"export_last": str(cfg.out / EXPORT_LAST)} if vset is not None else {}
     return {"run": str(cfg.out), "export": str(cfg.out / EXPORT), **last,
             **{k: v for k, v in totals.items() if k != "bar"}}  # fmt: skip
+
+
+def skipped_checkpoint(path: Path, e: DamagedFile, doing: str = "resuming from") -> str:
+    """The warning for a checkpoint that does not load and is passed over for an older one."""
+    return f"{path} does not load ({e.problem}); {doing} the checkpoint before it (the file is left in place)"
 
 
 def _val_set(cfg: TrainConfig, spec: CacheSpec, dcfg: Any, family: Family) -> ValSet | None:
@@ -127,7 +139,7 @@ def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: Any) -> None:
     ident = {"cache_created": spec.created, "cache_target": spec.target.weights_fingerprint, **cfg.identity()}
     path = cfg.out / RUN_JSON
     if path.exists():
-        old = json.loads(path.read_text())
+        old = read_json(path, f"restore it, or use a new --out (it records the settings {cfg.out} was trained with)")
         diffs = [f"{k} ({old.get('identity', {}).get(k)!r} vs {v!r})"
                  for k, v in ident.items() if old.get("identity", {}).get(k) != v]  # fmt: skip
         if diffs:
@@ -199,7 +211,7 @@ class Setup:
 
 
 def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | None = None,
-          on_status=None, on_warning=None) -> Setup:  # fmt: skip
+          on_status=None, on_warning=None, on_wait=None) -> Setup:  # fmt: skip
     """The drafter (the same initial weights on every rank), the frozen embedding and head, DDP,
     the optimizer, the loader of this rank's batches, and the schedule (its length is set once a
     checkpoint has told the loader where it stands). Nothing is written to the run directory."""
@@ -217,7 +229,8 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
                          token_budget=run_token_budget(cfg, dcfg, spec, device), seed=cfg.seed, rank=w.rank,
                          world_size=w.world_size, device=device,
                          prefetch=cfg.prefetch, readers=cfg.readers, skip_bad_units=cfg.skip_bad_units,
-                         follow=cfg.follow, control_group=control_group, on_status=on_status, on_warning=on_warning,
+                         follow=cfg.follow is not False, control_group=control_group, on_status=on_status,
+                         on_warning=on_warning, on_wait=on_wait, report_every=cfg.wait_report,
                          batch_cost=cost, units=vset and vset.train_units,
                          final_hidden=family.needs_final_hidden)  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
@@ -239,14 +252,15 @@ def optimizer_step(s: Setup) -> None:
 def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     tell = channel.put if w.rank == 0 else None  # progress, warnings and notes: rank 0 speaks for all
     s = setup(w, cfg, control_group=control_group, on_status=tell and (lambda st: tell({"follow": st})),
-              on_warning=tell and (lambda text: tell({"warning": text})))  # fmt: skip
+              on_warning=tell and (lambda text: tell({"warning": text})),
+              on_wait=tell and (lambda text: tell({"info": text})))  # fmt: skip
     save = partial(save_export, s.family, s.model, s.dcfg, cache_dir=cfg.cache, spec=s.loader.spec,
                    frozen=(s.embed, s.head))  # fmt: skip
     best = BestExport(cfg.out, save if tell else lambda where: None)
     ckpt = Checkpointer(cfg.out, cfg.keep_checkpoints, every=cfg.save_every, top=(s.schedule, s.loader),
                         states={"model": s.model, "optimizer": s.opt, "rng": CpuRng(),
                                 "best_export": best})  # fmt: skip
-    state = ckpt.restore()
+    state = ckpt.restore()  # rank 0 of the launching process has warned of a damaged newest checkpoint
     s.schedule.total = cfg.epochs * _epoch_tokens(s)  # over tokens: see schedule.py
     resume_step = state and state["step"]
     trackers = open_trackers(cfg.report_to, cfg.out, rank=w.rank, resume_step=resume_step, config=asdict(cfg))
@@ -254,7 +268,7 @@ def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:
     validator = s.vset and Validator.of(s.vset, cfg, s.family.bind(s.dcfg, s.settings), s.loader)
     trace = Trace(cfg.out, w.rank, w.world_size, s.schedule.step, enabled=cfg.trace)
     if tell:
-        _announce(s, tell, ckpt.latest() if state else None)
+        _announce(s, tell, ckpt.loaded)
     throttle = GpuThrottle(w.device.type == "cuda")
     window = StepWindow(s.family.flops(s.model), w.device, w.world_size, wait=lambda: s.loader.wait_seconds)
 
@@ -328,6 +342,9 @@ def _announce(s: Setup, tell, resumed_from: Path | None) -> None:
                  f"epoch {loader.position.epoch + 1}, batch {loader.position.batch} (step {step})")  # fmt: skip
         tell({"info": f"resumed at {where} from {resumed_from}"})
     p = loader.position
+    if not loader.complete and loader.follows(p.epoch, p.follow):
+        tell({"info": "following the extraction: " + progress_line(s.cfg.cache, len(committed_units(s.cfg.cache)),
+                                                                   loader.spec.plan.num_units)})  # fmt: skip
     if not loader.complete and not loader.follows(p.epoch, p.follow):
         tell({"warning": f"training on the {len(loader.units.readers)} of {loader.spec.plan.num_units} units "
                          "committed so far (--no-follow)"})  # fmt: skip
@@ -370,13 +387,15 @@ def _sync_grads(model: torch.nn.Module, ddp: torch.nn.Module) -> None:
             p.grad /= dist.get_world_size()
 
 
-def export(run_dir: Path, out: Path) -> Path:
+def export(run_dir: Path, out: Path, on_warning: Callable[[str], None] | None = None) -> Path:
     """Write the serving format of a run's latest checkpoint (what vLLM, SGLang and z-lab load for
     DFlash; DeepSpec's layout for DSpark). It needs the run directory only: the cache may have moved
     or been deleted (a family whose layout carries the target's embedding and LM head takes them
     from the cache when it is still there, and leaves them to the serving engine otherwise), unless
-    the cache is projected: then its basis folds `fc` back (`fold.py`)."""
-    record = json.loads((Path(run_dir) / RUN_JSON).read_text())
+    the cache is projected: then its basis folds `fc` back (`fold.py`). A damaged newest checkpoint
+    is skipped for the one before it, with `on_warning`."""
+    record = read_json(Path(run_dir) / RUN_JSON, "restore it from a copy of the run directory: it records "
+                       "the drafter's settings and geometry, which the export needs")  # fmt: skip
     conf = record["config"]
     cfg = TrainConfig(cache=Path(conf["cache"]), out=Path(run_dir), layers=conf["layers"],
                       draft_layers=conf["draft_layers"], block_size=conf["block_size"],
@@ -387,12 +406,13 @@ def export(run_dir: Path, out: Path) -> Path:
         dcfg.context_width = record.get("context_width")
     else:  # a run directory from before train.json recorded the drafter: its geometry is in the cache
         dcfg = drafter_config(cfg, read_spec(cfg.cache))
-    state = Checkpointer(run_dir).load()
+    ckpt = Checkpointer(run_dir)
+    state = ckpt.load(on_damaged=on_warning and (lambda path, e: on_warning(skipped_checkpoint(path, e, "exporting"))))
     if state is None:
         raise TrainError(f"{run_dir} has no checkpoint yet")
     model = family.model(dcfg)
     model.load_state_dict(state["model"])
-    frozen = read_frozen(cfg.cache) if (cfg.cache / "frozen.safetensors").is_file() else None
+    frozen = read_frozen(cfg.cache) if (cfg.cache / FROZEN).is_file() else None
     save_export(family, model, dcfg, Path(out), cache_dir=cfg.cache, frozen=frozen)
     return Path(out)
 
