@@ -115,8 +115,8 @@ def extract_cmd(data: Path, out: Path, *extra: str, target: Path = TINY_TARGET, 
     commits several units and a kill can land between them (the tapped layers as they are by
     default: a projected unit of 1 MiB holds ten times the tokens)."""
     return [sys.executable, "-m", "cli.main", "extract", "--target", str(target), "--data", str(data),
-            "--out", str(out), "--max-length", str(max_length), "--unit-mb", str(unit_mb),
-            "--token-budget", str(token_budget), "--project", project, *extra]  # fmt: skip
+            "--out", str(out), "--max-length", str(max_length), "--unit-mb", str(unit_mb), "--project", project,
+            "--token-budget", str(token_budget), *extra]  # fmt: skip
 
 
 def read_cache(cache: Path) -> dict[int, tuple]:

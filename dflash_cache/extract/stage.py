@@ -25,7 +25,7 @@ import torch
 
 from dflash_cache.cache.format import STORAGES, RowFormat, chunk_tokens_for, encode_rows
 from dflash_cache.cache.heartbeat import HEARTBEAT, beating
-from dflash_cache.cache.projection import Basis, check_projection
+from dflash_cache.cache.projection import PROJECTION, Basis, check_projection
 from dflash_cache.cache.spec import (
     CACHE_JSON,
     CacheSpec,
@@ -95,7 +95,9 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     template_kwargs = data_mod.check_template_kwargs(cfg.chat_template_kwargs)
     output_dir(cfg.out, "--out")
     if cfg.out.is_dir() and any(cfg.out.iterdir()) and not (cfg.out / "cache.json").exists():
-        if not set(os.listdir(cfg.out)) <= {WORK, ".lock", HEARTBEAT}:
+        # what a run leaves before cache.json: a projected cache's first worker writes the frozen
+        # weights and the basis first
+        if not set(os.listdir(cfg.out)) <= {WORK, ".lock", HEARTBEAT, FROZEN, PROJECTION}:
             raise ExtractError(f"--out {cfg.out} is a non-empty directory that is not a dflash cache")
     config = load_config(cfg.target, cfg.revision)
     tc = text_config(config)
