@@ -225,3 +225,12 @@ def test_bad_projection_settings_are_refused(tmp_path, data):
     with pytest.raises(ExtractError, match="multiple"):
         prepare(extract_config(tmp_path / "c", data=str(data), project=33, project_basis="per-layer"), write=False)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_validation_cache_needs_the_training_caches_basis(joint, per_layer, tiny_cache):
+    from dflash_cache.train.validate import check_val_cache
+
+    layers = read_spec(joint).layers.ids
+    for other in (per_layer, tiny_cache):  # another basis; the layers as they are
+        with pytest.raises(SpecError, match="projection"):
+            check_val_cache(joint, other, layers)

@@ -86,6 +86,15 @@ def check_val_cache(train_dir: Path, val_dir: Path, layer_ids: list[int], final_
     diffs = [d for d in train.differences(val) if d.split(" ", 1)[0] in _SAME_TARGET]
     if diffs:
         raise SpecError(f"--val-cache {val_dir} does not fit the training cache: " + "; ".join(diffs))
+    basis = [s.projection and (s.projection.digest, s.layers.ids) for s in (train, val)]
+    if basis[0] != basis[1]:  # its values would mean something else to the drafter's fc
+
+        def stored(s: CacheSpec) -> str:
+            return "projected" if s.projection else "as they are"
+
+        other = " onto another basis" if train.projection and val.projection else ""
+        raise SpecError(f"--val-cache {val_dir} stores its tapped layers {stored(val)}{other}, the training cache "
+                        f"{stored(train)} (projection); hold out part of the training cache with --val-fraction")
     try:
         check_drafter_fits(val, layer_ids=layer_ids, final_hidden=final_hidden)
     except SpecError as e:
