@@ -46,18 +46,29 @@ from dflash_cache.cache.store import (
     write_frozen,
     write_rejected,
 )
-from dflash_cache.devices import GpuThrottle, Worker, launch, to_device, worker_threads
+from dflash_cache.devices import (
+    GpuThrottle,
+    Group,
+    Worker,
+    copies,
+    launch,
+    lead_says,
+    process_group,
+    to_device,
+    torchrun_worker,
+    worker_threads,
+)
 from dflash_cache.errors import ExtractError
 from dflash_cache.extract import data as data_mod
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 from dflash_cache.extract.config import ExtractConfig, resolve_token_budget
 from dflash_cache.extract.mask import AUTO, choose_mask_token, data_token_ids
+from dflash_cache.extract.parallel import layout, load_copy
 from dflash_cache.extract.plan import Plan, Unit, make_plan
 from dflash_cache.extract.target import (
     compute_dtype_for,
     frozen_weights,
     load_config,
-    load_target,
     load_tokenizer,
     target_info,
     text_config,
@@ -92,6 +103,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
         if not set(os.listdir(cfg.out)) <= {WORK, ".lock"}:
             raise ExtractError(f"--out {cfg.out} is a non-empty directory that is not a dflash cache")
     config = load_config(cfg.target, cfg.revision)
+    sharding = layout(cfg.target, cfg.revision, config, cfg.tp)
     tc = text_config(config)
     num_layers = int(tc["num_hidden_layers"])
     try:
@@ -120,6 +132,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
         unit_tokens=max(1, (cfg.unit_mb << 20) // row_bytes),
     )
     spec = _describe(cfg, config, layer_ids, tokenizer, tokens, mask_choice, plan, template_kwargs, device, row_bytes)
+    spec.parallel = sharding  # this run's layout, which the workers load by (not compared on resume)
     if (cfg.out / "cache.json").exists():
         diffs = read_spec(cfg.out).differences(spec)
         if diffs:
@@ -233,15 +246,16 @@ def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
         reporter.channel.put({"units_done": len(prep.done), "units_planned": len(prep.plan.units)})
         try:
             args = (cfg, prep.spec, prep.plan, prep.tokens.dataset, reporter.channel)
-            launch(_worker, args, gpus=cfg.gpus, procs=cfg.procs)
+            copies(int(os.environ["WORLD_SIZE"]) if in_torchrun else len(cfg.gpus or []) or cfg.procs, cfg.tp)
+            launch(_worker, args, gpus=cfg.gpus, procs=cfg.procs, store=cfg.tp > 1)
         finally:
             totals = reporter.stop()
         end = time.perf_counter()
         elapsed = end - start
     committed = committed_units(cfg.out)
-    # under torchrun the ranks on other nodes may still be at work: this one answers for its own units
-    mine = (prep.plan.units_for_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-            if in_torchrun else prep.plan.units)  # fmt: skip
+    # under torchrun the ranks on other nodes may still be at work: this one answers for its copy's units
+    group = Group.of(torchrun_worker(cfg.gpus), cfg.tp) if in_torchrun else None
+    mine = prep.plan.units_for_rank(group.index, group.count) if group else prep.plan.units
     missing = [u.id for u in mine if u.id not in committed]
     return {
         "cache": str(cfg.out),
@@ -268,18 +282,27 @@ def _gib(n: int) -> str:
 
 
 def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset, channel) -> None:
-    done = set(committed_units(cfg.out))
-    todo = [u for u in plan.units_for_rank(w.rank, w.world_size) if u.id not in done]
-    needs_frozen = w.rank == 0 and not (cfg.out / FROZEN).exists()
-    if not todo and not needs_frozen:
-        return
-    with worker_threads(w):
-        target, model, _ = load_target(spec.target.path, spec.layers.ids, w.device, spec.target.revision,
-                                       final=spec.layers.final_hidden)
+    """One rank: with --tp, one of the ranks of a copy of the target (devices.Group). The copy takes
+    the units whose id mod the copy count is its index; all its ranks run the same forwards, and
+    its lead alone commits them, as copy 0's lead alone writes the frozen weights."""
+    group = Group.of(w, cfg.tp)
+    with worker_threads(w), process_group(w, group):
+        # the ranks of a copy must run the same forwards: they go by what its lead found on disk
+        done, has_frozen = lead_says(group, (set(committed_units(cfg.out)), (cfg.out / FROZEN).exists()))
+        todo = [u for u in plan.units_for_rank(group.index, group.count) if u.id not in done]
+        needs_frozen = group.index == 0 and not has_frozen
+        if not todo and not needs_frozen:
+            return
+        target, model = load_copy(spec, w.device)
         if needs_frozen:
-            write_frozen(cfg.out, *frozen_weights(model))
+            frozen = frozen_weights(model)  # gathered on every rank of a sharded copy
+            if group.lead:
+                write_frozen(cfg.out, *frozen)
         del model  # the upper layers and the LM head stay on the CPU only until here
-        extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put, writers=cfg.writers)
+        if group.lead:
+            extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put, writers=cfg.writers)
+        else:
+            follow_units(target, todo, dataset, spec, w.device)
 
 
 def extract_units(
@@ -320,11 +343,7 @@ def extract_units(
         for unit in units:
             ids, mask, sample_index = unit_tokens(dataset, unit)
             index = None
-            for batch in unit.batches:
-                lengths = unit.lengths[batch.start : batch.stop]
-                r0 = int(unit.offsets[batch.start])
-                r1 = int(unit.offsets[batch.stop])
-                inp, rows = batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device)
+            for r0, r1, lengths, batch, inp, rows in unit_batches(unit, ids, pad_id, device):
                 encoded = encode_rows(target(inp), rows, row)
                 if index is None:  # taken this late, a wait for a free buffer overlaps the forward
                     index = committer.take()
@@ -346,6 +365,26 @@ def extract_units(
         if pinner is not None:
             torch.cuda.synchronize(device)
             pinner.unpin()
+
+
+def follow_units(target: Callable[[torch.Tensor], list[torch.Tensor]], units: list[Unit], dataset, spec: CacheSpec,
+                 device: torch.device) -> None:  # fmt: skip
+    """A sharded copy's other ranks: the lead's forwards, batch for batch (each forward exchanges
+    partial results between the ranks of the copy), with nothing kept; the lead commits."""
+    pad_id = spec.tokenizer.pad_token_id or 0
+    for unit in units:
+        ids = unit_tokens(dataset, unit)[0]
+        for *_, inp, _rows in unit_batches(unit, ids, pad_id, device):
+            target(inp)
+
+
+def unit_batches(unit: Unit, ids: np.ndarray, pad_id: int, device: torch.device):
+    """A unit's forwards: per batch its rows r0:r1 of the unit, its lengths, the batch, the padded
+    inputs and the flat indices of their real tokens (`batch_inputs`)."""
+    for batch in unit.batches:
+        lengths = unit.lengths[batch.start : batch.stop]
+        r0, r1 = int(unit.offsets[batch.start]), int(unit.offsets[batch.stop])
+        yield (r0, r1, lengths, batch, *batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device))
 
 
 class _Rate:
