@@ -92,13 +92,14 @@ def local_bytes(module: nn.Module) -> int:
 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_FINAL_NORM = re.compile(r"(?:^|\.)norm\.weight$")  # the base model's final norm, cut with the layers above the taps
 _SKIPPED = ("lm_head.", "mtp.", "visual.", "model.visual.", "vision_tower.", "multi_modal_projector.")
 
 
 def running_bytes(path: str, revision: str | None, last_layer: int | None, dtype: torch.dtype) -> int | None:
     """Bytes of the weights that extraction puts on the device, in `dtype`, from the checkpoint's
     safetensors headers (no weight is read): the embedding and the decoder layers up to
-    `last_layer` (all with None), not the LM head, a vision tower or a multi-token-prediction head.
+    `last_layer` (all and the final norm with None), not the LM head, a vision tower or a multi-token-prediction head.
     None where the checkpoint is not local safetensors."""
     root, _ = local_snapshot(path, revision)
     files = sorted(root.glob("*.safetensors")) if root is not None else []
@@ -114,7 +115,7 @@ def running_bytes(path: str, revision: str | None, last_layer: int | None, dtype
             if name == "__metadata__" or name.startswith(_SKIPPED):
                 continue
             layer = _LAYER.search(name)
-            if layer and last_layer is not None and int(layer.group(1)) > last_layer:
+            if last_layer is not None and (int(layer.group(1)) > last_layer if layer else _FINAL_NORM.search(name)):
                 continue
             total += math.prod(info["shape"]) * size
     return total

@@ -224,6 +224,7 @@ def run(cfg: ExtractConfig, sink: ProgressSink | None = None) -> dict:
 
 def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    copies(int(os.environ["WORLD_SIZE"]) if in_torchrun else len(cfg.gpus or []) or cfg.procs, cfg.tp)
     with nullcontext() if in_torchrun else cache_lock(cfg.out):
         prep = prepare(cfg)
         todo_tokens = sum(u.num_tokens for u in prep.plan.units if u.id not in prep.done)
@@ -246,7 +247,6 @@ def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
         reporter.channel.put({"units_done": len(prep.done), "units_planned": len(prep.plan.units)})
         try:
             args = (cfg, prep.spec, prep.plan, prep.tokens.dataset, reporter.channel)
-            copies(int(os.environ["WORLD_SIZE"]) if in_torchrun else len(cfg.gpus or []) or cfg.procs, cfg.tp)
             launch(_worker, args, gpus=cfg.gpus, procs=cfg.procs, store=cfg.tp > 1)
         finally:
             totals = reporter.stop()
