@@ -85,6 +85,34 @@ def _sharded(data: Path, out: Path, target: Path, procs: int = 2, tp: int = 2, *
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_moe_targets_are_laid_out_like_their_families(targets):
+    """What makes the tiny MoE targets stand-ins for the real ones: the modules their families'
+    plans shard, and the features that set them apart."""
+    names = {f: {n for n, _ in AutoModelForCausalLM.from_pretrained(targets[f]).named_parameters()}
+             for f in fam.MOE if f in targets}  # fmt: skip
+    assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.3.mlp.gate.weight"} <= names["qwen3_moe"]
+    for f in ("qwen3_5_moe", "qwen3_5_moe_vl"):  # gated delta-net layers, routed and shared experts
+        assert {
+            "model.layers.0.linear_attn.in_proj_qkv.weight",
+            "model.layers.3.self_attn.q_proj.weight",
+            "model.layers.0.mlp.experts.down_proj",
+            "model.layers.0.mlp.shared_expert.up_proj.weight",
+        } <= names[f]
+    vl = json.loads((targets["qwen3_5_moe_vl"] / "config.json").read_text())
+    assert vl["model_type"] == "qwen3_5_moe" and vl["text_config"]["model_type"] == "qwen3_5_moe_text"
+    ds = names["deepseek_v3"]  # latent attention; layer 0 dense, then shared and routed experts
+    assert {
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+        "model.layers.0.self_attn.q_b_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.1.mlp.shared_experts.gate_proj.weight",
+        "model.layers.1.mlp.experts.gate_up_proj",
+    } <= ds and "model.layers.0.mlp.experts.gate_up_proj" not in ds
+    oss = json.loads((targets["gpt_oss"] / "config.json").read_text())
+    assert oss["layer_types"][:2] == ["sliding_attention", "full_attention"] and oss["sliding_window"] == 32
+    assert {"model.layers.0.self_attn.sinks", "model.layers.0.mlp.experts.gate_up_proj_bias"} <= names["gpt_oss"]
+
+
 # about 25 s each on 2 busy cores (two processes start and import transformers): dense and one MoE layout always
 @pytest.mark.parametrize("family", [f if f in ("qwen3", "qwen3_moe") else pytest.param(f, marks=pytest.mark.slow)
                                     for f in SHARDED])  # fmt: skip
@@ -124,6 +152,7 @@ def test_sharded_extraction_is_the_one_process_cache(targets, family, tmp_path):
                                        rtol=2**-7, atol=1e-5)  # fmt: skip
 
 
+@pytest.mark.slow  # four processes: about 50 s on 2 cores
 def test_two_sharded_copies_write_each_sample_once(tmp_path):
     """`--procs 4 --tp 2`: two copies of two ranks each; units are dealt to the copies, and every
     row of the data is cached exactly once, equal to the one-process cache."""
@@ -232,6 +261,8 @@ def test_a_target_too_big_for_the_gpu_is_refused_before_loading(targets):
         tapped, _, _ = load_target(path, [0, last], torch.device("cpu"), final=final)
         on_device = sum(p.numel() * 2 for p in tapped.base.parameters())  # in bf16, as on a GPU
         assert running_bytes(path, None, None if final else last, torch.bfloat16) == on_device
+    whole = AutoModelForCausalLM.from_pretrained(path)  # generation loads it all, LM head included
+    assert running_bytes(path, None, None, torch.bfloat16, head=True) == sum(p.numel() * 2 for p in whole.parameters())
     gib = 2**30
     check_fits(70 * gib, 80 * gib, 1, "cuda:0")  # fits
     check_fits(None, 0, 1, "cuda:0")  # not local safetensors: nothing to estimate, the load decides

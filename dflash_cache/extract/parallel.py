@@ -93,14 +93,16 @@ def local_bytes(module: nn.Module) -> int:
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FINAL_NORM = re.compile(r"(?:^|\.)norm\.weight$")  # the base model's final norm, cut with the layers above the taps
-_SKIPPED = ("lm_head.", "mtp.", "visual.", "model.visual.", "vision_tower.", "multi_modal_projector.")
+_SKIPPED = ("mtp.", "visual.", "model.visual.", "vision_tower.", "multi_modal_projector.")  # never loaded
 
 
-def running_bytes(path: str, revision: str | None, last_layer: int | None, dtype: torch.dtype) -> int | None:
-    """Bytes of the weights that extraction puts on the device, in `dtype`, from the checkpoint's
+def running_bytes(path: str, revision: str | None, last_layer: int | None, dtype: torch.dtype,
+                  head: bool = False) -> int | None:  # fmt: skip
+    """Bytes of the weights that a stage puts on the device, in `dtype`, from the checkpoint's
     safetensors headers (no weight is read): the embedding and the decoder layers up to
-    `last_layer` (all and the final norm with None), not the LM head, a vision tower or a multi-token-prediction head.
-    None where the checkpoint is not local safetensors."""
+    `last_layer` (all, and the final norm, with None), the LM head only with `head` (generation),
+    never a vision tower or a multi-token-prediction head. None where the checkpoint is not local
+    safetensors."""
     root, _ = local_snapshot(path, revision)
     files = sorted(root.glob("*.safetensors")) if root is not None else []
     if not files:
@@ -112,7 +114,7 @@ def running_bytes(path: str, revision: str | None, last_layer: int | None, dtype
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
         for name, info in header.items():
-            if name == "__metadata__" or name.startswith(_SKIPPED):
+            if name == "__metadata__" or name.startswith(_SKIPPED) or (not head and name.startswith("lm_head.")):
                 continue
             layer = _LAYER.search(name)
             if last_layer is not None and (int(layer.group(1)) > last_layer if layer else _FINAL_NORM.search(name)):
@@ -121,11 +123,11 @@ def running_bytes(path: str, revision: str | None, last_layer: int | None, dtype
     return total
 
 
-def check_fits(need: int | None, free: int, tp: int, device: str) -> None:
+def check_fits(need: int | None, free: int, tp: int, device: str, remedy: str | None = None) -> None:
     """Refuse, before loading, a target whose share of weights is more than the device has free,
-    with how much it needs and the `--tp` that would fit (a CUDA out-of-memory error would come
-    only after minutes of loading). Activations need room beside the weights, so a share over 90%
-    of the free memory is refused too."""
+    with how much it needs and `remedy`, by default the `--tp` that would fit (a CUDA out-of-memory
+    error would come only after minutes of loading). Activations need room beside the weights, so
+    a share over 90% of the free memory is refused too."""
     if need is None:
         return
     share = need / tp
@@ -134,8 +136,9 @@ def check_fits(need: int | None, free: int, tp: int, device: str) -> None:
     fits = 2 ** math.ceil(math.log2(max(2, need / (0.9 * free))))
     gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
     each = f"its 1/{tp} share, {gib(share)}," if tp > 1 else gib(share)
+    remedy = remedy or f"shard it over more GPUs with --tp {fits}"
     raise TargetError(f"the target's weights need {gib(need)} on the device ({each} a process) and {device} "
-                      f"has {gib(free)} free: shard it over more GPUs with --tp {fits}")  # fmt: skip
+                      f"has {gib(free)} free: {remedy}")  # fmt: skip
 
 
 def bind_device(device: torch.device) -> None:
