@@ -166,7 +166,7 @@ def extract(
             "batches": sum(len(u.batches) for u in plan.units),
             "layers": spec.layers.ids, "storage": spec.storage.dtype, "mask_token_id": spec.tokenizer.mask_token_id,
             "mask_token": spec.tokenizer.mask_token,
-            "final_hidden": spec.layers.final_hidden, **ex.final_bytes(spec),
+            "final_hidden": spec.layers.final_hidden, **ex.final_bytes(spec), "parallel": spec.parallel,
             "estimated_bytes_max": ex.estimated_bytes(spec, plan.num_tokens),
         }, indent=2))  # fmt: skip
         return

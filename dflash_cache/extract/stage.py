@@ -13,7 +13,7 @@ import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -378,7 +378,7 @@ def follow_units(target: Callable[[torch.Tensor], list[torch.Tensor]], units: li
             target(inp)
 
 
-def unit_batches(unit: Unit, ids: np.ndarray, pad_id: int, device: torch.device):
+def unit_batches(unit: Unit, ids: np.ndarray, pad_id: int, device: torch.device) -> Iterator[tuple]:
     """A unit's forwards: per batch its rows r0:r1 of the unit, its lengths, the batch, the padded
     inputs and the flat indices of their real tokens (`batch_inputs`)."""
     for batch in unit.batches:
