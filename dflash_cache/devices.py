@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections import deque
@@ -200,13 +202,12 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
         with starting_children():
             context = mp.start_processes(_entry, args=(fn, devices, args, takes_interrupts()), nprocs=len(devices),
                                          join=False, start_method="spawn")  # fmt: skip
+        if store:
+            _settle(context.processes, COPY_GRACE_S)
         while not context.join():
             pass
     except KeyboardInterrupt:
-        for p in context.processes if context is not None else []:
-            p.terminate()
-        for p in context.processes if context is not None else []:
-            p.join()
+        _end(context.processes if context is not None else [], COPY_GRACE_S if store else 0.0)
         raise
     finally:
         if served is not None:
@@ -214,6 +215,76 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
 
 
 STORE_ENV = "DFLASH_GROUP_STORE"  # host:port of the store that launch serves to its workers
+COPY_GRACE_S = 60.0  # how long the ranks of sharded copies get to stop together on Ctrl-C (copy_interrupts)
+
+
+def _settle(processes: list, grace: float) -> None:
+    """Wait until every worker has ended, or one has failed and the others have had `grace` seconds
+    to end too. A rank of a sharded copy that dies leaves its partners with a failed collective,
+    which they end on cleanly if given the time; torch's join would terminate them at once."""
+    import multiprocessing.connection
+
+    running = list(processes)
+    while running:
+        multiprocessing.connection.wait([p.sentinel for p in running])
+        running = [p for p in running if p.exitcode is None]
+        if any(p.exitcode for p in processes if p.exitcode is not None):
+            _end(running, grace)
+            return
+
+
+def _end(processes: list, grace: float) -> None:
+    """End the workers after a Ctrl-C: those still running after `grace` seconds (a second Ctrl-C
+    cuts it short) are terminated. Workers of sharded copies stop at their next forward together
+    and commit nothing half-done; terminated inside a collective, they would leave their buffers
+    and semaphores behind."""
+    deadline = time.monotonic() + grace
+    try:
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        pass
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join()
+
+
+@contextmanager
+def copy_interrupts(group: Group) -> Iterator[Callable[[Callable], Callable]]:
+    """Ctrl-C in a copy of a sharded model, answered by all its ranks at the same forward.
+
+    A rank that stopped at once would leave the others of its copy waiting for it inside a
+    collective, where no signal reaches Python. So in a copy of several ranks a Ctrl-C is only
+    noted, and the wrapper that this yields puts before each forward of `fn` a check that the
+    ranks make together (over gloo, on the host: no GPU sync); when any of them was interrupted
+    all raise KeyboardInterrupt there. A copy of one rank keeps Ctrl-C as it is."""
+    if group.size == 1:
+        yield lambda fn: fn
+        return
+    noted: list[int] = []
+    flags = dist.new_group(backend="gloo")
+    previous = signal.getsignal(signal.SIGINT)
+    own = previous is not signal.SIG_IGN and threading.current_thread() is threading.main_thread()
+    if own:
+        signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+
+    def together(fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            flag = torch.tensor([len(noted)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=flags)
+            if flag.item():
+                raise KeyboardInterrupt
+            return fn(*args, **kwargs)
+
+        return run
+
+    try:
+        yield together
+    finally:
+        if own:
+            signal.signal(signal.SIGINT, previous)
 
 
 def shared_store(w: Worker) -> dist.Store:

@@ -51,6 +51,7 @@ from dflash_cache.devices import (
     Group,
     Worker,
     copies,
+    copy_interrupts,
     launch,
     lead_says,
     process_group,
@@ -286,7 +287,7 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
     the units whose id mod the copy count is its index; all its ranks run the same forwards, and
     its lead alone commits them, as copy 0's lead alone writes the frozen weights."""
     group = Group.of(w, cfg.tp)
-    with worker_threads(w), process_group(w, group):
+    with worker_threads(w), process_group(w, group), copy_interrupts(group) as together:
         # the ranks of a copy must run the same forwards: they go by what its lead found on disk
         done, has_frozen = lead_says(group, (set(committed_units(cfg.out)), (cfg.out / FROZEN).exists()))
         todo = [u for u in plan.units_for_rank(group.index, group.count) if u.id not in done]
@@ -294,6 +295,7 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
         if not todo and not needs_frozen:
             return
         target, model = load_copy(spec, w.device)
+        target = together(target)  # a Ctrl-C stops the copy's ranks at the same forward
         if needs_frozen:
             frozen = frozen_weights(model)  # gathered on every rank of a sharded copy
             if group.lead:
