@@ -254,9 +254,12 @@ def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
         end = time.perf_counter()
         elapsed = end - start
     committed = committed_units(cfg.out)
-    # under torchrun the ranks on other nodes may still be at work: this one answers for its copy's units
+    # under torchrun the ranks on other nodes may still be at work: a copy's lead answers for its copy's
+    # units (its other ranks may end before it has committed the last one)
     group = Group.of(torchrun_worker(cfg.gpus), cfg.tp) if in_torchrun else None
-    mine = prep.plan.units_for_rank(group.index, group.count) if group else prep.plan.units
+    mine = prep.plan.units if group is None else []
+    if group is not None and group.lead:
+        mine = prep.plan.units_for_rank(group.index, group.count)
     missing = [u.id for u in mine if u.id not in committed]
     return {
         "cache": str(cfg.out),
