@@ -216,6 +216,7 @@ def test_ctrl_c_after_the_work_is_done(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # three runs of two processes: about 40 s
 def test_sharded_extract_answers_ctrl_c_and_a_lost_rank(tmp_path):
     """`--procs 2 --tp 2` (one copy of the target over two ranks): Ctrl-C after the first unit ends
     it as without --tp (one line, exit 130, no process left). A rank killed mid-run (as the OOM

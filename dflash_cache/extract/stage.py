@@ -301,7 +301,7 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
         target = together(target)  # a Ctrl-C stops the copy's ranks at the same forward
         if needs_frozen:
             frozen = frozen_weights(model)  # gathered on every rank of a sharded copy
-            if group.lead:
+            if group.first_lead:
                 write_frozen(cfg.out, *frozen)
         del model  # the upper layers and the LM head stay on the CPU only until here
         if group.lead:
