@@ -233,7 +233,7 @@ def test_layout_refusals(targets, tmp_path):
     with pytest.raises(TargetError, match="no tensor-parallel plan for gpt2"):
         layout(str(gpt2), None, load_config(str(gpt2)), 2)
     qwen3 = str(targets["qwen3"])  # 4 heads, 2 key-value heads
-    with pytest.raises(TargetError, match="key-value heads do not split evenly over 4"):
+    with pytest.raises(TargetError, match=r"its heads \(4 query, 2 key-value\) do not split evenly over 4"):
         layout(qwen3, None, load_config(qwen3), 4)
     moe = str(targets["qwen3_moe"])  # its 4 experts shard 4 ways, its attention stays whole
     assert layout(moe, None, load_config(moe), 4) == {"tp": 4, "tensor_parallel": False, "expert_parallel": True}

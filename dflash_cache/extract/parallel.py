@@ -57,11 +57,12 @@ def layout(path: str, revision: str | None, config: dict, tp: int) -> dict:
     tp_plan, ep_plan = plans(path, revision)
     text = config.get("text_config") or config
     model_type = text.get("model_type") or config.get("model_type")
-    heads = [int(text[k]) for k in ("num_attention_heads", "num_key_value_heads") if text.get(k)]
+    query = int(text.get("num_attention_heads") or 0)
+    heads = [query, int(text.get("num_key_value_heads") or query)]
     by_heads = bool(tp_plan) and all(h % tp == 0 for h in heads) and (not ep_plan or "ep_size" in names)
     if not by_heads and not ep_plan:
         why = ("transformers has no tensor-parallel plan for " + str(model_type) + " targets" if not tp_plan
-               else f"its {min(heads)} key-value heads do not split evenly over {tp} processes")  # fmt: skip
+               else f"its heads ({heads[0]} query, {heads[1]} key-value) do not split evenly over {tp} processes")  # fmt: skip
         raise TargetError(f"--tp {tp}: {why}; run without --tp on a GPU that holds the whole target, or with a "
                           "--tp that divides the heads")  # fmt: skip
     experts = next((int(text[k]) for k in EXPERT_COUNTS if text.get(k)), 0)
