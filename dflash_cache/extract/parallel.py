@@ -61,8 +61,8 @@ def layout(path: str, revision: str | None, config: dict, tp: int) -> dict:
     heads = [query, int(text.get("num_key_value_heads") or query)]
     by_heads = bool(tp_plan) and all(h % tp == 0 for h in heads) and (not ep_plan or "ep_size" in names)
     if not by_heads and not ep_plan:
-        why = ("transformers has no tensor-parallel plan for " + str(model_type) + " targets" if not tp_plan
-               else f"its heads ({heads[0]} query, {heads[1]} key-value) do not split evenly over {tp} processes")  # fmt: skip
+        split = f"its heads ({heads[0]} query, {heads[1]} key-value) do not split evenly over {tp} processes"
+        why = f"transformers has no tensor-parallel plan for {model_type} targets" if not tp_plan else split
         raise TargetError(f"--tp {tp}: {why}; run without --tp on a GPU that holds the whole target, or with a "
                           "--tp that divides the heads")  # fmt: skip
     experts = next((int(text[k]) for k in EXPERT_COUNTS if text.get(k)), 0)
