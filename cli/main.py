@@ -10,6 +10,7 @@ from functools import wraps
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
 from cli.options import configured
 from cli.ui import EvalBar, ExtractBar, Quiet, RegenBar, TrainBar, console, human_bytes
@@ -80,10 +81,10 @@ def _show_data_warnings() -> None:
 
 
 def _worker_error(e: BaseException) -> bool:
-    """A worker process's exception re-raised by torch.multiprocessing (checked without importing
-    torch: a command that never started workers has none)."""
+    """A worker process's exception re-raised by torch.multiprocessing, or its death by a signal
+    (checked without importing torch: a command that never started workers has none)."""
     mp = sys.modules.get("torch.multiprocessing")
-    return mp is not None and isinstance(e, mp.ProcessRaisedException)
+    return mp is not None and isinstance(e, (mp.ProcessRaisedException, mp.ProcessExitedException))
 
 
 _OWN_PROCESS = False  # set by main()
@@ -111,7 +112,7 @@ def friendly(fn):
             if not _worker_error(e):
                 raise
             last = [line for line in str(e).strip().splitlines() if line.strip()][-1]
-            console.print(f"[red]error in a worker process:[/red] {last}")
+            console.print("[red]error in a worker process:[/red]", escape(last))  # torch's lines hold [file:line]
             raise typer.Exit(1) from None
 
     return run
@@ -166,7 +167,7 @@ def extract(
             "batches": sum(len(u.batches) for u in plan.units),
             "layers": spec.layers.ids, "storage": spec.storage.dtype, "mask_token_id": spec.tokenizer.mask_token_id,
             "mask_token": spec.tokenizer.mask_token,
-            "final_hidden": spec.layers.final_hidden, **ex.final_bytes(spec),
+            "final_hidden": spec.layers.final_hidden, **ex.final_bytes(spec), "parallel": spec.parallel,
             "projection": spec.projection and {"basis": spec.projection.basis, "rank": spec.projection.rank},
             "stored_values_per_token": spec.row_width,
             "raw_bf16_bytes_per_token": 2 * len(spec.layers.ids) * spec.target.hidden_size,

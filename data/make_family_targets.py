@@ -39,8 +39,14 @@ markers, which no real family ships. These targets have what real ones have, and
   ``model.language_model.*``, ``model.visual.*`` and ``lm_head``, plus the multi-token-prediction
   head's ``mtp.*`` weights that transformers ignores on load. Both have the real models'
   partial rotary (a quarter of each head), multimodal RoPE sections and gated attention output.
+- the mixture-of-experts layouts that `extract --tp` shards (``MOE``), with the tokens and template of
+  a family above (``TOKENS``): ``qwen3_moe`` (every layer's MLP routed over experts), ``qwen3_5_moe``
+  and ``qwen3_5_moe_vl`` (Qwen3.5's hybrid layers with routed and shared experts, text-only and in
+  the multimodal hub layout), ``deepseek_v3`` (multi-head latent attention, a dense first layer, then
+  shared and grouped-routed experts) and ``gpt_oss`` (sliding-window and full attention layers in
+  turn, attention sinks, biased experts); see ``moe_fields``.
 
-Usage: ``python data/make_family_targets.py --family qwen3 --out DIR`` (families: FAMILIES below)
+Usage: ``python data/make_family_targets.py --family qwen3 --out DIR`` (families: FAMILIES and MOE below)
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -59,6 +65,11 @@ from make_tiny_target import PRETOKENIZE_REGEX, corpus  # noqa: E402
 
 FAMILIES = ("qwen3", "llama3", "gemma", "qwen3_5", "qwen3_5_vl")
 HYBRIDS = ("qwen3_5", "qwen3_5_vl")  # linear-attention (gated delta-net) layers beside full-attention ones
+# Mixture-of-experts layouts (the big targets that extract shards with --tp): each borrows the tokens and
+# template of the family named in TOKENS, which these tests exercise already.
+MOE = ("qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_vl", "deepseek_v3", "gpt_oss")
+TOKENS = {"qwen3_moe": "qwen3", "qwen3_5_moe": "qwen3_5", "qwen3_5_moe_vl": "qwen3_5", "deepseek_v3": "qwen3",
+          "gpt_oss": "qwen3"}  # fmt: skip
 THINKING = ("qwen3", *HYBRIDS)  # the families with Qwen's <think> syntax
 BPE_MERGES = 400  # enough for common words to be one or two tokens, and trains in a fraction of a second
 MAX_POSITIONS = 4096
@@ -257,11 +268,17 @@ _QWEN3_5 = dict(
 )
 SPECS["qwen3_5"] = Family(architecture="qwen3_5_text", **_QWEN3_5)
 SPECS["qwen3_5_vl"] = Family(architecture="qwen3_5", auto_class="AutoModelForImageTextToText", **_QWEN3_5)
+SPECS["qwen3_moe"] = replace(SPECS["qwen3"], architecture="qwen3_moe")
+SPECS["qwen3_5_moe"] = replace(SPECS["qwen3_5"], architecture="qwen3_5_moe_text")
+SPECS["qwen3_5_moe_vl"] = replace(SPECS["qwen3_5_vl"], architecture="qwen3_5_moe")
+SPECS["deepseek_v3"] = replace(SPECS["qwen3"], architecture="deepseek_v3")
+SPECS["gpt_oss"] = replace(SPECS["qwen3"], architecture="gpt_oss", model=(("tie_word_embeddings", False),))
+MULTIMODAL = ("qwen3_5_vl", "qwen3_5_moe_vl")  # the hub checkpoints' layout: text_config, vision tower, mtp head
 
 
 def _spec(family: str) -> Family:
     if family not in SPECS:
-        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES + MOE)}")
     return SPECS[family]
 
 
@@ -349,6 +366,29 @@ def hybrid_fields(hidden: int, heads: int, layers: int) -> dict:
     }  # fmt: skip
 
 
+def moe_fields(architecture: str, hidden: int, heads: int, layers: int) -> dict:
+    """A MoE family's own config fields at a tiny size, in the real models' layout: 4 routed experts,
+    2 per token; Qwen3.5-MoE adds a shared expert; DeepSeek-V3 has multi-head latent attention
+    (low-rank queries and keys-values, a rotary part beside each head), a shared expert and dense
+    first layers (as its first 3 of 61), grouped routing; GPT-OSS alternates sliding-window and full
+    attention layers, with learned attention sinks and biased experts."""
+    head_dim = hidden // heads
+    experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": hidden}
+    if architecture == "qwen3_moe":
+        return {**experts, "norm_topk_prob": True}
+    if architecture.startswith("qwen3_5_moe"):
+        return {**experts, "shared_expert_intermediate_size": hidden}
+    if architecture == "deepseek_v3":
+        return {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": hidden,
+                "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "num_key_value_heads": heads,
+                "q_lora_rank": hidden // 2, "kv_lora_rank": hidden // 2, "qk_rope_head_dim": head_dim,
+                "qk_nope_head_dim": head_dim, "v_head_dim": head_dim}  # fmt: skip
+    if architecture == "gpt_oss":
+        kinds = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        return {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 32, "layer_types": kinds}
+    return {}
+
+
 # A tiny vision tower of the multimodal layout, whose output width is the text model's.
 VISION = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
           "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 16}  # fmt: skip
@@ -368,8 +408,9 @@ def build_config(family: str, tokenizer, *, hidden: int = 64, layers: int | None
     extra = dict(spec.model)
     if spec.architecture == "gemma2":
         extra["query_pre_attn_scalar"] = head_dim
-    if family in HYBRIDS:
+    if spec.architecture.startswith("qwen3_5"):
         extra.update(hybrid_fields(hidden, heads, layers))
+    extra.update(moe_fields(spec.architecture, hidden, heads, layers))
     text = dict(
         vocab_size=vocab_size or family_vocab_size(family, len(tokenizer)),
         hidden_size=hidden,
@@ -383,14 +424,14 @@ def build_config(family: str, tokenizer, *, hidden: int = 64, layers: int | None
         bos_token_id=ids.get("bos_token"),
         eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in spec.stop],
         pad_token_id=ids.get("pad_token"),
-        **extra,
     )
-    if family != "qwen3_5_vl":
+    text.update(extra)
+    if family not in MULTIMODAL:
         return AutoConfig.for_model(spec.architecture, **text)
     token = tokenizer.convert_tokens_to_ids
     return AutoConfig.for_model(
         spec.architecture,
-        text_config={"model_type": "qwen3_5_text", **text},
+        text_config={"model_type": f"{spec.architecture}_text", **text},
         vision_config={**VISION, "out_hidden_size": hidden},
         image_token_id=token("<|image_pad|>"),
         video_token_id=token("<|video_pad|>"),
@@ -433,7 +474,7 @@ def build(family: str, out: Path, *, hidden: int = 64, layers: int | None = None
     model.generation_config = generation_config(family, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    if family == "qwen3_5_vl":
+    if family in MULTIMODAL:
         _add_mtp_weights(out / "model.safetensors", config.get_text_config(), seed)
     tokenizer.save_pretrained(out)
     return out
@@ -444,12 +485,15 @@ def _add_mtp_weights(path: Path, text_config, seed: int) -> None:
     one full-attention layer with its fusion ``fc`` and norms), which transformers skips on load."""
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as q
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
     torch.manual_seed(seed + 1)
     full = text_config.layer_types.index("full_attention")
     h = text_config.hidden_size
-    mtp = {f"layers.0.{k}": v for k, v in q.Qwen3_5DecoderLayer(text_config, full).state_dict().items()}
+    moe = text_config.model_type == "qwen3_5_moe_text"
+    layer = modeling_qwen3_5_moe.Qwen3_5MoeDecoderLayer if moe else modeling_qwen3_5.Qwen3_5DecoderLayer
+    mtp = {f"layers.0.{k}": v for k, v in layer(text_config, full).state_dict().items()}
     mtp["fc.weight"] = torch.randn(h, 2 * h) * 0.02
     for norm in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
         mtp[f"{norm}.weight"] = torch.zeros(h)  # Qwen3.5's norms scale by 1 + weight
@@ -519,7 +563,7 @@ def example_rows(family: str) -> list[dict]:
         _chat(q[5], "  " + a[5] + "\n"),
         {"prompt": q[1], "response": a[1]},
     ]
-    if family in THINKING:
+    if TOKENS.get(family, family) in THINKING:
         return rows + [
             _chat(q[2], _reasoned(t[0], a[2])),
             _chat(q[2], _inline(t[0], a[2])),
@@ -540,7 +584,7 @@ def example_rows(family: str) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--family", choices=FAMILIES, required=True)
+    ap.add_argument("--family", choices=FAMILIES + MOE, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the family's, 4; 8 for hybrids)")

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import socket
+import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -19,6 +22,8 @@ import torch.multiprocessing as mp
 from dflash_cache.errors import UserError
 from dflash_cache.interrupts import ready_for_interrupts, starting_children, takes_interrupts
 from dflash_cache.settings import int_list
+
+T = TypeVar("T")
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -49,6 +54,53 @@ class Worker:
     def on_this_machine(self) -> int:
         """Processes sharing this machine's CPU cores (torchrun's other nodes have their own)."""
         return self.local_world_size or self.world_size
+
+
+@dataclass(frozen=True)
+class Group:
+    """The copy of a model that a worker runs, where one copy is sharded over `size` processes.
+
+    Ranks `index * size ... index * size + size - 1` run copy `index` of `count`. Work is dealt to
+    copies, not ranks; every rank of a copy runs the same forwards, and the copy's first rank, its
+    lead, is the one that writes. With `size` 1 every worker is a copy of its own and its lead.
+    """
+
+    index: int  # which copy this worker belongs to
+    count: int  # copies running side by side
+    size: int = 1  # processes sharding one copy
+    rank: int = 0  # this worker's place in its copy
+
+    @classmethod
+    def of(cls, w: Worker, size: int) -> Group:
+        return cls(w.rank // size, copies(w.world_size, size), size, w.rank % size)
+
+    @property
+    def lead(self) -> bool:
+        """Whether this worker writes its copy's results."""
+        return self.rank == 0
+
+    @property
+    def first_lead(self) -> bool:
+        """Whether this worker writes what the whole run writes once (the lead of copy 0)."""
+        return self.index == 0 and self.lead
+
+
+def copies(processes: int, size: int) -> int:
+    """How many copies of `size` processes each `processes` processes run; refused unless whole."""
+    if size < 1 or processes % size:
+        raise DeviceError(f"--tp {size}: {processes} processes do not split into copies of {size}; start a "
+                          "multiple of --tp processes (--gpus, --procs, or torchrun's)")  # fmt: skip
+    return processes // size
+
+
+def lead_says(group: Group, value: T) -> T:
+    """The lead's `value` on every rank of its copy (under the copy's process group), so that the
+    ranks act alike on what only the lead looked at; `value` itself where a copy is one rank."""
+    if group.size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def parse_gpus(spec: str) -> list[int]:
@@ -114,11 +166,15 @@ def _run(index: int, fn: Callable, devices: list[torch.device], args: tuple) -> 
     fn(worker, *args)
 
 
-def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = None, procs: int = 1) -> None:
+def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = None, procs: int = 1,
+           store: bool = False) -> None:  # fmt: skip
     """Run `fn(worker, *args)` once per GPU (or per CPU process), or in this process.
 
     Under torchrun this process is one worker already. A single CPU process runs inline, so the
-    simple case needs no subprocess. MASTER_ADDR/PORT are set for torch.distributed.
+    simple case needs no subprocess. MASTER_ADDR/PORT are set for torch.distributed. With `store`,
+    this process also serves the key-value store through which several copies of a sharded model
+    (`Group`) each form their own process group, as torchrun's agent serves its workers: it outlives
+    every worker, so no copy loses it when another ends first.
     """
     worker = torchrun_worker(gpus)
     if worker is not None:
@@ -134,6 +190,10 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
     if len(devices) == 1:
         _run(0, fn, devices, args)
         return
+    served = None
+    if store:
+        served = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        os.environ[STORE_ENV] = f"127.0.0.1:{served.port}"
     # The workers import torch, transformers and the stage before they run: a Ctrl-C then would
     # print a traceback from each. They start deaf to it (dflash_cache.interrupts), and this
     # process ends them on Ctrl-C, also on one that came while they were being started.
@@ -142,20 +202,108 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
         with starting_children():
             context = mp.start_processes(_entry, args=(fn, devices, args, takes_interrupts()), nprocs=len(devices),
                                          join=False, start_method="spawn")  # fmt: skip
+        if store:
+            _settle(context.processes, COPY_GRACE_S)
         while not context.join():
             pass
     except KeyboardInterrupt:
-        for p in context.processes if context is not None else []:
-            p.terminate()
-        for p in context.processes if context is not None else []:
-            p.join()
+        _end(context.processes if context is not None else [], COPY_GRACE_S if store else 0.0)
         raise
+    finally:
+        if served is not None:
+            os.environ.pop(STORE_ENV, None)
+
+
+STORE_ENV = "DFLASH_GROUP_STORE"  # host:port of the store that launch serves to its workers
+COPY_GRACE_S = 60.0  # how long the ranks of sharded copies get to stop together on Ctrl-C (copy_interrupts)
+
+
+def _settle(processes: list, grace: float) -> None:
+    """Wait until every worker has ended, or one has failed and the others have had `grace` seconds
+    to end too. A rank of a sharded copy that dies leaves its partners with a failed collective,
+    which they end on cleanly if given the time; torch's join would terminate them at once."""
+    import multiprocessing.connection
+
+    running = list(processes)
+    while running:
+        multiprocessing.connection.wait([p.sentinel for p in running])
+        running = [p for p in running if p.exitcode is None]
+        if any(p.exitcode for p in processes if p.exitcode is not None):
+            _end(running, grace)
+            return
+
+
+def _end(processes: list, grace: float) -> None:
+    """End the workers after a Ctrl-C: those still running after `grace` seconds (a second Ctrl-C
+    cuts it short) are terminated. Workers of sharded copies stop at their next forward together
+    and commit nothing half-done; terminated inside a collective, they would leave their buffers
+    and semaphores behind."""
+    deadline = time.monotonic() + grace
+    try:
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        pass
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    for p in processes:
+        p.join()
 
 
 @contextmanager
-def process_group(w: Worker) -> Iterator[None]:
+def copy_interrupts(group: Group) -> Iterator[Callable[[Callable], Callable]]:
+    """Ctrl-C in a copy of a sharded model, answered by all its ranks at the same forward.
+
+    A rank that stopped at once would leave the others of its copy waiting for it inside a
+    collective, where no signal reaches Python. So in a copy of several ranks a Ctrl-C is only
+    noted, and the wrapper that this yields puts before each forward of `fn` a check that the
+    ranks make together (over gloo, on the host: no GPU sync); when any of them was interrupted
+    all raise KeyboardInterrupt there. A copy of one rank keeps Ctrl-C as it is."""
+    if group.size == 1:
+        yield lambda fn: fn
+        return
+    noted: list[int] = []
+    flags = dist.new_group(backend="gloo")
+    previous = signal.getsignal(signal.SIGINT)
+    own = previous is not signal.SIG_IGN and threading.current_thread() is threading.main_thread()
+    if own:
+        signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+
+    def together(fn: Callable) -> Callable:
+        def run(*args, **kwargs):
+            flag = torch.tensor([len(noted)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=flags)
+            if flag.item():
+                raise KeyboardInterrupt
+            return fn(*args, **kwargs)
+
+        return run
+
+    try:
+        yield together
+    finally:
+        if own:
+            signal.signal(signal.SIGINT, previous)
+
+
+def shared_store(w: Worker) -> dist.Store:
+    """The key-value store that every worker of the run reaches: the one `launch` serves, or under
+    torchrun its rendezvous store (served by torchrun's agent)."""
+    where = os.environ.get(STORE_ENV)
+    if where:
+        host, port = where.rsplit(":", 1)
+        return dist.TCPStore(host, int(port), is_master=False)
+    return next(dist.rendezvous("env://", w.rank, w.world_size))[0]
+
+
+@contextmanager
+def process_group(w: Worker, group: Group | None = None) -> Iterator[None]:
     """The default process group of a run of several workers (NCCL on GPUs, gloo on CPUs), for
-    the block's duration; a single worker gets none.
+    the block's duration; a single worker gets none. With `group`, the default group is the
+    worker's copy alone (its `size` ranks), each copy's formed under a prefix of `shared_store`:
+    a copy then shards its model as if it were the whole world, which is what transformers'
+    sharded loading expects.
 
     Whatever holds the group, such as a DDP model, is freed before the group is destroyed. A
     DDP reducer that outlives destroy_process_group ends the group itself when it is freed,
@@ -163,9 +311,14 @@ def process_group(w: Worker) -> Iterator[None]:
     GIL: the worker hangs at exit (seen once in tests/test_train.py's DDP gradient test, torch
     2.13 CPU). So cycles are collected first, and a failed block's frames, which the exception
     keeps alive, are cleared."""
-    distributed = w.world_size > 1
+    distributed = (group.size if group else w.world_size) > 1
+    backend = "nccl" if w.device.type == "cuda" else "gloo"
     if distributed and not dist.is_initialized():
-        dist.init_process_group("nccl" if w.device.type == "cuda" else "gloo", rank=w.rank, world_size=w.world_size)
+        if group is None or group.count == 1:
+            dist.init_process_group(backend, rank=w.rank, world_size=w.world_size)
+        else:
+            store = dist.PrefixStore(f"copy{group.index}/", shared_store(w))
+            dist.init_process_group(backend, store=store, rank=group.rank, world_size=group.size)
     try:
         yield
     except BaseException as e:

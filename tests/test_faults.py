@@ -216,6 +216,40 @@ def test_ctrl_c_after_the_work_is_done(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # three runs of two processes: about 40 s
+def test_sharded_extract_answers_ctrl_c_and_a_lost_rank(tmp_path):
+    """`--procs 2 --tp 2` (one copy of the target over two ranks): Ctrl-C after the first unit ends
+    it as without --tp (one line, exit 130, no process left). A rank killed mid-run (as the OOM
+    killer would) ends the run with one error line and no rank left waiting for it in a
+    collective. Each time the same command completes the cache, every sample once."""
+    data = _rows(tmp_path / "rows.jsonl", 80)  # 5 units
+    out = tmp_path / "cache"
+    cmd = [*extract_cmd(data, out), "--procs", "2", "--tp", "2"]
+    total = 5
+    rc, err = ctrl_c(cmd, lambda p: len(committed_units(out)) >= 1, lambda: len(committed_units(out)) < total,
+                     lambda: shutil.rmtree(out))  # fmt: skip
+    _one_line(rc, err, "extract")
+    for unit in list(committed_units(out).values())[1:]:
+        shutil.rmtree(unit)  # work left for the next run, whatever Ctrl-C left
+    p = _as_from_a_terminal(cmd)
+    deadline = time.monotonic() + 180
+    while len(_workers(p.pid)) < 2 or len(committed_units(out)) < 2:
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-2000:]
+        time.sleep(0.01)
+    os.kill(_workers(p.pid)[1], signal.SIGKILL)  # the copy's second rank, which the lead's forwards wait for
+    _, err = p.communicate(timeout=120)
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("extract ")]
+    assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error"), err
+    deadline = time.monotonic() + 30
+    while _alive(p.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(p.pid), "processes of the failed run are still alive"
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert len(committed_units(out)) == total and verify(out) == {}
+    assert len(read_cache(out)) == read_spec(out).plan.num_samples  # read_cache fails on a sample cached twice
+
+
 def test_extract_killed_many_times(tmp_path):
     data = _rows(tmp_path / "rows.jsonl", 160)
     ref = tmp_path / "ref"

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CHAT, ROOT, TINY_TARGET, extract_config
+from conftest import CHAT, ROOT, TINY_TARGET, extract_config, read_cache
 
 from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.spec import read_spec
@@ -43,8 +43,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(rendezvous: str, argv: list[str], logs: Path) -> None:
-    """`torchrun --nnodes 2 --nproc-per-node 1 -m cli.main ARGV` twice, as nodes 0 and 1; both must
+def _two_nodes(rendezvous: str, argv: list[str], logs: Path, per_node: int = 1) -> None:
+    """`torchrun --nnodes 2 --nproc-per-node PER_NODE -m cli.main ARGV` twice, as nodes 0 and 1; both must
     exit 0. static: --master-addr/--master-port and --node-rank; c10d: --rdzv-endpoint (ranks in
     the order the nodes join, --node-rank unused)."""
     port = _free_port()
@@ -55,8 +55,8 @@ def _two_nodes(rendezvous: str, argv: list[str], logs: Path) -> None:
     procs = []
     for node in (0, 1):
         node_rank = ["--node-rank", str(node)] if rendezvous == "static" else []
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", *where,
-               *node_rank, "-m", "cli.main", *argv]  # fmt: skip
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(per_node),
+               *where, *node_rank, "-m", "cli.main", *argv]  # fmt: skip
         log = open(logs / f"node{node}.log", "w")  # noqa: SIM115 - closed below, after the process
         proc = subprocess.Popen(cmd, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         procs.append((proc, log))
@@ -123,6 +123,22 @@ def test_extract_on_two_nodes_resumes_to_the_one_process_cache(rows, one_process
     files, want = _files(out), _files(one_process)
     assert sorted(files) == sorted(want)
     assert [f for f in files if files[f] != want[f]] == []  # and every file holds the same bytes
+
+
+@pytest.mark.slow  # four ranks on 2 cores: about 40 s
+def test_sharded_copies_on_two_nodes(rows, one_process, tmp_path):
+    """`--tp 2` under torchrun, two processes a node: each node runs one copy of the target sharded
+    over its two ranks, each copy in a process group of its own formed through torchrun's store.
+    Every sample is cached once, equal to the one-process cache up to bf16 rounding."""
+    out = tmp_path / "cache"
+    argv = ["extract", "--target", str(TINY_TARGET), "--data", str(rows), "--out", str(out), *EXTRACT, "--tp", "2"]
+    _two_nodes("c10d", argv, tmp_path, per_node=2)
+    assert read_spec(out).differences(read_spec(one_process)) == [] and read_spec(out).parallel["tp"] == 2
+    got, want = read_cache(out), read_cache(one_process)  # read_cache fails on a sample cached twice
+    assert sorted(got) == sorted(want) and len(committed_units(out)) == 3
+    for s in want:
+        bits = [torch.from_numpy(x[0].view(np.int16)).view(torch.bfloat16).float() for x in (got[s], want[s])]
+        torch.testing.assert_close(*bits, rtol=2**-7, atol=1e-5)
 
 
 def _metrics(run_dir: Path) -> list[dict]:

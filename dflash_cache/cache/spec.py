@@ -30,7 +30,7 @@ FINAL_MEANING = (
     "(the base model's last_hidden_state), for every token"
 )
 # Fields that describe a run rather than the cached numbers; they may differ on resume.
-_VOLATILE = {"created", "tool_version"}
+_VOLATILE = {"created", "tool_version", "parallel"}
 # Fields that explain another field rather than decide anything (the id is compared, the reason
 # for it is not; caches from before the field have none).
 # The basis's digest and what its fit measured are checked against the basis file (`dflash verify`), not
@@ -191,6 +191,9 @@ class CacheSpec:
     format_version: int = FORMAT_VERSION
     tool_version: str = ""
     created: str = ""
+    # how the run that created the cache sharded the target (`extract --tp`; extract/parallel.py), for
+    # information: a cache extracted at any --tp is the same cache, and each resumes the other
+    parallel: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.format_version = PROJECTED_VERSION if self.projection is not None else FORMAT_VERSION
@@ -264,6 +267,7 @@ class CacheSpec:
                 format_version=version,
                 tool_version=d.get("tool_version", ""),
                 created=d.get("created", ""),
+                parallel=d.get("parallel", {}),
             )
         except (KeyError, TypeError) as e:
             raise SpecError(f"cache.json is malformed: {e}") from None

@@ -70,6 +70,9 @@ class ExtractConfig:
     unit_mb: int = setting(512, "Hidden-state MiB per work unit.", min=1)
     gpus: list[int] | None = setting(None, GPUS_HELP, expects=GPU_IDS)
     procs: int = setting(1, "CPU processes when no --gpus.", min=1)
+    tp: int = setting(1, "Processes (GPUs) that shard one copy of the target, by heads and experts where transformers "
+                      "has a plan for its family: --gpus 0-7 --tp 4 runs two copies. The cache is the same at any "
+                      "--tp.", min=1)  # fmt: skip
     tokenize_procs: int = setting(factory=lambda: max(1, min(8, (os.cpu_count() or 2) - 1)), min=1, tuning=True,
                                   help="Processes that tokenize the data (default: the cores less one, up to 8).")
     writers: int | None = setting(None, "Writer processes: units compressed and written at once, one host buffer "

@@ -51,19 +51,31 @@ from dflash_cache.cache.store import (
     write_frozen,
     write_rejected,
 )
-from dflash_cache.devices import GpuThrottle, Worker, launch, to_device, worker_threads
+from dflash_cache.devices import (
+    GpuThrottle,
+    Group,
+    Worker,
+    copies,
+    copy_interrupts,
+    launch,
+    lead_says,
+    process_group,
+    to_device,
+    torchrun_worker,
+    worker_threads,
+)
 from dflash_cache.errors import ExtractError
 from dflash_cache.extract import data as data_mod
 from dflash_cache.extract.basis import fit_basis, fit_sample
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 from dflash_cache.extract.config import ExtractConfig, resolve_rank, resolve_token_budget
 from dflash_cache.extract.mask import AUTO, choose_mask_token, data_token_ids
+from dflash_cache.extract.parallel import layout, load_copy
 from dflash_cache.extract.plan import Batch, Plan, Unit, make_plan
 from dflash_cache.extract.target import (
     compute_dtype_for,
     frozen_weights,
     load_config,
-    load_target,
     load_tokenizer,
     target_info,
     text_config,
@@ -100,6 +112,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
         if not set(os.listdir(cfg.out)) <= {WORK, ".lock", HEARTBEAT, FROZEN, PROJECTION}:
             raise ExtractError(f"--out {cfg.out} is a non-empty directory that is not a dflash cache")
     config = load_config(cfg.target, cfg.revision)
+    sharding = layout(cfg.target, cfg.revision, config, cfg.tp)
     tc = text_config(config)
     num_layers = int(tc["num_hidden_layers"])
     try:
@@ -132,6 +145,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     )
     spec = _describe(cfg, config, layer_ids, tokenizer, tokens, mask_choice, plan, template_kwargs, device, row_bytes,
                      projection)  # fmt: skip
+    spec.parallel = sharding  # this run's layout, which the workers load by (not compared on resume)
     if (cfg.out / CACHE_JSON).exists():
         diffs = read_spec(cfg.out).differences(spec)
         if diffs:
@@ -237,6 +251,7 @@ def run(cfg: ExtractConfig, sink: ProgressSink | None = None) -> dict:
 
 def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
     in_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    copies(int(os.environ["WORLD_SIZE"]) if in_torchrun else len(cfg.gpus or []) or cfg.procs, cfg.tp)
     with nullcontext() if in_torchrun else cache_lock(cfg.out), beating(cfg.out):  # heartbeat.py: for trainers
         prep = prepare(cfg)
         todo_tokens = sum(u.num_tokens for u in prep.plan.units if u.id not in prep.done)
@@ -259,15 +274,18 @@ def _run(cfg: ExtractConfig, sink: ProgressSink | None) -> dict:
         reporter.channel.put({"units_done": len(prep.done), "units_planned": len(prep.plan.units)})
         try:
             args = (cfg, prep.spec, prep.plan, prep.tokens.dataset, reporter.channel)
-            launch(_worker, args, gpus=cfg.gpus, procs=cfg.procs)
+            launch(_worker, args, gpus=cfg.gpus, procs=cfg.procs, store=cfg.tp > 1)
         finally:
             totals = reporter.stop()
         end = time.perf_counter()
         elapsed = end - start
     committed = committed_units(cfg.out)
-    # under torchrun the ranks on other nodes may still be at work: this one answers for its own units
-    mine = (prep.plan.units_for_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
-            if in_torchrun else prep.plan.units)  # fmt: skip
+    # under torchrun the ranks on other nodes may still be at work: a copy's lead answers for its copy's
+    # units (its other ranks may end before it has committed the last one)
+    group = Group.of(torchrun_worker(cfg.gpus), cfg.tp) if in_torchrun else None
+    mine = prep.plan.units if group is None else []
+    if group is not None and group.lead:
+        mine = prep.plan.units_for_rank(group.index, group.count)
     missing = [u.id for u in mine if u.id not in committed]
     return {
         "cache": str(cfg.out),
@@ -294,44 +312,61 @@ def _gib(n: int) -> str:
 
 
 def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset, channel) -> None:
-    done = set(committed_units(cfg.out))
-    todo = [u for u in plan.units_for_rank(w.rank, w.world_size) if u.id not in done]
-    needs_frozen = w.rank == 0 and not (cfg.out / FROZEN).exists()
-    needs_basis = w.rank == 0 and spec.projection is not None and not (cfg.out / CACHE_JSON).exists()
-    if not todo and not needs_frozen and not needs_basis:
-        return
-    with worker_threads(w):
-        target, model, _ = load_target(spec.target.path, spec.layers.ids, w.device, spec.target.revision,
-                                       final=spec.layers.final_hidden)
+    """One rank: with --tp, one of the ranks of a copy of the target (devices.Group). The copy takes
+    the units whose id mod the copy count is its index; all its ranks run the same forwards, and
+    its lead alone commits them, as copy 0's lead alone writes the frozen weights (and, for a
+    projected cache, the basis its ranks fit together, then cache.json)."""
+    group = Group.of(w, cfg.tp)
+    with worker_threads(w), process_group(w, group), copy_interrupts(group) as together:
+        # the ranks of a copy must run the same forwards: they go by what its lead found on disk
+        done, has_frozen, has_spec = lead_says(group, (set(committed_units(cfg.out)), (cfg.out / FROZEN).exists(),
+                                                       (cfg.out / CACHE_JSON).exists()))  # fmt: skip
+        todo = [u for u in plan.units_for_rank(group.index, group.count) if u.id not in done]
+        needs_frozen = group.index == 0 and not has_frozen
+        fits_basis = group.index == 0 and spec.projection is not None and not has_spec
+        if not todo and not needs_frozen and not fits_basis:
+            return
+        target, model = load_copy(spec, w.device)
+        target = together(target)  # a Ctrl-C stops the copy's ranks at the same forward
         if needs_frozen:
-            write_frozen(cfg.out, *frozen_weights(model))
+            frozen = frozen_weights(model)  # gathered on every rank of a sharded copy
+            if group.first_lead:
+                write_frozen(cfg.out, *frozen)
         del model  # the upper layers and the LM head stay on the CPU only until here
         if spec.projection is not None:
-            spec, basis = _basis(w, target, cfg.out, spec, plan, dataset, channel.put)
-            target = projecting(target, basis, len(spec.layers.ids))
-        extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put, writers=cfg.writers)
+            spec, basis = _basis(group, fits_basis, target, cfg.out, spec, plan, dataset, w.device, channel.put)
+            if group.lead:
+                target = projecting(target, basis, len(spec.layers.ids))
+        if group.lead:
+            extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put, writers=cfg.writers)
+        else:
+            follow_units(target, todo, dataset, spec, w.device)
 
 
-def _basis(w: Worker, target: Callable[[torch.Tensor], list[torch.Tensor]], out: Path, spec: CacheSpec, plan: Plan,
-           dataset, report: Callable[[dict], None]) -> tuple[CacheSpec, Basis]:  # fmt: skip
-    """A projected cache's basis, and its spec as cache.json holds it: the first worker fits the
-    basis on the plan's own batches, saves it and writes cache.json with its digest; every other
-    worker (other GPUs, other nodes) waits for that cache.json. A rerun takes the stored basis."""
-    if w.rank == 0 and not (out / CACHE_JSON).exists():
+def _basis(group: Group, fit: bool, target: Callable[[torch.Tensor], list[torch.Tensor]], out: Path,
+           spec: CacheSpec, plan: Plan, dataset, device: torch.device,
+           report: Callable[[dict], None]) -> tuple[CacheSpec, Basis]:  # fmt: skip
+    """A projected cache's basis, and its spec as cache.json holds it: the first copy's ranks fit
+    the basis on the plan's own batches (`fit`: its forwards are collective under --tp), its lead
+    saves it and writes cache.json with its digest; every other worker (other copies, GPUs,
+    nodes) waits for that cache.json. A rerun takes the stored basis."""
+    if fit:
         sample = fit_sample(plan, spec.projection.fit_tokens)
         tokens = sum(int(u.lengths[b.start : b.stop].sum()) for u, b in sample)
-        report({"info": f"fitting the projection basis ({spec.projection.basis}, {spec.projection.rank} values a "
-                        f"token) on {tokens:,} tokens"})  # fmt: skip
+        say = report if group.first_lead else lambda delta: None
+        say({"info": f"fitting the projection basis ({spec.projection.basis}, {spec.projection.rank} values a "
+                     f"token) on {tokens:,} tokens"})  # fmt: skip
         started = time.perf_counter()
-        basis, spec = fit_basis(target, _fit_batches(sample, dataset, spec, w.device), spec, w.device)
-        spec = dataclasses.replace(spec, projection=dataclasses.replace(spec.projection, digest=basis.save(out)))
-        write_spec(out, spec)
-        report({"info": f"fitted the basis in {time.perf_counter() - started:.1f}s; energy kept per tapped layer: "
-                        + ", ".join(f"{100 * e:.1f}%" for e in spec.projection.retained_energy)})  # fmt: skip
-    else:
-        while not (out / CACHE_JSON).exists():
-            time.sleep(0.5)
-        spec = read_spec(out)
+        basis, spec = fit_basis(target, _fit_batches(sample, dataset, spec, device), spec, device)
+        if group.first_lead:
+            spec = dataclasses.replace(spec, projection=dataclasses.replace(spec.projection, digest=basis.save(out)))
+            write_spec(out, spec)
+            kept = ", ".join(f"{100 * e:.1f}%" for e in spec.projection.retained_energy)
+            say({"info": f"fitted the basis in {time.perf_counter() - started:.1f}s; energy kept per tapped layer: "
+                         f"{kept}"})  # fmt: skip
+    while not (out / CACHE_JSON).exists():
+        time.sleep(0.5)
+    spec = read_spec(out)
     return spec, Basis.load(out, spec)
 
 
@@ -397,11 +432,7 @@ def extract_units(
         for unit in units:
             ids, mask, sample_index = unit_tokens(dataset, unit)
             index = None
-            for batch in unit.batches:
-                lengths = unit.lengths[batch.start : batch.stop]
-                r0 = int(unit.offsets[batch.start])
-                r1 = int(unit.offsets[batch.stop])
-                inp, rows = batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device)
+            for r0, r1, lengths, batch, inp, rows in unit_batches(unit, ids, pad_id, device):
                 encoded = encode_rows(target(inp), rows, row)
                 if index is None:  # taken this late, a wait for a free buffer overlaps the forward
                     index = committer.take()
@@ -423,6 +454,26 @@ def extract_units(
         if pinner is not None:
             torch.cuda.synchronize(device)
             pinner.unpin()
+
+
+def follow_units(target: Callable[[torch.Tensor], list[torch.Tensor]], units: list[Unit], dataset, spec: CacheSpec,
+                 device: torch.device) -> None:  # fmt: skip
+    """A sharded copy's other ranks: the lead's forwards, batch for batch (each forward exchanges
+    partial results between the ranks of the copy), with nothing kept; the lead commits."""
+    pad_id = spec.tokenizer.pad_token_id or 0
+    for unit in units:
+        ids = unit_tokens(dataset, unit)[0]
+        for *_, inp, _rows in unit_batches(unit, ids, pad_id, device):
+            target(inp)
+
+
+def unit_batches(unit: Unit, ids: np.ndarray, pad_id: int, device: torch.device) -> Iterator[tuple]:
+    """A unit's forwards: per batch its rows r0:r1 of the unit, its lengths, the batch, the padded
+    inputs and the flat indices of their real tokens (`batch_inputs`)."""
+    for batch in unit.batches:
+        lengths = unit.lengths[batch.start : batch.stop]
+        r0, r1 = int(unit.offsets[batch.start]), int(unit.offsets[batch.stop])
+        yield (r0, r1, lengths, batch, *batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device))
 
 
 class _Rate:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -147,7 +148,7 @@ class LayerTaps:
 
     def _hook(self, k: int):
         def hook(_module: nn.Module, _inputs: tuple, output: torch.Tensor | tuple) -> None:
-            self._outputs[k] = output[0] if isinstance(output, tuple) else output
+            self._outputs[k] = whole(output[0] if isinstance(output, tuple) else output)
 
         return hook
 
@@ -197,26 +198,37 @@ class TappedTarget:
         with sdpa_kernel(SDPA_BACKENDS):
             out = self.base(input_ids=input_ids, use_cache=False)
         taps = self.taps.take()
-        return [*taps, out.last_hidden_state] if self.final else taps
+        return [*taps, whole(out.last_hidden_state)] if self.final else taps
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of a sharded target (`extract --tp`) gathered whole on every rank of its copy, such
+    as a layer output that a plan leaves split along the sequence (every rank must take it); any
+    other tensor as it is. The plans of today's families leave the layer outputs whole already."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def load_target(
-    path: str, layer_ids: list[int], device: torch.device, revision: str | None = None, final: bool = False
-) -> tuple[TappedTarget, nn.Module, torch.dtype]:
+    path: str, layer_ids: list[int], device: torch.device, revision: str | None = None, final: bool = False,
+    distributed=None,
+) -> tuple[TappedTarget, nn.Module, torch.dtype]:  # fmt: skip
     """Load the target on the CPU, cut it (after the last tapped layer, or with `final` before the
     LM head), move what runs to `device`.
 
     Returns the tapped target, the full model (still holding the embedding and LM head on the
-    CPU, for the cache's frozen weights), and the compute dtype.
+    CPU, for the cache's frozen weights), and the compute dtype. With `distributed` (a
+    transformers `DistributedConfig`, under the process group of one copy: extract/parallel.py),
+    each rank loads only its shards, straight onto its device.
     """
     dtype = compute_dtype_for(device)
-    model = load_causal_lm(path, dtype, revision)
+    model = load_causal_lm(path, dtype, revision, distributed)
     model.eval().requires_grad_(False)
     if device.type == "cuda" and has_recurrent_layers(model) and linear_attention_kernels()["fla"]:
         warnings.warn(SLOW_KERNELS, stacklevel=2)
     num_layers = int(text_config(model.config.to_dict())["num_hidden_layers"])
     tapped = TappedTarget(model, layer_ids, num_layers, final)
-    tapped.base.to(device)
+    if distributed is None:
+        tapped.base.to(device)
     return tapped, model, dtype
 
 
@@ -248,18 +260,19 @@ SLOW_KERNELS = (
     "uninstall fla-core for extraction")
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, revision: str | None = None) -> nn.Module:
+def load_causal_lm(path: str, dtype: torch.dtype, revision: str | None = None, distributed=None) -> nn.Module:
     """`AutoModelForCausalLM.from_pretrained`, with every weight from the checkpoint.
 
     A multimodal checkpoint (Qwen3.5's `Qwen3_5ForConditionalGeneration`) loads as its text model,
     under its `text_config`. When only the top level of its config says that the LM head is the
     embedding (as a small model's may), transformers leaves the text model's head newly
     initialised, which would put a random head in the cache: it is tied here. Any other weight
-    missing from the checkpoint is refused.
+    missing from the checkpoint is refused. `distributed` (a `DistributedConfig`) shards it.
     """
+    shard = {} if distributed is None else {"distributed_config": distributed}
     try:
         model, info = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=dtype,
-                                                           output_loading_info=True)  # fmt: skip
+                                                           output_loading_info=True, **shard)  # fmt: skip
     except (OSError, ValueError) as e:
         raise TargetError(f"--target {path}: cannot load the model ({first_line(e)})") from None
     missing = set(info.get("missing_keys") or ())
@@ -275,11 +288,13 @@ def load_causal_lm(path: str, dtype: torch.dtype, revision: str | None = None) -
 
 
 def frozen_weights(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The (embedding, LM head) weights in bf16; the head is None when tied to the embedding."""
+    """The (embedding, LM head) weights in bf16; the head is None when tied to the embedding. Those
+    of a sharded target are gathered whole: every rank of its copy must call."""
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
-    tied = head.data_ptr() == embed.data_ptr()
-    return embed.detach().to("cpu", torch.bfloat16), None if tied else head.detach().to("cpu", torch.bfloat16)
+    tied = head is embed or (not isinstance(head, DTensor) and head.data_ptr() == embed.data_ptr())
+    embed = whole(embed.detach()).to("cpu", torch.bfloat16)
+    return embed, None if tied else whole(head.detach()).to("cpu", torch.bfloat16)
 
 
 def local_snapshot(path: str, revision: str | None = None) -> tuple[Path | None, str | None]:

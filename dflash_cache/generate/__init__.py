@@ -46,11 +46,20 @@ __all__ = [
 
 def load_model(path: str, device: torch.device, revision: str | None = None) -> nn.Module:
     """The target for generation: bf16 on a GPU, float32 on a CPU, frozen, in eval mode, with every
-    weight from the checkpoint (`extract.target.load_causal_lm`)."""
+    weight from the checkpoint (`extract.target.load_causal_lm`). It runs whole on one device: on a
+    GPU a target whose weights do not fit is refused before loading."""
+    from dflash_cache.extract.parallel import check_fits, running_bytes
     from dflash_cache.extract.target import compute_dtype_for, load_causal_lm
 
+    if device.type == "cuda":
+        need = running_bytes(path, revision, None, compute_dtype_for(device), head=True)
+        check_fits(need, torch.cuda.mem_get_info(device)[0], 1, str(device), TOO_BIG)
     model = load_causal_lm(path, compute_dtype_for(device), revision)
     return model.to(device).eval().requires_grad_(False)
+
+
+TOO_BIG = ("eval and regen without --server run the target whole on one GPU; regen such a target through "
+           "--server (vLLM or SGLang with their own tensor parallelism) and see docs/guides/big-targets.md for eval")
 
 
 def slot_bytes(model: nn.Module, length: int) -> int:
