@@ -234,3 +234,15 @@ def test_a_validation_cache_needs_the_training_caches_basis(joint, per_layer, ti
     for other in (per_layer, tiny_cache):  # another basis; the layers as they are
         with pytest.raises(SpecError, match="projection"):
             check_val_cache(joint, other, layers)
+
+
+def test_a_sharded_copy_fits_one_basis_with_its_ranks(joint, data, tmp_path):
+    """--procs 2 --tp 2: the copy's two ranks run the fit's forwards together and its lead writes
+    the basis; the basis keeps what the one-process fit keeps (the sharded sums round otherwise)."""
+    out = tmp_path / "cache"
+    run(extract_config(out, data=str(data), project="auto", unit_mb=1, procs=2, tp=2))
+    sharded, single = read_spec(out).projection, read_spec(joint).projection
+    assert (sharded.basis, sharded.rank, sharded.fitted_tokens) == (single.basis, single.rank, single.fitted_tokens)
+    np.testing.assert_allclose(sharded.retained_energy, single.retained_energy, atol=1e-3)
+    assert verify(out) == {}
+    assert sorted(read_cache(out)) == sorted(read_cache(joint))
