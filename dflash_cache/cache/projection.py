@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from dflash_cache.cache.spec import BASES, SCALINGS, CacheSpec, ProjectionInfo
+from dflash_cache.damage import load_safetensors
 from dflash_cache.errors import UserError
 
 PROJECTION = "projection.safetensors"
@@ -102,9 +103,6 @@ class Basis:
     def load(cls, cache_dir: Path, spec: CacheSpec) -> Basis:
         """The basis a projected cache's units were made with, checked against cache.json's digest
         and geometry (CorruptBasis, naming the file, otherwise)."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         proj = spec.projection
         assert proj is not None, "the cache is not projected"
         path = Path(cache_dir) / PROJECTION
@@ -114,10 +112,7 @@ class Basis:
         if (got := file_digest(path)) != proj.digest:
             raise CorruptBasis(f"{path} is damaged or not this cache's (digest {got}, cache.json has "
                                f"{proj.digest}); restore it from a copy of the cache")  # fmt: skip
-        try:
-            tensors = load_file(str(path))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CorruptBasis(f"{path} is unreadable ({e}); restore it from a copy of the cache") from None
+        tensors = load_safetensors(path, "restore it from a copy of the cache")
         groups = spec.groups
         weights = [tensors.get(f"w.{g}") for g in range(len(groups))]
         h = spec.target.hidden_size
