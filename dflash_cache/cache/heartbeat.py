@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -54,6 +55,8 @@ def beating(cache_dir: Path, interval: float = INTERVAL) -> Iterator[None]:
     _write(cache_dir)
 
     def run() -> None:
+        # Ctrl-C and kills are the main thread's to answer (interrupts.py): never this thread's
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         while not stop.wait(interval):
             _write(cache_dir)
 
