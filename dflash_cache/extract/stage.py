@@ -44,7 +44,10 @@ from dflash_cache.cache.spec import (
 )
 from dflash_cache.cache.store import (
     FROZEN,
+    LOCK,
+    PARTIAL,
     REJECTED,
+    UNITS,
     cache_lock,
     committed_units,
     sweep_partial,
@@ -107,9 +110,9 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     template_kwargs = data_mod.check_template_kwargs(cfg.chat_template_kwargs)
     output_dir(cfg.out, "--out")
     if cfg.out.is_dir() and any(cfg.out.iterdir()) and not (cfg.out / "cache.json").exists():
-        # what a run leaves before cache.json: a projected cache's first worker writes the frozen
-        # weights and the basis first
-        if not set(os.listdir(cfg.out)) <= {WORK, ".lock", HEARTBEAT, FROZEN, PROJECTION}:
+        # only what an extract writes itself: before cache.json a projected cache's first worker writes
+        # the frozen weights and the basis, and the ranks of a torchrun job start at their own pace
+        if not set(os.listdir(cfg.out)) <= {WORK, LOCK, HEARTBEAT, FROZEN, PROJECTION, REJECTED, UNITS, PARTIAL}:
             raise ExtractError(f"--out {cfg.out} is a non-empty directory that is not a dflash cache")
     config = load_config(cfg.target, cfg.revision)
     sharding = layout(cfg.target, cfg.revision, config, cfg.tp)
