@@ -3,7 +3,8 @@
 One command runs the real pipeline on a target made by ``data/make_code_target.py``:
 
 1. ``regen``: the target's greedy continuations of code prefixes from its training modules;
-2. ``extract`` with ``--storage bf16``, and again with ``fp8``;
+2. ``extract`` with ``--storage bf16``, and again with ``fp8`` (each with the default projection,
+   ``--project auto``; ``data/projection_study.py`` sets projections against each other);
 3. ``train`` on each cache (the default recipe: 5 draft layers, 6 epochs, lr 6e-4, 512 anchors);
 4. ``eval`` (greedy, B = 16) on prefixes of the held-out modules, for an untrained drafter of the
    same shape, the bf16 drafter and the fp8 drafter, with acceptance histograms;
