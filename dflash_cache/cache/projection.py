@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from dflash_cache.atomic import replacing
 from dflash_cache.cache.spec import BASES, SCALINGS, CacheSpec, ProjectionInfo
 from dflash_cache.damage import load_safetensors
 from dflash_cache.errors import UserError
@@ -91,12 +91,9 @@ class Basis:
         from safetensors.torch import save_file
 
         path = Path(cache_dir) / PROJECTION
-        tmp = path.with_name(f".{PROJECTION}.{os.getpid()}.tmp")
         tensors = {f"w.{g}": w.detach().float().contiguous().cpu() for g, w in enumerate(self.weights)}
-        save_file(tensors, str(tmp), metadata={"groups": json.dumps(self.groups)})
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with replacing(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"groups": json.dumps(self.groups)})
         return file_digest(path)
 
     @classmethod

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_cache.atomic import write_atomic
+from dflash_cache.atomic import replacing, write_atomic
 from dflash_cache.cache.format import UnitArrays, write_group
 from dflash_cache.cache.spec import StorageInfo
 from dflash_cache.errors import UserError
@@ -193,9 +193,8 @@ def write_frozen(cache_dir: Path, embed: torch.Tensor, lm_head: torch.Tensor | N
     tensors = {"embed_tokens.weight": embed.detach().contiguous().cpu()}
     if lm_head is not None:
         tensors["lm_head.weight"] = lm_head.detach().contiguous().cpu()
-    tmp = path.with_name(f".{FROZEN}.{os.getpid()}.tmp")
-    save_file(tensors, str(tmp), metadata={"tied": str(lm_head is None).lower()})
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"tied": str(lm_head is None).lower()})
 
 
 def read_frozen(cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
