@@ -381,9 +381,8 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     from dflash_cache.cache.format import RowFormat, chunk_tokens_for, encode_rows, host_rows
     from dflash_cache.cache.spec import ProjectionInfo, default_bucket_edges, default_layer_ids, write_spec
     from dflash_cache.cache.store import committed_units
-    from dflash_cache.extract.basis import fit_basis, fit_sample
     from dflash_cache.extract.plan import make_plan
-    from dflash_cache.extract.stage import copy_out, extract_units, projecting
+    from dflash_cache.extract.stage import copy_out, extract_units, fit_projection, projecting
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
@@ -396,9 +395,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     projection = None
     if project:
         projection = ProjectionInfo(basis=project_basis, rank=project, scaling="layer-rms", fit_tokens=131072)
-    groups = len(projection.groups(len(layer_ids))) if projection else len(layer_ids)
-    row = RowFormat(storage, project or len(layer_ids) * config["hidden_size"], groups,
-                    config["hidden_size"] if final_hidden else 0)  # fmt: skip
+    row = RowFormat.planned(storage, len(layer_ids), config["hidden_size"], projection, final=final_hidden)
     row_bytes = row.hidden_bytes
     plan = make_plan(lengths, bucket_edges=default_bucket_edges(LONG_MAX if long else 3072),
                      token_budget=max(token_budget, int(lengths.max())),
@@ -408,9 +405,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = 2_000_000, 
     bare_target, fit_s = target, 0.0
     if projection is not None:
         t = time.perf_counter()
-        sample = {(u.id, b) for u, b in fit_sample(plan, projection.fit_tokens)}
-        basis, spec = fit_basis(target, ((inp, index) for u, b, inp, index in _plan_batches(plan, dataset, device)
-                                         if (u.id, b) in sample), spec, device)  # fmt: skip
+        basis, spec = fit_projection(target, spec, plan, dataset, device)
         _sync(device)
         fit_s = time.perf_counter() - t
         spec = dataclasses.replace(spec, projection=dataclasses.replace(spec.projection, digest=basis.save(out)))

@@ -36,7 +36,7 @@ from numcodecs import Zstd
 from zarr.codecs import BytesCodec, ZstdCodec
 from zarr.core.buffer.cpu import NDBuffer
 
-from dflash_cache.cache.spec import CacheSpec, StorageInfo
+from dflash_cache.cache.spec import CacheSpec, ProjectionInfo, StorageInfo
 from dflash_cache.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: unit writer processes never load it
@@ -63,8 +63,18 @@ class RowFormat:
 
     @classmethod
     def of(cls, spec: CacheSpec) -> RowFormat:
-        final = spec.target.hidden_size if spec.layers.final_hidden else 0
-        return cls(spec.storage.dtype, spec.row_width, len(spec.groups), final)
+        return cls.planned(spec.storage.dtype, len(spec.layers.ids), spec.target.hidden_size, spec.projection,
+                           final=spec.layers.final_hidden)  # fmt: skip
+
+    @classmethod
+    def planned(cls, storage: str, num_layers: int, hidden_size: int, projection: ProjectionInfo | None = None,
+                final: bool = False) -> RowFormat:  # fmt: skip
+        """The row of K = `num_layers` taps of H = `hidden_size`, as they are or under `projection`:
+        what a plan sizes its units by before the cache's spec exists."""
+        if projection is None:
+            return cls(storage, num_layers * hidden_size, num_layers, hidden_size if final else 0)
+        groups = len(projection.groups(num_layers))
+        return cls(storage, projection.rank, groups, hidden_size if final else 0)
 
     @property
     def fp8(self) -> bool:

@@ -10,11 +10,12 @@ whatever the dataset size.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -137,9 +138,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
                                     data_ids=data_token_ids(tokens.dataset, vocab_size))  # fmt: skip
     device = _device_kind(cfg)
     projection = _projection(cfg, len(layer_ids), int(tc["hidden_size"]))
-    groups = projection.groups(len(layer_ids)) if projection else layer_ids
-    width = projection.rank if projection else len(layer_ids) * int(tc["hidden_size"])
-    row_bytes = RowFormat(cfg.storage, width, len(groups)).hidden_bytes
+    row_bytes = RowFormat.planned(cfg.storage, len(layer_ids), int(tc["hidden_size"]), projection).hidden_bytes
     plan = make_plan(
         np.asarray(tokens.dataset["length"], dtype=np.int64),
         bucket_edges=default_bucket_edges(cfg.max_length),
@@ -354,35 +353,38 @@ def _basis(group: Group, fit: bool, target: Callable[[torch.Tensor], list[torch.
     saves it and writes cache.json with its digest; every other worker (other copies, GPUs,
     nodes) waits for that cache.json. A rerun takes the stored basis."""
     if fit:
-        sample = fit_sample(plan, spec.projection.fit_tokens)
-        tokens = sum(int(u.lengths[b.start : b.stop].sum()) for u, b in sample)
         say = report if group.first_lead else lambda delta: None
         say({"info": f"fitting the projection basis ({spec.projection.basis}, {spec.projection.rank} values a "
-                     f"token) on {tokens:,} tokens"})  # fmt: skip
+                     "token)"})  # fmt: skip
         started = time.perf_counter()
-        basis, spec = fit_basis(target, _fit_batches(sample, dataset, spec, device), spec, device)
+        basis, spec = fit_projection(target, spec, plan, dataset, device)
         if group.first_lead:
             spec = dataclasses.replace(spec, projection=dataclasses.replace(spec.projection, digest=basis.save(out)))
             write_spec(out, spec)
             kept = ", ".join(f"{100 * e:.1f}%" for e in spec.projection.retained_energy)
-            say({"info": f"fitted the basis in {time.perf_counter() - started:.1f}s; energy kept per tapped layer: "
-                         f"{kept}"})  # fmt: skip
+            say({"info": f"fitted the basis on {spec.projection.fitted_tokens:,} tokens in "
+                         f"{time.perf_counter() - started:.1f}s; energy kept per tapped layer: {kept}"})  # fmt: skip
     while not (out / CACHE_JSON).exists():
         time.sleep(0.5)
     spec = read_spec(out)
     return spec, Basis.load(out, spec)
 
 
-def _fit_batches(sample: list[tuple[Unit, Batch]], dataset, spec: CacheSpec, device: torch.device
-                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
-    """The fit sample's batches as the target takes them (`batch_inputs`)."""
-    ids: tuple[int, np.ndarray] | None = None
-    for unit, batch in sample:
-        if ids is None or ids[0] != unit.id:
-            ids = (unit.id, unit_tokens(dataset, unit)[0])
-        r0, r1 = int(unit.offsets[batch.start]), int(unit.offsets[batch.stop])
-        yield batch_inputs(ids[1][r0:r1], unit.lengths[batch.start : batch.stop], batch.max_len,
-                           spec.tokenizer.pad_token_id or 0, device)  # fmt: skip
+def fit_projection(target: Callable[[torch.Tensor], list[torch.Tensor]], spec: CacheSpec, plan: Plan, dataset,
+                   device: torch.device) -> tuple[Basis, CacheSpec]:  # fmt: skip
+    """Fit the basis `spec.projection` asks for (extract/basis.py) on the plan's fit sample, batched
+    as the stage batches its units; the spec it returns has what the fit measured, not yet a digest."""
+    pad_id = spec.tokenizer.pad_token_id or 0
+
+    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for _, picked in itertools.groupby(fit_sample(plan, spec.projection.fit_tokens), key=lambda ub: ub[0].id):
+            chosen = list(picked)  # one unit's batches, in plan order
+            unit = chosen[0][0]
+            ids = unit_tokens(dataset, unit)[0]
+            for *_, inp, rows in unit_batches(unit, ids, pad_id, device, [b for _, b in chosen]):
+                yield inp, rows
+
+    return fit_basis(target, batches(), spec, device)
 
 
 def projecting(target: Callable[[torch.Tensor], list[torch.Tensor]], basis: Basis, num_layers: int
@@ -470,10 +472,11 @@ def follow_units(target: Callable[[torch.Tensor], list[torch.Tensor]], units: li
             target(inp)
 
 
-def unit_batches(unit: Unit, ids: np.ndarray, pad_id: int, device: torch.device) -> Iterator[tuple]:
-    """A unit's forwards: per batch its rows r0:r1 of the unit, its lengths, the batch, the padded
-    inputs and the flat indices of their real tokens (`batch_inputs`)."""
-    for batch in unit.batches:
+def unit_batches(unit: Unit, ids: np.ndarray, pad_id: int, device: torch.device,
+                 batches: Iterable[Batch] | None = None) -> Iterator[tuple]:  # fmt: skip
+    """A unit's forwards (or those of its `batches`): per batch its rows r0:r1 of the unit, its
+    lengths, the batch, the padded inputs and the flat indices of their real tokens (`batch_inputs`)."""
+    for batch in unit.batches if batches is None else batches:
         lengths = unit.lengths[batch.start : batch.stop]
         r0, r1 = int(unit.offsets[batch.start]), int(unit.offsets[batch.stop])
         yield (r0, r1, lengths, batch, *batch_inputs(ids[r0:r1], lengths, batch.max_len, pad_id, device))
