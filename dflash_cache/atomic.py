@@ -9,6 +9,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def is_temporary(name: str) -> bool:
+    """Whether a file name is one of `replacing`'s temporary files (another process's write in flight)."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
 @contextmanager
 def replacing(path: Path) -> Iterator[Path]:
     """A temporary path beside `path` for the block to write; then synced and renamed over `path`.

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_cache.atomic import is_temporary
 from dflash_cache.cache.format import STORAGES, RowFormat, chunk_tokens_for, encode_rows
 from dflash_cache.cache.heartbeat import HEARTBEAT, beating
 from dflash_cache.cache.projection import PROJECTION, Basis, check_projection
@@ -111,9 +112,11 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     template_kwargs = data_mod.check_template_kwargs(cfg.chat_template_kwargs)
     output_dir(cfg.out, "--out")
     if cfg.out.is_dir() and any(cfg.out.iterdir()) and not (cfg.out / "cache.json").exists():
-        # only what an extract writes itself: before cache.json a projected cache's first worker writes
-        # the frozen weights and the basis, and the ranks of a torchrun job start at their own pace
-        if not set(os.listdir(cfg.out)) <= {WORK, LOCK, HEARTBEAT, FROZEN, PROJECTION, REJECTED, UNITS, PARTIAL}:
+        # only what an extract writes itself (files being written atomically too): before cache.json a
+        # projected cache's first worker writes the frozen weights and the basis, and the ranks of a
+        # torchrun job start at their own pace
+        names = {n for n in os.listdir(cfg.out) if not is_temporary(n)}
+        if not names <= {WORK, LOCK, HEARTBEAT, FROZEN, PROJECTION, REJECTED, UNITS, PARTIAL}:
             raise ExtractError(f"--out {cfg.out} is a non-empty directory that is not a dflash cache")
     config = load_config(cfg.target, cfg.revision)
     sharding = layout(cfg.target, cfg.revision, config, cfg.tp)
