@@ -26,10 +26,11 @@ def takes_interrupts() -> bool:
 
 
 @contextmanager
-def starting_children() -> Iterator[None]:
-    """Processes spawned inside start with SIGINT blocked. A Ctrl-C that reaches this process
-    meanwhile raises KeyboardInterrupt when the block ends, after the children exist, so that
-    the caller can end them. Only the main thread may change signal handlers."""
+def held() -> Iterator[None]:
+    """Run the block whole: a Ctrl-C that reaches this process meanwhile raises KeyboardInterrupt
+    when the block ends. For shutdown code that puts on queues, joins threads and ends processes:
+    an interrupt raised halfway through it can leave a lock taken or a queue's feeder thread
+    stuck, and the process then hangs at exit. Only the main thread may change signal handlers."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -37,14 +38,25 @@ def starting_children() -> Iterator[None]:
     previous = signal.getsignal(signal.SIGINT)
     if previous is not signal.SIG_IGN:
         signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGINT)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a held Ctrl-C is delivered here, to the recorder
         signal.signal(signal.SIGINT, previous)
     if caught:
         raise KeyboardInterrupt
+
+
+@contextmanager
+def starting_children() -> Iterator[None]:
+    """Processes spawned inside start with SIGINT blocked. A Ctrl-C that reaches this process
+    meanwhile raises KeyboardInterrupt when the block ends (`held`), after the children exist, so
+    that the caller can end them."""
+    with held():
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGINT)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a held Ctrl-C is delivered here, to the recorder
 
 
 def ready_for_interrupts(interruptible: bool) -> None:

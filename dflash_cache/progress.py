@@ -11,6 +11,8 @@ import threading
 import time
 from typing import Any, Protocol
 
+from dflash_cache.interrupts import held
+
 
 class ProgressSink(Protocol):
     def start(self, total: int, done: int) -> None: ...
@@ -47,9 +49,10 @@ class Reporter:
                 self.sink.update(self.totals, delta)
 
     def stop(self) -> dict[str, Any]:
-        self.channel.put(None)
-        if self._thread is not None:
-            self._thread.join()
-        if self.sink is not None:
-            self.sink.close()
+        with held():  # whole, or the queue's lock and feeder thread can hang the process at exit
+            self.channel.put(None)
+            if self._thread is not None:
+                self._thread.join()
+            if self.sink is not None:
+                self.sink.close()
         return self.totals

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from dflash_cache.atomic import write_atomic
 from dflash_cache.cache.store import pid_alive
+from dflash_cache.interrupts import held
 
 HEARTBEAT = ".heartbeat"
 INTERVAL = 15.0  # seconds between beats
@@ -65,11 +66,12 @@ def beating(cache_dir: Path, interval: float = INTERVAL) -> Iterator[None]:
     try:
         yield
     finally:
-        stop.set()
-        thread.join()
-        beat = last_beat(cache_dir)
-        if beat is not None and (beat.host, beat.pid) == (socket.gethostname(), os.getpid()):
-            (Path(cache_dir) / HEARTBEAT).unlink(missing_ok=True)
+        with held():
+            stop.set()
+            thread.join()
+            beat = last_beat(cache_dir)
+            if beat is not None and (beat.host, beat.pid) == (socket.gethostname(), os.getpid()):
+                (Path(cache_dir) / HEARTBEAT).unlink(missing_ok=True)
 
 
 def last_beat(cache_dir: Path) -> Beat | None:

@@ -38,7 +38,7 @@ from dflash_cache.cache.format import RowFormat, UnitArrays
 from dflash_cache.cache.spec import StorageInfo
 from dflash_cache.cache.store import unit_name, write_unit
 from dflash_cache.errors import ExtractError
-from dflash_cache.interrupts import ready_for_interrupts, starting_children
+from dflash_cache.interrupts import held, ready_for_interrupts, starting_children
 
 
 @dataclass(frozen=True)
@@ -189,17 +189,18 @@ class Committer:
                     self._done.wait(0.5)
                     self._check_writers()
         finally:
-            self._feed.put(None)
-            for _ in self._procs:
-                self._jobs.put(None)
-            for p in self._procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-            self._results.put(None)
-            self._preparer.join()  # a buffer being prepared (pinned) must be done before its owner frees it
-            for t in self._threads:
-                t.join(timeout=5)
+            with held():  # a Ctrl-C now is answered once the writers and threads are stopped
+                self._feed.put(None)
+                for _ in self._procs:
+                    self._jobs.put(None)
+                for p in self._procs:
+                    p.join(timeout=30)
+                    if p.is_alive():
+                        p.kill()
+                self._results.put(None)
+                self._preparer.join()  # a buffer being prepared (pinned) must be done before its owner frees it
+                for t in self._threads:
+                    t.join(timeout=5)
         if check:
             self._check()
 
