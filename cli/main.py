@@ -14,10 +14,10 @@ from rich.markup import escape
 
 from cli.options import configured
 from cli.ui import EvalBar, ExtractBar, Quiet, RegenBar, TrainBar, console, human_bytes
-from dflash_cache.app_config import EvalConfig, RecipeConfig, RegenConfig
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
+from dflash_cache.core.interrupts import ignore_from_now
 from dflash_cache.extract.config import ExtractConfig
-from dflash_cache.interrupts import ignore_from_now
+from dflash_cache.pipelines.config import EvalConfig, RecipeConfig, RegenConfig
 from dflash_cache.train.config import TrainConfig
 
 app = typer.Typer(no_args_is_help=True, help="Decoupled hidden-state cache for DFlash drafters.",
@@ -64,7 +64,7 @@ def _show_data_warnings() -> None:
     stages' own, instead of Python's file-and-line form; every other warning as Python shows it."""
     import warnings
 
-    from dflash_cache.extract.chat import DataWarning
+    from dflash_cache.rows.chat import DataWarning
 
     shown = warnings.showwarning
     if getattr(shown, "dflash", False):
@@ -119,8 +119,8 @@ def friendly(fn):
 
 
 def _paths(*checks) -> None:
-    """Refuse path arguments of the wrong kind before anything is written (dflash_cache.paths)."""
-    from dflash_cache import paths
+    """Refuse path arguments of the wrong kind before anything is written (dflash_cache.core.paths)."""
+    from dflash_cache.core import paths
 
     for kind, path, arg in checks:
         getattr(paths, kind)(path, arg)
@@ -128,7 +128,7 @@ def _paths(*checks) -> None:
 
 def _check_gpus(cfg) -> None:
     """A GPU that does not exist fails now, not after the data is tokenized."""
-    from dflash_cache.devices import check_gpus
+    from dflash_cache.core.devices import check_gpus
 
     check_gpus(cfg.gpus)
 
@@ -241,7 +241,7 @@ def convert(
     """Convert a GGUF checkpoint once into a Hugging Face model directory that every stage reads."""
     from contextlib import nullcontext
 
-    from dflash_cache.convert import convert as convert_gguf
+    from dflash_cache.pipelines.convert import convert as convert_gguf
 
     with nullcontext() if as_json else console.status(f"converting {gguf} (dequantize, save, check)"):
         r = convert_gguf(gguf, out, dtype=dtype)
@@ -301,7 +301,7 @@ def eval_(
 
     tau/prompt is the mean over prompts of each prompt's tokens per verification step, as the
     DFlash reference benchmark reports it; tau (pooled) divides all tokens by all steps."""
-    from dflash_cache.evaluate import evaluate
+    from dflash_cache.eval.evaluate import evaluate
 
     bar = None if as_json else EvalBar()
     try:
@@ -312,7 +312,7 @@ def eval_(
     if json_out is not None:
         json_out.write_text(json.dumps(r, indent=2) + "\n")
     if histogram_png is not None:
-        from dflash_cache.report import plot_histogram
+        from dflash_cache.pipelines.report import plot_histogram
 
         plot_histogram(r["histogram"], histogram_png, title=f"{Path(cfg.drafter).name}: tau/prompt "
                        f"{r['tau_per_prompt']:.3f}, {r['steps']} verification steps")  # fmt: skip
@@ -345,7 +345,7 @@ def _print_eval(r: dict) -> None:
 @configured(RegenConfig, "dflash regen")
 def regen(cfg: RegenConfig, *, as_json: bool) -> None:
     """Rewrite a dataset's assistant turns with the target's own generations."""
-    from dflash_cache.regen import run
+    from dflash_cache.pipelines.regen import run
 
     _check_gpus(cfg)
     s = run(cfg, Quiet() if as_json else RegenBar())
@@ -361,7 +361,7 @@ def report(
 ) -> None:
     """Plot a training run (loss, acceptance with validation, accuracy per slot, throughput and MFU,
     loader wait) into RUN/report/ and summarize it in RUN/report.md (needs matplotlib)."""
-    from dflash_cache.report import report as report_run
+    from dflash_cache.pipelines.report import report as report_run
 
     _paths(("input_dir", run, "RUN"))
     _emit(report_run(run), as_json, lambda r: console.print(f"wrote {r['report']} and {len(r['plots'])} plots in "
@@ -402,7 +402,7 @@ def demo(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """regen -> extract -> train -> eval on the bundled code target; tau trained vs untrained."""
-    from dflash_cache.demo import DemoConfig, run
+    from dflash_cache.pipelines.demo import DemoConfig, run
 
     _paths(("output_dir", out, "--out"))
     cfg = DemoConfig(out=out, eval_prompts=eval_prompts, **({} if epochs is None else {"epochs": epochs}))
@@ -421,7 +421,7 @@ def demo(
 @configured(RecipeConfig, "dflash recipe")
 def recipe(cfg: RecipeConfig, *, as_json: bool) -> None:
     """target + the benchmark packages -> convert, regen, extract, train, eval: drafters measured at batch 1."""
-    from dflash_cache.recipe import run
+    from dflash_cache.pipelines.recipe import run
 
     _paths(("output_dir", cfg.out, "--out"))
     result = run(cfg, say=(lambda *_: None) if as_json else console.print, bars=_stage_bars(as_json))
@@ -446,7 +446,7 @@ BENCH_JSON = typer.Option(False, "--json", help="Accepted for scripts: bench pri
 
 def _help(cls: type, name: str) -> str:
     """A setting's help text, where a bench option means the same as the stage's."""
-    from dflash_cache.settings import describe
+    from dflash_cache.core.settings import describe
 
     return describe(cls)[name].help
 
@@ -459,7 +459,7 @@ def bench_disk(
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Sequential write and cold-read bandwidth."""
-    from dflash_cache import bench
+    from dflash_cache.bench import suite as bench
 
     _paths(("output_dir", path, "PATH"))
     _print_json(bench.disk(path, size_mb))
@@ -469,7 +469,7 @@ def bench_disk(
 @friendly
 def bench_codec(level: int = typer.Option(3, help="zstd level."), as_json: bool = BENCH_JSON) -> None:
     """zstd ratio and single-thread speed on bf16 hidden-state-shaped data."""
-    from dflash_cache import bench
+    from dflash_cache.bench import suite as bench
 
     _print_json(bench.codec(level=level))
 
@@ -483,7 +483,7 @@ def bench_commit(
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Unit commits while the process runs Python: writer threads against writer processes."""
-    from dflash_cache import bench
+    from dflash_cache.bench import suite as bench
 
     _paths(("output_dir", out, "OUT"))
     _print_json(bench.commit(out, units=units, writers=writers))
@@ -512,7 +512,7 @@ def bench_extract(
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Full extract path vs the bare truncated forward of a random target of a real shape (Qwen3-8B by default)."""
-    from dflash_cache import bench
+    from dflash_cache.bench import suite as bench
 
     _paths(("output_dir", out, "--out"))
     config = bench.shape_of(like) if like else bench.shape_config(shape)
@@ -545,7 +545,7 @@ def bench_train(
 ) -> None:
     """Drafter steps with the real loader vs the same steps on batches already on the GPU, with the
     useful TFLOP/s and MFU of the step."""
-    from dflash_cache import bench
+    from dflash_cache.bench import suite as bench
 
     given = {k: v for k, v in (("max_anchors", max_anchors), ("readers", readers), ("block_size", block_size),
                                ("drafter", drafter), ("draft_layers", draft_layers)) if v}  # fmt: skip
@@ -564,7 +564,7 @@ def bench_ranks(
     as_json: bool = BENCH_JSON,
 ) -> None:
     """Predicted DDP speed-up over one GPU, batches dealt as they come vs by cost (no timing)."""
-    from dflash_cache import bench
+    from dflash_cache.bench import suite as bench
 
     lengths, edges = bench.cache_lengths(cache) if cache is not None else (bench.lognormal_lengths(samples), None)
     counts = tuple(int(r) for r in ranks.split(","))
@@ -586,7 +586,7 @@ def bench_regen(
 ) -> None:
     """New tokens/s of the embedded generation engine, eager and CUDA-graphed side by side, beside the
     memory-bandwidth bound (needs a GPU)."""
-    from dflash_cache import bench_generate
+    from dflash_cache.eval import sets as bench_generate
 
     _print_json(bench_generate.regen(target, shape=shape, data=data, prompts=prompts, prompt_tokens=prompt_tokens,
                             max_new_tokens=max_new_tokens, batch_size=batch_size))  # fmt: skip
@@ -623,8 +623,9 @@ def bench_eval(
     MT-Bench), tokens/s and the speedup, in one table (at batch 1 by default), and JSON."""
     import tempfile
 
-    from dflash_cache import bench_generate, benchsets
-    from dflash_cache.extract.data import check_template_kwargs
+    from dflash_cache.eval import benchsets
+    from dflash_cache.eval import sets as bench_generate
+    from dflash_cache.rows.data import check_template_kwargs
 
     kwargs = check_template_kwargs(chat_template_kwargs)
     sets = _names(benchmarks or ("" if data else ",".join(benchsets.SETS)))
@@ -679,7 +680,7 @@ def bench_sets(
     as_json: bool = BENCH_JSON,
 ) -> None:
     """The benchmark sets that `bench eval` reads: each package file found, its rows, and the rule."""
-    from dflash_cache import benchsets
+    from dflash_cache.eval import benchsets
 
     if out is not None:
         _paths(("output_dir", out, "--out"))

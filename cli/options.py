@@ -1,6 +1,6 @@
 """A command's options from its stage's config dataclass, so the CLI restates no default, type or
 help text: one `--flag` per setting (choices shown, bools as --x/--no-x), plus --config, --set,
---print-config and --json. Every flag defaults to unset; dflash_cache.settings resolves
+--print-config and --json. Every flag defaults to unset; dflash_cache.core.settings resolves
 defaults <- config files <- --set <- flags and checks each value. A new setting in the dataclass
 is a new flag, with nothing to add here."""
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from dflash_cache import settings
-from dflash_cache.settings import Setting
+from dflash_cache.core import settings
+from dflash_cache.core.settings import Setting
 
 TUNING = "Tuning"
 CONFIG = "Config files and output"

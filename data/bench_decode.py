@@ -5,7 +5,7 @@ what a speculative step costs against a plain one.
     python data/bench_decode.py --families dspark --draft-layers 1,2,5 --skip graphs,steps,profile,eager
     python data/bench_decode.py --variants "product_kernel.STAGES=3;slot_kernel.BLOCK_N=64" --set markov_kernel.WARPS=4
 
-For a random-weight target of a named shape (`dflash_cache.bench.SHAPES`, which never says its stop
+For a random-weight target of a named shape (`dflash_cache.bench.suite.SHAPES`, which never says its stop
 token, so every prompt decodes to --max-new-tokens), one row at a time:
 
 - the target alone through the engine, side by side: the eager layers captured as a CUDA graph,
@@ -47,14 +47,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cache import argmax_kernel, drafters  # noqa: E402
-from dflash_cache.bench_generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
+from dflash_cache import drafters  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dspark import markov_kernel as dspark_kernel  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
+from dflash_cache.eval.sets import copy_bandwidth, random_model, weight_bytes  # noqa: E402
 from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, decoder, product_kernel, slot_kernel  # noqa: E402
 from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
+from dflash_cache.kernels import argmax as argmax_kernel
 
 CUDA = torch.device("cuda")
 

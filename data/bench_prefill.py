@@ -32,12 +32,12 @@ from torch.nn.attention import sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cache import drafters  # noqa: E402
-from dflash_cache.app_config import EvalConfig  # noqa: E402
 from dflash_cache.cache.spec import default_layer_ids  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
-from dflash_cache.evaluate import evaluate  # noqa: E402
+from dflash_cache.eval.evaluate import evaluate  # noqa: E402
 from dflash_cache.extract.target import SDPA_BACKENDS, text_config  # noqa: E402
+from dflash_cache.pipelines.config import EvalConfig  # noqa: E402
 
 
 def attention_ms(tc: dict, lengths: range, backends: list | None) -> float:

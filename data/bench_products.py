@@ -3,7 +3,7 @@ without programmatic dependent launch, against cuBLAS, in the whole step and alo
 
     python data/bench_products.py --shape smollm2-135m --out products.json
 
-For a random-weight target of a named shape (`dflash_cache.bench.SHAPES`), each a replayed CUDA
+For a random-weight target of a named shape (`dflash_cache.bench.suite.SHAPES`), each a replayed CUDA
 graph:
 
 - the slot target's step of 1, 2 and 8 tokens at each of `--contexts` (150): products by cuBLAS
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import patched, replay_ms, variant  # noqa: E402
 
-from dflash_cache.bench_generate import random_model, shape_config  # noqa: E402
+from dflash_cache.eval.sets import random_model, shape_config  # noqa: E402
 from dflash_cache.generate import decoder, product_kernel, slot_kernel  # noqa: E402
 from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
@@ -75,8 +75,8 @@ def markov_us(vocab: int, variants: list[str], rank: int = 256) -> dict:
     """DSpark's greedy Markov step (`markov_kernel`) seven times in a row, as a block's draft runs
     it, and the greedy argmax of a verify step's 8 rows (`argmax_kernel`), replayed under each
     setting: us a call, and the Markov step's W2 read in GB/s."""
-    from dflash_cache.argmax_kernel import argmax
     from dflash_cache.drafters.dspark.markov_kernel import markov_argmax
+    from dflash_cache.kernels.argmax import argmax
 
     g = torch.Generator(device=CUDA).manual_seed(0)
     base = torch.randn(1, 7, vocab, device=CUDA, generator=g).bfloat16()

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash_cache.bench import QWEN3_8B, lognormal_lengths
+from dflash_cache.bench.suite import QWEN3_8B, lognormal_lengths
 
 TINY = Path(__file__).resolve().parent / "tiny-target"
 WORDS = (

@@ -2,8 +2,8 @@
 docs/guides/gguf-smollm2.md, read from the running interpreter, offline:
 
 - ``train``: "complete this function" prompts from the standard library's and site-packages'
-  functions, HumanEval left out (`dflash_cache.code_prompts`, which `dflash recipe` uses too);
-- ``humaneval``: HumanEval's 164 prompts in the same user message (`dflash_cache.benchsets`), the
+  functions, HumanEval left out (`dflash_cache.eval.code_prompts`, which `dflash recipe` uses too);
+- ``humaneval``: HumanEval's 164 prompts in the same user message (`dflash_cache.eval.benchsets`), the
   held-out eval.
 
 Usage::
@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from dflash_cache import benchsets, code_prompts
+from dflash_cache.eval import benchsets, code_prompts
 
 
 def main() -> None:

@@ -59,10 +59,10 @@ def rank_of(spec: str, hidden: int, layers: int, basis: str) -> int | str:
 
 def run_variant(cfg, name: str, seeds: list[int], regen: Path) -> dict:
     """Extract the variant's cache, then train and evaluate a drafter on it for each seed."""
-    from dflash_cache import demo
     from dflash_cache.cache.audit import info
     from dflash_cache.extract import stage as extract
     from dflash_cache.extract.config import ExtractConfig
+    from dflash_cache.pipelines import demo
 
     family, rank, basis, scaling, storage = VARIANTS[name]
     target_cfg = json.loads((cfg.target / "config.json").read_text())
@@ -149,7 +149,7 @@ def main() -> None:
         result = run_variant(cfg, args.variant, seeds, regen)
         (cfg.out / f"variant-{args.variant}.json").write_text(json.dumps(result, indent=1))
         return
-    from dflash_cache import demo
+    from dflash_cache.pipelines import demo
 
     start = time.perf_counter()
     demo.regenerate(cfg)

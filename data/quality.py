@@ -9,7 +9,7 @@ One command runs the real pipeline on a target made by ``data/make_code_target.p
 4. ``eval`` (greedy, B = 16) on prefixes of the held-out modules, for an untrained drafter of the
    same shape, the bf16 drafter and the fp8 drafter, with acceptance histograms;
 5. the prompt-lookup (n-gram) drafter on the same prompts and the same greedy outputs
-   (``dflash_cache/lookup.py``), a reference point that needs no training.
+   (``dflash_cache/generate/lookup.py``), a reference point that needs no training.
 
 ``--tasks bf16,dspark`` adds a DSpark drafter (``dflash train --drafter dspark``, its defaults:
 block 7, Markov and confidence heads, CE + L1 + BCE) trained on the very bf16 cache the DFlash
@@ -50,7 +50,7 @@ def demo_config(args: argparse.Namespace):
     """The pipeline's settings: the demo's steps, the default training recipe unless --recipe demo."""
     import torch
 
-    from dflash_cache.demo import DemoConfig
+    from dflash_cache.pipelines.demo import DemoConfig
 
     target = Path(args.target or (ROOT / "data" / "code-target" if args.size == "cpu" else "code-target-gpu"))
     data_dir = ROOT / "data" if args.size == "cpu" and args.target is None else target
@@ -97,7 +97,7 @@ def run_tasks(out: Path, names: list[str], argv: list[str]) -> list[dict]:
 
 def train_config(cfg, cache: Path, run_dir: Path, drafter: str, block_size: int | None):
     """The demo's train settings for one drafter family (its defaults unless --block-size)."""
-    from dflash_cache import demo
+    from dflash_cache.pipelines import demo
 
     return replace(demo.train_config(cfg, cache, run_dir), drafter=drafter, block_size=block_size)
 
@@ -108,7 +108,7 @@ def task(cfg, name: str, regen_path: Path, block_size: int | None = None, final_
     weights; it needs only the bf16 cache's cache.json, written when that extraction starts), or
     "dspark" (a DSpark drafter trained on the bf16 cache, following its extraction, and evaluated).
     `final_hidden`: the bf16 cache holds the final hidden state (a dspark task trains on it)."""
-    from dflash_cache import demo
+    from dflash_cache.pipelines import demo
 
     times: dict[str, float] = {}
     if name in ("untrained", "dspark"):
@@ -158,8 +158,9 @@ def last_metrics(path: Path) -> dict:
 
 def lookup_result(cfg, outputs: list[list[int]], block_size: int) -> dict:
     """The prompt-lookup drafter's acceptance on the same prompts and greedy outputs."""
-    from dflash_cache import evaluate, lookup
+    from dflash_cache.eval import evaluate
     from dflash_cache.extract.target import load_tokenizer
+    from dflash_cache.generate import lookup
 
     prompts = evaluate.load_prompts(cfg.prompts, load_tokenizer(str(cfg.target)), cfg.eval_prompts)
     per_prompt = [lookup.acceptance_lengths(p, o, block_size=block_size) for p, o in zip(prompts, outputs, strict=True)]
@@ -228,7 +229,7 @@ def main() -> None:
 
     import torch
 
-    from dflash_cache import demo
+    from dflash_cache.pipelines import demo
 
     if not torch.cuda.is_available():
         torch.set_flush_denormal(True)

@@ -13,7 +13,7 @@ For each size N (``--sizes``, default 1000,4000,16000,64000 rows), the real pipe
    lr 6e-4, 512 anchors, the default token budget);
 4. ``eval`` on HumanEval (``--eval-prompts`` 164, ``--eval-tokens`` 512 new tokens, greedy, B = 16)
    with the trained drafter; once for all sizes, an untrained drafter of the same shape and the
-   prompt-lookup drafter (``dflash_cache/lookup.py``) on the same greedy outputs.
+   prompt-lookup drafter (``dflash_cache/generate/lookup.py``) on the same greedy outputs.
 
 Everything goes to ``--out``; ``study.json`` holds every figure (tau per prompt and pooled, the
 acceptance histograms, the training's last metrics and the token budget it used, the rows
@@ -24,7 +24,7 @@ run may be split over commands of a few minutes each, and ``--sizes`` runs a sub
 runs K parts at once as processes (the sizes and the untrained eval), sharing the GPU.
 
 The target is the converted GGUF (``dflash convert``). The pipeline's functions are
-``dflash_cache/demo.py``'s, and the recipe, the process runner, the training metrics and the
+``dflash_cache/pipelines/demo.py``'s, and the recipe, the process runner, the training metrics and the
 lookup baseline are ``data/quality.py``'s.
 
 Usage (GPU; CPU at a tiny size in docs/guides/gguf-smollm2.md)::
@@ -54,7 +54,7 @@ sys.path.insert(0, str(HERE))
 
 import quality  # noqa: E402
 
-from dflash_cache import benchsets, code_prompts  # noqa: E402
+from dflash_cache.eval import benchsets, code_prompts  # noqa: E402
 
 SIZES = (1000, 4000, 16000, 64000)
 
@@ -63,7 +63,7 @@ def study_config(args: argparse.Namespace, size: int | None):
     """The DemoConfig of one size (its own directory; `size` None: the untrained part's)."""
     import torch
 
-    from dflash_cache.demo import DemoConfig
+    from dflash_cache.pipelines.demo import DemoConfig
 
     cuda = torch.cuda.is_available()
     out = args.out / (f"n{size}" if size else "untrained")
@@ -99,7 +99,7 @@ def slices(regen_dir: Path) -> list[tuple[int, int]]:
 def regenerate(args: argparse.Namespace, rows: int) -> list[dict]:
     """The target's answers to the first `rows` prompts, from the slices regenerated so far plus a
     new one for the rest; a slice left unfinished by an interrupted run is finished first."""
-    from dflash_cache import demo
+    from dflash_cache.pipelines import demo
 
     regen_dir = args.out / "regen"
     regen_dir.mkdir(parents=True, exist_ok=True)
@@ -146,7 +146,8 @@ def _cuda() -> bool:
 def evaluate_in_pieces(args: argparse.Namespace, cfg, drafter: Path, name: str) -> dict:
     """HumanEval with `drafter`, `--eval-piece` prompts at a time, each piece's result kept in
     OUT/.../eval-NAME/ so that an interrupted eval resumes at its piece; merged as one result."""
-    from dflash_cache import demo, evaluate
+    from dflash_cache.eval import evaluate
+    from dflash_cache.pipelines import demo
 
     rows = (args.out / "humaneval.jsonl").read_text().splitlines()[: args.eval_prompts]
     piece_rows = args.eval_piece or (len(rows) if _cuda() else 16)
@@ -180,7 +181,7 @@ def evaluate_in_pieces(args: argparse.Namespace, cfg, drafter: Path, name: str) 
 
 def size_part(args: argparse.Namespace, size: int) -> dict:
     """One size: its training rows (regenerated already), extract, train, eval."""
-    from dflash_cache import demo
+    from dflash_cache.pipelines import demo
 
     cfg = study_config(args, size)
     times: dict[str, float] = {}
@@ -214,7 +215,7 @@ def _checkpoint_budget(run_dir: Path) -> int | None:
 def untrained_part(args: argparse.Namespace) -> dict:
     """An untrained drafter of the trained ones' shape (any size's cache gives the geometry), and
     prompt lookup on the same greedy outputs: neither depends on the size."""
-    from dflash_cache import demo
+    from dflash_cache.pipelines import demo
 
     caches = [args.out / f"n{n}" / "cache" for n in args.sizes]
     while not any((c / "cache.json").exists() for c in caches):  # a size part, maybe running at once, makes one
@@ -244,7 +245,7 @@ def run_part(args: argparse.Namespace, name: str) -> dict:
 def summary(args: argparse.Namespace, manifest: dict, parts: dict[str, dict]) -> dict:
     import torch
 
-    from dflash_cache.settings import plain
+    from dflash_cache.core.settings import plain
 
     slim = {}
     for name, p in parts.items():  # per-sample outputs stay in the task files
@@ -299,7 +300,7 @@ def main() -> None:
 
     import torch
 
-    from dflash_cache.devices import DeviceError, parse_gpus
+    from dflash_cache.core.devices import DeviceError, parse_gpus
 
     try:  # checked once, before any part starts
         args.gpus = parse_gpus(args.gpus) if args.gpus else None

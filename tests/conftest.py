@@ -227,7 +227,7 @@ def smollm2(tmp_path_factory) -> Path:
     """The real SmolLM2 target as a Hugging Face directory, converted once a session by
     `dflash convert`'s library call (bf16 weights; 20-30 s on 2 busy cores, most of it
     transformers reading the GGUF). Its dflash_convert.json records the time it took."""
-    from dflash_cache.convert import RECORD, convert
+    from dflash_cache.pipelines.convert import RECORD, convert
 
     out = tmp_path_factory.mktemp("smollm2") / "hf"
     t = time.perf_counter()

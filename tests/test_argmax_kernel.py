@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_cache import argmax_kernel
+from dflash_cache.kernels import argmax as argmax_kernel
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # conftest: the kernels on the CPU
 

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from dflash_cache import bench
+from dflash_cache.bench import suite as bench
 from dflash_cache.cache.audit import verify
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import committed_units

@@ -15,11 +15,11 @@ import pytest
 from conftest import ROOT, TINY_TARGET, pypi_package, python_path
 from test_evaluate import export_random_drafter
 
-from dflash_cache import benchsets as S
-from dflash_cache.app_config import EvalConfig
-from dflash_cache.evaluate import evaluate
-from dflash_cache.extract.data import RAW, DataError, read_rows
-from dflash_cache.extract.json_array import read_json_array
+from dflash_cache.eval import benchsets as S
+from dflash_cache.eval.evaluate import evaluate
+from dflash_cache.pipelines.config import EvalConfig
+from dflash_cache.rows.data import RAW, DataError, read_rows
+from dflash_cache.rows.json_array import read_json_array
 
 
 def mt_bench() -> None:
@@ -165,7 +165,7 @@ def test_an_interrupted_bench_eval_measures_only_the_sets_it_had_not_finished(tm
     """`bench eval` (and the recipe's eval stage) stopped during its second set, then run again: the
     first set's figures come from the interrupted run, only the second set is measured, and the
     result is an uninterrupted run's; an evaluation with other settings measures every set."""
-    from dflash_cache.bench_generate import evaluation
+    from dflash_cache.eval.sets import evaluation
 
     drafter = export_random_drafter(tmp_path / "drafter" / "export", 8)
     sets = []
@@ -210,8 +210,8 @@ def test_an_interrupted_bench_eval_measures_only_the_sets_it_had_not_finished(tm
 def test_replay_of_sampled_outputs_is_refused_before_any_decode(tmp_path):
     """`bench eval --replay` at a temperature above 0: one user error, before a set is decoded
     (a replay needs greedy outputs)."""
-    from dflash_cache.bench_generate import evaluation
-    from dflash_cache.evaluate import EvalError
+    from dflash_cache.eval.evaluate import EvalError
+    from dflash_cache.eval.sets import evaluation
 
     with pytest.raises(EvalError, match="greedy"):
         evaluation(str(TINY_TARGET), {"a": tmp_path / "a", "b": tmp_path / "b"}, ["no-such-set"], temperature=0.5,

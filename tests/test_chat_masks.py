@@ -21,8 +21,8 @@ import huggingface_hub.constants
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_cache.extract import data as D
-from dflash_cache.extract.chat import check_template_kwargs
+from dflash_cache.rows import data as D
+from dflash_cache.rows.chat import check_template_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "data" / "tiny-target"

@@ -18,14 +18,15 @@ from conftest import CHAT, ROOT, TINY_TARGET, RecordingSink
 from typer.testing import CliRunner
 
 from cli.main import app
-from dflash_cache import benchsets, settings
-from dflash_cache.app_config import EvalConfig, RecipeConfig, RegenConfig
 from dflash_cache.cache.spec import CACHE_JSON, write_spec
 from dflash_cache.cache.store import FROZEN, cache_lock
-from dflash_cache.devices import DeviceError, check_gpus, parse_gpus
+from dflash_cache.core import settings
+from dflash_cache.core.devices import DeviceError, check_gpus, parse_gpus
+from dflash_cache.core.paths import PathKindError
+from dflash_cache.core.settings import SettingsError, plain, resolve
+from dflash_cache.eval import benchsets
 from dflash_cache.extract.config import ExtractConfig
-from dflash_cache.paths import PathKindError
-from dflash_cache.settings import SettingsError, plain, resolve
+from dflash_cache.pipelines.config import EvalConfig, RecipeConfig, RegenConfig
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.follow import wait_for_cache
 
@@ -269,8 +270,8 @@ def test_json_output_is_one_object_on_stdout(tmp_path):
 def test_eval_shows_progress_and_prints_json(tmp_path):
     from test_evaluate import PROMPTS, export_random_drafter
 
-    from dflash_cache.app_config import EvalConfig
-    from dflash_cache.evaluate import evaluate
+    from dflash_cache.eval.evaluate import evaluate
+    from dflash_cache.pipelines.config import EvalConfig
 
     drafter = export_random_drafter(tmp_path / "export", 4)
     sink = RecordingSink()

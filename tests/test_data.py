@@ -11,8 +11,8 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_cache.extract import data as D
-from dflash_cache.extract.chat import has_generation_markers
+from dflash_cache.rows import data as D
+from dflash_cache.rows.chat import has_generation_markers
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "data" / "tiny-target"

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from dflash_cache.app_config import EvalConfig
-from dflash_cache.demo import DemoConfig, run
-from dflash_cache.evaluate import evaluate, replayed
+from dflash_cache.eval.evaluate import evaluate, replayed
+from dflash_cache.pipelines.config import EvalConfig
+from dflash_cache.pipelines.demo import DemoConfig, run
 
 
 def test_demo_trained_drafter_beats_untrained(tmp_path):

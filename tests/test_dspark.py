@@ -21,7 +21,7 @@ from conftest import ROOT, TINY_TARGET
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_cache import drafters
-from dflash_cache.devices import launch, process_group
+from dflash_cache.core.devices import launch, process_group
 from dflash_cache.drafters.attention import BlockLayout
 from dflash_cache.drafters.dflash.config import DrafterConfig
 from dflash_cache.drafters.dspark import family as dspark
@@ -264,8 +264,8 @@ def test_train_validates_resumes_and_exports(final_cache, tmp_path):
     model, cfg, family = drafters.load_serving(export)
     assert family.name == "dspark" and cfg.markov_rank == 16 and type(model) is DSparkDrafter
     # dflash eval decodes it as any family: the target's greedy output, steps of up to B + 1 tokens
-    from dflash_cache.app_config import EvalConfig
-    from dflash_cache.evaluate import evaluate
+    from dflash_cache.eval.evaluate import evaluate
+    from dflash_cache.pipelines.config import EvalConfig
 
     r = evaluate(EvalConfig(target=str(TINY_TARGET), drafter=export, data=str(ROOT / "data" / "prompts.jsonl"),
                             limit=3, max_new_tokens=16))  # fmt: skip

@@ -18,14 +18,13 @@ import torch
 from conftest import ROOT, TINY_TARGET, hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache import evaluate as ev
-from dflash_cache import lookup
-from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import default_layer_ids
 from dflash_cache.drafters.attention import BlockLayout
-from dflash_cache.generate import BlockProposer, Engine, Request, StopRule
+from dflash_cache.eval import evaluate as ev
+from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, lookup
 from dflash_cache.generate.requests import Chooser, DraftChooser, speculative_accept
 from dflash_cache.generate.targets import CachedTarget, SlotTarget
+from dflash_cache.pipelines.config import EvalConfig
 from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, load_serving, save_serving
 
 PROMPTS = ROOT / "data" / "prompts.jsonl"

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from dflash_cache.cache.format import decode_hidden
 from dflash_cache.cache.spec import read_spec, write_spec
 from dflash_cache.cache.store import REJECTED, committed_units
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
 from dflash_cache.extract.stage import ExtractError, prepare, run
 
 

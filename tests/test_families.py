@@ -163,7 +163,7 @@ def test_build_is_deterministic_and_vocab_overridable(tmp_path, built):
 def test_bench_inputs_qwen3_rows_fit_the_length_mix(built):
     import make_bench_inputs
 
-    from dflash_cache.bench import lognormal_lengths
+    from dflash_cache.bench.suite import lognormal_lengths
 
     tok = AutoTokenizer.from_pretrained(built["qwen3"])
     rows = make_bench_inputs.qwen3_rows(30, tok)

@@ -44,7 +44,7 @@ from dflash_cache.cache.format import RowFormat, verify_unit
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import PARTIAL, committed_units, unit_name
 from dflash_cache.extract.stage import ExtractError, run
-from dflash_cache.regen import parts_dir
+from dflash_cache.pipelines.regen import parts_dir
 from dflash_cache.train.checkpoint import Checkpointer
 
 KILLS_EXTRACT = 14
@@ -190,7 +190,7 @@ def test_ctrl_c_while_workers_start(tmp_path):
     """Ctrl-C once the first of `--procs 2`'s worker processes exists, while the parent is
     starting the other and both import torch and the stage: one line, exit code 130, and no
     process of the run left behind. The workers start deaf to it; the parent must not be, else
-    the Ctrl-C is lost and the run goes on to the end (dflash_cache.interrupts)."""
+    the Ctrl-C is lost and the run goes on to the end (dflash_cache.core.interrupts)."""
     data = _rows(tmp_path / "rows.jsonl", 80)
     out = tmp_path / "cache"
     cmd = [*extract_cmd(data, out), "--procs", "2"]
@@ -347,7 +347,7 @@ def test_ctrl_c_ends_train_with_one_line_and_resumes(small_cache, tmp_path):
 
 
 def _regen_cmd(data: Path, out: Path) -> list[str]:
-    code = ("from pathlib import Path; from dflash_cache.regen import RegenConfig, run; "
+    code = ("from pathlib import Path; from dflash_cache.pipelines.regen import RegenConfig, run; "
             f"run(RegenConfig(target={str(TINY_TARGET)!r}, data={str(data)!r}, out=Path({str(out)!r}), "
             "max_new_tokens=12, part_rows=1, batch_size=1, temperature=0.8, seed=3))")  # fmt: skip
     return [sys.executable, "-c", code]

@@ -16,7 +16,7 @@ from dflash_cache.cache.audit import info, verify
 from dflash_cache.cache.format import RowFormat, UnitReader, decode_hidden
 from dflash_cache.cache.spec import SpecError, read_spec
 from dflash_cache.cache.store import committed_units
-from dflash_cache.devices import flush_denormals
+from dflash_cache.core.devices import flush_denormals
 from dflash_cache.extract.stage import ExtractError, estimated_bytes, final_bytes, prepare, run
 from dflash_cache.train.loader import CacheLoader
 

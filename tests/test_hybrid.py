@@ -23,8 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from dflash_cache import bench
-from dflash_cache.app_config import EvalConfig, RegenConfig
+from dflash_cache.bench import suite as bench
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import read_frozen
 from dflash_cache.drafters.attention import BlockLayout
@@ -40,6 +39,7 @@ from dflash_cache.extract.target import (
     text_config,
 )
 from dflash_cache.generate import Request
+from dflash_cache.pipelines.config import EvalConfig, RegenConfig
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.drafter import DrafterConfig, load_serving
@@ -291,7 +291,7 @@ def test_eval_on_hybrid_targets_equals_an_uncached_loop(pipeline, tmp_path, bloc
     """dflash eval on a hybrid rolls the recurrent state back after every rejection (the one-row
     target keeps a copy from before the verification and re-runs the accepted tokens): its outputs
     and acceptance equal an uncached speculative loop's, and greedy speculative equals the target."""
-    from dflash_cache.evaluate import evaluate, load_prompts, stop_token_ids
+    from dflash_cache.eval.evaluate import evaluate, load_prompts, stop_token_ids
 
     drafter_dir = pipeline["run"] / "export"
     prompts = write_rows(tmp_path / "prompts.jsonl", [{"prompt": q} for q in fam.QUESTIONS[:2]])
@@ -354,7 +354,7 @@ def greedy_without_cache(tok, model, messages, stop: set[int], max_new_tokens: i
 def test_regen_replies_are_the_targets_greedy_ones(hybrid_targets, family, tmp_path):
     """Batched (left-padded) generation with the hybrid's recurrent cache gives the replies of an
     unbatched, uncached greedy decode. The prompt ends in Qwen3.5's opened think block."""
-    from dflash_cache.regen import run
+    from dflash_cache.pipelines.regen import run
 
     target = hybrid_targets[family]
     rows = fam.example_rows(family)[:3]  # one and two turns, with and without a system turn, of unequal lengths

@@ -15,8 +15,8 @@ import pytest
 from conftest import ROOT, TINY_TARGET
 from transformers import AutoTokenizer
 
-from dflash_cache.extract import data as D
-from dflash_cache.extract.json_array import read_json_array
+from dflash_cache.rows import data as D
+from dflash_cache.rows.json_array import read_json_array
 
 
 def sharegpt_records(n: int) -> list:
@@ -189,7 +189,7 @@ def test_extract_and_regen_read_a_cut_short_file_with_one_warning(tmp_path):
 def test_eval_prompts_of_a_cut_short_file_are_its_whole_records(tmp_path):
     """`dflash eval`'s prompts from a cut file: one per whole record, each the prompt that record
     gives when written alone as JSON Lines; one warning."""
-    from dflash_cache import evaluate as ev
+    from dflash_cache.eval import evaluate as ev
 
     records = sharegpt_records(4)
     path = tmp_path / "cut.json"

@@ -13,12 +13,12 @@ from conftest import CHAT, ROOT, TINY_TARGET, extract_config
 from transformers import AutoConfig, AutoTokenizer
 
 from dflash_cache.cache.spec import CacheSpec, read_spec
+from dflash_cache.core.errors import UserError
+from dflash_cache.core.settings import SettingsError, resolve
 from dflash_cache.drafters.dflash import family as dflash_family
-from dflash_cache.errors import UserError
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.mask import choose_mask_token, data_token_ids, unused_special_tokens
 from dflash_cache.extract.stage import prepare, run
-from dflash_cache.settings import SettingsError, resolve
 from dflash_cache.train import stage as train_mod
 
 sys.path.insert(0, str(ROOT / "data"))

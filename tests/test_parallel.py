@@ -191,7 +191,7 @@ def test_caches_of_any_layout_resume_each_other(tmp_path):
 MEASURE = """
 import json, sys, torch
 from pathlib import Path
-from dflash_cache.devices import Group, process_group, torchrun_worker
+from dflash_cache.core.devices import Group, process_group, torchrun_worker
 from dflash_cache.extract.parallel import distributed_config, layout, local_bytes
 from dflash_cache.extract.target import load_causal_lm, load_config
 

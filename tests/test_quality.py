@@ -1,4 +1,4 @@
-"""The prompt-lookup baseline of the quality run (dflash_cache/lookup.py): its drafts follow the
+"""The prompt-lookup baseline of the quality run (dflash_cache/generate/lookup.py): its drafts follow the
 n-gram rule, and the acceptance it computes from a greedy output alone equals what the real
 speculative-decoding loop commits with that drafter plugged in, on a real target."""
 
@@ -12,8 +12,8 @@ from conftest import ROOT, TINY_TARGET, hf_greedy
 from test_evaluate import decode, scripted_engine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache import evaluate as ev
-from dflash_cache import lookup
+from dflash_cache.eval import evaluate as ev
+from dflash_cache.generate import lookup
 from dflash_cache.generate.lookup_mix import ngram_drafts
 
 

@@ -20,16 +20,16 @@ from test_chat_masks import expected_mask
 from test_serving_export import one_block
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache import benchsets, code_prompts
-from dflash_cache import evaluate as ev
-from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import read_frozen
-from dflash_cache.convert import RECORD, ConvertError, convert, find_gguf
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
+from dflash_cache.eval import benchsets, code_prompts
+from dflash_cache.eval import evaluate as ev
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.stage import prepare, run
 from dflash_cache.extract.target import load_config, load_tokenizer
+from dflash_cache.pipelines.config import EvalConfig
+from dflash_cache.pipelines.convert import RECORD, ConvertError, convert, find_gguf
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.drafter import load_serving

@@ -15,10 +15,10 @@ import sys
 
 from conftest import ROOT, TINY_TARGET, pypi_package, python_path
 
-from dflash_cache.app_config import EvalConfig
-from dflash_cache.benchsets import set_rows, write_rows
 from dflash_cache.cache.spec import read_spec
-from dflash_cache.evaluate import evaluate
+from dflash_cache.eval.benchsets import set_rows, write_rows
+from dflash_cache.eval.evaluate import evaluate
+from dflash_cache.pipelines.config import EvalConfig
 
 
 def test_recipe_runs_every_stage_once_and_resumes(tmp_path):

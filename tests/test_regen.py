@@ -16,10 +16,10 @@ from conftest import CHAT, ROOT, TINY_TARGET, RecordingSink
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache.dialogue import REASONING_MARKERS, reply_decoder
-from dflash_cache.errors import UserError
-from dflash_cache.regen import RegenConfig, parts_dir, run
-from dflash_cache.settings import resolve
+from dflash_cache.core.errors import UserError
+from dflash_cache.core.settings import resolve
+from dflash_cache.pipelines.regen import RegenConfig, parts_dir, run
+from dflash_cache.rows.dialogue import REASONING_MARKERS, reply_decoder
 
 sys.path.insert(0, str(ROOT / "data"))
 import make_family_targets as fam  # noqa: E402
@@ -169,7 +169,7 @@ def test_killed_regen_resumes_to_the_same_output(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in _source(24)))
 
     def cmd(out: Path):
-        code = ("from pathlib import Path; from dflash_cache.regen import RegenConfig, run; "
+        code = ("from pathlib import Path; from dflash_cache.pipelines.regen import RegenConfig, run; "
                 f"run(RegenConfig(target={str(TINY_TARGET)!r}, data={str(data)!r}, out=Path({str(out)!r}), "
                 "max_new_tokens=24, part_rows=4, batch_size=4, temperature=0.8, seed=3))")  # fmt: skip
         return [sys.executable, "-c", code]

@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from dflash_cache.report import ReportError, plot_histogram, report
+from dflash_cache.pipelines.report import ReportError, plot_histogram, report
 
 pytest.importorskip("matplotlib")
 

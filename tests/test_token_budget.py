@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from dflash_cache import bench
+from dflash_cache.bench import suite as bench
 from dflash_cache.cache.spec import SpecError, read_spec
 from dflash_cache.train.cost import (
     DENSEST_BLOCKS,

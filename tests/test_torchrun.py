@@ -23,7 +23,7 @@ from conftest import CHAT, ROOT, TINY_TARGET, extract_config, read_cache
 from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import committed_units
-from dflash_cache.devices import DeviceError, launch, torchrun_worker, worker_threads
+from dflash_cache.core.devices import DeviceError, launch, torchrun_worker, worker_threads
 from dflash_cache.extract.stage import run
 from dflash_cache.train import stage as train
 

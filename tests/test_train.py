@@ -10,7 +10,7 @@ import torch
 from conftest import RecordingSink
 
 from dflash_cache.cache.spec import read_spec
-from dflash_cache.devices import Worker, flush_denormals, launch, process_group, worker_threads
+from dflash_cache.core.devices import Worker, flush_denormals, launch, process_group, worker_threads
 from dflash_cache.train.checkpoint import Checkpointer
 from dflash_cache.train.config import TrainConfig, TrainError
 from dflash_cache.train.drafter import load_serving

@@ -303,7 +303,7 @@ def test_tensorboard_and_report_of_a_real_run(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from test_report import png_size
 
-    from dflash_cache.report import report
+    from dflash_cache.pipelines.report import report
 
     a, _ = runs
     val, steps = _records(a)

@@ -37,7 +37,7 @@ from zarr.codecs import BytesCodec, ZstdCodec
 from zarr.core.buffer.cpu import NDBuffer
 
 from dflash_cache.cache.spec import CacheSpec, ProjectionInfo, StorageInfo
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: unit writer processes never load it
     import torch

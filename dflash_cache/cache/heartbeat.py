@@ -21,9 +21,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_cache.atomic import write_atomic
 from dflash_cache.cache.store import pid_alive
-from dflash_cache.interrupts import held
+from dflash_cache.core.atomic import write_atomic
+from dflash_cache.core.interrupts import held
 
 HEARTBEAT = ".heartbeat"
 INTERVAL = 15.0  # seconds between beats

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dflash_cache.atomic import replacing
 from dflash_cache.cache.spec import BASES, SCALINGS, CacheSpec, ProjectionInfo
-from dflash_cache.damage import load_safetensors
-from dflash_cache.errors import UserError
+from dflash_cache.core.atomic import replacing
+from dflash_cache.core.damage import load_safetensors
+from dflash_cache.core.errors import UserError
 
 PROJECTION = "projection.safetensors"
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.atomic import write_atomic
-from dflash_cache.errors import UserError
+from dflash_cache.core.atomic import write_atomic
+from dflash_cache.core.errors import UserError
 
 FORMAT_VERSION = 1  # a cache of the tapped layers as they are
 PROJECTED_VERSION = 2  # a cache of the projected features (`projection`): readers before it must refuse it

@@ -20,10 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_cache.atomic import replacing, write_atomic
 from dflash_cache.cache.format import UnitArrays, write_group
 from dflash_cache.cache.spec import StorageInfo
-from dflash_cache.errors import UserError
+from dflash_cache.core.atomic import replacing, write_atomic
+from dflash_cache.core.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where it is used: unit writer processes never load it
     import torch
@@ -200,7 +200,7 @@ def write_frozen(cache_dir: Path, embed: torch.Tensor, lm_head: torch.Tensor | N
 def read_frozen(cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """The frozen (embedding, LM head) pair; the same tensor twice when the target ties them. A
     damaged file is `DamagedFile`, which says how to have extract write it again."""
-    from dflash_cache.damage import damaged, load_safetensors
+    from dflash_cache.core.damage import damaged, load_safetensors
 
     path = Path(cache_dir) / FROZEN
     fix = f"delete it and rerun the `dflash extract --out {cache_dir}` that made the cache: it writes it again"

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash_cache.devices import to_device
+from dflash_cache.core.devices import to_device
 from dflash_cache.drafters.compile import compile_for_cuda
 
 _flex_compiled = compile_for_cuda(flex_attention, dynamic=None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_cache.devices import to_device
+from dflash_cache.core.devices import to_device
 from dflash_cache.drafters.attention import BlockLayout
 
 # gamma of the slot decay exp(-(k-1)/gamma), from the DFlash paper.

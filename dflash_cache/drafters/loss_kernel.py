@@ -20,7 +20,7 @@ import functools
 import torch
 from torch import Tensor
 
-from dflash_cache.triton_support import available, on_device
+from dflash_cache.kernels.triton_support import available, on_device
 
 BLOCK = 2048  # logits a program reads at once, of its one row
 WARPS = 8  # warps a program runs (data/bench_loss.py --tiles times others)

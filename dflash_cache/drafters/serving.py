@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from dflash_cache.damage import load_safetensors, read_json
+from dflash_cache.core.damage import load_safetensors, read_json
 
 FAMILY_KEY = "drafter_family"  # where a non-DFlash export's config.json names its family
 REEXPORT = "export the drafter again from its run directory (`dflash export RUN OUT`)"

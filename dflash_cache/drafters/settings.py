@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash_cache.settings import setting
+from dflash_cache.core.settings import setting
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The extract stage's settings: one dataclass whose defaults and help texts are the CLI's, the
-config files' and bench's (see dflash_cache/settings.py). Light: importing it loads no torch."""
+config files' and bench's (see dflash_cache/core/settings.py). Light: importing it loads no torch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_cache.settings import setting
+from dflash_cache.core.settings import setting
 
 DATA_HELP = ("Rows: a JSONL / JSON / Parquet file, a saved `datasets` directory, or a hub dataset name; "
              "messages, ShareGPT conversations, Alpaca instruction/output, prompt/response or text.")  # fmt: skip

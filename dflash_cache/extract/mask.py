@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from dflash_cache.errors import ExtractError
+from dflash_cache.core.errors import ExtractError
 
 AUTO = "auto"
 ROLE_TOKENS = ("bos", "eos", "unk", "pad", "sep", "cls")  # inserted by tokenizers and pipelines themselves

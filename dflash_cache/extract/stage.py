@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache.atomic import is_temporary
 from dflash_cache.cache.format import STORAGES, RowFormat, chunk_tokens_for, encode_rows
 from dflash_cache.cache.heartbeat import HEARTBEAT, beating
 from dflash_cache.cache.projection import PROJECTION, Basis, check_projection
@@ -56,7 +55,8 @@ from dflash_cache.cache.store import (
     write_frozen,
     write_rejected,
 )
-from dflash_cache.devices import (
+from dflash_cache.core.atomic import is_temporary
+from dflash_cache.core.devices import (
     GpuThrottle,
     Group,
     Worker,
@@ -69,8 +69,9 @@ from dflash_cache.devices import (
     torchrun_worker,
     worker_threads,
 )
-from dflash_cache.errors import ExtractError
-from dflash_cache.extract import data as data_mod
+from dflash_cache.core.errors import ExtractError
+from dflash_cache.core.paths import output_dir
+from dflash_cache.core.progress import ProgressSink, Reporter
 from dflash_cache.extract.basis import fit_basis, fit_sample
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 from dflash_cache.extract.config import ExtractConfig, resolve_rank, resolve_token_budget
@@ -85,8 +86,7 @@ from dflash_cache.extract.target import (
     target_info,
     text_config,
 )
-from dflash_cache.paths import output_dir
-from dflash_cache.progress import ProgressSink, Reporter
+from dflash_cache.rows import data as data_mod
 
 WORK = ".work"  # tokenized dataset, reused by reruns; safe to delete
 

@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from dflash_cache.cache.spec import TargetInfo, digest
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
 
 
 class TargetError(UserError, ValueError):
@@ -31,7 +31,7 @@ class TargetError(UserError, ValueError):
 
 def refuse_gguf(path: str) -> None:
     """A GGUF checkpoint (a .gguf file, or a directory holding one and no config.json) is converted
-    once by `dflash convert` rather than dequantized by every stage (dflash_cache/convert.py)."""
+    once by `dflash convert` rather than dequantized by every stage (dflash_cache/pipelines/convert.py)."""
     p = Path(path)
     if (p.is_file() and p.suffix == ".gguf") or (
         p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf"))

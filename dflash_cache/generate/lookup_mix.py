@@ -2,7 +2,7 @@
 row's last N tokens occurred before, and from the drafter elsewhere.
 
 A small target repeats itself (on MT-Bench's second turns prompt lookup accepts over 4 tokens a
-step of SmolLM2-135M's answers), and there prompt lookup (`dflash_cache.lookup`) drafts better than
+step of SmolLM2-135M's answers), and there prompt lookup (`dflash_cache.generate.lookup`) drafts better than
 a trained drafter; on new text the drafter does. The choice is made per row and per step on the
 device, from the length of the suffix that lookup matched: N tokens or more, lookup's drafts; else
 the drafter's. Both are verified the same way, so greedy output stays the target's own.
@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from dflash_cache.drafters.compile import compiled_or_eager
+from dflash_cache.generate.lookup import mixed_max_ngram
 from dflash_cache.generate.proposer import BlockProposer
-from dflash_cache.lookup import mixed_max_ngram
 
 
 def ngram_drafts(tokens: Tensor, pos: Tensor, num_draft: int, max_ngram: int, min_ngram: int = 1

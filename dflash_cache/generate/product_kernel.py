@@ -37,7 +37,7 @@ import functools
 import torch
 from torch import Tensor
 
-from dflash_cache.triton_support import available, on_device, pdl_options
+from dflash_cache.kernels.triton_support import available, on_device, pdl_options
 
 BLOCK_T = 16  # rows (tokens) a program takes at once, whatever the step holds
 COLS = 16  # output columns a program owns

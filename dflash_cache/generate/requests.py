@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from dflash_cache.argmax_kernel import argmax
+from dflash_cache.kernels.argmax import argmax
 
 STOP, LENGTH, ERROR = "stop", "length", "error"  # why a completion ended
 

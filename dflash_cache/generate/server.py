@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
 from dflash_cache.generate.requests import ERROR, LENGTH, STOP, Completion, Request
 
 PROBES = ("Hello, world!", "def add(a, b):\n    return a + b\n", "<|im_start|>user\n1 + 1 = ?<|im_end|>\n")

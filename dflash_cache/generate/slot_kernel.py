@@ -34,7 +34,7 @@ import functools
 import torch
 from torch import Tensor
 
-from dflash_cache.triton_support import available, on_device, pdl_options, zeroed_counts
+from dflash_cache.kernels.triton_support import available, on_device, pdl_options, zeroed_counts
 
 BLOCK_M = 16  # query rows (token x head of the group) a program holds
 BLOCK_N = 128  # keys a block

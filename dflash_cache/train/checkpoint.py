@@ -20,8 +20,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from dflash_cache.atomic import write_atomic
-from dflash_cache.damage import DamagedFile, torch_load
+from dflash_cache.core.atomic import write_atomic
+from dflash_cache.core.damage import DamagedFile, torch_load
 
 LATEST = "LATEST"
 _FIX = "delete it to resume from the checkpoint before it, or train into a new --out"

@@ -1,5 +1,5 @@
 """The train stage's settings: one flat set whose defaults and help texts are the CLI's, the config
-files' and bench's (see dflash_cache/settings.py), and the drafter config they imply for a given
+files' and bench's (see dflash_cache/core/settings.py), and the drafter config they imply for a given
 cache (through the drafter family, `dflash_cache.drafters`).
 
 `TrainConfig` is the trainer's own settings (`TrainerSettings`) followed by every drafter family's
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from dflash_cache import drafters
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits
+from dflash_cache.core.errors import UserError
+from dflash_cache.core.settings import setting
 from dflash_cache.drafters.settings import DrafterSettings
-from dflash_cache.errors import UserError
-from dflash_cache.settings import setting
 
 if TYPE_CHECKING:  # a family's code loads torch and transformers; the settings alone must not (the CLI reads them)
     from dflash_cache.drafters import Family

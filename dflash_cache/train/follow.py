@@ -32,8 +32,8 @@ import torch.distributed as dist
 from dflash_cache.cache.heartbeat import HEARTBEAT, live_beat
 from dflash_cache.cache.spec import CACHE_JSON
 from dflash_cache.cache.store import FROZEN, committed_units, extract_running, unit_name
-from dflash_cache.errors import UserError
-from dflash_cache.paths import PathKindError
+from dflash_cache.core.errors import UserError
+from dflash_cache.core.paths import PathKindError
 
 
 @dataclass(frozen=True)

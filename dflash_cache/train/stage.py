@@ -34,14 +34,14 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflash_cache.atomic import write_atomic
 from dflash_cache.cache.projection import Basis
 from dflash_cache.cache.spec import CacheSpec, SpecError, read_spec
 from dflash_cache.cache.store import FROZEN, committed_units, read_frozen
-from dflash_cache.damage import DamagedFile, read_json
-from dflash_cache.devices import GpuThrottle, Worker, launch, process_group, torchrun_worker, worker_threads
+from dflash_cache.core.atomic import write_atomic
+from dflash_cache.core.damage import DamagedFile, read_json
+from dflash_cache.core.devices import GpuThrottle, Worker, launch, process_group, torchrun_worker, worker_threads
+from dflash_cache.core.progress import ProgressSink, Reporter
 from dflash_cache.drafters import DrafterSettings, Family, Objective, Output
-from dflash_cache.progress import ProgressSink, Reporter
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
 from dflash_cache.train.config import CACHE_APPEAR_S, TrainConfig, TrainError, drafter_config
 from dflash_cache.train.cost import FEW_STEPS, drafter_cost, run_token_budget

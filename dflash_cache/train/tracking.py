@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
 
 BACKENDS = ("tensorboard", "wandb")
 TENSORBOARD_DIR = "tensorboard"

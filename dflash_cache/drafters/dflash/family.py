@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_cache.cache.spec import CacheSpec, check_drafter_fits
-from dflash_cache.devices import to_device
+from dflash_cache.core.devices import to_device
 from dflash_cache.drafters.base import Choose, Family, Output, TrainingBatch
 from dflash_cache.drafters.blocks import Blocks, make_blocks
 from dflash_cache.drafters.decoding import choose_each, mask_block

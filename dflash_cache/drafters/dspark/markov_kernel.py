@@ -19,8 +19,8 @@ import functools
 import torch
 from torch import Tensor
 
-from dflash_cache import argmax_kernel
-from dflash_cache.triton_support import available, on_device
+from dflash_cache.kernels import argmax as argmax_kernel
+from dflash_cache.kernels.triton_support import available, on_device
 
 BLOCK_V = 128  # vocabulary rows a program takes
 BLOCK_R = 64  # of the rank, summed at once

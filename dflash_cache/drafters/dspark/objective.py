@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_cache.devices import to_device
+from dflash_cache.core.devices import to_device
 from dflash_cache.drafters.attention import BlockLayout
 from dflash_cache.drafters.base import Output, TrainingBatch, batch_final
 from dflash_cache.drafters.blocks import Blocks, anchors_by_sequence, pick_anchors

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from dflash_cache.core.settings import setting
 from dflash_cache.drafters.settings import DrafterSettings
-from dflash_cache.settings import setting
 
 MarkovHead = Literal["vanilla", "gated", "rnn"]
 HEAD_TYPES: tuple[str, ...] = get_args(MarkovHead)

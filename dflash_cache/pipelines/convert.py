@@ -29,9 +29,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.damage import damaged, read_json, reason
-from dflash_cache.errors import UserError
-from dflash_cache.paths import output_dir
+from dflash_cache.core.damage import damaged, read_json, reason
+from dflash_cache.core.errors import UserError
+from dflash_cache.core.paths import output_dir
 
 RECORD = "dflash_convert.json"
 DTYPES = ("bfloat16", "float32")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
 
 
 class PathKindError(UserError, ValueError):

@@ -4,7 +4,7 @@ Rows come in the forms users already have (OpenAI ``messages``, ShareGPT ``conve
 ``instruction``/``input``/``output``, ``prompt``/``response``, plain ``text``), from local files, a
 saved or downloaded dataset directory, or a hub dataset name. :func:`conversation` turns every chat
 form into one list of messages, so regen, extract and eval accept the same rows; the loss mask of a
-conversation comes from its chat template (see :mod:`dflash_cache.extract.chat`).
+conversation comes from its chat template (see :mod:`dflash_cache.rows.chat`).
 
 Bad rows (malformed, empty, nothing to learn, too long) are rejected with a reason instead of
 crashing the run; problems that concern every row (no such file, no chat template, a template
@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 import datasets
 
-from dflash_cache.extract.chat import (
+from dflash_cache.rows.chat import (
     DataError,
     DataWarning,
     RowRejected,
@@ -42,7 +42,7 @@ from dflash_cache.extract.chat import (
     has_generation_markers,
     tokenize_text,
 )
-from dflash_cache.extract.json_array import read_json_array
+from dflash_cache.rows.json_array import read_json_array
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -37,7 +37,7 @@ of speculative decoding at this batch size (`--batch-size 1` gives the single-st
 context's own n-grams where its last N tokens occurred before.
 
 `replayed` gives another drafter's greedy tau on an evaluation's outputs without decoding
-(`dflash_cache.replay`): one forward of each model per prompt, no speed figures.
+(`dflash_cache.eval.replay`): one forward of each model per prompt, no speed figures.
 """
 
 from __future__ import annotations
@@ -50,12 +50,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_cache import drafters, lookup, replay
-from dflash_cache.app_config import EvalConfig
-from dflash_cache.damage import DamagedFile
-from dflash_cache.devices import Worker, flush_denormals, worker_threads
-from dflash_cache.dialogue import Dialogue, load_dialogues, reply_decoder, turn_by_turn
-from dflash_cache.extract.data import DataError, RowRejected, check_template_kwargs
+from dflash_cache import drafters
+from dflash_cache.core.damage import DamagedFile
+from dflash_cache.core.devices import Worker, flush_denormals, worker_threads
+from dflash_cache.core.progress import ProgressSink
+from dflash_cache.eval import replay
 from dflash_cache.extract.target import TargetError, first_line, load_tokenizer, stop_token_ids, text_config
 from dflash_cache.generate import (
     ERROR,
@@ -67,11 +66,14 @@ from dflash_cache.generate import (
     StopRule,
     fit_slots,
     load_model,
+    lookup,
     make_target,
     slot_bytes,
 )
 from dflash_cache.generate.proposer import proposer_slot_bytes
-from dflash_cache.progress import ProgressSink
+from dflash_cache.pipelines.config import EvalConfig
+from dflash_cache.rows.data import DataError, RowRejected, check_template_kwargs
+from dflash_cache.rows.dialogue import Dialogue, load_dialogues, reply_decoder, turn_by_turn
 
 __all__ = [
     "EvalError",
@@ -99,7 +101,7 @@ class EvalResult:
     tau pools all verification steps of all prompts; tau_per_prompt is the mean over prompts of
     each prompt's own tau (the reference benchmark's figure; see the module docstring). Each turn of
     a dialogue is a prompt; ``turns`` holds the same figures for each turn apart. ``lookup`` holds
-    them for prompt lookup (`dflash_cache.lookup`, n-grams of the prompt and the output so far, as
+    them for prompt lookup (`dflash_cache.generate.lookup`, n-grams of the prompt and the output so far, as
     many drafts a step as the drafter), the baseline that needs no training: under greedy decoding the output
     does not depend on the drafter, so its acceptance follows from each prompt and output alone."""
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

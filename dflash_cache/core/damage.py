@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
 
 if TYPE_CHECKING:
     import torch

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.atomic import write_atomic
-from dflash_cache.extract.data import DataError, RowRejected, read_rows, source_row
+from dflash_cache.core.atomic import write_atomic
+from dflash_cache.rows.data import DataError, RowRejected, read_rows, source_row
 
 __all__ = ["SETS", "BenchSet", "describe", "held_out", "humaneval_entry_points", "humaneval_user", "label",
            "resolve", "set_rows", "training_rows"]

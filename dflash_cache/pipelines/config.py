@@ -1,6 +1,6 @@
 """The settings of the apps above the stages, `dflash regen`, `dflash eval` and `dflash recipe`:
 dataclasses whose defaults and help texts are the CLI's and the config files' (see
-dflash_cache/settings.py).
+dflash_cache/core/settings.py).
 
 They live apart from regen.py, evaluate.py and recipe.py so that reading them loads no torch: the
 CLI builds every command's options from them at start-up.
@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
+from dflash_cache.core.settings import SettingsError, setting
 from dflash_cache.extract.config import (
     DATA_HELP,
     GPU_IDS,
@@ -23,7 +24,6 @@ from dflash_cache.extract.config import (
     SPLIT_HELP,
     TARGET_HELP,
 )
-from dflash_cache.settings import SettingsError, setting
 
 
 def regen_record(out: Path) -> Path:

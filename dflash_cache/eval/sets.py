@@ -8,7 +8,7 @@ row's whole buffer). The bandwidth is measured here, by a device-to-device copy.
 
 regen decodes the same prompts twice, eagerly and with the step captured as a CUDA graph, and
 checks that both give the same tokens. The target is a model directory, or a random model of a
-named shape built on the GPU (`dflash_cache.bench.SHAPES`), which decodes to its length limit
+named shape built on the GPU (`dflash_cache.bench.suite.SHAPES`), which decodes to its length limit
 since it never says its stop token.
 
 eval runs `dflash eval` for each drafter on each set (HumanEval, MT-Bench, the ShareGPT hold-out, or
@@ -29,15 +29,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from dflash_cache.app_config import EvalConfig, lookup_list_problem
-from dflash_cache.atomic import write_atomic
-from dflash_cache.bench import shape_config
-from dflash_cache.damage import read_json
-from dflash_cache.evaluate import EvalError, check_config, evaluate, load_prompts, replayed
+from dflash_cache.bench.suite import shape_config
+from dflash_cache.core.atomic import write_atomic
+from dflash_cache.core.damage import read_json
+from dflash_cache.core.progress import ProgressSink
+from dflash_cache.eval.evaluate import EvalError, check_config, evaluate, load_prompts, replayed
 from dflash_cache.extract.target import load_tokenizer, stop_token_ids
 from dflash_cache.generate import Engine, Request, StopRule, fit_slots, load_model, slot_bytes
 from dflash_cache.generate.targets import SlotTarget
-from dflash_cache.progress import ProgressSink
+from dflash_cache.pipelines.config import EvalConfig, lookup_list_problem
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
@@ -65,7 +65,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def random_model(shape: str, device: torch.device) -> nn.Module:
-    """A random-weight bf16 model of a named shape (`dflash_cache.bench.SHAPES`), built on the device."""
+    """A random-weight bf16 model of a named shape (`dflash_cache.bench.suite.SHAPES`), built on the device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device(device):
@@ -158,7 +158,7 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *, max_n
     With `out`, each set's figures are also kept as it ends in OUT's `.partial.json` sibling, so an
     evaluation that is interrupted and run again with the same target, drafters and settings
     measures only the sets it had not finished (``seconds`` counts both runs)."""
-    from dflash_cache import benchsets
+    from dflash_cache.eval import benchsets
 
     t0 = time.perf_counter()
     if replay and temperature != 0:  # before any set is decoded, not after the first drafter's run

@@ -31,8 +31,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dflash_cache import benchsets
-from dflash_cache.extract.data import DataError
+from dflash_cache.eval import benchsets
+from dflash_cache.rows.data import DataError
 
 __all__ = ["ROOTS", "build", "manifest_path"]
 

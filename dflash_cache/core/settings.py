@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import yaml
 
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
 
 T = typing.TypeVar("T")
 

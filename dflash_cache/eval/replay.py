@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_cache import lookup as prompt_lookup
 from dflash_cache.drafters import Family
 from dflash_cache.drafters.attention import BlockLayout
+from dflash_cache.generate import lookup as prompt_lookup
 from dflash_cache.generate.requests import Chooser
 from dflash_cache.generate.targets import Target
 

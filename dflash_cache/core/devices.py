@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash_cache.errors import UserError
-from dflash_cache.interrupts import ready_for_interrupts, starting_children, takes_interrupts
-from dflash_cache.settings import int_list
+from dflash_cache.core.errors import UserError
+from dflash_cache.core.interrupts import ready_for_interrupts, starting_children, takes_interrupts
+from dflash_cache.core.settings import int_list
 
 T = TypeVar("T")
 
@@ -195,7 +195,7 @@ def launch(fn: Callable[..., None], args: tuple, *, gpus: list[int] | None = Non
         served = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         os.environ[STORE_ENV] = f"127.0.0.1:{served.port}"
     # The workers import torch, transformers and the stage before they run: a Ctrl-C then would
-    # print a traceback from each. They start deaf to it (dflash_cache.interrupts), and this
+    # print a traceback from each. They start deaf to it (dflash_cache.core.interrupts), and this
     # process ends them on Ctrl-C, also on one that came while they were being started.
     context = None
     try:

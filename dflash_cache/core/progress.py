@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Protocol
 
-from dflash_cache.interrupts import held
+from dflash_cache.core.interrupts import held
 
 
 class ProgressSink(Protocol):

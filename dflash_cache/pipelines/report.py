@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
 
 METRICS = "metrics.jsonl"
 PLOTS = "report"

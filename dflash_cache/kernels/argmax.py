@@ -15,7 +15,7 @@ import functools
 import torch
 from torch import Tensor
 
-from dflash_cache.triton_support import available, on_device, pdl_options, zeroed_counts
+from dflash_cache.kernels.triton_support import available, on_device, pdl_options, zeroed_counts
 
 BLOCK_V = 1024  # columns a program takes
 

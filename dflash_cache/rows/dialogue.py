@@ -18,9 +18,9 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_cache.extract.chat import DataError, RowRejected, error_text, tokenize_text
-from dflash_cache.extract.data import LINE, conversation, read_rows, source_row, user_turns
 from dflash_cache.generate import Backend, Completion, Request
+from dflash_cache.rows.chat import DataError, RowRejected, error_text, tokenize_text
+from dflash_cache.rows.data import LINE, conversation, read_rows, source_row, user_turns
 
 __all__ = ["REASONING_MARKERS", "Dialogue", "chat_prompt", "load_dialogues", "reply_decoder", "turn_by_turn"]
 

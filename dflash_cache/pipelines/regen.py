@@ -33,20 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.app_config import RegenConfig, regen_record
-from dflash_cache.damage import damaged, read_json, read_jsonl
-from dflash_cache.devices import Worker, flush_denormals, launch, worker_threads
-from dflash_cache.dialogue import chat_prompt, reply_decoder, turn_by_turn
-from dflash_cache.extract.data import (
-    NO_ASSISTANT,
-    DataError,
-    DataWarning,
-    RowRejected,
-    check_template_kwargs,
-    conversation,
-    read_rows,
-    source_fingerprint,
-)
+from dflash_cache.core.damage import damaged, read_json, read_jsonl
+from dflash_cache.core.devices import Worker, flush_denormals, launch, worker_threads
+from dflash_cache.core.paths import output_dir, output_file
+from dflash_cache.core.progress import ProgressSink, Reporter
+from dflash_cache.core.settings import plain
 from dflash_cache.extract.target import load_config, load_tokenizer, stop_token_ids
 from dflash_cache.generate import (
     ERROR,
@@ -61,9 +52,18 @@ from dflash_cache.generate import (
     make_target,
     slot_bytes,
 )
-from dflash_cache.paths import output_dir, output_file
-from dflash_cache.progress import ProgressSink, Reporter
-from dflash_cache.settings import plain
+from dflash_cache.pipelines.config import RegenConfig, regen_record
+from dflash_cache.rows.data import (
+    NO_ASSISTANT,
+    DataError,
+    DataWarning,
+    RowRejected,
+    check_template_kwargs,
+    conversation,
+    read_rows,
+    source_fingerprint,
+)
+from dflash_cache.rows.dialogue import chat_prompt, reply_decoder, turn_by_turn
 
 REJECTED = "rejected.jsonl"
 

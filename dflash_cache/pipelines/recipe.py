@@ -34,14 +34,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dflash_cache import benchsets, code_prompts, regen
-from dflash_cache.app_config import RecipeConfig, RecipeError, RegenConfig
-from dflash_cache.atomic import write_atomic
-from dflash_cache.damage import read_json
+from dflash_cache.core.atomic import write_atomic
+from dflash_cache.core.damage import read_json
+from dflash_cache.core.progress import ProgressSink
+from dflash_cache.core.settings import plain
+from dflash_cache.eval import benchsets, code_prompts
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
-from dflash_cache.progress import ProgressSink
-from dflash_cache.settings import plain
+from dflash_cache.pipelines import regen
+from dflash_cache.pipelines.config import RecipeConfig, RecipeError, RegenConfig
 from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig
 
@@ -89,7 +90,7 @@ def _target(cfg: RecipeConfig) -> str:
                                       and any(path.rglob("*.gguf")))  # fmt: skip
     if not gguf:
         return cfg.target
-    from dflash_cache.convert import convert
+    from dflash_cache.pipelines.convert import convert
 
     return convert(path, cfg.out / "target")["out"]
 
@@ -130,7 +131,7 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
         bars: Callable[[str], ProgressSink | None] = lambda stage: None) -> dict[str, Any]:  # fmt: skip
     """Every stage into `cfg.out` (module docstring); returns recipe.json's content and, under
     "evaluation", eval.json's. `bars(stage)` gives each stage's progress sink, or None."""
-    from dflash_cache import bench_generate
+    from dflash_cache.eval import sets as bench_generate
 
     cfg.out.mkdir(parents=True, exist_ok=True)
     record = _Record(cfg)

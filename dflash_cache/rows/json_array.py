@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_cache.extract.chat import DataError
+from dflash_cache.rows.chat import DataError
 
 __all__ = ["JsonArray", "read_json_array"]
 

@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from dflash_cache import evaluate, regen
-from dflash_cache.app_config import EvalConfig
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import read_frozen
+from dflash_cache.core.progress import ProgressSink
+from dflash_cache.eval import evaluate
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
-from dflash_cache.progress import ProgressSink
+from dflash_cache.pipelines import regen
+from dflash_cache.pipelines.config import EvalConfig
 from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.fold import save_export

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dflash_cache.errors import UserError
+from dflash_cache.core.errors import UserError
 from dflash_cache.extract.config import resolve_token_budget as extract_budget
 from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.cost import QWEN3_8B, run_token_budget
@@ -615,7 +615,7 @@ class _BenchSteps:
 
     def __init__(self, cfg: TrainConfig, device: torch.device):
         from dflash_cache.cache.spec import read_spec
-        from dflash_cache.devices import Worker
+        from dflash_cache.core.devices import Worker
         from dflash_cache.train.stage import setup
 
         if cfg.token_budget is None:
