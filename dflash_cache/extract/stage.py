@@ -86,7 +86,9 @@ from dflash_cache.extract.target import (
     target_info,
     text_config,
 )
-from dflash_cache.rows import data as data_mod
+from dflash_cache.rows.chat import check_template_kwargs
+from dflash_cache.rows.digest import chat_template_digest, source_fingerprint, tokenizer_digest
+from dflash_cache.rows.encode import Tokenized, tokenize
 
 WORK = ".work"  # tokenized dataset, reused by reruns; safe to delete
 
@@ -95,7 +97,7 @@ WORK = ".work"  # tokenized dataset, reused by reruns; safe to delete
 class Prepared:
     spec: CacheSpec
     plan: Plan
-    tokens: data_mod.Tokenized
+    tokens: Tokenized
     done: set[int]
 
 
@@ -109,7 +111,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     `write=False` (`--dry-run`) not even that."""
     if cfg.storage not in STORAGES:
         raise ExtractError(f"--storage {cfg.storage!r}: expected bf16 or fp8")
-    template_kwargs = data_mod.check_template_kwargs(cfg.chat_template_kwargs)
+    template_kwargs = check_template_kwargs(cfg.chat_template_kwargs)
     output_dir(cfg.out, "--out")
     if cfg.out.is_dir() and any(cfg.out.iterdir()) and not (cfg.out / "cache.json").exists():
         # only what an extract writes itself (files being written atomically too): before cache.json a
@@ -133,7 +135,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     vocab_size = int(tc["vocab_size"])
     if cfg.mask_token_id not in (None, AUTO):
         choose_mask_token(tokenizer, vocab_size, cfg.mask_token_id)  # a bad id fails before the data is tokenized
-    tokens = data_mod.tokenize(
+    tokens = tokenize(
         cfg.data, tokenizer, cfg.max_length, cfg.truncate, num_proc=cfg.tokenize_procs, work_dir=cfg.out / WORK,
         save=write, template_kwargs=template_kwargs, split=cfg.data_split, max_samples=cfg.max_samples,
     )  # fmt: skip
@@ -172,7 +174,7 @@ def _projection(cfg: ExtractConfig, num_layers: int, hidden_size: int) -> Projec
                           fit_tokens=cfg.project_fit_tokens)  # fmt: skip
 
 
-def _describe(cfg: ExtractConfig, config: dict, layer_ids: list[int], tokenizer, tokens: data_mod.Tokenized,
+def _describe(cfg: ExtractConfig, config: dict, layer_ids: list[int], tokenizer, tokens: Tokenized,
               mask_choice, plan: Plan, template_kwargs: dict, device: torch.device,
               row_bytes: int, projection: ProjectionInfo | None) -> CacheSpec:  # fmt: skip
     """What the cache will be (cache.json): the target, taps, storage, tokenizer, data, plan and
@@ -187,8 +189,8 @@ def _describe(cfg: ExtractConfig, config: dict, layer_ids: list[int], tokenizer,
             chunk_tokens=chunk_tokens_for(row_bytes),
         ),
         tokenizer=TokenizerInfo(
-            digest=data_mod.tokenizer_digest(tokenizer),
-            chat_template_digest=data_mod.chat_template_digest(tokenizer),
+            digest=tokenizer_digest(tokenizer),
+            chat_template_digest=chat_template_digest(tokenizer),
             mask_token_id=mask_choice.id,
             mask_token=mask_choice.record(),
             pad_token_id=tokenizer.pad_token_id,
@@ -197,7 +199,7 @@ def _describe(cfg: ExtractConfig, config: dict, layer_ids: list[int], tokenizer,
         ),
         data=DataInfo(
             source=str(cfg.data),
-            fingerprint=data_mod.source_fingerprint(cfg.data, split=cfg.data_split),
+            fingerprint=source_fingerprint(cfg.data, split=cfg.data_split),
             max_length=cfg.max_length,
             truncate=cfg.truncate,
             num_rows=tokens.num_rows,
