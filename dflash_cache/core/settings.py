@@ -320,3 +320,13 @@ def to_yaml(cfg: Any, title: str = "") -> str:
         text = yaml.safe_dump(values[s.name], default_flow_style=True, width=1 << 16).strip()
         lines.append(f"{s.name}: {text.removesuffix('...').strip()}")
     return "\n".join(lines) + "\n"
+
+
+def same_as(cls: type, name: str, more: str = "") -> Any:
+    """A setting that means what `cls`'s setting `name` means: its default, its help (`more`
+    appended) and its checks."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    m = f.metadata
+    factory = None if f.default_factory is dataclasses.MISSING else f.default_factory
+    return setting(f.default, f"{m['help']} {more}".strip(), factory=factory, expects=m["expects"], min=m["min"],
+                   tuning=m["tuning"])  # fmt: skip

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cache.core.atomic import write_atomic
-from dflash_cache.rows.data import DataError, RowRejected, read_rows, source_row
+from dflash_cache.rows.chat import DataError, RowRejected
+from dflash_cache.rows.sources import read_rows, source_row
 
 __all__ = ["SETS", "BenchSet", "describe", "held_out", "humaneval_entry_points", "humaneval_user", "label",
            "resolve", "set_rows", "training_rows"]

@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cache.eval import benchsets
-from dflash_cache.rows.data import DataError
+from dflash_cache.rows.chat import DataError
 
 __all__ = ["ROOTS", "build", "manifest_path"]
 
 ROOTS = ("stdlib", "site-packages")
 SKIP_DIRS = {"test", "tests", "idle_test", "__pycache__", "site-packages"}
-OWN = {"dflash_cache", "cli"}  # this project's packages, when installed into site-packages
+OWN = {"dflash_cache"}  # this project's package (the CLI inside it), when installed into site-packages
 MIN_CHARS, MAX_CHARS, MAX_FILE = 80, 2000, 1 << 20
 
 

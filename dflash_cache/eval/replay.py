@@ -13,21 +13,32 @@ That is one forward of each model per prompt instead of a decode per drafter, so
 be compared on the outputs of one target-alone run. It is the decode's tau up to rounding: the
 decode takes the context's states from its verify steps and the drafter's attention from the slot
 cache, the replay from one prefill and the training forward; in float32 they agree (tests).
+
+`replayed` is the driver: `dflash eval`'s result for another drafter on an earlier evaluation's
+greedy outputs (`dflash eval-sets --replay` compares drafters this way).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_cache.core.devices import Worker, flush_denormals, worker_threads
 from dflash_cache.drafters import Family
 from dflash_cache.drafters.attention import BlockLayout
+from dflash_cache.eval.config import EvalConfig
+from dflash_cache.eval.decode import EvalError, check_config, load_drafter
+from dflash_cache.eval.metrics import EvalResult, acceptance, tau
+from dflash_cache.generate import load_model, make_target
 from dflash_cache.generate import lookup as prompt_lookup
 from dflash_cache.generate.requests import Chooser
 from dflash_cache.generate.targets import Target
+
+__all__ = ["acceptance_lengths", "replayed"]
 
 
 @torch.inference_mode()
@@ -66,3 +77,38 @@ def acceptance_lengths(target: Target, drafter: nn.Module, family: Family, embed
         return prompt_lookup.acceptance_lengths(prompt, output, block_size=k + 1, drafter=accepted, trust=lookup,
                                                 max_ngram=prompt_lookup.mixed_max_ngram(lookup)), k  # fmt: skip
     return prompt_lookup.walk(n, lambda t: accepted[t - 1]), k
+
+
+def replayed(cfg: EvalConfig, earlier: EvalResult) -> EvalResult:
+    """`cfg.drafter`'s greedy tau on the prompts and outputs of `earlier`, an evaluation of the same
+    target (`acceptance_lengths`; the module docstring): what decoding with it would give, up
+    to rounding, at one forward of each model per prompt. No speed is measured (its speed figures are
+    0 and its spec_seconds None); the lookup figures are `earlier`'s, which are the outputs'."""
+    check_config(cfg)
+    if earlier.settings["temperature"] != 0:
+        raise EvalError("a replay needs greedy outputs (temperature 0)")
+    if Path(earlier.settings["target"]) != Path(cfg.target):
+        raise EvalError(f"the outputs are {earlier.settings['target']}'s, not {cfg.target}'s")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(cfg.target, device)
+    drafter, dcfg, family = load_drafter(cfg, model, device)
+    B = cfg.block_size or dcfg.block_size
+    length = max(s["prompt_tokens"] + s["new_tokens"] for s in earlier.samples) + 16
+    target = make_target(model, 1, length, dcfg.target_layer_ids)
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    samples, drafts = [], 0
+    with flush_denormals(device), worker_threads(Worker(0, 1, device)):
+        for s in earlier.samples:
+            lengths, k = acceptance_lengths(target, drafter, family, embed, head, s["prompt_ids"],
+                                            s["output_ids"], B, cfg.lookup)  # fmt: skip
+            drafts = max(drafts, k)
+            samples.append(s | {"steps": len(lengths), "tau": tau(lengths), "acceptance_lengths": lengths,
+                                "same_as_target": None, "first_difference": None})  # fmt: skip
+    return EvalResult(
+        **acceptance(samples, drafts), new_tokens=sum(s["new_tokens"] for s in samples), spec_tok_s=0.0,
+        target_tok_s=earlier.target_tok_s, speedup=0.0, samples=samples, lookup=earlier.lookup,
+        settings=earlier.settings | {"drafter": str(cfg.drafter), "block_size": B, "drafter_family": family.name,
+                                     "target_layer_ids": list(dcfg.target_layer_ids), "lookup": cfg.lookup,
+                                     "spec_seconds": None,
+                                     "spec_prefill_seconds": None, "replayed": True},
+    )  # fmt: skip

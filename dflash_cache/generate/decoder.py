@@ -27,7 +27,8 @@ A step of a few rows (decoding at batch 1, a verify step) runs its products thro
 SiLU gate or the residual add around it, the weights read while the kernel before it runs, and a
 token's bits the same whatever the step holds. For a model without q/k norms the q/k/v product
 also rotates the queries and keys and writes the keys and values into the cache, so a layer is
-five kernels: q/k/v, the attention, o, gate/up, down.
+five kernels: q/k/v, the attention, o, gate/up, down. How many rows a step may have for that, and
+how the kernels cut and launch their work, are the stack's `KernelSettings`.
 
 The fused projections are the model's own weights: its q/k/v and gate/up parameters become views
 into one tensor each, so nothing is held twice and the model itself keeps working. The
@@ -48,14 +49,11 @@ from torch import Tensor, nn
 from torch._inductor import config as inductor_config
 
 from dflash_cache.generate import product_kernel
-from dflash_cache.generate.product_kernel import rows_product, rows_qkv
+from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings
+from dflash_cache.generate.product_kernel import ProductTiles, rows_product, rows_qkv
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention, write_kv
 
-RECOMPILE_LIMIT = 64
 Compiled = Literal["fixed", "dynamic"] | None  # which compiled pieces a forward runs
-KERNEL_ROWS = 4  # a step of at most this many batch rows runs its products as `KernelProducts`
-PADDED_TOKENS = 32  # or, where it does not serve, with each row's tokens padded to this many (`PaddedProducts`)
-ROPE_IN_PRODUCT = True  # KernelProducts' q/k/v projection rotates and writes the cache itself
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -83,47 +81,42 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
 
 class Products:
     """A layer's kinds of product, as tensor ops: what the compiler fuses with the elementwise work
-    around them, and what runs on a CPU and for prefills."""
+    around them, and what runs on a CPU and for prefills. The pieces take an instance (`products`),
+    whose settings the compiler specialises them on."""
 
-    @staticmethod
-    def normed(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
+    def normed(self, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
         """The product of the RMS-normed x."""
         return F.linear(rms_norm(x, norm, eps), w, bias)
 
-    @classmethod
-    def gated(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None,
+    def gated(self, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None,
               act: Callable[[Tensor], Tensor]) -> Tensor:  # fmt: skip
         """act(gate) * up of the RMS-normed x, w being [gate; up]: the MLP's input side."""
-        gate, up = cls.normed(x, norm, eps, w, bias).chunk(2, dim=-1)
+        gate, up = self.normed(x, norm, eps, w, bias).chunk(2, dim=-1)
         return act(gate) * up
 
-    @staticmethod
-    def residual(x: Tensor, a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    def residual(self, x: Tensor, a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
         """The residual stream x plus the product of a: the o and down projections."""
         return x + F.linear(a, w, bias)
 
-    @staticmethod
-    def norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    def norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """The final norm."""
         return rms_norm(x, weight, eps)
 
-    @classmethod
-    def qkv(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
+    def qkv(self, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
             k_norm: Tensor | None, cos: Tensor, sin: Tensor, kv: tuple, heads: int,
             kv_heads: int) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
         """`attention_in`'s queries, keys and values (module docstring), the keys and values written
         into the cache."""
-        q, k, v = cls.project(x, norm, eps, w, bias, q_norm, k_norm, cos, sin, heads, kv_heads)
+        q, k, v = self.project(x, norm, eps, w, bias, q_norm, k_norm, cos, sin, heads, kv_heads)
         write_kv(k, v, *kv)
         return q, k, v
 
-    @classmethod
-    def project(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
+    def project(self, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
                 k_norm: Tensor | None, cos: Tensor, sin: Tensor, heads: int,
                 kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
         """`qkv` without the cache writes."""
         b, T, _ = x.shape
-        h = cls.normed(x, norm, eps, w, bias)
+        h = self.normed(x, norm, eps, w, bias)
         d = h.shape[-1] // (heads + 2 * kv_heads)
         qk, v = h.view(b, T, heads + 2 * kv_heads, d).split([heads + kv_heads, kv_heads], dim=2)
         if q_norm is not None:
@@ -132,70 +125,71 @@ class Products:
         return q, k, v
 
 
-def _padded(t: Tensor) -> Tensor:
-    """t [b, T, ...] as [b, PADDED_TOKENS, ...]: each row's T tokens, then zeros."""
-    return F.pad(t, (0, 0) * (t.dim() - 2) + (0, PADDED_TOKENS - t.shape[1]))
-
-
-def _unpadded(t: Tensor, T: int) -> Tensor:
-    return t[:, :T]
+TENSOR_OPS = Products()
 
 
 class PaddedProducts(Products):
-    """The tensor ops' products and norms with each row's tokens padded to PADDED_TOKENS, for a
-    few-row step the product kernel does not serve (a target wider than `product_kernel.MAX_K`):
-    a one-token and a verify step then run every product and every norm at one shape, which
-    cuBLAS and the compiled reductions (deterministic: `LayerStack`) round alike, so each token's
-    bits are its own as with `KernelProducts`. Unpadded, the norms' kernels change with the
-    step's size, and a verify step's logits part from one-token steps' in their last bits."""
+    """The tensor ops' products and norms with each row's tokens padded to `tokens`, for a few-row
+    step the product kernel does not serve (a target wider than `product_kernel.MAX_K`): a
+    one-token and a verify step then run every product and every norm at one shape, which cuBLAS
+    and the compiled reductions (deterministic: `LayerStack`) round alike, so each token's bits are
+    its own as with `KernelProducts`. Unpadded, the norms' kernels change with the step's size, and
+    a verify step's logits part from one-token steps' in their last bits."""
+
+    def __init__(self, tokens: int = DEFAULT_KERNELS.padded_tokens) -> None:
+        self.tokens = tokens
+
+    def _padded(self, t: Tensor) -> Tensor:
+        """t [b, T, ...] as [b, tokens, ...]: each row's T tokens, then zeros."""
+        return F.pad(t, (0, 0) * (t.dim() - 2) + (0, self.tokens - t.shape[1]))
 
     @staticmethod
-    def normed(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
-        return _unpadded(Products.normed(_padded(x), norm, eps, w, bias), x.shape[1])
+    def _unpadded(t: Tensor, T: int) -> Tensor:
+        return t[:, :T]
 
-    @staticmethod
-    def residual(x: Tensor, a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
-        return x + _unpadded(F.linear(_padded(a), w, bias), a.shape[1])
+    def normed(self, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
+        return self._unpadded(TENSOR_OPS.normed(self._padded(x), norm, eps, w, bias), x.shape[1])
 
-    @staticmethod
-    def norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return _unpadded(rms_norm(_padded(x), weight, eps), x.shape[1])
+    def residual(self, x: Tensor, a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+        return x + self._unpadded(F.linear(self._padded(a), w, bias), a.shape[1])
 
-    @classmethod
-    def project(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
+    def norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return self._unpadded(rms_norm(self._padded(x), weight, eps), x.shape[1])
+
+    def project(self, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
                 k_norm: Tensor | None, cos: Tensor, sin: Tensor, heads: int,
                 kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-        T = x.shape[1]
-        q, k, v = Products.project(_padded(x), norm, eps, w, bias, q_norm, k_norm, _padded(cos), _padded(sin),
-                                   heads, kv_heads)  # fmt: skip
-        return _unpadded(q, T), _unpadded(k, T), _unpadded(v, T)
+        T, pad = x.shape[1], self._padded
+        q, k, v = TENSOR_OPS.project(pad(x), norm, eps, w, bias, q_norm, k_norm, pad(cos), pad(sin), heads, kv_heads)
+        return self._unpadded(q, T), self._unpadded(k, T), self._unpadded(v, T)
 
 
 class KernelProducts(Products):
-    """The same products as `product_kernel`'s kernels (SiLU only): each one kernel, and each
-    token's bits the same whatever the step holds; for a decode or verify step's few rows. Without
-    q/k norms, the q/k/v projection also rotates the queries and keys and writes the keys and values
-    into the cache itself (`ROPE_IN_PRODUCT`), and gives back the queries alone."""
+    """The same products as `product_kernel`'s kernels (SiLU only), cut and launched by `tiles`:
+    each one kernel, and each token's bits the same whatever the step holds; for a decode or verify
+    step's few rows. Without q/k norms (and with `rope`), the q/k/v projection also rotates the
+    queries and keys and writes the keys and values into the cache itself, and gives back the
+    queries alone."""
 
-    @staticmethod
-    def normed(x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
-        return rows_product(x, w, bias, norm, None, eps, False)
+    def __init__(self, tiles: ProductTiles = DEFAULT_KERNELS.products,
+                 rope: bool = DEFAULT_KERNELS.rope_in_product) -> None:  # fmt: skip
+        self.tiles, self.rope = tiles, rope
 
-    @classmethod
-    def gated(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None,
+    def normed(self, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None) -> Tensor:
+        return rows_product(x, w, bias, norm, None, eps, False, self.tiles)
+
+    def gated(self, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None,
               act: Callable[[Tensor], Tensor]) -> Tensor:  # fmt: skip
-        return rows_product(x, w, bias, norm, None, eps, True)
+        return rows_product(x, w, bias, norm, None, eps, True, self.tiles)
 
-    @staticmethod
-    def residual(x: Tensor, a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
-        return rows_product(a, w, bias, None, x, 0.0, False)
+    def residual(self, x: Tensor, a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+        return rows_product(a, w, bias, None, x, 0.0, False, self.tiles)
 
-    @classmethod
-    def qkv(cls, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
+    def qkv(self, x: Tensor, norm: Tensor, eps: float, w: Tensor, bias: Tensor | None, q_norm: Tensor | None,
             k_norm: Tensor | None, cos: Tensor, sin: Tensor, kv: tuple, heads: int,
             kv_heads: int) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
-        if ROPE_IN_PRODUCT and q_norm is None and product_kernel.rope_fits(cos.shape[-1]):
-            return rows_qkv(x, w, bias, norm, eps, cos, sin, *kv, heads, kv_heads), None, None
+        if self.rope and q_norm is None and product_kernel.rope_fits(cos.shape[-1], self.tiles):
+            return rows_qkv(x, w, bias, norm, eps, cos, sin, *kv, heads, kv_heads, self.tiles), None, None
         return super().qkv(x, norm, eps, w, bias, q_norm, k_norm, cos, sin, kv, heads, kv_heads)
 
 
@@ -269,7 +263,7 @@ class _Layer:
 
 def attention_in(x: Tensor, norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, q_norm: Tensor | None,
                  k_norm: Tensor | None, cos: Tensor, sin: Tensor, kv: tuple, eps: float, heads: int,
-                 kv_heads: int, products: type[Products] = Products
+                 kv_heads: int, products: Products = TENSOR_OPS
                  ) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
     """x [b, T, H] -> queries [b, T, heads, d], keys and values [b, T, kv_heads, d] (queries and
     keys normed and rotated as one tensor, so one kernel), the keys and values also written into
@@ -281,14 +275,14 @@ def attention_in(x: Tensor, norm: Tensor, qkv: Tensor, qkv_bias: Tensor | None, 
 
 def attention_out(x: Tensor, attn: Tensor, o: Tensor, o_bias: Tensor | None, norm: Tensor, gate_up: Tensor,
                   gate_up_bias: Tensor | None, down: Tensor, down_bias: Tensor | None, eps: float,
-                  act: Callable[[Tensor], Tensor], products: type[Products] = Products) -> Tensor:  # fmt: skip
+                  act: Callable[[Tensor], Tensor], products: Products = TENSOR_OPS) -> Tensor:  # fmt: skip
     """The residual stream after the layer: x [b, T, H] and the attention's output [b, T, heads, d]."""
     x = products.residual(x, attn.flatten(2), o, o_bias)
     return products.residual(x, products.gated(x, norm, eps, gate_up, gate_up_bias, act), down, down_bias)
 
 
 def seam(x: Tensor, attn: Tensor, out: tuple, into: tuple, cos: Tensor, sin: Tensor, kv: tuple, eps: float,
-         heads: int, kv_heads: int, act: Callable[[Tensor], Tensor], products: type[Products] = Products
+         heads: int, kv_heads: int, act: Callable[[Tensor], Tensor], products: Products = TENSOR_OPS
          ) -> tuple[Tensor, ...]:  # fmt: skip
     """Layer i's attention-out and layer i+1's attention-in in one piece (the residual add and the
     next norm fuse): (the residual stream after layer i, layer i+1's queries, keys and values)."""
@@ -297,7 +291,7 @@ def seam(x: Tensor, attn: Tensor, out: tuple, into: tuple, cos: Tensor, sin: Ten
 
 
 def last(x: Tensor, attn: Tensor, out: tuple, norm: Tensor, eps: float, act: Callable[[Tensor], Tensor],
-         products: type[Products] = Products) -> tuple[Tensor, Tensor]:  # fmt: skip
+         products: Products = TENSOR_OPS) -> tuple[Tensor, Tensor]:  # fmt: skip
     """The last layer's attention-out and the final norm: (the residual stream, its normed states)."""
     x = attention_out(x, attn, *out, eps, act, products)
     return x, products.norm(x, norm, eps)
@@ -322,11 +316,27 @@ _COMPILE = {"fixed": {"dynamic": False}, "dynamic": {"dynamic": True},
             "padded": {"dynamic": False, "options": {"deterministic": True} if hasattr(inductor_config, "deterministic")
                        else {}}}  # fmt: skip
 
+RECOMPILE_LIMIT = 64
+
+
+def allow_recompiles() -> None:
+    """Raise dynamo's recompile limit to RECOMPILE_LIMIT (never lower it), once generation compiles:
+    the one place the process's dynamo settings change. A fixed piece compiles once per step shape
+    (rows, tokens), dtype, layer geometry and kernel settings, and every stack's pieces are the same
+    functions, whose compilations dynamo keeps together (per code object): an eval of a drafter
+    beside its target alone needs more than dynamo's default of 8 before it would run them eagerly.
+    The limit is process-wide on purpose: the engine's compiled bookkeeping and the compiled draft
+    (`drafters.compile.compiled_or_eager`, one compilation per step shape too) rely on it as well."""
+    config, name = torch._dynamo.config, "recompile_limit"
+    name = name if hasattr(config, name) else "cache_size_limit"  # its name before torch 2.7
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+
 
 class LayerStack:
     """Llama/Qwen3-style decoder layers of one geometry, run over a `SlotCache` as pieces (module
     docstring), compiled on a GPU (`compile`): `fixed` pieces for a step's shapes, `dynamic` ones for a
-    prefill's (the eager pieces, with a warning, if compilation fails).
+    prefill's (the eager pieces, with a warning, if compilation fails). `kernels`: which products a
+    step runs and how the kernels run (`KernelSettings`).
 
     `prologue(inputs, positions)` makes a forward's first residual stream and its rotary tables
     (x [b, T, H], cos, sin [b, T, d]); `norm` is the final norm's weight. `context_in`, for a
@@ -334,9 +344,12 @@ class LayerStack:
 
     def __init__(self, layers: list[nn.Module], *, eps: float, heads: int, kv_heads: int, scale: float,
                  act: Callable[[Tensor], Tensor], norm: Tensor, prologue: Callable, context_in: Callable | None = None,
-                 compile: bool) -> None:  # fmt: skip
+                 compile: bool, kernels: KernelSettings = DEFAULT_KERNELS) -> None:  # fmt: skip
         self.layers = [_Layer.of(layer) for layer in layers]
         self.eps, self.heads, self.kv_heads, self.scale, self.act, self.norm = eps, heads, kv_heads, scale, act, norm
+        self.kernels = kernels
+        self._padded = PaddedProducts(kernels.padded_tokens)
+        self._kernel = KernelProducts(kernels.products, kernels.rope_in_product)
         self.eager = {"prologue": prologue, "in": attention_in, "seam": seam, "last": last, "kv": context_kv}
         if context_in is not None:
             self.eager["context_in"] = context_in
@@ -344,12 +357,7 @@ class LayerStack:
         if compile and self.layers[0].qkv.is_cuda:
             self.compiled = {kind: {k: torch.compile(f, **_COMPILE[kind]) for k, f in self.eager.items()}
                              for kind in self.compiled}  # fmt: skip
-            # A fixed piece compiles once per step shape (rows, tokens), dtype and layer geometry,
-            # and the target's and the drafter's layers share the pieces: an eval of a drafter beside
-            # its target alone needs more than dynamo's default of 8 before it would run them eagerly.
-            config, name = torch._dynamo.config, "recompile_limit"
-            name = name if hasattr(config, name) else "cache_size_limit"  # its name before torch 2.7
-            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+            allow_recompiles()
 
     def run(self, inputs: Tensor, cache: SlotCache, step: SlotStep, *, compiled: Compiled = None,
             taps: list[int] | None = None) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
@@ -357,23 +365,23 @@ class LayerStack:
         normed states [b, T, H], and the residual stream after each layer in `taps`. `compiled`:
         "fixed" for a step, "dynamic" for a prefill, None for the eager pieces."""
         products = self._products(step, compiled)
-        kind = "padded" if products is PaddedProducts else compiled
+        kind = "padded" if products is self._padded else compiled
         return self._pieces(kind, lambda fns: self._run(fns, inputs, cache, step, taps or [], products))
 
-    def _products(self, step: SlotStep, compiled: Compiled) -> type[Products]:
-        """For a step (the fixed shapes) of at most KERNEL_ROWS batch rows: `KernelProducts` where
-        the kernel serves the layers, else `PaddedProducts` in half precision (up to PADDED_TOKENS
-        tokens a row); chosen by the rows, so that a row's verify and decode steps run the same
-        products. `Products` otherwise."""
+    def _products(self, step: SlotStep, compiled: Compiled) -> Products:
+        """For a step (the fixed shapes) of at most `kernels.kernel_rows` batch rows: `KernelProducts`
+        where the kernel serves the layers, else `PaddedProducts` in half precision (up to
+        `kernels.padded_tokens` tokens a row); chosen by the rows, so that a row's verify and decode
+        steps run the same products. The tensor ops otherwise."""
         w = self.layers[0]
         b, T = step.positions.shape
-        if compiled != "fixed" or b > KERNEL_ROWS:
-            return Products
+        if compiled != "fixed" or b > self.kernels.kernel_rows:
+            return TENSOR_OPS
         if self.act is F.silu and product_kernel.fits(w.qkv, w.o, w.gate_up, w.down):
-            return KernelProducts
-        if w.qkv.dtype in (torch.float16, torch.bfloat16) and T <= PADDED_TOKENS:
-            return PaddedProducts
-        return Products
+            return self._kernel
+        if w.qkv.dtype in (torch.float16, torch.bfloat16) and T <= self.kernels.padded_tokens:
+            return self._padded
+        return TENSOR_OPS
 
     def context(self, states: Tensor, cache: SlotCache, step: SlotStep, *, compiled: Compiled = None) -> None:
         """Write every layer's keys and values of the context made from tapped target states (a
@@ -397,14 +405,14 @@ class LayerStack:
         return cache.k[i], cache.v[i], step.slot(cache), step.positions
 
     def _run(self, fns: dict, inputs: Tensor, cache: SlotCache, step: SlotStep, taps: list[int],
-             products: type[Products]) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
+             products: Products) -> tuple[Tensor, dict[int, Tensor]]:  # fmt: skip
         geometry = (self.eps, self.heads, self.kv_heads)
         x, cos, sin = fns["prologue"](inputs, step.positions)
         q, k, v = fns["in"](x, *self.layers[0].into, cos, sin, self._kv(cache, 0, step), *geometry, products)
         tapped = {}
         last_layer = len(self.layers) - 1
         for i, w in enumerate(self.layers):
-            attn = slot_attention(cache, i, q, k, v, step, self.scale, write=False)
+            attn = slot_attention(cache, i, q, k, v, step, self.scale, write=False, tiles=self.kernels.attention)
             if i < last_layer:
                 x, q, k, v = fns["seam"](x, attn, w.out, self.layers[i + 1].into, cos, sin,
                                          self._kv(cache, i + 1, step), *geometry, self.act, products)  # fmt: skip
@@ -425,9 +433,10 @@ class Decoder:
 
     `forward` returns the final-normed hidden states and, for `layer_ids`, the tapped layers'
     outputs concatenated (layer id l = output of decoder layer l, as `extract.target.LayerTaps`
-    taps it). `compiled` as `LayerStack.run` takes it."""
+    taps it). `compiled` as `LayerStack.run` takes it; `kernels` as `LayerStack` does."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, *, compile: bool = True) -> None:
+    def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, *, compile: bool = True,
+                 kernels: KernelSettings = DEFAULT_KERNELS) -> None:  # fmt: skip
         base = model.get_decoder()
         config = base.config
         self.embed, self.rotary = base.embed_tokens.weight, base.rotary_emb
@@ -435,7 +444,8 @@ class Decoder:
         self.layers = LayerStack(list(base.layers), eps=float(config.rms_norm_eps), heads=heads,
                                  kv_heads=getattr(config, "num_key_value_heads", None) or heads,
                                  scale=float(base.layers[0].self_attn.scaling), act=activation(config.hidden_act),
-                                 norm=base.norm.weight, prologue=self._prologue, compile=compile)  # fmt: skip
+                                 norm=base.norm.weight, prologue=self._prologue, compile=compile,
+                                 kernels=kernels)  # fmt: skip
         self.layer_ids = list(layer_ids or [])
 
     def _prologue(self, ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -10,9 +10,9 @@ No match proposes nothing, and the step commits the target's one token.
 Under greedy verification the target's output does not depend on the drafter, so the lookup
 drafter's tau follows from the prompt and the target's greedy output alone, without running the
 target again: :func:`acceptance_lengths` replays speculative decoding over that output with the
-same accounting as ``evaluate.speculative_generate`` (the first token comes from the prefill and
-is no step; a step commits its accepted drafts and the target's bonus token, cut at the end of
-the output). Pure functions over token ids.
+same accounting as the engine's speculative decoding (`engine.Engine`: the first token comes from
+the prefill and is no step; a step commits its accepted drafts and the target's bonus token, cut
+at the end of the output). Pure functions over token ids.
 """
 
 from __future__ import annotations

@@ -2,14 +2,15 @@
 weights before it waits for its input, keeps each token's bits whatever the step holds, and takes
 the elementwise work around the product.
 
-At batch 1 a product of SmolLM2-135M reads 0.7 to 3.5 MB of weights, under 1 us of an H200's
-bandwidth, but cuBLAS's one-row kernels take 3.6 to 3.9 us (their tiles are 64 columns wide, so a
-576-column product runs on 9 of 132 SMs), and a layer's norms, residual adds and activation are
-kernels of their own between them. Here a program owns COLS output columns, loads their weights
-whole, and then takes the step's rows BLOCK_T at a time through the GPU's matrix instructions:
-each row's sums are the same instructions wherever it sits in its tile, so a verify step of 17
-tokens gives each token the bits a one-token step gives it (what keeps greedy speculation the
-target's own decode). Around the product, the kernel does what the layer does next to it:
+At batch 1 a product of SmolLM2-135M reads a few MB of weights, which the GPU's bandwidth covers in
+a fraction of the time cuBLAS's one-row kernels take (their tiles are 64 columns wide, so a
+576-column product runs on a few of the GPU's SMs; BENCHMARKS.md, "The product kernel"), and a
+layer's norms, residual adds and activation are kernels of their own between them. Here a program
+owns a few output columns, loads their weights whole, and then takes the step's rows a tile at a
+time through the GPU's matrix instructions: each row's sums are the same instructions wherever it
+sits in its tile, so a verify step of 17 tokens gives each token the bits a one-token step gives it
+(what keeps greedy speculation the target's own decode). Around the product, the kernel does what
+the layer does next to it:
 
 - `norm`: transformers' RMSNorm of each input row first (the statistics in float32, the weight
   applied in the input dtype): the norm before the q/k/v and gate/up projections;
@@ -19,32 +20,50 @@ target's own decode). Around the product, the kernel does what the layer does ne
   (RoPE) and its keys and values written into the slot cache, so that the layer's attention
   input is this one kernel.
 
-A program sums K in slices of SLICE_K (one warp each) side by side: on an H200, slices of 256 beat
-128 and 512 at both of SmolLM2's widths (576, 1,536).
+A program sums K in slices of `ProductTiles.slice_k` (one warp each) side by side: slices of 256
+were the fastest of those measured at both of SmolLM2's widths (576, 1,536; BENCHMARKS.md, "The
+product kernel").
 
 On a Hopper GPU or newer the kernel launches with programmatic dependent launch: it loads its
 weights, which never come from the step, before it waits for the kernel before it, so the read
 overlaps that kernel; after that wait it lets the next one launch.
 
-`rows_product` and `rows_qkv` are torch custom ops, so that the decoder's compiled pieces call
-each as one opaque kernel and fuse the rest around it.
+`rows_product` and `rows_qkv` call torch custom ops, so that the decoder's compiled pieces call
+each as one opaque kernel and fuse the rest around it. The kernel's tiles and launch are a
+`ProductTiles` value that every call takes (the decoder's `KernelSettings` carries it).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dflash_cache.kernels.triton_support import available, on_device, pdl_options
 
-BLOCK_T = 16  # rows (tokens) a program takes at once, whatever the step holds
-COLS = 16  # output columns a program owns
-SLICE_K = 256  # K a warp sums: a program sums K (padded to a power of two) in slices of this, side by side
-WARPS = 0  # warps a program runs (0: one a slice)
-STAGES = 1  # Triton's software pipelining of the loop over rows (1: none, the fastest one-row step; 3 is Triton's)
 MAX_K = 2048  # the widest input row: a program holds its columns' weights whole (measured up to 2048)
+
+
+@dataclass(frozen=True)
+class ProductTiles:
+    """How the kernel cuts and launches a product. Every value gives the same results, each
+    token's bits whatever the step holds; they differ in speed."""
+
+    block_t: int = 16  # rows (tokens) a program takes at once, whatever the step holds
+    cols: int = 16  # output columns a program owns
+    slice_k: int = 256  # K a warp sums: a program sums K (padded to a power of two) in slices of this, side by side
+    warps: int = 0  # warps a program runs (0: one a slice)
+    stages: int = 1  # Triton's pipelining of the loop over rows (1: none, the fastest one-row step; 3 is Triton's)
+    pdl: bool = True  # programmatic dependent launch where the GPU has it (`triton_support.pdl_options`)
+
+    def args(self) -> tuple[int, int, int, int, int, bool]:
+        """The tiles as the custom ops take them."""
+        return self.block_t, self.cols, self.slice_k, self.warps, self.stages, self.pdl
+
+
+DEFAULT_TILES = ProductTiles()
 
 
 def fits(*weights: Tensor) -> bool:
@@ -59,7 +78,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["T"])  # a build for T == 1 made one-token steps 1.5x slower (H200)
+    # T taken as a value: a build for T == 1 made one-token steps slower (BENCHMARKS.md, "The product kernel")
+    @triton.jit(do_not_specialize=["T"])
     def rows_times_weights(X, W, BIAS, NORM, RES, Y, T, N, eps, sx, sr, sy, COS, SIN, KC, VC, SLOT, POS, TT, s_slot,
                            s_pos, s_head, K: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr,
                            COLS: tl.constexpr, SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, NORMED: tl.constexpr,
@@ -67,7 +87,8 @@ def _kernel():
                            KV_HEADS: tl.constexpr, D: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """Y[t, c] for this program's COLS columns c and every row t < T, BLOCK_T rows at a time. The
         sums over K run as SLICES matrix products side by side, added in a fixed order: one product
-        over all of K is a chain of dependent matrix instructions, 4 us long at K = 2048.
+        over all of K is a chain of dependent matrix instructions, slow at a wide K (BENCHMARKS.md,
+        "The product kernel").
 
         With ROPE the weight is [q; k; v] of HEADS, KV_HEADS, KV_HEADS heads of D columns, and a
         program owns COLS / 2 columns of a head's first half and their partners in its second half,
@@ -150,54 +171,69 @@ def _kernel():
 
 
 def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | None, residual: Tensor | None,
-            eps: float, gated: bool, out: Tensor, rope: dict | None = None) -> None:  # fmt: skip
+            eps: float, gated: bool, out: Tensor, tiles: tuple, rope: dict | None = None) -> None:  # fmt: skip
     import triton
+
+    block_t, cols, slice_k, warps, stages, pdl = tiles
 
     K = x.shape[-1]
     rows = x.reshape(-1, K).contiguous()
     N = weight.shape[0] // (2 if gated else 1)
     res = residual.reshape(-1, N).contiguous() if residual is not None else out
     KP = triton.next_power_of_2(max(K, 16))  # a matrix instruction sums 16 of K at least
-    slices = max(KP // SLICE_K, 1)
+    slices = max(KP // slice_k, 1)
     rope = rope or {"COS": out, "SIN": out, "KC": out, "VC": out, "SLOT": out, "POS": out, "TT": 1, "s_slot": 0,
                     "s_pos": 0, "s_head": 0, "HEADS": 0, "KV_HEADS": 0, "D": 0}  # fmt: skip
-    _kernel()[(triton.cdiv(N, COLS),)](
+    _kernel()[(triton.cdiv(N, cols),)](
         rows, weight.contiguous(), bias if bias is not None else out, norm if norm is not None else out, res, out,
-        rows.shape[0], N, eps, rows.stride(0), res.stride(0), out.stride(0), **rope, K=K, KP=KP, BLOCK_T=BLOCK_T,
-        COLS=COLS, SLICES=slices, HAS_BIAS=bias is not None, NORMED=norm is not None, GATED=gated,
-        RESIDUAL=residual is not None, ROPE=rope["D"] > 0, num_warps=WARPS or slices, num_stages=STAGES,
-        **pdl_options(x))  # fmt: skip
+        rows.shape[0], N, eps, rows.stride(0), res.stride(0), out.stride(0), **rope, K=K, KP=KP, BLOCK_T=block_t,
+        COLS=cols, SLICES=slices, HAS_BIAS=bias is not None, NORMED=norm is not None, GATED=gated,
+        RESIDUAL=residual is not None, ROPE=rope["D"] > 0, num_warps=warps or slices, num_stages=stages,
+        **pdl_options(x, pdl))  # fmt: skip
+
+
+def rows_product(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | None, residual: Tensor | None,
+                 eps: float, gated: bool, tiles: ProductTiles = DEFAULT_TILES) -> Tensor:  # fmt: skip
+    """x [..., K] times weight [N, K] (or [2N, K] when `gated`), with the module docstring's norm,
+    activation and residual: [..., N]."""
+    return _rows_product(x, weight, bias, norm, residual, eps, gated, *tiles.args())
 
 
 @torch.library.custom_op("dflash_cache::rows_product", mutates_args=())
-def rows_product(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | None, residual: Tensor | None,
-                 eps: float, gated: bool) -> Tensor:  # fmt: skip
-    """x [..., K] times weight [N, K] (or [2N, K] when `gated`), with the module docstring's norm,
-    activation and residual: [..., N]."""
+def _rows_product(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | None, residual: Tensor | None,
+                  eps: float, gated: bool, block_t: int, cols: int, slice_k: int, warps: int, stages: int,
+                  pdl: bool) -> Tensor:  # fmt: skip
     N = weight.shape[0] // (2 if gated else 1)
     out = torch.empty(x[..., 0].numel(), N, dtype=x.dtype, device=x.device)
-    _launch(x, weight, bias, norm, residual, eps, gated, out)
+    _launch(x, weight, bias, norm, residual, eps, gated, out, (block_t, cols, slice_k, warps, stages, pdl))
     return out.view(*x.shape[:-1], N)
 
 
-@rows_product.register_fake
+@_rows_product.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | None, residual: Tensor | None, eps: float,
-      gated: bool) -> Tensor:  # fmt: skip
+      gated: bool, block_t: int, cols: int, slice_k: int, warps: int, stages: int, pdl: bool) -> Tensor:  # fmt: skip
     return x.new_empty(*x.shape[:-1], weight.shape[0] // (2 if gated else 1))
 
 
-def rope_fits(head_dim: int) -> bool:
-    """Whether `rows_qkv` serves heads of this size: a program's COLS / 2 columns divide half a head."""
-    return head_dim % COLS == 0
+def rope_fits(head_dim: int, tiles: ProductTiles = DEFAULT_TILES) -> bool:
+    """Whether `rows_qkv` serves heads of this size: a program's cols / 2 columns divide half a head."""
+    return head_dim % tiles.cols == 0
 
 
-@torch.library.custom_op("dflash_cache::rows_qkv", mutates_args=("k_cache", "v_cache"))
 def rows_qkv(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor, eps: float, cos: Tensor, sin: Tensor,
-             k_cache: Tensor, v_cache: Tensor, slot: Tensor, positions: Tensor, heads: int,
-             kv_heads: int) -> Tensor:  # fmt: skip
+             k_cache: Tensor, v_cache: Tensor, slot: Tensor, positions: Tensor, heads: int, kv_heads: int,
+             tiles: ProductTiles = DEFAULT_TILES) -> Tensor:  # fmt: skip
     """The q/k/v projection of the RMS-normed x [b, T, H] (weight [q; k; v]) with RoPE by cos/sin
     [b, T, d] on the queries and keys: the keys and values written into the caches [S, L, kv_heads,
     d] at slot [b, 1] and positions [b, T], the queries returned, [b, T, heads, d]."""
+    return _rows_qkv(x, weight, bias, norm, eps, cos, sin, k_cache, v_cache, slot, positions, heads, kv_heads,
+                     *tiles.args())  # fmt: skip
+
+
+@torch.library.custom_op("dflash_cache::rows_qkv", mutates_args=("k_cache", "v_cache"))
+def _rows_qkv(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor, eps: float, cos: Tensor, sin: Tensor,
+              k_cache: Tensor, v_cache: Tensor, slot: Tensor, positions: Tensor, heads: int, kv_heads: int,
+              block_t: int, cols: int, slice_k: int, warps: int, stages: int, pdl: bool) -> Tensor:  # fmt: skip
     b, T, _ = x.shape
     d = cos.shape[-1]
     out = torch.empty(b * T, heads * d, dtype=x.dtype, device=x.device)
@@ -205,12 +241,12 @@ def rows_qkv(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor, eps: 
             "VC": v_cache, "SLOT": slot.reshape(b).contiguous(), "POS": positions.reshape(b * T).contiguous(),
             "TT": T, "s_slot": k_cache.stride(0), "s_pos": k_cache.stride(1), "s_head": k_cache.stride(2),
             "HEADS": heads, "KV_HEADS": kv_heads, "D": d}  # fmt: skip
-    _launch(x, weight, bias, norm, None, eps, False, out, rope)
+    _launch(x, weight, bias, norm, None, eps, False, out, (block_t, cols, slice_k, warps, stages, pdl), rope)
     return out.view(b, T, heads, d)
 
 
-@rows_qkv.register_fake
+@_rows_qkv.register_fake
 def _(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor, eps: float, cos: Tensor, sin: Tensor,
-      k_cache: Tensor, v_cache: Tensor, slot: Tensor, positions: Tensor, heads: int,
-      kv_heads: int) -> Tensor:  # fmt: skip
+      k_cache: Tensor, v_cache: Tensor, slot: Tensor, positions: Tensor, heads: int, kv_heads: int, block_t: int,
+      cols: int, slice_k: int, warps: int, stages: int, pdl: bool) -> Tensor:  # fmt: skip
     return x.new_empty(x.shape[0], x.shape[1], heads, cos.shape[-1])

@@ -29,6 +29,7 @@ from dflash_cache import drafters
 from dflash_cache.drafters import Family
 from dflash_cache.drafters.compile import compiled_or_eager
 from dflash_cache.generate.decoder import LayerStack, activation
+from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from dflash_cache.generate.slots import SlotCache, SlotStep
 
 
@@ -41,13 +42,14 @@ def proposer_slot_bytes(model: nn.Module, length: int) -> int:
 
 class BlockProposer:
     """A DFlash-family drafter over `slots` rows of up to `length` positions (module docstring).
-    Its layers run as `decoder.LayerStack`s do, compiled on a GPU (`compile`)."""
+    Its layers run as `decoder.LayerStack`s do, compiled on a GPU (`compile`), their kernels as
+    `kernels` says."""
 
     graphable = True  # a proposal reads and writes only device tensors: the engine may capture it and run ahead
 
     def __init__(self, model: nn.Module, *, embed: Tensor, head: Tensor, slots: int, length: int,
-                 block_size: int | None = None, family: Family | None = None,
-                 compile: bool = True) -> None:  # fmt: skip
+                 block_size: int | None = None, family: Family | None = None, compile: bool = True,
+                 kernels: KernelSettings = DEFAULT_KERNELS) -> None:  # fmt: skip
         cfg = model.config
         family = family or drafters.family("dflash")
         self.model, self.embed, self.head = model, embed, head
@@ -66,7 +68,7 @@ class BlockProposer:
         self.layers = LayerStack(list(model.layers), eps=cfg.rms_norm_eps, heads=cfg.num_attention_heads,
                                  kv_heads=cfg.num_key_value_heads, scale=cfg.head_dim**-0.5,
                                  act=activation(cfg.hidden_act), norm=model.norm.weight, prologue=self._prologue,
-                                 context_in=self._context_in, compile=compile)  # fmt: skip
+                                 context_in=self._context_in, compile=compile, kernels=kernels)  # fmt: skip
         self._rope(torch.zeros(1, 1, dtype=torch.long, device=weight.device), weight.dtype)  # its tables on the device
 
     def start(self, rows: Tensor, prompts: Sequence[Sequence[int]], first: Tensor) -> None:

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from dflash_cache.kernels.argmax import argmax
+from dflash_cache.kernels.argmax import argmax as kernel_argmax
 
 STOP, LENGTH, ERROR = "stop", "length", "error"  # why a completion ended
 
@@ -123,31 +123,38 @@ def gumbel(seed: Tensor, position: Tensor, stream: int, width: int) -> Tensor:
 class Chooser:
     """Picks tokens from logits [b, V] for rows with `seed` [b] at `position` [b] (the position of
     the token being chosen): the argmax at temperature 0, else a Gumbel-max sample. Also returns
-    the distribution it sampled from (None when greedy), which speculative sampling needs."""
+    the distribution it sampled from (None when greedy), which speculative sampling needs. `kernel`:
+    the argmaxes through the argmax kernel where it runs, else torch's (the same index)."""
 
     temperature: float
     seed: Tensor | None = None
     stream: int = TARGET_STREAM
     position: Tensor | None = field(default=None)
+    kernel: bool = True
 
     def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
         if self.temperature <= 0:
-            return argmax(logits), None
+            return self.argmax(logits), None
         scaled = logits.float() / self.temperature
-        tokens = argmax(scaled + gumbel(self.seed, self.position, self.stream, scaled.shape[-1]))
+        tokens = self.argmax(scaled + gumbel(self.seed, self.position, self.stream, scaled.shape[-1]))
         return tokens, torch.softmax(scaled, dim=-1)
 
+    def argmax(self, x: Tensor) -> Tensor:
+        """x.argmax(-1)."""
+        return kernel_argmax(x) if self.kernel else x.argmax(-1)
+
     def at(self, position: Tensor, stream: int | None = None) -> Chooser:
-        return Chooser(self.temperature, self.seed, self.stream if stream is None else stream, position)
+        return Chooser(self.temperature, self.seed, self.stream if stream is None else stream, position, self.kernel)
 
 
 class DraftChooser:
     """The `choose` a drafter family's `draft()` calls once per drafted slot, in order: slot i's
-    token sits at `base + 1 + i`, so its noise key advances with each call."""
+    token sits at `base + 1 + i`, so its noise key advances with each call. `fused`: a greedy
+    family may pick its argmax its own way (a fused kernel) instead of calling it."""
 
-    def __init__(self, chooser: Chooser, base: Tensor):
+    def __init__(self, chooser: Chooser, base: Tensor, fused: bool = True):
         self.chooser, self.base, self.calls = chooser, base, 0
-        self.greedy = chooser.temperature <= 0  # a family may then pick its argmax its own way
+        self.greedy = chooser.temperature <= 0 and fused  # a family may then pick its argmax its own way
 
     def __call__(self, logits: Tensor) -> tuple[Tensor, Tensor | None]:
         self.calls += 1
@@ -161,10 +168,10 @@ class DraftChooser:
         self.calls += n
         c = self.chooser
         if c.temperature <= 0:
-            return argmax(logits), None
+            return c.argmax(logits), None
         positions = self.base[:, None] + first + torch.arange(n, device=logits.device)
-        tokens, probs = Chooser(c.temperature, c.seed.repeat_interleave(n), DRAFT_STREAM,
-                                positions.flatten())(logits.reshape(b * n, V))  # fmt: skip
+        tokens, probs = Chooser(c.temperature, c.seed.repeat_interleave(n), DRAFT_STREAM, positions.flatten(),
+                                c.kernel)(logits.reshape(b * n, V))  # fmt: skip
         return tokens.view(b, n), probs.view(b, n, V)
 
 
@@ -183,7 +190,7 @@ def speculative_accept(drafts: Tensor, q: Tensor | None, logits: Tensor, chooser
     -1 (a proposer that had fewer tokens to offer) is never accepted."""
     b, n = drafts.shape
     if chooser.temperature <= 0:
-        target = argmax(logits)
+        target = chooser.argmax(logits)
         return (drafts == target[:, :n]).cumprod(1).sum(1), target
     rows = torch.arange(b, device=drafts.device)
     p = torch.softmax(logits.float() / chooser.temperature, dim=-1)
@@ -206,5 +213,5 @@ def speculative_accept(drafts: Tensor, q: Tensor | None, logits: Tensor, chooser
         p_a = torch.where((a < n)[:, None], residual, p_a)
     g = gumbel(chooser.seed, base + 1 + a, TARGET_STREAM, p.shape[-1])
     tokens = torch.cat([drafts, drafts.new_zeros(b, 1)], 1)
-    tokens.scatter_(1, a[:, None], argmax(torch.log(p_a) + g)[:, None])  # drafts[:a], then the token at a
+    tokens.scatter_(1, a[:, None], chooser.argmax(torch.log(p_a) + g)[:, None])  # drafts[:a], then the token at a
     return a, tokens

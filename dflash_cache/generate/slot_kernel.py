@@ -3,8 +3,8 @@ whatever else the step holds.
 
 A decode or verify step has few queries per row (1, or a block of 8 to 17) against a few hundred
 to a few thousand cached keys. One program per (row, key/value head, tile of 16 query rows, piece
-of SPLIT keys) holds its queries of that head's group (grouped-query heads share the keys they
-read) and walks its piece's keys in blocks of BLOCK_N with an online softmax; the last piece of a
+of `split` keys) holds its queries of that head's group (grouped-query heads share the keys they
+read) and walks its piece's keys in blocks of `block_n` with an online softmax (`AttentionTiles`); the last piece of a
 tile to finish merges the pieces (an atomic count a tile), so a layer's attention is one kernel at
 every context, where flash attention's split-kv path takes two.
 
@@ -15,9 +15,9 @@ speculative output parts from the target alone's. Choosing the kernel by the ste
 for one-token steps over long buffers, this kernel for blocks) did exactly that. Here a query's
 arithmetic depends only on its own row and position:
 
-- the tile of query rows is always 16 and the key blocks always BLOCK_N, whatever the step's size;
-- the keys are cut at fixed positions (0, SPLIT, 2 SPLIT...) and the pieces a row's keys reach
-  are merged in order, whichever program merges them. A query that sees SPLIT keys or fewer gets
+- the tile of query rows is always 16 and the key blocks always `block_n`, whatever the step's size;
+- the keys are cut at fixed positions (0, `split`, 2 `split`...) and the pieces a row's keys reach
+  are merged in order, whichever program merges them. A query that sees `split` keys or fewer gets
   the one-piece result bit for bit either way (the merge's weights are exactly 1 and 0), and one
   that sees more always goes through the merge. A row whose keys all fit in the first piece has
   its output written by that piece's program, which is what the merge would make of it;
@@ -30,16 +30,27 @@ arithmetic depends only on its own row and position:
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dflash_cache.kernels.triton_support import available, on_device, pdl_options, zeroed_counts
 
-BLOCK_M = 16  # query rows (token x head of the group) a program holds
-BLOCK_N = 128  # keys a block
-SPLIT = 256  # keys a program walks in a buffer longer than this; a multiple of BLOCK_N
-WARPS = 4
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """How the kernel cuts and launches a step's attention. A query's bits depend on these (its
+    keys' blocks and pieces), never on the step around it."""
+
+    block_m: int = 16  # query rows (token x head of the group) a program holds
+    block_n: int = 128  # keys a block
+    split: int = 256  # keys a program walks in a buffer longer than this; a multiple of block_n
+    warps: int = 4
+    pdl: bool = True  # programmatic dependent launch where the GPU has it (`triton_support.pdl_options`)
+
+
+DEFAULT_TILES = AttentionTiles()
 
 
 def fits(query: Tensor, keys: Tensor) -> bool:
@@ -50,9 +61,9 @@ def fits(query: Tensor, keys: Tensor) -> bool:
             and keys.dtype == query.dtype and 16 <= d <= 256 and d & (d - 1) == 0)  # fmt: skip
 
 
-def pieces(length: int) -> int:
+def pieces(length: int, tiles: AttentionTiles = DEFAULT_TILES) -> int:
     """How many pieces the kernels cut a buffer of `length` positions into (1: it is walked whole)."""
-    return -(-length // SPLIT)
+    return -(-length // tiles.split)
 
 
 @functools.cache
@@ -141,28 +152,29 @@ def _kernels():
 
 
 def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: Tensor, causal: bool,
-              scale: float) -> Tensor:  # fmt: skip
+              scale: float, tiles: AttentionTiles = DEFAULT_TILES) -> Tensor:  # fmt: skip
     """query [b, T, heads, d] (the last dimension contiguous) of batch row i against the first
     seen[i] positions of slot slot[i] of keys/values [S, L, kv_heads, d]; causal: query t sees
     seen[i] - T + 1 + t of them. Returns [b, T, heads, d]."""
     b, T, heads, d = query.shape
     kv_heads, length = keys.shape[2], keys.shape[1]
     groups = heads // kv_heads
-    tiles = -(-T * groups // BLOCK_M)
-    splits = pieces(length)
+    block_m, block_n = tiles.block_m, tiles.block_n
+    row_tiles = -(-T * groups // block_m)
+    splits = pieces(length, tiles)
     out = torch.empty(b, T, heads, d, dtype=query.dtype, device=query.device)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    split = SPLIT if splits > 1 else 0
-    if split % BLOCK_N:
-        raise ValueError(f"slot_kernel: SPLIT ({SPLIT}) must be a multiple of BLOCK_N ({BLOCK_N})")
+    split = tiles.split if splits > 1 else 0
+    if split % block_n:
+        raise ValueError(f"slot_kernel: split ({tiles.split}) must be a multiple of block_n ({block_n})")
     acc = stat = count = out
     if split:
-        acc = torch.empty(b * kv_heads * tiles * splits * BLOCK_M * d, dtype=torch.float32, device=query.device)
-        stat = torch.empty(b * kv_heads * tiles * splits * 2 * BLOCK_M, dtype=torch.float32, device=query.device)
-        count = zeroed_counts("slot_kernel", query.device, b * kv_heads * tiles)
-    _kernels()[(b, kv_heads, tiles * splits)](
+        acc = torch.empty(b * kv_heads * row_tiles * splits * block_m * d, dtype=torch.float32, device=query.device)
+        stat = torch.empty(b * kv_heads * row_tiles * splits * 2 * block_m, dtype=torch.float32, device=query.device)
+        count = zeroed_counts("slot_kernel", query.device, b * kv_heads * row_tiles)
+    _kernels()[(b, kv_heads, row_tiles * splits)](
         query, keys, values, out, acc, stat, count, slot, seen, *query.stride()[:3], *keys.stride()[:3],
-        *out.stride()[:3], T, tiles, splits, scale, G=groups, D=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        CAUSAL=causal and T > 1, SPLIT=split, num_warps=WARPS, **pdl_options(query))  # fmt: skip
+        *out.stride()[:3], T, row_tiles, splits, scale, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal and T > 1, SPLIT=split, num_warps=tiles.warps, **pdl_options(query, tiles.pdl))  # fmt: skip
     return out

@@ -32,6 +32,7 @@ from torch.nn.attention import sdpa_kernel
 
 from dflash_cache.extract.target import SDPA_BACKENDS
 from dflash_cache.generate import slot_kernel
+from dflash_cache.generate.slot_kernel import AttentionTiles
 from dflash_cache.kernels import triton_support
 
 
@@ -97,10 +98,11 @@ class SlotStep:
 
 
 def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, value: Tensor, step: SlotStep,
-                   scale: float | None, *, write: bool = True) -> Tensor:  # fmt: skip
+                   scale: float | None, *, write: bool = True,
+                   tiles: AttentionTiles = slot_kernel.DEFAULT_TILES) -> Tensor:  # fmt: skip
     """Write key/value [b, T, kv_heads, D] of a step's tokens into their slots (`write`; False when
     the caller wrote them), then attend; returns [b, T, heads, D] (see `SlotStep` for what each
-    query sees)."""
+    query sees). `tiles`: how the Triton kernel runs, where it does."""
     k_buf, v_buf = cache.k[layer], cache.v[layer]
     if write:
         write_kv(key, value, k_buf, v_buf, step.slot(cache), step.positions)
@@ -111,7 +113,7 @@ def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, val
                                                  enable_gqa=query.shape[2] != key.shape[2])  # fmt: skip
         return out.transpose(1, 2)
     if triton_support.on_device(query):
-        out = _on_gpu(query, k_buf, v_buf, step.slot(cache), step, scale)
+        out = _on_gpu(query, k_buf, v_buf, step.slot(cache), step, scale, tiles)
         if out is not None:
             return out
     return _masked(query, *_rows_of(k_buf, v_buf, step), step, scale)
@@ -132,13 +134,14 @@ def _rows_of(k_buf: Tensor, v_buf: Tensor, step: SlotStep) -> tuple[Tensor, Tens
     return k_buf[step.rows], v_buf[step.rows]
 
 
-def _on_gpu(query: Tensor, k_buf: Tensor, v_buf: Tensor, slot: Tensor, step: SlotStep, scale: float | None
-            ) -> Tensor | None:  # fmt: skip
+def _on_gpu(query: Tensor, k_buf: Tensor, v_buf: Tensor, slot: Tensor, step: SlotStep, scale: float | None,
+            tiles: AttentionTiles) -> Tensor | None:  # fmt: skip
     """A step's attention through the first GPU kernel that serves it, or None."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if _KERNELS["triton"] and slot_kernel.fits(query, k_buf):
-        out = slot_kernel.attention(query, k_buf, v_buf, slot[:, 0], step.seen, step.causal, scale)
-        if _trusted("triton", out, query, k_buf, v_buf, step, scale, cut=slot_kernel.pieces(k_buf.shape[1]) > 1):
+        out = slot_kernel.attention(query, k_buf, v_buf, slot[:, 0], step.seen, step.causal, scale, tiles)
+        cut = slot_kernel.pieces(k_buf.shape[1], tiles) > 1
+        if _trusted("triton", out, query, k_buf, v_buf, step, scale, cut=cut):
             return out
     half = query.dtype in (torch.float16, torch.bfloat16)
     if _KERNELS["flash"] and query.is_cuda and half and query.shape[-1] <= 256:

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from dflash_cache.extract.target import LayerTaps, has_recurrent_layers, text_config
 from dflash_cache.generate.decoder import Decoder
+from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from dflash_cache.generate.slots import SlotCache, SlotStep
 
 # Model types whose every layer is causal softmax attention over the cache with a standard RoPE,
@@ -69,12 +70,13 @@ def slot_support(model: nn.Module) -> str | None:
 
 
 class SlotTarget:
-    """A Llama-family decoder over a `SlotCache` (see the module docstring)."""
+    """A Llama-family decoder over a `SlotCache` (see the module docstring); `kernels`: how its
+    steps' kernels run (`KernelSettings`)."""
 
     graphable = True  # a step allocates nothing and syncs nothing: the engine may capture it
 
     def __init__(self, model: nn.Module, slots: int, length: int, layer_ids: list[int] | None = None, *,
-                 compile: bool = True) -> None:  # fmt: skip
+                 compile: bool = True, kernels: KernelSettings = DEFAULT_KERNELS) -> None:  # fmt: skip
         why = slot_support(model)
         if why is not None:
             raise ValueError(f"SlotTarget cannot run this model: {why}")
@@ -86,7 +88,7 @@ class SlotTarget:
         self.slots, self.length, self.layer_ids = slots, -(-length // 16) * 16, list(layer_ids or [])
         self.cache = SlotCache(tc["num_hidden_layers"], slots, self.length, tc.get("num_key_value_heads") or heads,
                                head_dim, dtype=weight.dtype, device=weight.device)  # fmt: skip
-        self.decoder = Decoder(model, self.layer_ids, compile=compile)
+        self.decoder = Decoder(model, self.layer_ids, compile=compile, kernels=kernels)
         self.device = weight.device
 
     @torch.inference_mode()

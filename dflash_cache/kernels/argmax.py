@@ -17,7 +17,7 @@ from torch import Tensor
 
 from dflash_cache.kernels.triton_support import available, on_device, pdl_options, zeroed_counts
 
-BLOCK_V = 1024  # columns a program takes
+BLOCK_V = 1024  # columns a program takes, by default (a benchmark passes others)
 
 
 def fits(x: Tensor) -> bool:
@@ -75,28 +75,28 @@ def scratch(rows: int, programs: int, device: torch.device) -> tuple[Tensor, Ten
 
 
 @torch.library.custom_op("dflash_cache::first_argmax", mutates_args=())
-def first_argmax(x: Tensor) -> Tensor:
-    """x.argmax(-1) for x [rows, V] whose last dimension is contiguous."""
+def first_argmax(x: Tensor, block_v: int = BLOCK_V) -> Tensor:
+    """x.argmax(-1) for x [rows, V] whose last dimension is contiguous, programs of `block_v` columns."""
     import triton
 
     rows, V = x.shape
-    programs = triton.cdiv(V, BLOCK_V)
+    programs = triton.cdiv(V, block_v)
     top, at, out, count, block_p = scratch(rows, programs, x.device)
-    kernels()[0][(rows, programs)](x, top, at, out, count, V, x.stride(0), BLOCK_V=BLOCK_V, BLOCK_P=block_p,
+    kernels()[0][(rows, programs)](x, top, at, out, count, V, x.stride(0), BLOCK_V=block_v, BLOCK_P=block_p,
                                    num_warps=4, **pdl_options(x))  # fmt: skip
     return out
 
 
 @first_argmax.register_fake
-def _(x: Tensor) -> Tensor:
+def _(x: Tensor, block_v: int = BLOCK_V) -> Tensor:
     return x.new_empty(x.shape[0], dtype=torch.int64)
 
 
-def argmax(x: Tensor) -> Tensor:
-    """x.argmax(-1), through the kernels where they run."""
+def argmax(x: Tensor, block_v: int = BLOCK_V) -> Tensor:
+    """x.argmax(-1), through the kernels where they run (programs of `block_v` columns)."""
     if not fits(x):
         return x.argmax(-1)
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    return first_argmax(flat).view(x.shape[:-1])
+    return first_argmax(flat, block_v).view(x.shape[:-1])

@@ -29,15 +29,15 @@ def on_device(t: Tensor) -> bool:
     return t.is_cuda or (t.device.type == "cpu" and interpreted())
 
 
-def pdl_options(t: Tensor) -> dict:
+def pdl_options(t: Tensor, wanted: bool = True) -> dict:
     """Launch options for a kernel with a `PDL` flag. On a Hopper GPU or newer it launches with
     programmatic dependent launch: it may start while the kernel before it finishes, and waits for
     it (`tl.extra.cuda.gdc_wait`) before it reads anything that kernel may write, so a step's
     kernels chain without the launch gap between them, and work that reads nothing of the step (a
     product's weights) overlaps the kernel before. After a kernel that never signals (the
     compiler's, cuBLAS's), it starts when that one ends, as usual. Elsewhere (the interpreter, older
-    GPUs) the stream orders kernels as usual."""
-    if not t.is_cuda or interpreted() or torch.cuda.get_device_capability(t.device)[0] < 9:
+    GPUs), and where not `wanted` (a benchmark's plain launch), the stream orders kernels as usual."""
+    if not wanted or not t.is_cuda or interpreted() or torch.cuda.get_device_capability(t.device)[0] < 9:
         return {"PDL": False}
     return {"PDL": True, "launch_pdl": True}
 

@@ -1,9 +1,8 @@
-"""The settings of the apps above the stages, `dflash regen`, `dflash eval` and `dflash recipe`:
-dataclasses whose defaults and help texts are the CLI's and the config files' (see
-dflash_cache/core/settings.py).
+"""The settings of the pipelines, `dflash regen` and `dflash recipe`: dataclasses whose defaults and
+help texts are the CLI's and the config files' (see dflash_cache/core/settings.py).
 
-They live apart from regen.py, evaluate.py and recipe.py so that reading them loads no torch: the
-CLI builds every command's options from them at start-up.
+They live apart from regen.py and recipe.py so that reading them loads no torch: the CLI builds
+every command's options from them at start-up.
 """
 
 from __future__ import annotations
@@ -14,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cache.core.errors import UserError
-from dflash_cache.core.settings import SettingsError, setting
+from dflash_cache.core.settings import SettingsError, same_as, setting
+from dflash_cache.eval.config import EvalSetsConfig, lookup_list_problem
 from dflash_cache.extract.config import (
     DATA_HELP,
     GPU_IDS,
@@ -29,14 +29,6 @@ from dflash_cache.extract.config import (
 def regen_record(out: Path) -> Path:
     """Beside regen's output: what it was regenerated from, so a rerun never passes off old rows."""
     return out.with_name(f".{out.name}.regen.json")
-
-
-def lookup_list_problem(values: list[int] | tuple[int, ...]) -> str | None:
-    """What is wrong with a list of `--lookup` values (recipe, bench eval), or None: each run decodes
-    once per value, so they are distinct, and each is 0 (the drafter alone) or an n-gram length."""
-    if not values or min(values) < 0 or len(set(values)) < len(values):
-        return f"--lookup: distinct values of 0 (the drafter alone) or more, got {list(values)}"
-    return None
 
 
 @dataclass
@@ -84,36 +76,6 @@ class RegenConfig:
         return data
 
 
-@dataclass
-class EvalConfig:
-    target: str = setting(help=TARGET_HELP)
-    drafter: Path = setting(help="Exported drafter (config.json + model.safetensors), e.g. RUN/export.")
-    data: str = setting(help="Prompts: " + DATA_HELP + " Trailing assistant turns are dropped; a turns row "
-                        "(MT-Bench's question.jsonl) asks each turn after the target's own answer to the one before.")
-    max_new_tokens: int = setting(128, "Tokens to generate per prompt.", min=1)
-    temperature: float = setting(0.0, "0: greedy; above 0: speculative sampling.", min=0)
-    seed: int = setting(0, "Seed of the sampling generators.")
-    block_size: int | None = setting(None, "Block size B (default: the drafter's).", min=2)
-    limit: int | None = setting(None, "Use only the first N prompts.", min=1)
-    batch_size: int | None = setting(None, "Prompts decoded at once (default 128 on a GPU, as many as fit; 16 on a "
-                                     "CPU). 1 gives the single-stream speedup.", min=1)  # fmt: skip
-    chat_template_kwargs: dict[str, Any] | None = setting(
-        None, KWARGS_HELP + " The DFlash reference benchmark runs Qwen3 with thinking off.")  # fmt: skip
-    data_split: str | None = setting(None, SPLIT_HELP)
-    first_turn: bool = setting(False, "Ask only the first turn of a turns row (DeepSpec's MT-Bench figure); by "
-                               "default every turn is asked, as z-lab's benchmark does.")  # fmt: skip
-    lookup: int = setting(0, "Mix prompt lookup into the drafter: a step drafts from the context's own n-grams "
-                          "where its last N tokens occurred before, from the drafter elsewhere (0: the drafter "
-                          "alone). Greedy only.", min=0)  # fmt: skip
-
-    @staticmethod
-    def from_record(data: dict[str, Any], path: Path) -> dict[str, Any]:
-        """A result that `dflash eval --json` wrote: the settings it ran with."""
-        if "settings" in data and "tau" in data:
-            return {k: v for k, v in data["settings"].items() if k in EvalConfig.__dataclass_fields__}
-        return data
-
-
 BENCHMARKS = ("humaneval", "mt-bench", "sharegpt")  # benchsets.SETS, named without importing its readers
 
 
@@ -137,16 +99,16 @@ class RecipeConfig:
     draft_layers: list[int] = setting(help="Draft layers: one drafter for each value (each layer adds to every "
                                       "speculative step's cost).", factory=lambda: [2])  # fmt: skip
     epochs: list[int] = setting(help="Training epochs: one drafter for each value.", factory=lambda: [24])
-    benchmarks: list[str] = setting(help="Sets to evaluate on, as dflash bench eval's --benchmarks: humaneval, "
+    benchmarks: list[str] = setting(help="Sets to evaluate on, as dflash eval-sets' --benchmarks: humaneval, "
                                     "mt-bench, sharegpt, or prompt files.", factory=lambda: list(BENCHMARKS))
     eval_limit: int | None = setting(80, "Use only the first N prompts of each set (none: all; the ShareGPT "
                                      "hold-out's 179 conversations then take most of the eval).", min=1)  # fmt: skip
-    max_new_tokens: int = setting(512, "Tokens to generate per eval prompt and turn.", min=1)
+    max_new_tokens: int = same_as(EvalSetsConfig, "max_new_tokens")
     lookup: list[int] = setting(help="Each drafter is evaluated once for each value, in that order: 0 alone, N with "
                                 "prompt lookup mixed in where the last N tokens occurred before (dflash eval "
                                 "--lookup); the first decodes, with --replay.", factory=lambda: [2, 0])  # fmt: skip
     replay: bool = setting(True, "Decode with the first drafter only; the others' tau comes from replaying its "
-                           "greedy outputs (dflash bench eval --replay: the decode's tau up to rounding, in "
+                           "greedy outputs (dflash eval-sets --replay: the decode's tau up to rounding, in "
                            "seconds, without speed figures).")  # fmt: skip
     token_budget: int | None = setting(None, "Training's context tokens per batch (default: train's).", min=1)
     gpus: list[int] | None = setting(None, "GPUs for every stage: 0 or 0-3.", expects=GPU_IDS)

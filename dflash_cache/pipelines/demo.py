@@ -6,6 +6,10 @@ drafter and for an untrained one of the same shape, so the acceptance length the
 is visible. The target is ``data/code-target`` (``data/make_code_target.py``). Every stage is the
 library's own; each one resumes if the demo is run again.
 
+The target and the two prefix files are package data, ``dflash_cache/demo_data``: in a checkout its
+entries are links to ``data/``, and the wheel holds copies, so an installed ``dflash demo`` runs
+from any directory.
+
 The steps are separate functions so that ``data/quality.py`` runs the same pipeline with other
 recipes and storage formats, and the demo's test runs it at the demo's settings.
 """
@@ -22,24 +26,29 @@ import torch
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import read_frozen
 from dflash_cache.core.progress import ProgressSink
-from dflash_cache.eval import evaluate
+from dflash_cache.eval.config import EvalConfig
+from dflash_cache.eval.decode import evaluate
+from dflash_cache.eval.metrics import EvalResult
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.pipelines import regen
-from dflash_cache.pipelines.config import EvalConfig
 from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.fold import save_export
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+
+def bundled(name: str) -> Path:
+    """A file of the demo's package data by its real path: a checkout's links resolve to data/, the
+    path the stages record."""
+    return (Path(__file__).resolve().parents[1] / "demo_data" / name).resolve()
 
 
 @dataclass
 class DemoConfig:
     out: Path = Path("demo")
-    target: Path = DATA / "code-target"
-    data: Path = DATA / "code_train.jsonl"  # training-module prefixes; regen writes the target's continuations
-    prompts: Path = DATA / "code_prompts.jsonl"  # held-out-module prefixes
+    target: Path = bundled("code-target")
+    data: Path = bundled("code_train.jsonl")  # training-module prefixes; regen writes the target's continuations
+    prompts: Path = bundled("code_prompts.jsonl")  # held-out-module prefixes
     rows: int | None = None  # regenerate (and train on) only the first N rows of `data`
     regen_tokens: int = 96  # longest regenerated continuation
     regen_batch: int = 64  # prompts per generate call (and per resumable part)
@@ -100,11 +109,11 @@ def untrained_drafter(tcfg: TrainConfig, out: Path) -> Path:
     return out
 
 
-def evaluate_drafter(cfg: DemoConfig, drafter: Path, sink: ProgressSink | None = None) -> evaluate.EvalResult:
+def evaluate_drafter(cfg: DemoConfig, drafter: Path, sink: ProgressSink | None = None) -> EvalResult:
     try:
         ecfg = EvalConfig(target=str(cfg.target), drafter=drafter, data=str(cfg.prompts),
                           max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, limit=cfg.eval_prompts)  # fmt: skip
-        return evaluate.evaluate(ecfg, sink, baseline=cfg.baseline)
+        return evaluate(ecfg, sink, baseline=cfg.baseline)
     finally:  # evaluate leaves its sink open for the caller
         if sink is not None:
             sink.close()

@@ -14,8 +14,8 @@ one resumable command.
 4. **extract**: the cache, with the final hidden state when a DSpark drafter is asked for (DFlash
    trains on the same cache);
 5. **train**: one drafter for each family x draft layers x epochs asked for, on that one cache;
-6. **eval**: every drafter and the target alone on the benchmark sets at batch 1 (`dflash bench
-   eval`): tau per prompt and pooled (by turn on MT-Bench), tokens/s and the speedup. Each drafter
+6. **eval**: every drafter and the target alone on the benchmark sets at batch 1 (`dflash
+   eval-sets`): tau per prompt and pooled (by turn on MT-Bench), tokens/s and the speedup. Each drafter
    runs with prompt lookup mixed in (`lookup`, 2 by default: `generate.lookup_mix`) and alone
    (0). The first drafter's first run decodes; by default (`replay`) the others' tau is replayed on
    its greedy outputs, so a grid of drafters costs one decode of each set.
@@ -131,7 +131,7 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
         bars: Callable[[str], ProgressSink | None] = lambda stage: None) -> dict[str, Any]:  # fmt: skip
     """Every stage into `cfg.out` (module docstring); returns recipe.json's content and, under
     "evaluation", eval.json's. `bars(stage)` gives each stage's progress sink, or None."""
-    from dflash_cache.eval import sets as bench_generate
+    from dflash_cache.eval import sets as eval_sets
 
     cfg.out.mkdir(parents=True, exist_ok=True)
     record = _Record(cfg)
@@ -166,7 +166,7 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     done = read_json(evaluation, "delete it to evaluate again") if evaluation.is_file() else None
     if done is None or {**{k: done.get(k) for k in asked}, "sets": list(done["sets"])} != asked:
         record.data["stages"].pop("eval", None)  # not evaluated yet, or with other drafters or settings
-        done = record.stage("eval", lambda: bench_generate.evaluation(
+        done = record.stage("eval", lambda: eval_sets.evaluation(
             target, exports, cfg.benchmarks, max_new_tokens=cfg.max_new_tokens, limit=cfg.eval_limit,
             batch_size=1, replay=cfg.replay, lookup=cfg.lookup, out=evaluation, bars=bars))  # fmt: skip
     result = done

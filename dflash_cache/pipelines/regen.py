@@ -52,18 +52,12 @@ from dflash_cache.generate import (
     make_target,
     slot_bytes,
 )
+from dflash_cache.generate.dialogue import chat_prompt, reply_decoder, turn_by_turn
 from dflash_cache.pipelines.config import RegenConfig, regen_record
-from dflash_cache.rows.data import (
-    NO_ASSISTANT,
-    DataError,
-    DataWarning,
-    RowRejected,
-    check_template_kwargs,
-    conversation,
-    read_rows,
-    source_fingerprint,
-)
-from dflash_cache.rows.dialogue import chat_prompt, reply_decoder, turn_by_turn
+from dflash_cache.rows.chat import DataError, DataWarning, RowRejected, check_template_kwargs
+from dflash_cache.rows.digest import source_fingerprint
+from dflash_cache.rows.forms import NO_ASSISTANT, conversation
+from dflash_cache.rows.sources import read_rows
 
 REJECTED = "rejected.jsonl"
 

@@ -22,6 +22,7 @@ from torch import Tensor
 from dflash_cache.kernels import argmax as argmax_kernel
 from dflash_cache.kernels.triton_support import available, on_device
 
+# The defaults of `markov_argmax`'s tiles (a benchmark passes others):
 BLOCK_V = 128  # vocabulary rows a program takes
 BLOCK_R = 64  # of the rank, summed at once
 WARPS = 8  # an H200 reads W2 at 3.6 TB/s with 8 warps a program, 2.6 with 4
@@ -67,25 +68,28 @@ def _kernels():
 
 
 @torch.library.custom_op("dflash_cache::markov_argmax", mutates_args=())
-def markov_argmax(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None = None) -> Tensor:
+def markov_argmax(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None = None, block_v: int = BLOCK_V,
+                  block_r: int = BLOCK_R, warps: int = WARPS) -> Tensor:  # fmt: skip
     """argmax(base + z @ w2.T) per row: base [b, V] (its last dimension contiguous), z [b, r], w2
     [V, r]; [b] int64. With `rows` [b], row i's latent is z[rows[i]] instead: the vanilla head's
-    W1[prev], read in place rather than gathered by a kernel of its own."""
+    W1[prev], read in place rather than gathered by a kernel of its own. A program takes `block_v`
+    vocabulary rows, `block_r` of the rank at once, with `warps` warps."""
     import triton
 
     b, V = base.shape
     R = w2.shape[1]
-    programs = triton.cdiv(V, BLOCK_V)
+    programs = triton.cdiv(V, block_v)
     top, at, out, count, block_p = argmax_kernel.scratch(b, programs, base.device)
     z, w2 = z.contiguous(), w2.contiguous()
     gather = rows is not None
     rows = rows if gather else out  # without GATHER the kernel never reads ROWS: any int64 pointer will do
     _kernels()[(b, programs)](base, z, rows, w2, top, at, out, count, V, R, base.stride(0), z.stride(0),
-                              rows.stride(0), BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, BLOCK_P=block_p, GATHER=gather,
-                              num_warps=WARPS)  # fmt: skip
+                              rows.stride(0), BLOCK_V=block_v, BLOCK_R=block_r, BLOCK_P=block_p, GATHER=gather,
+                              num_warps=warps)  # fmt: skip
     return out
 
 
 @markov_argmax.register_fake
-def _(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None = None) -> Tensor:
+def _(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None = None, block_v: int = BLOCK_V,
+      block_r: int = BLOCK_R, warps: int = WARPS) -> Tensor:  # fmt: skip
     return base.new_empty(base.shape[0], dtype=torch.int64)

@@ -6,16 +6,15 @@ different steps and the next prompts take their places. Each step:
 
 1. the drafter fills a block ``[last committed token, mask x (B-1)]`` at positions ``[p, p+B)``
    per row, from the target's tapped states of every position ``< p`` (layer id l = output of
-   decoder layer l = ``hidden_states[l+1]``, captured by forward hooks: the target never runs with
-   ``output_hidden_states``), whose keys and values the drafter keeps per row;
+   decoder layer l = ``hidden_states[l+1]``, taken as the target runs: `SlotTarget`'s decoder keeps
+   the tapped layers' outputs, `CachedTarget` captures them by forward hooks; the target never runs
+   with ``output_hidden_states``), whose keys and values the drafter keeps per row;
 2. the target verifies ``[last, d1..d_{B-1}]`` in one forward; the longest accepted prefix of the
    draft plus the target's own next token (the bonus) is committed, and the tapped states of the
    committed positions join the context.
 
-tau is the mean number of tokens committed per verification step (accepted drafts + bonus). Two
-means are reported: ``tau`` pools every step of every prompt; ``tau_per_prompt`` is the mean over
-prompts of each prompt's tau, the figure the DFlash reference benchmark prints ("Average
-Acceptance length") and the one published numbers are.
+tau is the mean number of tokens committed per verification step (accepted drafts + bonus),
+pooled (``tau``) and per prompt (``tau_per_prompt``, the reference benchmark's figure): `eval.metrics`.
 
 Temperature 0 compares argmaxes, so greedy speculative decoding reproduces target-only greedy
 decoding token for token, and a prompt's output and tau do not depend on the batch it ran in.
@@ -36,14 +35,14 @@ of speculative decoding at this batch size (`--batch-size 1` gives the single-st
 ``lookup`` = N mixes prompt lookup into the drafter (`generate.lookup_mix`): a step drafts from the
 context's own n-grams where its last N tokens occurred before.
 
-`replayed` gives another drafter's greedy tau on an evaluation's outputs without decoding
-(`dflash_cache.eval.replay`): one forward of each model per prompt, no speed figures.
+`eval.replay.replayed` gives another drafter's greedy tau on an evaluation's outputs without
+decoding: one forward of each model per prompt, no speed figures.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +53,16 @@ from dflash_cache import drafters
 from dflash_cache.core.damage import DamagedFile
 from dflash_cache.core.devices import Worker, flush_denormals, worker_threads
 from dflash_cache.core.progress import ProgressSink
-from dflash_cache.eval import replay
+from dflash_cache.eval.config import EvalConfig
+from dflash_cache.eval.metrics import (
+    EvalResult,
+    acceptance,
+    figures,
+    first_difference,
+    tau,
+    tau_per_prompt,
+    turn_figures,
+)
 from dflash_cache.extract.target import TargetError, first_line, load_tokenizer, stop_token_ids, text_config
 from dflash_cache.generate import (
     ERROR,
@@ -70,21 +78,18 @@ from dflash_cache.generate import (
     make_target,
     slot_bytes,
 )
+from dflash_cache.generate.dialogue import (
+    Dialogue,
+    first_prompt,
+    load_dialogues,
+    load_prompts,
+    reply_decoder,
+    turn_by_turn,
+)
 from dflash_cache.generate.proposer import proposer_slot_bytes
-from dflash_cache.pipelines.config import EvalConfig
-from dflash_cache.rows.data import DataError, RowRejected, check_template_kwargs
-from dflash_cache.rows.dialogue import Dialogue, load_dialogues, reply_decoder, turn_by_turn
+from dflash_cache.rows.chat import DataError, RowRejected, check_template_kwargs
 
-__all__ = [
-    "EvalError",
-    "EvalResult",
-    "evaluate",
-    "load_prompts",
-    "replayed",
-    "stop_token_ids",
-    "tau",
-    "tau_per_prompt",
-]
+__all__ = ["EvalError", "check_config", "check_fits", "evaluate", "load_drafter", "load_prompts"]
 
 ANSWER_SLACK = 8  # positions an answer may take beyond its tokens once decoded and rendered again
 
@@ -94,88 +99,7 @@ class EvalError(TargetError):
     the CLI reports it as one `error:` line like the other user errors."""
 
 
-@dataclass
-class EvalResult:
-    """What `dflash eval` reports. histogram[i] counts the steps that committed i+1 tokens.
-
-    tau pools all verification steps of all prompts; tau_per_prompt is the mean over prompts of
-    each prompt's own tau (the reference benchmark's figure; see the module docstring). Each turn of
-    a dialogue is a prompt; ``turns`` holds the same figures for each turn apart. ``lookup`` holds
-    them for prompt lookup (`dflash_cache.generate.lookup`, n-grams of the prompt and the output so far, as
-    many drafts a step as the drafter), the baseline that needs no training: under greedy decoding the output
-    does not depend on the drafter, so its acceptance follows from each prompt and output alone."""
-
-    tau: float
-    tau_per_prompt: float
-    histogram: list[int]
-    steps: int
-    new_tokens: int
-    spec_tok_s: float
-    target_tok_s: float
-    speedup: float
-    samples: list[dict]
-    settings: dict = field(default_factory=dict)
-    turns: list[dict] = field(default_factory=list)
-    lookup: dict | None = None  # the prompt-lookup drafter on the same prompts (greedy only)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def tau(acceptance_lengths: list[int]) -> float:
-    """Mean tokens committed per verification step (accepted drafts + the bonus); 0.0 when no
-    step ran (e.g. the first token already ended the generation)."""
-    if not acceptance_lengths:
-        return 0.0
-    return sum(acceptance_lengths) / len(acceptance_lengths)
-
-
-def tau_per_prompt(per_prompt_lengths: list[list[int]]) -> float:
-    """The DFlash reference benchmark's tau: the mean over prompts of each prompt's tau. A prompt
-    with no verification step (its first token ended the generation) has no tau and is left out,
-    as it would make the reference's mean NaN; 0.0 when no prompt has a step."""
-    taus = [tau(lengths) for lengths in per_prompt_lengths if lengths]
-    return sum(taus) / len(taus) if taus else 0.0
-
-
-def histogram(acceptance_lengths: list[int], block_size: int) -> list[int]:
-    """Counts of acceptance lengths 1..B: where the drafter fails, not just how often."""
-    counts = [0] * block_size
-    for n in acceptance_lengths:
-        counts[n - 1] += 1
-    return counts
-
-
 # ----------------------------------------------------------------------------- prompts, loading
-
-
-def load_prompts(
-    path: str | Path,
-    tokenizer,
-    limit: int | None = None,
-    chat_template_kwargs: dict | None = None,
-    split: str | None = None,
-) -> list[list[int]]:
-    """Prompt token ids (each row's first turn) from the rows `dflash extract` reads (a JSONL / JSON /
-    Parquet file, a saved dataset or a hub dataset name; any form `dialogue.Dialogue.of_row` reads).
-
-    A conversation goes through the chat template with the generation prompt, and with
-    ``chat_template_kwargs`` (e.g. ``{"enable_thinking": False}``); its trailing assistant turns
-    are dropped first, so the training data works as a prompt set, and rows that stop before the
-    reply (user-only ``messages``, a ``prompt`` without ``response``) are prompts as they are.
-    ``text`` rows are plain text (special tokens as the tokenizer adds them). A ``turns`` row gives
-    its first turn (the later ones need the target's answers: `evaluate` asks them).
-    """
-    kwargs = check_template_kwargs(chat_template_kwargs)
-    dialogues = load_dialogues(str(path), split=split, limit=limit)
-    return [_first_prompt(d, tokenizer, kwargs, f"{path} row {i}") for i, d in enumerate(dialogues)]
-
-
-def _first_prompt(dialogue: Dialogue, tokenizer, kwargs: dict, where: str) -> list[int]:
-    try:
-        return dialogue.prompt(tokenizer, kwargs, [])
-    except RowRejected as e:
-        raise DataError(f"{where}: {e.reason}") from None
 
 
 def check_fits(dcfg, target_config: dict) -> None:
@@ -291,7 +215,7 @@ class _Setup:
     block_size: int
 
 
-def _load_drafter(cfg: EvalConfig, model: nn.Module, device: torch.device) -> tuple[nn.Module, Any, Any]:
+def load_drafter(cfg: EvalConfig, model: nn.Module, device: torch.device) -> tuple[nn.Module, Any, Any]:
     """(drafter, its config, its family), in the target's dtype, checked against the target."""
     dtype = model.get_input_embeddings().weight.dtype
     try:
@@ -307,7 +231,7 @@ def _load_drafter(cfg: EvalConfig, model: nn.Module, device: torch.device) -> tu
 
 def _setup(cfg: EvalConfig, prompts: _Prompts, device: torch.device, baseline: bool) -> _Setup:
     model = load_model(cfg.target, device)
-    drafter, dcfg, family = _load_drafter(cfg, model, device)
+    drafter, dcfg, family = load_drafter(cfg, model, device)
     B = cfg.block_size or dcfg.block_size
     length = prompts.length(B + 1)
     wanted = min(len(prompts.first), cfg.batch_size or (128 if device.type == "cuda" else 16))
@@ -340,7 +264,7 @@ def evaluate(cfg: EvalConfig, sink: ProgressSink | None = None, *, baseline: boo
     tokenizer = load_tokenizer(cfg.target)
     kwargs = check_template_kwargs(cfg.chat_template_kwargs)
     dialogues = load_dialogues(cfg.data, split=cfg.data_split, limit=cfg.limit, first_turn=cfg.first_turn)
-    first = [_first_prompt(d, tokenizer, kwargs, f"{cfg.data} row {i}") for i, d in enumerate(dialogues)]
+    first = [first_prompt(d, tokenizer, kwargs, f"{cfg.data} row {i}") for i, d in enumerate(dialogues)]
     prompts = _Prompts(dialogues, first, tokenizer, kwargs, cfg.max_new_tokens, cfg.seed)  # bad rows fail first
     setup = _setup(cfg, prompts, device, baseline)
     total = sum(map(len, dialogues))
@@ -380,10 +304,10 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
     target_tok_s = target_tokens / ref.seconds if ref and ref.seconds > 0 else 0.0
     dtype = setup.model.get_input_embeddings().weight.dtype
     return EvalResult(
-        **_acceptance(samples, setup.proposer.num_drafts), new_tokens=spec_tokens,
+        **acceptance(samples, setup.proposer.num_drafts), new_tokens=spec_tokens,
         spec_tok_s=spec_tok_s, target_tok_s=target_tok_s,
         speedup=spec_tok_s / target_tok_s if target_tok_s > 0 else 0.0, samples=samples,
-        lookup={**_figures([s["lookup_lengths"] for s in samples]), "turns": _turns(samples, "lookup_lengths"),
+        lookup={**figures([s["lookup_lengths"] for s in samples]), "turns": turn_figures(samples, "lookup_lengths"),
                 "block_size": lookup_block} if greedy else None,
         settings={
             "target": str(cfg.target), "drafter": str(cfg.drafter), "data": str(cfg.data),
@@ -400,41 +324,6 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
     )  # fmt: skip
 
 
-def replayed(cfg: EvalConfig, earlier: EvalResult) -> EvalResult:
-    """`cfg.drafter`'s greedy tau on the prompts and outputs of `earlier`, an evaluation of the same
-    target (`replay.acceptance_lengths`; the module docstring): what decoding with it would give, up
-    to rounding, at one forward of each model per prompt. No speed is measured (its speed figures are
-    0 and its spec_seconds None); the lookup figures are `earlier`'s, which are the outputs'."""
-    check_config(cfg)
-    if earlier.settings["temperature"] != 0:
-        raise EvalError("a replay needs greedy outputs (temperature 0)")
-    if Path(earlier.settings["target"]) != Path(cfg.target):
-        raise EvalError(f"the outputs are {earlier.settings['target']}'s, not {cfg.target}'s")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(cfg.target, device)
-    drafter, dcfg, family = _load_drafter(cfg, model, device)
-    B = cfg.block_size or dcfg.block_size
-    length = max(s["prompt_tokens"] + s["new_tokens"] for s in earlier.samples) + 16
-    target = make_target(model, 1, length, dcfg.target_layer_ids)
-    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-    samples, drafts = [], 0
-    with flush_denormals(device), worker_threads(Worker(0, 1, device)):
-        for s in earlier.samples:
-            lengths, k = replay.acceptance_lengths(target, drafter, family, embed, head, s["prompt_ids"],
-                                                s["output_ids"], B, cfg.lookup)  # fmt: skip
-            drafts = max(drafts, k)
-            samples.append(s | {"steps": len(lengths), "tau": tau(lengths), "acceptance_lengths": lengths,
-                                "same_as_target": None, "first_difference": None})  # fmt: skip
-    return EvalResult(
-        **_acceptance(samples, drafts), new_tokens=sum(s["new_tokens"] for s in samples), spec_tok_s=0.0,
-        target_tok_s=earlier.target_tok_s, speedup=0.0, samples=samples, lookup=earlier.lookup,
-        settings=earlier.settings | {"drafter": str(cfg.drafter), "block_size": B, "drafter_family": family.name,
-                                     "target_layer_ids": list(dcfg.target_layer_ids), "lookup": cfg.lookup,
-                                     "spec_seconds": None,
-                                     "spec_prefill_seconds": None, "replayed": True},
-    )  # fmt: skip
-
-
 def _sample(key: tuple[int, int], c: Completion, ref: _Run | None, tokenizer, lookup_block: int | None) -> dict:
     """One prompt's figures; with `lookup_block` (greedy runs), prompt lookup's acceptance on its output."""
     i, k = key
@@ -448,39 +337,6 @@ def _sample(key: tuple[int, int], c: Completion, ref: _Run | None, tokenizer, lo
         "first_difference": None if ref is None else first_difference(c.ids, ref.completions[key].ids),
         "output": tokenizer.decode(c.ids), "output_ids": c.ids, "lookup_lengths": lookup_lengths,
     }  # fmt: skip
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The index of the first token where two outputs part (the shorter one's length when one is
-    the other's prefix), None when they are equal: late partings point at rounding, early ones at
-    a bug."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
-def _acceptance(samples: list[dict], drafts: int) -> dict:
-    """A run's acceptance figures from its samples, whose blocks drafted `drafts` tokens: tau pooled
-    and per prompt, the histogram, the steps and each turn's figures."""
-    lengths = [s["acceptance_lengths"] for s in samples]
-    flat = [n for steps in lengths for n in steps]
-    return {"tau": tau(flat), "tau_per_prompt": tau_per_prompt(lengths), "histogram": histogram(flat, drafts + 1),
-            "steps": len(flat), "turns": _turns(samples)}  # fmt: skip
-
-
-def _figures(lengths: list[list[int]]) -> dict:
-    flat = [n for steps in lengths for n in steps]
-    return {"tau": tau(flat), "tau_per_prompt": tau_per_prompt(lengths), "steps": len(flat)}
-
-
-def _turns(samples: list[dict], lengths: str = "acceptance_lengths") -> list[dict]:
-    """Each turn's figures (the first turn of every prompt, the second of those that have one, ...)."""
-    out = []
-    for turn in sorted({s["turn"] for s in samples}):
-        mine = [s for s in samples if s["turn"] == turn]
-        out.append({"turn": turn, "prompts": len(mine), **_figures([s[lengths] for s in mine]),
-                    "new_tokens": sum(s["new_tokens"] for s in mine)})  # fmt: skip
-    return out
 
 
 def _sync(device: torch.device) -> None:

@@ -1,0 +1,112 @@
+"""Acceptance figures of speculative decoding, from the tokens each verification step committed.
+
+tau is the mean number of tokens committed per verification step (accepted drafts + bonus). Two
+means are reported: ``tau`` pools every step of every prompt; ``tau_per_prompt`` is the mean over
+prompts of each prompt's tau, the figure the DFlash reference benchmark prints ("Average
+Acceptance length") and the one published numbers are.
+
+Pure functions over lists of acceptance lengths and `dflash eval`'s sample dicts (no model, no
+torch), so the decode driver (`eval.decode`), the replay driver (`eval.replay`) and the scripts that
+merge results compute them the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+__all__ = [
+    "EvalResult",
+    "acceptance",
+    "figures",
+    "first_difference",
+    "histogram",
+    "tau",
+    "tau_per_prompt",
+    "turn_figures",
+]
+
+
+@dataclass
+class EvalResult:
+    """What `dflash eval` reports. histogram[i] counts the steps that committed i+1 tokens.
+
+    tau pools all verification steps of all prompts; tau_per_prompt is the mean over prompts of
+    each prompt's own tau (the reference benchmark's figure; see the module docstring). Each turn of
+    a dialogue is a prompt; ``turns`` holds the same figures for each turn apart. ``lookup`` holds
+    them for prompt lookup (`dflash_cache.generate.lookup`, n-grams of the prompt and the output so far, as
+    many drafts a step as the drafter), the baseline that needs no training: under greedy decoding the output
+    does not depend on the drafter, so its acceptance follows from each prompt and output alone."""
+
+    tau: float
+    tau_per_prompt: float
+    histogram: list[int]
+    steps: int
+    new_tokens: int
+    spec_tok_s: float
+    target_tok_s: float
+    speedup: float
+    samples: list[dict]
+    settings: dict = field(default_factory=dict)
+    turns: list[dict] = field(default_factory=list)
+    lookup: dict | None = None  # the prompt-lookup drafter on the same prompts (greedy only)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def tau(acceptance_lengths: list[int]) -> float:
+    """Mean tokens committed per verification step (accepted drafts + the bonus); 0.0 when no
+    step ran (e.g. the first token already ended the generation)."""
+    if not acceptance_lengths:
+        return 0.0
+    return sum(acceptance_lengths) / len(acceptance_lengths)
+
+
+def tau_per_prompt(per_prompt_lengths: list[list[int]]) -> float:
+    """The DFlash reference benchmark's tau: the mean over prompts of each prompt's tau. A prompt
+    with no verification step (its first token ended the generation) has no tau and is left out,
+    as it would make the reference's mean NaN; 0.0 when no prompt has a step."""
+    taus = [tau(lengths) for lengths in per_prompt_lengths if lengths]
+    return sum(taus) / len(taus) if taus else 0.0
+
+
+def histogram(acceptance_lengths: list[int], block_size: int) -> list[int]:
+    """Counts of acceptance lengths 1..B: where the drafter fails, not just how often."""
+    counts = [0] * block_size
+    for n in acceptance_lengths:
+        counts[n - 1] += 1
+    return counts
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where two outputs part (the shorter one's length when one is
+    the other's prefix), None when they are equal: late partings point at rounding, early ones at
+    a bug."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def acceptance(samples: list[dict], drafts: int) -> dict:
+    """A run's acceptance figures from its samples, whose blocks drafted `drafts` tokens: tau pooled
+    and per prompt, the histogram, the steps and each turn's figures."""
+    lengths = [s["acceptance_lengths"] for s in samples]
+    flat = [n for steps in lengths for n in steps]
+    return {"tau": tau(flat), "tau_per_prompt": tau_per_prompt(lengths), "histogram": histogram(flat, drafts + 1),
+            "steps": len(flat), "turns": turn_figures(samples)}  # fmt: skip
+
+
+def figures(lengths: list[list[int]]) -> dict:
+    """tau pooled and per prompt and the steps, from each prompt's acceptance lengths."""
+    flat = [n for steps in lengths for n in steps]
+    return {"tau": tau(flat), "tau_per_prompt": tau_per_prompt(lengths), "steps": len(flat)}
+
+
+def turn_figures(samples: list[dict], lengths: str = "acceptance_lengths") -> list[dict]:
+    """Each turn's figures (the first turn of every prompt, the second of those that have one, ...)."""
+    out = []
+    for turn in sorted({s["turn"] for s in samples}):
+        mine = [s for s in samples if s["turn"] == turn]
+        out.append({"turn": turn, "prompts": len(mine), **figures([s[lengths] for s in mine]),
+                    "new_tokens": sum(s["new_tokens"] for s in mine)})  # fmt: skip
+    return out
