@@ -16,6 +16,10 @@ every `poll` seconds (a heartbeat when there is nothing new, so no collective ev
 and hands windows to its loader through a queue. The threads' collectives run on their own group,
 so they never interleave with the training's collectives: a rank blocked in an all-reduce cannot
 deadlock a rank waiting for units.
+
+`FollowedEpoch` turns the windows into this rank's batches, the source the loader streams a
+followed epoch from; the windows it took are what a checkpoint keeps of that epoch (`state`, read
+back by `saved_windows`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +39,7 @@ from dflash_cache.cache.spec import CACHE_JSON
 from dflash_cache.cache.store import FROZEN, committed_units, extract_running, unit_name
 from dflash_cache.core.errors import UserError
 from dflash_cache.core.paths import PathKindError
+from dflash_cache.train.batching import Planned, SampleTable
 
 
 @dataclass(frozen=True)
@@ -237,3 +243,82 @@ class UnitFeed:
             "planned": self.num_units,
             "extract_running": writer(self.cache_dir) is not None,
         }
+
+
+WindowPlan = Callable[[int, Window, SampleTable], tuple[list[Planned], SampleTable]]
+"""This rank's batches of follow window number n, given the rows carried in, and the rows it carries on."""
+
+
+class FollowedEpoch:
+    """A followed epoch: this rank's batches, window by window, as units commit.
+
+    Each window's batches are a pure function of (seed, window number, the window's units, the
+    rows carried from the window before): leftover batches that do not divide among the ranks
+    are carried into the next window, and split in the final one. So the windows alone (kept in
+    checkpoints) reproduce the epoch's batch sequence, on every rank.
+
+    `windows` and `start_batch` are what a resumed run had taken and trained; `plan` plans a window
+    (`index.RankPlan.window`); `feed(known=, on_status=)` opens the `UnitFeed` of the windows to
+    come, unless the replayed ones end the epoch; `on_status`, when given, hears the feed's status
+    with the units this rank has read.
+    """
+
+    def __init__(self, windows: list[Window], start_batch: int, *, plan: WindowPlan, feed: Callable[..., UnitFeed],
+                 on_status: Callable[[dict], None] | None = None):  # fmt: skip
+        self.plan, self.on_status = plan, on_status
+        self.windows: list[Window] = []
+        self.carry = SampleTable.concat([])
+        self.todo: deque[tuple[Planned, int]] = deque()  # (batch, window number)
+        self.final = False
+        self.units_read = 0
+        for w in windows:  # replay what a resumed run had taken
+            self._add(w)
+        for _ in range(start_batch):
+            if not self.todo:
+                raise ValueError(f"start_batch {start_batch} is past the checkpoint's follow windows")
+            self._pop()
+        self.feed = None
+        if not self.final:
+            self.feed = feed(known=self.windows, on_status=self._status if on_status is not None else None)
+
+    def _add(self, w: Window) -> None:
+        mine, self.carry = self.plan(len(self.windows), w, self.carry)
+        self.todo.extend((planned, len(self.windows)) for planned in mine)
+        self.windows.append(w)
+        self.final = w.final
+        if not mine:
+            self.units_read += len(w.units)  # nothing of this window for this rank to read
+
+    def _pop(self) -> Planned:
+        batch, window = self.todo.popleft()
+        if not self.todo or self.todo[0][1] != window:
+            self.units_read += len(self.windows[window].units)
+        return batch
+
+    def next(self, block: bool) -> Planned | None:
+        """The next batch; None when none has been planned yet (only if not `block`) or the epoch is over."""
+        while not self.todo:
+            if self.final:
+                return None
+            self.feed.request()
+            window = self.feed.get(block)
+            if window is None:
+                return None
+            self._add(window)
+        return self._pop()
+
+    def state(self) -> dict:
+        """The windows taken so far (all ranks agree), as checkpoints keep them."""
+        return {"windows": [[list(w.units), w.final] for w in self.windows]}
+
+    def _status(self, status: dict) -> None:
+        self.on_status({**status, "read": self.units_read})
+
+    def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
+
+
+def saved_windows(state: dict | None) -> list[Window]:
+    """The follow windows a checkpoint's follow state (`FollowedEpoch.state`) records."""
+    return [Window(tuple(u), bool(f)) for u, f in (state or {}).get("windows", [])]

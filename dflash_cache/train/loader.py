@@ -2,10 +2,10 @@
 
 The drafter GPU must never wait and host memory must not grow with the dataset, so:
 
-- every committed unit is indexed once into a `SampleTable` (one row per sample; one cached
-  `UnitReader` per unit);
-- each epoch's batches are planned by `batching.py` (seeded shuffles, token-budget batches inside
-  length buckets, the same number for every DDP rank), a pure function of the table and the seed;
+- every committed unit is opened and indexed once into a `SampleTable` (one row per sample; one
+  cached `UnitReader` per unit), and each epoch's batches for this rank are planned over it
+  (`index.py`, with `batching.py`: seeded shuffles, token-budget batches inside length buckets, the
+  same number for every DDP rank), a pure function of the table and the seed;
 - `BatchStream` moves them: reader threads decode each sample of a batch (long ones in pieces)
   straight into one of `prefetch + 1` host buffers ("slots", pinned on CUDA hosts) that are
   allocated once and reused: a slot is only handed to the readers when it is free, so host memory
@@ -27,96 +27,28 @@ batch never aliases a slot that readers will overwrite).
 from __future__ import annotations
 
 import dataclasses
-import gc
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from dflash_cache.cache.format import (
-    CorruptUnit,
-    RowFormat,
-    UnitReader,
-    check_unit,
-    decode_hidden,
-    host_rows,
-    manifest_samples,
-)
+from dflash_cache.cache.format import RowFormat, UnitReader, decode_hidden, host_rows
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, default_bucket_edges, read_spec
-from dflash_cache.cache.store import committed_units
-from dflash_cache.train.batching import (
-    BatchCost,
-    Planned,
-    SampleTable,
-    epoch_batches,
-    followed_rest,
-    rank_plan,
-    rest_of_epoch,
-    resume_parts,
-    window_batches,
-)
-from dflash_cache.train.follow import UnitFeed, Window, is_complete
+from dflash_cache.train.batching import BatchCost, Planned, resume_parts
+from dflash_cache.train.follow import FollowedEpoch, UnitFeed, saved_windows
+from dflash_cache.train.index import RankPlan, UnitIndex
 
 PIECE_CHUNKS = 8  # chunks per reader task: about 32 MiB of hidden states
-
-
-def open_units(cache_dir: Path, *, skip_bad_units: bool = False, only: Iterable[int] | None = None,
-               spec: CacheSpec | None = None) -> tuple[dict[int, UnitReader], list[str]]:  # fmt: skip
-    """Open every committed unit (or the ids in `only`) once, checked against cache.json (`spec`,
-    read here when not given).
-
-    A unit that fails (manifest vs file sizes, offsets, array shapes) raises `CorruptUnit` naming
-    it, unless `skip_bad_units`: then it is left out and described in the returned problems,
-    with the number of samples lost when the manifest still says it, so the caller can report how
-    much data a run trains without. `only` lets a follower open just the newly committed units.
-
-    Opening reads each unit's manifest and checks its file sizes; the Zarr arrays open when a
-    batch first reads from the unit, and their shapes are checked then, unless `skip_bad_units`,
-    which checks them here so that a bad unit stays out of the epoch's plan.
-    """
-    cache_dir = Path(cache_dir)
-    spec = spec or read_spec(cache_dir)
-    wanted = None if only is None else set(only)
-    readers: dict[int, UnitReader] = {}
-    problems: list[str] = []
-    with _gc_paused():
-        for uid, path in committed_units(cache_dir).items():
-            if wanted is not None and uid not in wanted:
-                continue
-            try:
-                reader = UnitReader(path)
-                check_unit(reader, spec, now=skip_bad_units)
-            except CorruptUnit as e:
-                if not skip_bad_units:
-                    raise
-                n = manifest_samples(path)
-                lost = f"{n} samples dropped" if n is not None else "sample count unknown (manifest unreadable)"
-                problems.append(f"{e.unit}: {e.problem} ({lost})")
-                continue
-            readers[uid] = reader
-    return readers, problems
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while many long-lived readers are made: its full passes over
-    them were about a sixth of opening 100,000 units, and the loop makes no cycles to collect."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 @dataclass
@@ -410,91 +342,6 @@ class _InFlight:
                 event.synchronize()
 
 
-class UnitIndex:
-    """The cache's committed units, each opened once (one `UnitReader` per unit), and the
-    `SampleTable` over them; only those `keep` accepts, when given (validation holds some out).
-    While an extraction is followed it grows: `window` opens the units of a follow window,
-    `refresh` takes every unit committed since. Completeness is about every unit of the plan."""
-
-    def __init__(self, cache_dir: Path, spec: CacheSpec, *, skip_bad_units: bool, follow: bool,
-                 on_warning: Callable[[str], None] | None, keep: Callable[[int], bool] | None = None):  # fmt: skip
-        self.cache_dir, self.spec, self.num_units = cache_dir, spec, spec.plan.num_units
-        self.skip_bad_units, self.follow, self.on_warning, self.keep = skip_bad_units, follow, on_warning, keep
-        self.readers: dict[int, UnitReader] = {}
-        self.dropped: list[str] = []
-        self.open(None)
-        self.table = SampleTable.from_units(self.readers)
-        self.complete = is_complete(cache_dir, self.num_units)
-
-    def open(self, units: Iterable[int] | None) -> None:
-        """Open the given units (all committed ones: None) that are not open yet and that `keep`
-        accepts, bad ones as `skip_bad_units` says; new problems go to `on_warning`."""
-        if self.keep is not None:
-            units = [u for u in (committed_units(self.cache_dir) if units is None else units) if self.keep(u)]
-        new = None if units is None else [u for u in units if u not in self.readers]
-        readers, problems = open_units(self.cache_dir, skip_bad_units=self.skip_bad_units, only=new, spec=self.spec)
-        self.readers.update(readers)
-        self.dropped += problems
-        if problems and self.on_warning is not None:
-            self.on_warning(f"skipping bad units: {'; '.join(problems)}")
-
-    def refresh(self) -> None:
-        """Index units committed since the loader opened (after a followed epoch, all of them)."""
-        if self.complete or not self.follow:
-            return
-        committed = committed_units(self.cache_dir)
-        self.open(committed)
-        self.table = SampleTable.from_units(self.readers)
-        self.complete = len(committed) >= self.num_units
-
-    def window(self, units: tuple[int, ...]) -> SampleTable:
-        """Open a follow window's units (once) and index their samples, in unit order."""
-        self.open(units)
-        return SampleTable.from_units({u: self.readers[u] for u in units if u in self.readers})
-
-
-class RankPlan:
-    """This rank's share of each epoch's batches, planned by `batching.py` over the unit index: a pure
-    function of the indexed samples, the packing (seed, token budget, bucket edges, and the batch
-    cost that balances DDP steps) and the ranks. The last epoch's plan is kept."""
-
-    def __init__(self, units: UnitIndex, packing: dict[str, Any], rank: int, world_size: int):
-        self.units, self.packing, self.rank, self.world_size = units, packing, rank, world_size
-        self._last: tuple[tuple, list[Planned]] | None = None  # ((epoch, parts), this rank's plan)
-
-    def follows(self, epoch: int, state: dict | None = None) -> bool:
-        """Whether `epoch` follows the extraction: epoch 0 of an incomplete cache, or of a
-        checkpoint taken while following (`state`: its windows)."""
-        return epoch == 0 and (state is not None or (self.units.follow and not self.units.complete))
-
-    def epoch(self, epoch: int, parts: list[list[int]] = (), follow_state: dict | None = None) -> list[Planned]:
-        """This rank's batches of `epoch`; with `parts` (the epoch began on other world sizes), those
-        of the epoch's rest (`rest_of_epoch`), part 0 replayed from `follow_state` if it followed."""
-        key = (epoch, tuple(tuple(p) for p in parts))
-        if self._last is None or self._last[0] != key:
-            self.units.refresh()
-            table = self.units.table
-            if not parts:
-                per_rank = epoch_batches(table, epoch=epoch, world_size=self.world_size, **self.packing)
-            else:
-                left, begin = None, 0
-                if self.follows(epoch, follow_state):  # the rows its windows left, as they ran
-                    windows = ((self.units.window(w.units), w.final) for w in _windows(follow_state))
-                    size, done = parts[0]
-                    left = followed_rest(table, windows, batches=done, world_size=size, **self.packing)
-                    begin = 1
-                per_rank = rest_of_epoch(table, epoch=epoch, world_size=self.world_size, parts=list(parts),
-                                         left=left, begin=begin, **self.packing)  # fmt: skip
-            self._last = (key, rank_plan(table, per_rank, self.rank))
-        return self._last[1]
-
-    def window(self, index: int, w: Window, carry: SampleTable) -> tuple[list[Planned], SampleTable]:
-        """This rank's batches of follow window number `index`, and the rows carried to the next."""
-        table, per_rank, carry = window_batches(index, self.units.window(w.units), carry, final=w.final,
-                                                world_size=self.world_size, **self.packing)  # fmt: skip
-        return rank_plan(table, per_rank, self.rank), carry
-
-
 class CacheLoader:
     """Streams a cache's batches to one rank's device with bounded host and device memory.
 
@@ -548,7 +395,7 @@ class CacheLoader:
         self.on_status = on_status
         self.on_wait, self.report_every = on_wait, report_every  # what a followed epoch waits for, how often
         self.position = Position(samples=[0] * world_size)
-        self._follow: _FollowSource | None = None
+        self._follow: FollowedEpoch | None = None
 
         # prefetch + 1 host slots, allocated (and pinned) once. The largest batch is the token
         # budget, or one sample longer than it (in units not committed yet, up to max_length).
@@ -651,7 +498,11 @@ class CacheLoader:
         if self._active is not None:
             self._active.close()
         if self.follows(epoch, follow_state) and not parts:
-            self._follow = _FollowSource(self, _windows(follow_state), start_batch)
+            feed = partial(UnitFeed, self.cache_dir, self.spec.plan.num_units, rank=self.rank,
+                           world_size=self.world_size, group=self.control_group, on_wait=self.on_wait,
+                           report_every=self.report_every)  # fmt: skip
+            self._follow = FollowedEpoch(saved_windows(follow_state), start_batch, plan=self.plan.window, feed=feed,
+                                         on_status=self._report if self.on_status is not None else None)  # fmt: skip
             source: _Source = self._follow
         else:
             self._follow = None
@@ -663,6 +514,10 @@ class CacheLoader:
             source = _ListSource(batches[start_batch - begin :])
         self._active = self.stream.run(source, epoch, start_batch)
         return self._active
+
+    def _report(self, status: dict) -> None:
+        """A followed epoch's status, with the loader's wait so far, to `on_status`."""
+        self.on_status({**status, "wait_s": self.wait_seconds})
 
     def close(self) -> None:
         """Stop the current epoch's reads (and following) and the reader threads."""
@@ -686,23 +541,18 @@ def _full_device(device: torch.device | str) -> torch.device:
     return device
 
 
-def _windows(follow_state: dict | None) -> list[Window]:
-    """The follow windows a checkpoint's `follow_state` records."""
-    return [Window(tuple(u), bool(f)) for u, f in (follow_state or {}).get("windows", [])]
-
-
-class _Source:
-    """Where `BatchStream.run` takes this rank's batches from, in order."""
+class _Source(Protocol):
+    """Where `BatchStream.run` takes this rank's batches from, in order: `_ListSource`, or a
+    followed epoch (`follow.FollowedEpoch`)."""
 
     def next(self, block: bool) -> Planned | None:
         """The next batch; None when there is none yet (only if not `block`) or none left."""
-        raise NotImplementedError
 
     def close(self) -> None:
-        pass
+        """Stop: no batch is taken after this."""
 
 
-class _ListSource(_Source):
+class _ListSource:
     """An epoch whose batches are all known (a complete cache)."""
 
     def __init__(self, batches: list[Planned]):
@@ -711,68 +561,5 @@ class _ListSource(_Source):
     def next(self, block: bool) -> Planned | None:
         return self.todo.popleft() if self.todo else None
 
-
-class _FollowSource(_Source):
-    """A followed epoch: this rank's batches, window by window, as units commit.
-
-    Each window's batches are a pure function of (seed, window number, the window's units, the
-    rows carried from the window before): leftover batches that do not divide among the ranks
-    are carried into the next window, and split in the final one. So the windows alone (kept in
-    checkpoints) reproduce the epoch's batch sequence, on every rank.
-    """
-
-    def __init__(self, loader: CacheLoader, windows: list[Window], start_batch: int):
-        self.loader = loader
-        self.windows: list[Window] = []
-        self.carry = SampleTable.concat([])
-        self.todo: deque[tuple[Planned, int]] = deque()  # (batch, window number)
-        self.final = False
-        self.units_read = 0
-        for w in windows:  # replay what a resumed run had taken
-            self._add(w)
-        for _ in range(start_batch):
-            if not self.todo:
-                raise ValueError(f"start_batch {start_batch} is past the checkpoint's follow windows")
-            self._pop()
-        self.feed = None
-        if not self.final:
-            self.feed = UnitFeed(loader.cache_dir, loader.spec.plan.num_units, known=self.windows, rank=loader.rank,
-                                 world_size=loader.world_size, group=loader.control_group,
-                                 on_status=self._status if loader.on_status is not None else None,
-                                 on_wait=loader.on_wait, report_every=loader.report_every)  # fmt: skip
-
-    def _add(self, w: Window) -> None:
-        mine, self.carry = self.loader.plan.window(len(self.windows), w, self.carry)
-        self.todo.extend((planned, len(self.windows)) for planned in mine)
-        self.windows.append(w)
-        self.final = w.final
-        if not mine:
-            self.units_read += len(w.units)  # nothing of this window for this rank to read
-
-    def _pop(self) -> Planned:
-        batch, window = self.todo.popleft()
-        if not self.todo or self.todo[0][1] != window:
-            self.units_read += len(self.windows[window].units)
-        return batch
-
-    def next(self, block: bool) -> Planned | None:
-        while not self.todo:
-            if self.final:
-                return None
-            self.feed.request()
-            window = self.feed.get(block)
-            if window is None:
-                return None
-            self._add(window)
-        return self._pop()
-
-    def state(self) -> dict:
-        """The windows taken so far (all ranks agree), as checkpoints keep them."""
-        return {"windows": [[list(w.units), w.final] for w in self.windows]}
-
-    def _status(self, status: dict) -> None:
-        self.loader.on_status({**status, "read": self.units_read, "wait_s": self.loader.wait_seconds})
-
     def close(self) -> None:
-        if self.feed is not None:
-            self.feed.close()
+        pass

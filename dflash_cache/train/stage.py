@@ -177,7 +177,8 @@ def _worker(w: Worker, cfg: TrainConfig, channel) -> None:
     with process_group(w):  # the DDP model (in _train) is freed before the group is destroyed
         # Follow mode's rank agreement runs in a thread on its own (CPU) group, apart from DDP's.
         control = dist.new_group(backend="gloo") if w.world_size > 1 else None
-        # 4 threads a GPU: two H200s trained 1.77x one with 32 threads a process, 1.875x with 4 (BENCHMARKS.md)
+        # 4 threads a GPU: with one a core, two DDP processes' spinning OpenMP threads fight over the cores
+        # (BENCHMARKS.md, "CPU threads and the all-reduce")
         with worker_threads(w, per_gpu=4):
             _train(w, cfg, channel, control)
 
