@@ -1,0 +1,130 @@
+"""`dflash bench train`: drafter steps with the real loader against the same steps on batches
+already on the device, with the useful TFLOP/s and MFU of the step."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dflash_cache.bench.config import TrainBenchConfig
+from dflash_cache.bench.io import drop_page_cache
+from dflash_cache.bench.measure import PeakRSS, timer
+from dflash_cache.train.config import TrainConfig, drafter_config
+from dflash_cache.train.cost import run_token_budget
+
+if TYPE_CHECKING:
+    from dflash_cache.train.loader import Batch
+
+
+def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, token_budget: int | None = None,
+          max_anchors: int = TrainConfig.max_anchors, block_size: int | None = TrainConfig.block_size,
+          draft_layers: int = TrainConfig.draft_layers, readers: int | None = None, cold: bool = False,
+          device: torch.device | None = None, drafter: str = TrainConfig.drafter) -> dict[str, Any]:  # fmt: skip
+    """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
+    the device. Both phases run the same batches (the first `steps` of epoch 0 after `warmup`),
+    after every one of them has run once untimed, so neither phase pays for compiling.
+    Also the useful TFLOP/s and MFU of the in-memory steps (the drafter family's count,
+    `Family.flops`). The drafter, its optimizer and the loader are the train stage's own
+    (`stage.setup`), on one rank; `drafter` names the family (dspark needs a `final_hidden` cache).
+
+    `cold` evicts the cache's files from the page cache first, so the loader reads the disk.
+    `loader_GBps` (bytes on disk read per second by the loader) and `step_GBps` (what the
+    in-memory step would consume) set the loader against `bench disk`'s bandwidth."""
+    from dflash_cache.train.metrics import peak_flops
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
+                      block_size=block_size, draft_layers=draft_layers, drafter=drafter,
+                      **({"readers": readers} if readers else {}))  # fmt: skip
+    steps_of = _BenchSteps(cfg, device)
+    s, loader = steps_of.setup, steps_of.setup.loader
+    n = min(steps + warmup, loader.num_batches(0))
+    files = [p for p in cache.glob("units/**/*") if p.is_file()]
+    disk_bytes_per_token = sum(p.stat().st_size for p in files) / max(1, loader.epoch_tokens)
+    # Every batch's shapes are compiled before either phase is timed: the compiled stages meet
+    # a new shape now and then in the first tens of steps of a run, and a warm-up of a few steps
+    # left those compiles inside the loader phase, which then looked slow where the run showed no
+    # loader wait (BENCHMARKS.md, "Loader against in-memory batches").
+    for batch in itertools.islice(loader.epoch(0), n):
+        steps_of.step(batch)
+    if cold:
+        drop_page_cache(files)
+    times: dict[str, float] = {}
+    wait, peak_gpu, peak_rss = _loader_phase(steps_of, warmup, n, times)
+    kept = list(itertools.islice(loader.epoch(0), warmup, n))
+    steps_of.useful.clear()
+    with timer(device, times, "memory"):  # the very same batches, already on the device
+        for batch in kept:
+            steps_of.step(batch)
+    measured = len(kept)
+    context_tokens = sum(b.num_tokens for b in kept)
+    tflops = steps_of.useful_flops() / times["memory"] / 1e12
+    peak = peak_flops(device)
+    loader.close()
+    return {
+        "drafter": s.family.name, "block_size": s.dcfg.block_size,
+        "steps": measured, "token_budget": cfg.token_budget, "max_anchors": max_anchors,
+        "drafter_hidden": s.dcfg.hidden_size, "drafter_layers": s.dcfg.num_hidden_layers,
+        "loader_steps_s": measured / times["loader"], "memory_steps_s": measured / times["memory"],
+        "ratio": times["memory"] / times["loader"], "loader_wait_per_step_s": wait / max(1, measured),
+        "context_tok_s": context_tokens / times["loader"], "peak_gpu_GB": peak_gpu / 1e9, "peak_rss_GB": peak_rss / 1e9,
+        "readers": cfg.readers, "memory_tflops": tflops, "memory_mfu": tflops * 1e12 / peak if peak else None,
+        "cold": cold, "loader_GBps": context_tokens * disk_bytes_per_token / times["loader"] / 1e9,
+        "step_GBps": context_tokens * disk_bytes_per_token / times["memory"] / 1e9,
+    }  # fmt: skip
+
+
+class _BenchSteps:
+    """The train stage's own drafter, optimizer and loader on one rank (`stage.setup`, writing nothing
+    to `cfg.out`), and its steps: each one a forward, backward and optimizer step, whose useful-FLOPs
+    terms (`Family.flops`) are kept in `useful`. Without a token budget, the stage's default for this
+    drafter on a cache too large to cap it."""
+
+    def __init__(self, cfg: TrainConfig, device: torch.device):
+        from dflash_cache.cache.spec import read_spec
+        from dflash_cache.core.devices import Worker
+        from dflash_cache.train.stage import setup
+
+        if cfg.token_budget is None:
+            spec = read_spec(cfg.cache)
+            cfg.token_budget = run_token_budget(cfg, drafter_config(cfg, spec), spec, device, few_steps_cap=False)
+        self.setup = setup(Worker(0, 1, device), cfg)
+        self.flops = self.setup.family.flops(self.setup.model)
+        self.useful: list[tuple] = []  # (blocks, context tokens, sum of anchors, scored slots) a step
+
+    def step(self, batch: Batch) -> None:
+        from dflash_cache.train.stage import train_step
+
+        s = self.setup
+        out = train_step(s.objective, s.model, s.embed, s.head, batch, s.anchors(batch), s.cfg.grad_accum)
+        s.opt.step()
+        s.opt.zero_grad(set_to_none=True)
+        blocks = out.blocks
+        self.useful.append((blocks.layout.num_blocks, batch.num_tokens, blocks.layout.block_anchor.sum(),
+                            0 if out.scored is None else out.scored))  # fmt: skip
+
+    def useful_flops(self) -> float:
+        """The useful FLOPs of the steps in `useful`."""
+        return sum(self.flops(nb, ctx, int(anchors), int(scored)) for nb, ctx, anchors, scored in self.useful)
+
+
+def _loader_phase(steps_of: _BenchSteps, warmup: int, n: int, times: dict[str, float]) -> tuple[float, int, int]:
+    """Batches `warmup` to `n` of epoch 0 stepped as the real loader streams them (times["loader"]);
+    returns the loader's wait over them, the peak GPU memory (bytes, 0 on a CPU) and the peak RSS."""
+    loader, device = steps_of.setup.loader, steps_of.setup.worker.device
+    it = loader.epoch(0)
+    for _ in range(warmup):
+        next(it)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    wait0 = loader.wait_seconds
+    steps_of.useful.clear()
+    with PeakRSS() as rss, timer(device, times, "loader"):
+        for _ in range(warmup, n):
+            steps_of.step(next(it))
+    wait = loader.wait_seconds - wait0
+    peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return wait, peak_gpu, rss.peak
