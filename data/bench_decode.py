@@ -3,14 +3,15 @@ what a speculative step costs against a plain one.
 
     python data/bench_decode.py --shape smollm2-135m --out decode.json
     python data/bench_decode.py --families dspark --draft-layers 1,2,5 --skip graphs,steps,profile,eager
-    python data/bench_decode.py --variants "product_kernel.STAGES=3;slot_kernel.BLOCK_N=64" --set markov_kernel.WARPS=4
+    python data/bench_decode.py --variants "products.stages=3;attention.block_n=64" --set products.slice_k=512
 
-For a random-weight target of a named shape (`dflash_cache.bench.suite.SHAPES`, which never says its stop
+For a random-weight target of a named shape (`dflash_cache.bench.shapes.SHAPES`, which never says its stop
 token, so every prompt decodes to --max-new-tokens), one row at a time:
 
 - the target alone through the engine, side by side: the eager layers captured as a CUDA graph,
   the compiled layers captured (the default on a GPU) with cuBLAS's products, with torch's argmax
-  for the greedy token, and as they ship, and under other settings (`--variants`); tokens/s with
+  for the greedy token, and as they ship, and under other kernel settings (`--variants`, fields of
+  `generate.kernel_settings.KernelSettings`); tokens/s with
   the prompts' prefills timed and left out, against the weight-bandwidth bound (bandwidth / weight
   bytes: every decode step reads every weight once);
 - the cost of a verify step of B+1 tokens against a one-token step, each a replayed graph, at the
@@ -33,7 +34,6 @@ token, so every prompt decodes to --max-new-tokens), one row at a time:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -48,43 +48,37 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cache import drafters  # noqa: E402
+from dflash_cache.bench.generate import copy_bandwidth, random_model, weight_bytes  # noqa: E402
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
-from dflash_cache.drafters.dspark import markov_kernel as dspark_kernel  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
-from dflash_cache.eval.sets import copy_bandwidth, random_model, weight_bytes  # noqa: E402
-from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, decoder, product_kernel, slot_kernel  # noqa: E402
+from dflash_cache.generate import BlockProposer, Engine, Request, StopRule  # noqa: E402
+from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings  # noqa: E402
 from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
-from dflash_cache.kernels import argmax as argmax_kernel
 
 CUDA = torch.device("cuda")
 
 
-@contextlib.contextmanager
-def patched(changes: list[tuple[object, str, object]]):
-    """Module attributes set to other values (module, name, value) while the block runs."""
-    old = [(module, name, getattr(module, name)) for module, name, _ in changes]
-    for module, name, value in changes:
-        setattr(module, name, value)
-    try:
-        yield
-    finally:
-        for module, name, value in old:
-            setattr(module, name, value)
+def with_settings(value, settings: str):
+    """`value`, a frozen dataclass such as `KernelSettings`, with other settings, such as
+    `products.slice_k=512,attention.block_n=128,rope_in_product=0` (a dot into a nested one)."""
+    for setting in filter(None, settings.split(",")):
+        name, text = setting.split("=")
+        value = _replaced(value, name.strip().split("."), text.strip())
+    return value
 
 
-MODULES = {"decoder": decoder, "product_kernel": product_kernel, "slot_kernel": slot_kernel,
-           "markov_kernel": dspark_kernel, "argmax_kernel": argmax_kernel}  # fmt: skip
-
-
-def variant(settings: str) -> list[tuple[object, str, object]]:
-    """Module settings such as `product_kernel.SLICE_K=512,slot_kernel.BLOCK_N=128`, for `patched`."""
-    changes = []
-    for setting in settings.split(","):
-        name, value = setting.split("=")
-        module, attr = name.split(".")
-        changes.append((MODULES[module], attr, int(value)))
-    return changes
+def _replaced(value, path: list[str], text: str):
+    head, *rest = path
+    names = [f.name for f in dataclasses.fields(value)]
+    if head not in names:
+        raise SystemExit(f"no setting {head!r} in {type(value).__name__}: {names}")
+    old = getattr(value, head)
+    if rest:
+        new = _replaced(old, rest, text)
+    else:
+        new = text.lower() in ("1", "true") if isinstance(old, bool) else int(text)
+    return dataclasses.replace(value, **{head: new})
 
 
 @dataclasses.dataclass
@@ -211,7 +205,7 @@ def engine_profile(engine: Engine, context: int) -> dict:
     `context`."""
     last, pos, seed = engine.last.clone(), engine.pos.clone(), engine.seed.clone()
     pos.fill_(context)
-    return kernel_profile(lambda: engine._step.fn(last, pos, seed))
+    return kernel_profile(lambda: engine.device_step.fn(last, pos, seed))
 
 
 def launch_floor(target: SlotTarget, kernels: int) -> dict:
@@ -247,8 +241,9 @@ def launch_floor(target: SlotTarget, kernels: int) -> dict:
             linear(g[..., : w.down.shape[1]], w.down)
 
     out["products_ms"] = replay_ms(lambda: products(torch.nn.functional.linear), reps=50)
+    tiles = target.decoder.layers.kernels.products
     out["kernel_products_ms"] = replay_ms(
-        lambda: products(lambda x, w: rows_product(x, w, None, None, None, 0.0, False)), reps=50)
+        lambda: products(lambda x, w: rows_product(x, w, None, None, None, 0.0, False, tiles)), reps=50)
     out["products"] = 4 * len(layers)
     return out
 
@@ -261,29 +256,27 @@ def plain_profile(target: SlotTarget, context: int) -> dict:
 
 def speculative(model, family: drafters.Family, cfg: DrafterConfig, prompts: list[list[int]], max_new: int,
                 length: int, embed: torch.Tensor, head: torch.Tensor, plain_ms: tuple[float, float], plain: list,
-                compiled_draft: bool, markov_kernel: bool = True) -> dict:  # fmt: skip
+                compiled_draft: bool, kernels: KernelSettings) -> dict:  # fmt: skip
     """A random drafter of `family` speculating for the target: its step against a plain one
     (`plain_ms`: with the prefills and without), and the kernels the step launches. Without
-    `markov_kernel`, DSpark's greedy Markov step runs as tensor ops (a product, then an argmax)."""
-    torch._dynamo.reset()  # the draft compiled afresh, for this run's kernels
-    with patched([] if markov_kernel else [(dspark_kernel, "fits", lambda *a: False)]):
-        torch.manual_seed(0)
-        drafter = family.model(cfg).to(CUDA, torch.bfloat16).eval().requires_grad_(False)
-        target = SlotTarget(model, 1, length, cfg.target_layer_ids, compile=True)
-        proposer = BlockProposer(drafter, embed=embed, head=head, slots=1, length=length, family=family)
-        if not compiled_draft:
-            proposer.draft = proposer.eager_draft
-        engine = Engine(target, StopRule([]), proposer=proposer)
-        run = timed_stream(engine, prompts, max_new)
-        spec_ms = 1e3 * run.seconds / run.steps
-        decode_ms = 1e3 * (run.seconds - run.prefill_seconds) / run.steps
-        profile = engine_profile(engine, len(prompts[0]))
-        return {"draft_layers": cfg.num_hidden_layers, "block_size": cfg.block_size, "tau": run.tokens / run.steps,
-                "step_ms": spec_ms, "over_plain_step": spec_ms / plain_ms[0],
-                "speedup_at_tau": {t: t * plain_ms[0] / spec_ms for t in (1.6, 2.0, 3.0, 4.0)},
-                "decode_step_ms": decode_ms, "decode_over_plain_step": decode_ms / plain_ms[1],
-                "decode_speedup_at_tau": {t: t * plain_ms[1] / decode_ms for t in (1.6, 2.0, 3.0, 4.0)},
-                "same_as_target": run.outputs == plain, "profile": profile}  # fmt: skip
+    `kernels.fused_drafts`, DSpark's greedy Markov step runs as tensor ops (a product, then an argmax)."""
+    torch.manual_seed(0)
+    drafter = family.model(cfg).to(CUDA, torch.bfloat16).eval().requires_grad_(False)
+    target = SlotTarget(model, 1, length, cfg.target_layer_ids, compile=True, kernels=kernels)
+    proposer = BlockProposer(drafter, embed=embed, head=head, slots=1, length=length, family=family, kernels=kernels)
+    if not compiled_draft:
+        proposer.draft = family.draft  # the family's own, eager
+    engine = Engine(target, StopRule([]), proposer=proposer, kernels=kernels)
+    run = timed_stream(engine, prompts, max_new)
+    spec_ms = 1e3 * run.seconds / run.steps
+    decode_ms = 1e3 * (run.seconds - run.prefill_seconds) / run.steps
+    profile = engine_profile(engine, len(prompts[0]))
+    return {"draft_layers": cfg.num_hidden_layers, "block_size": cfg.block_size, "tau": run.tokens / run.steps,
+            "step_ms": spec_ms, "over_plain_step": spec_ms / plain_ms[0],
+            "speedup_at_tau": {t: t * plain_ms[0] / spec_ms for t in (1.6, 2.0, 3.0, 4.0)},
+            "decode_step_ms": decode_ms, "decode_over_plain_step": decode_ms / plain_ms[1],
+            "decode_speedup_at_tau": {t: t * plain_ms[1] / decode_ms for t in (1.6, 2.0, 3.0, 4.0)},
+            "same_as_target": run.outputs == plain, "profile": profile}  # fmt: skip
 
 
 def main() -> None:
@@ -296,14 +289,13 @@ def main() -> None:
     ap.add_argument("--draft-layers", default="5", help="draft layers of the speculative steps' drafters: 1,2,5")
     ap.add_argument("--skip", default="", help="sections to leave out: graphs, prefill, steps, profile, eager")
     ap.add_argument("--batch-rows", type=int, default=64)
-    ap.add_argument("--variants", default="", help="other settings of the target alone's way, ';' between "
-                    "variants: slot_kernel.SPLIT=256;product_kernel.STAGES=1")  # fmt: skip
+    ap.add_argument("--variants", default="", help="other kernel settings of the target alone's way, ';' "
+                    "between variants: attention.split=512;products.stages=3")  # fmt: skip
     ap.add_argument("--set", default="",
-                    help="settings of the whole run: product_kernel.STAGES=3,slot_kernel.SPLIT=512")
+                    help="kernel settings of the whole run: products.stages=3,attention.split=512")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    for module, name, value in variant(args.set) if args.set else []:
-        setattr(module, name, value)
+    kernels = with_settings(DEFAULT_KERNELS, args.set)
     model = random_model(args.shape, CUDA)
     bw, weights = copy_bandwidth(CUDA), weight_bytes(model)
     rng = np.random.default_rng(0)
@@ -323,20 +315,19 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     outputs = {}
     # the compiled path (its products through the product kernel) is the plain step always timed
-    ways = {"graphs": (False, []), "compiled graphs, cuBLAS products": (True, [(decoder, "KERNEL_ROWS", 0)]),
-            "compiled graphs, torch's argmax": (True, [(argmax_kernel, "fits", lambda x: False)]),
-            "compiled graphs": (True, [])}  # fmt: skip
+    replace = dataclasses.replace
+    ways = {"graphs": (False, kernels), "compiled graphs, cuBLAS products": (True, replace(kernels, kernel_rows=0)),
+            "compiled graphs, torch's argmax": (True, replace(kernels, argmax=False)),
+            "compiled graphs": (True, kernels)}  # fmt: skip
     if "graphs" in skip:  # the eager layers and cuBLAS's products
         ways = {name: way for name, way in ways.items() if name.startswith("compiled graphs") and "cuBLAS" not in name}
-    ways |= {f"compiled graphs, {v}": (True, variant(v)) for v in args.variants.split(";") if v}
-    for name, (compile, changes) in ways.items():
-        with patched(changes):
-            torch._dynamo.reset()  # compiled afresh under this way's settings
-            target = SlotTarget(model, 1, length, compile=compile)
-            engine = Engine(target, StopRule([]))
-            run = timed_stream(engine, prompts, args.max_new_tokens)
-            if name == "compiled graphs" and "profile" not in skip:  # the engine's own step: argmax, bookkeeping
-                result["engine_step_profile"] = engine_profile(engine, args.prompt_tokens)
+    ways |= {f"compiled graphs, {v}": (True, with_settings(kernels, v)) for v in args.variants.split(";") if v}
+    for name, (compile, way_kernels) in ways.items():
+        target = SlotTarget(model, 1, length, compile=compile, kernels=way_kernels)
+        engine = Engine(target, StopRule([]), kernels=way_kernels)
+        run = timed_stream(engine, prompts, args.max_new_tokens)
+        if name == "compiled graphs" and "profile" not in skip:  # the engine's own step: argmax, bookkeeping
+            result["engine_step_profile"] = engine_profile(engine, args.prompt_tokens)
         outputs[name] = run.outputs
         result["engine"][name] = run.rates(result["bound_tok_s"]) | {"same_as_default": None}
         print(name, json.dumps(result["engine"][name]), flush=True)
@@ -349,12 +340,13 @@ def main() -> None:
         result["kernel_products_same_tokens_as_cublas"] = outputs["compiled graphs"] == cublas
 
     if "prefill" not in skip:
-        result["prefill_ms"] = prefill_ms(SlotTarget(model, 1, length, compile=True), [16, 150, length // 2])
+        result["prefill_ms"] = prefill_ms(SlotTarget(model, 1, length, compile=True, kernels=kernels),
+                                          [16, 150, length // 2])  # fmt: skip
         print("prefill", json.dumps(result["prefill_ms"]), flush=True)
         save()
 
-    long = SlotTarget(model, 1, 4096, compile=True)
-    batch = SlotTarget(model, args.batch_rows, length, compile=True)
+    long = SlotTarget(model, 1, 4096, compile=True, kernels=kernels)
+    batch = SlotTarget(model, args.batch_rows, length, compile=True, kernels=kernels)
     result["steps"] = {}
     for block in () if "steps" in skip else (b + 1 for b in blocks):  # a verify step: the anchor and the drafts
         for context in (args.prompt_tokens, 1024, 4096 - block):
@@ -365,7 +357,7 @@ def main() -> None:
         save()
     del batch, long
     if "profile" not in skip:
-        target = SlotTarget(model, 1, length, compile=True)
+        target = SlotTarget(model, 1, length, compile=True, kernels=kernels)
         result["profile"] = plain_profile(target, args.prompt_tokens)
         print("profile", json.dumps(result["profile"]), flush=True)
         result["floor"] = launch_floor(target, round(result["profile"]["kernels_per_step"]))
@@ -389,9 +381,10 @@ def main() -> None:
                 ways[", eager draft"] = (False, True)
         for suffix, (compiled_draft, fused) in ways.items():
             name = f"{family.name}, {n} layers{suffix}"
+            way_kernels = kernels if fused else dataclasses.replace(kernels, fused_drafts=False)
             result["speculative"][name] = speculative(model, family, cfg, prompts, args.max_new_tokens, length,
                                                       embed, head, plain_ms, outputs["compiled graphs"],
-                                                      compiled_draft, fused)  # fmt: skip
+                                                      compiled_draft, way_kernels)  # fmt: skip
             print("speculative", name, json.dumps(result["speculative"][name]), flush=True)
             save()
     print(json.dumps(result, indent=2))

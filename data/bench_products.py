@@ -3,26 +3,28 @@ without programmatic dependent launch, against cuBLAS, in the whole step and alo
 
     python data/bench_products.py --shape smollm2-135m --out products.json
 
-For a random-weight target of a named shape (`dflash_cache.bench.suite.SHAPES`), each a replayed CUDA
+For a random-weight target of a named shape (`dflash_cache.bench.shapes.SHAPES`), each a replayed CUDA
 graph:
 
 - the slot target's step of 1, 2 and 8 tokens at each of `--contexts` (150): products by cuBLAS
   (`decoder.Products`, the compiler fusing the norms, activation and residuals around them), by
-  the product kernel (`decoder.KernelProducts`, the default for up to `decoder.KERNEL_ROWS` rows),
-  by the kernels launched plainly (no early weight loads), the attention kernel alone launched
-  plainly, the RoPE compiled apart from the q/k/v product, and with other settings of the kernels
-  (`--variants`: the product kernel's K slices, columns and pipelining, the attention's key blocks
-  and pieces);
+  the product kernel (`decoder.KernelProducts`, the default for up to `KernelSettings.kernel_rows`
+  rows), by the kernels launched plainly (no early weight loads), the attention kernel alone
+  launched plainly, the RoPE compiled apart from the q/k/v product, and with other settings of the
+  kernels (`--variants`, fields of `generate.kernel_settings.KernelSettings`: the product kernel's K
+  slices, columns and pipelining, the attention's key blocks and pieces);
 - each of those ways' products alone, each kind once a layer in a row (qkv, o, gate_up, down), at
   1 and 8 tokens: microseconds a product.
 
 With `--markov`, instead: DSpark's greedy Markov kernel seven times in a row (a block's draft) and
-the greedy argmax of a verify step's rows, alone, under each setting given.
+the greedy argmax of a verify step's rows, alone, under each setting of their tiles given
+(`AloneTiles`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -32,41 +34,51 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import patched, replay_ms, variant  # noqa: E402
+from bench_decode import replay_ms, with_settings  # noqa: E402
 
-from dflash_cache.eval.sets import random_model, shape_config  # noqa: E402
-from dflash_cache.generate import decoder, product_kernel, slot_kernel  # noqa: E402
-from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
+from dflash_cache.bench.generate import random_model  # noqa: E402
+from dflash_cache.bench.shapes import shape_config  # noqa: E402
+from dflash_cache.drafters.dspark import markov_kernel  # noqa: E402
+from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings  # noqa: E402
+from dflash_cache.generate.product_kernel import ProductTiles, rows_product  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
+from dflash_cache.kernels import argmax as argmax_kernel  # noqa: E402
 
 CUDA = torch.device("cuda")
 KINDS = ("qkv", "o", "gate_up", "down")
 
 
-def plain_launch(t: torch.Tensor) -> dict:
-    return {"PDL": False}
+@dataclasses.dataclass(frozen=True)
+class AloneTiles:
+    """The Markov and argmax kernels' tiles, as `--markov` sets them: `block_v=64,warps=4`."""
+
+    block_v: int = markov_kernel.BLOCK_V
+    block_r: int = markov_kernel.BLOCK_R
+    warps: int = markov_kernel.WARPS
+    argmax_block_v: int = argmax_kernel.BLOCK_V
 
 
-def ways(variants: list[str]) -> dict[str, list[tuple[object, str, object]]]:
-    """Each way a step runs, as the module attributes it sets; a variant is settings such as
-    `product_kernel.SLICE_K=512,slot_kernel.BLOCK_N=128`."""
-    out = {"cuBLAS products": [(decoder, "KERNEL_ROWS", 0)],
-           "kernel products": [],
-           "kernel products, no PDL": [(product_kernel, "pdl_options", plain_launch),
-                                       (slot_kernel, "pdl_options", plain_launch)],
-           "kernel products, attention launched without PDL": [(slot_kernel, "pdl_options", plain_launch)],
-           "kernel products, RoPE compiled apart": [(decoder, "ROPE_IN_PRODUCT", False)]}  # fmt: skip
-    return out | {f"kernel products, {v}": variant(v) for v in variants}
+def ways(variants: list[str]) -> dict[str, KernelSettings]:
+    """Each way a step runs, as its kernel settings; a variant is settings such as
+    `products.slice_k=512,attention.block_n=128`."""
+    k, replace = DEFAULT_KERNELS, dataclasses.replace
+    out = {"cuBLAS products": replace(k, kernel_rows=0),
+           "kernel products": k,
+           "kernel products, no PDL": replace(k, products=replace(k.products, pdl=False),
+                                              attention=replace(k.attention, pdl=False)),
+           "kernel products, attention launched without PDL": replace(k, attention=replace(k.attention, pdl=False)),
+           "kernel products, RoPE compiled apart": replace(k, rope_in_product=False)}  # fmt: skip
+    return out | {f"kernel products, {v}": with_settings(k, v) for v in variants}
 
 
-def products_us(layers: list, tokens: int) -> dict:
+def products_us(layers: list, tokens: int, tiles: ProductTiles) -> dict:
     """Each kind's products of every layer in a row, replayed: us a product."""
     x = torch.randn(tokens, layers[0].o.shape[1], device=CUDA, dtype=layers[0].o.dtype)
     inter = torch.randn(tokens, layers[0].down.shape[1], device=CUDA, dtype=x.dtype)
 
     def kind(name: str) -> None:
         for w in layers:
-            rows_product(inter if name == "down" else x, getattr(w, name), None, None, None, 0.0, False)
+            rows_product(inter if name == "down" else x, getattr(w, name), None, None, None, 0.0, False, tiles)
 
     return {name: 1e3 * replay_ms(lambda n=name: kind(n), reps=50) / len(layers) for name in KINDS}
 
@@ -74,10 +86,7 @@ def products_us(layers: list, tokens: int) -> dict:
 def markov_us(vocab: int, variants: list[str], rank: int = 256) -> dict:
     """DSpark's greedy Markov step (`markov_kernel`) seven times in a row, as a block's draft runs
     it, and the greedy argmax of a verify step's 8 rows (`argmax_kernel`), replayed under each
-    setting: us a call, and the Markov step's W2 read in GB/s."""
-    from dflash_cache.drafters.dspark.markov_kernel import markov_argmax
-    from dflash_cache.kernels.argmax import argmax
-
+    setting of their tiles (`AloneTiles`): us a call, and the Markov step's W2 read in GB/s."""
     g = torch.Generator(device=CUDA).manual_seed(0)
     base = torch.randn(1, 7, vocab, device=CUDA, generator=g).bfloat16()
     z = torch.randn(1, rank, device=CUDA, generator=g).bfloat16()
@@ -85,13 +94,14 @@ def markov_us(vocab: int, variants: list[str], rank: int = 256) -> dict:
     logits = torch.randn(1, 8, vocab, device=CUDA, generator=g).bfloat16()
     out = {}
     for name in ["default", *variants]:
-        with patched([] if name == "default" else variant(name)):
-            try:
-                us = 1e3 * replay_ms(lambda: [markov_argmax(base[:, k], z, w2) for k in range(7)], reps=100) / 7
-                out[name] = {"markov_us": us, "markov_GBps": w2.numel() * 2 / us / 1e3,
-                             "argmax_8_rows_us": 1e3 * replay_ms(lambda: argmax(logits), reps=100)}  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - a setting the GPU cannot build: say so, go on
-                out[name] = {"error": f"{type(e).__name__}: {e}"}
+        t = with_settings(AloneTiles(), "" if name == "default" else name)
+        try:
+            us = 1e3 * replay_ms(lambda t=t: [markov_kernel.markov_argmax(base[:, k], z, w2, None, t.block_v, t.block_r,
+                                                                          t.warps) for k in range(7)], reps=100) / 7
+            argmax_us = 1e3 * replay_ms(lambda t=t: argmax_kernel.argmax(logits, t.argmax_block_v), reps=100)
+            out[name] = {"markov_us": us, "markov_GBps": w2.numel() * 2 / us / 1e3, "argmax_8_rows_us": argmax_us}
+        except Exception as e:  # noqa: BLE001 - a setting the GPU cannot build: say so, go on
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
         print("markov", name, json.dumps(out[name]), flush=True)
     return out
 
@@ -101,10 +111,10 @@ def main() -> None:
     ap.add_argument("--shape", default="smollm2-135m")
     ap.add_argument("--contexts", default="150", help="the contexts the steps start at, in one buffer: 150,1024")
     ap.add_argument("--length", type=int, help="the buffer's positions (default: the longest context + 64)")
-    ap.add_argument("--variants", default="", help="other settings to time, ';' between variants: "
-                    "product_kernel.SLICE_K=512;product_kernel.STAGES=3,slot_kernel.BLOCK_N=64")  # fmt: skip
+    ap.add_argument("--variants", default="", help="other kernel settings to time, ';' between variants: "
+                    "products.slice_k=512;products.stages=3,attention.block_n=64")  # fmt: skip
     ap.add_argument("--markov", default=None, help="time the Markov and argmax kernels alone under these "
-                    "settings (';' between; '' for the defaults) instead of the step: markov_kernel.BLOCK_V=64")
+                    "tiles (';' between; '' for the defaults) instead of the step: block_v=64,warps=4")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.markov is not None:
@@ -117,25 +127,25 @@ def main() -> None:
         return
     contexts = [int(c) for c in args.contexts.split(",")]
     model = random_model(args.shape, CUDA)
-    target = SlotTarget(model, 1, args.length or max(contexts) + 64)
+    length = args.length or max(contexts) + 64
     ids = torch.randint(0, 1000, (1, 8), device=CUDA)
     result = {"shape": args.shape, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "length": target.length, "ways": {}}  # fmt: skip
-    for name, changes in ways([v for v in args.variants.split(";") if v]).items():
-        with patched(changes):
-            try:
-                row = {}
-                for c in contexts:
-                    target.prefill([0], [tuple(range(3, 3 + c))])
-                    positions = (c + torch.arange(8, device=CUDA))[None]
-                    for T in (1, 2, 8):
-                        step = lambda T=T, p=positions: target.step(ids[:, :T], p[:, :T])  # noqa: E731
-                        row[f"step, {T} tokens, context {c}, ms"] = replay_ms(step, reps=100)
-                if name != "cuBLAS products":
-                    for T in (1, 8):
-                        row[f"us a product, {T} tokens"] = products_us(target.decoder.layers.layers, T)
-            except Exception as e:  # noqa: BLE001 - a setting the GPU cannot build (its shared memory): say so, go on
-                row = {"error": f"{type(e).__name__}: {e}"}
+              "length": None, "ways": {}}  # fmt: skip
+    for name, kernels in ways([v for v in args.variants.split(";") if v]).items():
+        try:
+            target = SlotTarget(model, 1, length, kernels=kernels)
+            result["length"], row = target.length, {}
+            for c in contexts:
+                target.prefill([0], [tuple(range(3, 3 + c))])
+                positions = (c + torch.arange(8, device=CUDA))[None]
+                for T in (1, 2, 8):
+                    step = lambda T=T, p=positions, t=target: t.step(ids[:, :T], p[:, :T])  # noqa: E731
+                    row[f"step, {T} tokens, context {c}, ms"] = replay_ms(step, reps=100)
+            if name != "cuBLAS products":
+                for T in (1, 8):
+                    row[f"us a product, {T} tokens"] = products_us(target.decoder.layers.layers, T, kernels.products)
+        except Exception as e:  # noqa: BLE001 - a setting the GPU cannot build (its shared memory): say so, go on
+            row = {"error": f"{type(e).__name__}: {e}"}
         result["ways"][name] = row
         print(name, json.dumps(row), flush=True)
         if args.out:

@@ -65,7 +65,7 @@ try:  # whichever dflash_cache is first on PYTHONPATH; else this checkout's
 except ModuleNotFoundError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cache.bench.suite import SHAPES
+from dflash_cache.bench.shapes import SHAPES
 from dflash_cache.drafters.blocks import anchors_by_sequence, default_gamma, sample_anchors
 from dflash_cache.drafters.dflash.config import DrafterConfig
 from dflash_cache.drafters.dflash.family import FAMILY, StepFlops

@@ -29,7 +29,7 @@ try:  # whichever dflash_cache is first on PYTHONPATH (two versions side by side
 except ModuleNotFoundError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cache.bench.suite import QWEN3_8B, lognormal_lengths, shape_of
+from dflash_cache.bench.shapes import QWEN3_8B, lognormal_lengths, shape_of
 from dflash_cache.drafters.dflash.config import DrafterConfig
 from dflash_cache.drafters.dflash.family import FAMILY, StepFlops
 from dflash_cache.drafters.dflash.model import DFlashDrafter

@@ -4,7 +4,7 @@
   loads like any local model, with the bundled tiny target's tokenizer and chat template (token
   ids stay far below the 151,936-entry vocabulary; throughput does not depend on the weights);
   or, with ``--tokenizer qwen3``, a tokenizer and template laid out like Qwen3's
-  (``make_family_targets.py``: no mask token, ``<think>`` handling of the official template,
+  (``tests/family_targets.py``: no mask token, ``<think>`` handling of the official template,
   ``len(tokenizer)`` far below ``vocab_size``), so the run meets what a real Qwen3 target brings;
 - a synthetic chat dataset whose assistant turns follow the benchmarks' log-normal length mix
   (median about 600 tokens, 64-3072), made of common English words. With ``--tokenizer qwen3``
@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash_cache.bench.suite import QWEN3_8B, lognormal_lengths
+from dflash_cache.bench.shapes import QWEN3_8B, lognormal_lengths
 
 TINY = Path(__file__).resolve().parent / "tiny-target"
 WORDS = (
@@ -88,10 +89,11 @@ def main() -> None:
 
     cfg = AutoConfig.for_model(**QWEN3_8B)
     if args.tokenizer == "qwen3":
-        import make_family_targets
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        import family_targets
 
-        tokenizer = make_family_targets.build_tokenizer("qwen3")
-        generation = make_family_targets.generation_config("qwen3", tokenizer)
+        tokenizer = family_targets.build_tokenizer("qwen3")
+        generation = family_targets.generation_config("qwen3", tokenizer)
         ids = {"eos_token_id": generation.eos_token_id, "pad_token_id": generation.pad_token_id}
     else:
         tiny = json.loads((TINY / "config.json").read_text())

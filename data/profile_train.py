@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_step import kernel_breakdown  # noqa: E402
 
-from dflash_cache.bench.suite import _BenchSteps  # noqa: E402
+from dflash_cache.bench.train import _BenchSteps  # noqa: E402
 from dflash_cache.drafters import loss_kernel  # noqa: E402
 from dflash_cache.train.config import TrainConfig  # noqa: E402
 from dflash_cache.train.metrics import peak_flops  # noqa: E402

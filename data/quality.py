@@ -158,15 +158,15 @@ def last_metrics(path: Path) -> dict:
 
 def lookup_result(cfg, outputs: list[list[int]], block_size: int) -> dict:
     """The prompt-lookup drafter's acceptance on the same prompts and greedy outputs."""
-    from dflash_cache.eval import evaluate
+    from dflash_cache.eval import decode, metrics
     from dflash_cache.extract.target import load_tokenizer
     from dflash_cache.generate import lookup
 
-    prompts = evaluate.load_prompts(cfg.prompts, load_tokenizer(str(cfg.target)), cfg.eval_prompts)
+    prompts = decode.load_prompts(cfg.prompts, load_tokenizer(str(cfg.target)), cfg.eval_prompts)
     per_prompt = [lookup.acceptance_lengths(p, o, block_size=block_size) for p, o in zip(prompts, outputs, strict=True)]
     flat = [n for ls in per_prompt for n in ls]
-    return {"tau": evaluate.tau(flat), "tau_per_prompt": evaluate.tau_per_prompt(per_prompt),
-            "histogram": evaluate.histogram(flat, block_size), "steps": len(flat)}  # fmt: skip
+    return {"tau": metrics.tau(flat), "tau_per_prompt": metrics.tau_per_prompt(per_prompt),
+            "histogram": metrics.histogram(flat, block_size), "steps": len(flat)}  # fmt: skip
 
 
 def report(summary: dict) -> str:

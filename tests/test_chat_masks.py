@@ -1,42 +1,35 @@
 """Loss masks from real chat templates, template options, the row forms users have, and where rows
 come from (dataset repositories, splits, the hub, offline).
 
-Targets laid out like Qwen3, Llama 3 and Gemma come from data/make_family_targets.py. Each family's
+Targets laid out like Qwen3, Llama 3 and Gemma come from family_targets.py. Each family's
 masks are checked against an independent computation: a regex for the family's assistant turns over
 the rendered text, mapped to tokens through the tokenizer's character offsets.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import datasets
+import family_targets as F
 import huggingface_hub.constants
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_cache.rows import data as D
-from dflash_cache.rows.chat import check_template_kwargs
+from dflash_cache.rows.chat import DataError, RowRejected, check_template_kwargs
+from dflash_cache.rows.digest import source_fingerprint
+from dflash_cache.rows.encode import encode_row, tokenize
+from dflash_cache.rows.forms import conversation
+from dflash_cache.rows.hub import HUB_CONNECT_TIMEOUT_S
+from dflash_cache.rows.sources import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "data" / "tiny-target"
 
-
-def _families():
-    spec = importlib.util.spec_from_file_location("make_family_targets", ROOT / "data" / "make_family_targets.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("make_family_targets", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-F = _families()
 
 # Each family's assistant turn as its official template writes it: the header, then the supervised
 # part (the reply as rendered and the end-of-turn token). Written from the families' documentation.
@@ -98,7 +91,7 @@ def test_family_rows_are_masked_on_their_assistant_spans(family_tok, family, kwa
     assert any(len(messages_of(r)) > 2 for r in rows) and any(messages_of(r)[0]["role"] == "system" for r in rows)
     for row in rows:
         messages = messages_of(row)
-        ids, mask = D.encode_row(row, tok, 4096, False, kwargs)
+        ids, mask = encode_row(row, tok, 4096, False, kwargs)
         assert ids == tok.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
         assert (ids, mask) == expected_mask(tok, family, messages, kwargs), row
         assert mask[-1] == (family == "llama3")  # the newline after the last end-of-turn is not learned
@@ -117,10 +110,10 @@ def test_unusual_turn_orders_are_located_or_rejected_by_the_template(family_tok,
     tok = family_tok[family]
     messages = [{"role": r, "content": f"{r.title()} line {i}."} for i, r in enumerate(ORDERS[order])]
     if family == "gemma":  # its template demands user/model turns alternating from a user turn
-        with pytest.raises(D.RowRejected, match="chat template error: Conversation roles must alternate"):
-            D.encode_row({"messages": messages}, tok, 4096, False)
+        with pytest.raises(RowRejected, match="chat template error: Conversation roles must alternate"):
+            encode_row({"messages": messages}, tok, 4096, False)
         return
-    ids, mask = D.encode_row({"messages": messages}, tok, 4096, False)
+    ids, mask = encode_row({"messages": messages}, tok, 4096, False)
     assert (ids, mask) == expected_mask(tok, family, messages, {})
 
 
@@ -134,17 +127,17 @@ def test_qwen3_supervises_each_turn_as_the_whole_rendering_shows_it(qwen):
         {"role": "user", "content": q[3]},
         {"role": "assistant", "content": f"<think>\n{t[1]}\n</think>\n\n{a[3]}"},
     ]
-    ids, mask = D.encode_row({"messages": inline}, qwen, 4096, False)
+    ids, mask = encode_row({"messages": inline}, qwen, 4096, False)
     assert supervised(qwen, ids, mask) == f"{a[2]}<|im_end|><think>\n{t[1]}\n</think>\n\n{a[3]}<|im_end|>"
     assert t[0] not in qwen.decode(ids)  # dropped by the template: not in what the target sees
 
     fielded = [dict(m) for m in inline]
     for m, thought, answer in ((fielded[1], t[0], a[2]), (fielded[3], t[1], a[3])):
         m.update(content=answer, reasoning_content=thought)
-    assert D.encode_row({"messages": fielded}, qwen, 4096, False) == (ids, mask)
+    assert encode_row({"messages": fielded}, qwen, 4096, False) == (ids, mask)
 
     # A single turn with no reasoning is the last turn: its empty think block is rendered and learned.
-    ids, mask = D.encode_row({"prompt": q[2], "response": a[2]}, qwen, 4096, False)
+    ids, mask = encode_row({"prompt": q[2], "response": a[2]}, qwen, 4096, False)
     assert supervised(qwen, ids, mask) == f"<think>\n\n</think>\n\n{a[2]}<|im_end|>"
 
 
@@ -152,8 +145,8 @@ def test_reasoning_content_must_be_a_string(qwen):
     row = {
         "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hi.", "reasoning_content": 3}]
     }
-    with pytest.raises(D.RowRejected, match="wrong type: message 1 reasoning_content must be a string"):
-        D.encode_row(row, qwen, 4096, False)
+    with pytest.raises(RowRejected, match="wrong type: message 1 reasoning_content must be a string"):
+        encode_row(row, qwen, 4096, False)
 
 
 QWEN_HEADER = "<|im_start|>assistant\n"
@@ -174,12 +167,12 @@ QWEN_HEADER = "<|im_start|>assistant\n"
     ids=["header-in-user-text", "end-in-reply", "straddling-token"],
 )  # fmt: skip
 def test_rows_that_cannot_be_located_are_rejected(qwen, tmp_path, messages, reason):
-    with pytest.raises(D.RowRejected, match=re.escape(reason)):
-        D.encode_row({"messages": messages}, qwen, 4096, False)
+    with pytest.raises(RowRejected, match=re.escape(reason)):
+        encode_row({"messages": messages}, qwen, 4096, False)
     good = {"prompt": "What is 12 + 30?", "response": "42."}
     rows = tmp_path / "rows.jsonl"
     rows.write_text(json.dumps({"messages": messages}) + "\n" + json.dumps(good) + "\n")
-    tz = D.tokenize(rows, qwen, 4096)
+    tz = tokenize(rows, qwen, 4096)
     assert tz.dataset["sample_index"][:] == [1] and tz.rejected[0][0] == 0 and tz.rejected[0][1].startswith(reason)
 
 
@@ -209,7 +202,7 @@ def test_template_kwargs_reach_the_template(markers, tmp_path):
     variants = [{}, {"house_rules": "Be brief."}, {"house_rules": "Be brief.", "enable_thinking": False}]
     encoded = []
     for kwargs in variants:
-        ids, mask = D.encode_row({"messages": CHAT}, tok, 4096, False, kwargs)
+        ids, mask = encode_row({"messages": CHAT}, tok, 4096, False, kwargs)
         assert ids == tok.apply_chat_template(CHAT, tokenize=True, return_dict=False, **kwargs)
         assert ("Be brief." in tok.decode(ids)) == ("house_rules" in kwargs)
         last = "12 + 30 = 42.<|im_end|>"
@@ -222,9 +215,9 @@ def test_template_kwargs_reach_the_template(markers, tmp_path):
     rows.write_text(json.dumps({"messages": CHAT}) + "\n")
     work = tmp_path / "work"
     for kwargs, expect in zip(variants, encoded, strict=True):
-        tz = D.tokenize(rows, tok, 4096, work_dir=work, template_kwargs=kwargs)
+        tz = tokenize(rows, tok, 4096, work_dir=work, template_kwargs=kwargs)
         assert not tz.reused and (tz.dataset["input_ids"][0], tz.dataset["loss_mask"][0]) == expect
-    assert D.tokenize(rows, tok, 4096, work_dir=work, template_kwargs=variants[1]).reused
+    assert tokenize(rows, tok, 4096, work_dir=work, template_kwargs=variants[1]).reused
     assert len(list(work.iterdir())) == len(variants)
 
 
@@ -238,7 +231,7 @@ def test_check_template_kwargs():
         ({"tokenize": False}, "cannot set tokenize"),
         ({"x": {1, 2}}, "plain JSON values"),
     ]:
-        with pytest.raises(D.DataError, match=why):
+        with pytest.raises(DataError, match=why):
             check_template_kwargs(bad)
 
 
@@ -269,9 +262,9 @@ def sharegpt_row(human: str = "human", gpt: str = "gpt") -> dict:
 
 def test_row_forms_give_the_same_tokens(family_tok, tmp_path):
     qwen = family_tok["qwen3"]
-    expect = D.encode_row(openai_row(), qwen, 4096, False)
-    assert D.encode_row(sharegpt_row(), qwen, 4096, False) == expect
-    assert D.encode_row(sharegpt_row("user", "assistant"), qwen, 4096, False) == expect
+    expect = encode_row(openai_row(), qwen, 4096, False)
+    assert encode_row(sharegpt_row(), qwen, 4096, False) == expect
+    assert encode_row(sharegpt_row("user", "assistant"), qwen, 4096, False) == expect
 
     q, a = TURNS[0]
     single = {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
@@ -282,31 +275,31 @@ def test_row_forms_give_the_same_tokens(family_tok, tmp_path):
         {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]},
     ]
     for tok in family_tok.values():
-        one = D.encode_row(single, tok, 4096, False)
-        assert all(D.encode_row(row, tok, 4096, False) == one for row in forms)
+        one = encode_row(single, tok, 4096, False)
+        assert all(encode_row(row, tok, 4096, False) == one for row in forms)
     with_input = {"instruction": "Reverse the word.", "input": "button", "output": "nottub"}
     as_messages = [
         {"role": "user", "content": "Reverse the word.\n\nbutton"},
         {"role": "assistant", "content": "nottub"},
     ]
-    assert D.encode_row(with_input, qwen, 4096, False) == D.encode_row({"messages": as_messages}, qwen, 4096, False)
+    assert encode_row(with_input, qwen, 4096, False) == encode_row({"messages": as_messages}, qwen, 4096, False)
 
     # ShareGPT turns keep their other fields: a reasoning_content reaches the template.
     reasoned = sharegpt_row()
     reasoned["conversations"][-1]["reasoning_content"] = "Double means times two."
-    assert D.conversation(reasoned)[-1] == {
+    assert conversation(reasoned)[-1] == {
         "role": "assistant",
         "content": TURNS[1][1],
         "reasoning_content": "Double means times two.",
     }
-    assert "Double means times two." in supervised(qwen, *D.encode_row(reasoned, qwen, 4096, False))
+    assert "Double means times two." in supervised(qwen, *encode_row(reasoned, qwen, 4096, False))
 
     # Through files: the same rows written in each form tokenize alike.
     results = []
     for name, row in [("openai", openai_row()), ("sharegpt", sharegpt_row())]:
         path = tmp_path / f"{name}.jsonl"
         path.write_text("".join(json.dumps(row) + "\n" for _ in range(3)))
-        tz = D.tokenize(path, qwen, 4096)
+        tz = tokenize(path, qwen, 4096)
         results.append((tz.dataset["input_ids"][:], tz.dataset["loss_mask"][:], tz.rejected))
     assert results[0] == results[1] == ([expect[0]] * 3, [expect[1]] * 3, [])
 
@@ -325,8 +318,8 @@ def test_row_forms_give_the_same_tokens(family_tok, tmp_path):
     ],
 )  # fmt: skip
 def test_malformed_rows_of_each_form_are_rejected(qwen, row, reason):
-    with pytest.raises(D.RowRejected, match=re.escape(reason)):
-        D.conversation(row)
+    with pytest.raises(RowRejected, match=re.escape(reason)):
+        conversation(row)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -352,34 +345,34 @@ def repo(tmp_path, monkeypatch) -> Path:
 
 
 def test_dataset_repository_splits_and_max_samples(repo, qwen, tmp_path):
-    rows = D.read_rows(repo, split="test_sft")
+    rows = read_rows(repo, split="test_sft")
     assert [r["prompt"] for r in rows] == [f"test question {i}?" for i in range(3)]
-    assert len(D.read_rows(repo, split="train_sft", max_samples=4)) == 4
-    with pytest.raises(D.DataError, match=r"has no split 'train'; its splits are \['test_sft', 'train_sft'\]"):
-        D.read_rows(repo)
-    assert D.source_fingerprint(repo, "train_sft") != D.source_fingerprint(repo, "test_sft")
+    assert len(read_rows(repo, split="train_sft", max_samples=4)) == 4
+    with pytest.raises(DataError, match=r"has no split 'train'; its splits are \['test_sft', 'train_sft'\]"):
+        read_rows(repo)
+    assert source_fingerprint(repo, "train_sft") != source_fingerprint(repo, "test_sft")
 
     work = tmp_path / "work"
-    full = D.tokenize(repo, qwen, 256, work_dir=work, split="train_sft")
-    capped = D.tokenize(repo, qwen, 256, work_dir=work, split="train_sft", max_samples=2)
+    full = tokenize(repo, qwen, 256, work_dir=work, split="train_sft")
+    capped = tokenize(repo, qwen, 256, work_dir=work, split="train_sft", max_samples=2)
     assert full.num_rows == 6 and capped.num_rows == 2 and not capped.reused
     assert capped.dataset["input_ids"][:] == full.dataset["input_ids"][:2]
-    assert D.tokenize(repo, qwen, 256, work_dir=work, split="train_sft", max_samples=2).reused
-    with pytest.raises(D.DataError, match="max_samples must be a positive"):
-        D.tokenize(repo, qwen, 256, split="train_sft", max_samples=0)
+    assert tokenize(repo, qwen, 256, work_dir=work, split="train_sft", max_samples=2).reused
+    with pytest.raises(DataError, match="max_samples must be a positive"):
+        tokenize(repo, qwen, 256, split="train_sft", max_samples=0)
 
 
 def test_splits_of_saved_datasets_and_files(tmp_path):
     splits = datasets.DatasetDict({"train": text_rows(4, "train"), "train_gen": text_rows(2, "gen")})
     splits.save_to_disk(str(tmp_path / "saved"))
-    assert D.read_rows(tmp_path / "saved", split="train_gen")["prompt"] == ["gen question 0?", "gen question 1?"]
-    assert len(D.read_rows(tmp_path / "saved")) == 4
-    with pytest.raises(D.DataError, match="has no split 'test'; its splits are train, train_gen"):
-        D.read_rows(tmp_path / "saved", split="test")
+    assert read_rows(tmp_path / "saved", split="train_gen")["prompt"] == ["gen question 0?", "gen question 1?"]
+    assert len(read_rows(tmp_path / "saved")) == 4
+    with pytest.raises(DataError, match="has no split 'test'; its splits are train, train_gen"):
+        read_rows(tmp_path / "saved", split="test")
     (tmp_path / "rows.jsonl").write_text('{"text": "a"}\n{"text": "b"}\n{"text": "c"}\n')
-    assert len(D.read_rows(tmp_path / "rows.jsonl", max_samples=2)) == 2
-    with pytest.raises(D.DataError, match="one file, which has no split 'test'"):
-        D.read_rows(tmp_path / "rows.jsonl", split="test")
+    assert len(read_rows(tmp_path / "rows.jsonl", max_samples=2)) == 2
+    with pytest.raises(DataError, match="one file, which has no split 'test'"):
+        read_rows(tmp_path / "rows.jsonl", split="test")
 
 
 def seed_hub_cache(cache: Path, repo_id: str, split: str, rows: datasets.Dataset, staging: Path) -> None:
@@ -404,20 +397,20 @@ def test_hub_dataset_from_the_local_cache_offline(qwen, tmp_path, monkeypatch):
     (tmp_path / "staging").mkdir()
     seed_hub_cache(cache, "wend/stories-cached", "train_sft", text_rows(5, "hub"), tmp_path / "staging")
 
-    rows = D.read_rows("wend/stories-cached", split="train_sft", max_samples=3)
+    rows = read_rows("wend/stories-cached", split="train_sft", max_samples=3)
     assert rows["prompt"] == [f"hub question {i}?" for i in range(3)]
-    with pytest.raises(D.DataError, match=r"has no split 'train'; its splits are \['train_sft'\]"):
-        D.read_rows("wend/stories-cached")
-    assert D.source_fingerprint("wend/stories-cached", "train_sft") == D.source_fingerprint(
+    with pytest.raises(DataError, match=r"has no split 'train'; its splits are \['train_sft'\]"):
+        read_rows("wend/stories-cached")
+    assert source_fingerprint("wend/stories-cached", "train_sft") == source_fingerprint(
         "wend/stories-cached", "train_sft"
     )
-    tz = D.tokenize("wend/stories-cached", qwen, 256, split="train_sft", work_dir=tmp_path / "work")
+    tz = tokenize("wend/stories-cached", qwen, 256, split="train_sft", work_dir=tmp_path / "work")
     assert tz.num_rows == 5 and not tz.rejected
     assert (
         tz.dataset["input_ids"][0]
-        == D.encode_row({"prompt": "hub question 0?", "response": "hub answer 0."}, qwen, 256, False)[0]
+        == encode_row({"prompt": "hub question 0?", "response": "hub answer 0."}, qwen, 256, False)[0]
     )
-    assert D.tokenize("wend/stories-cached", qwen, 256, split="train_sft", work_dir=tmp_path / "work").reused
+    assert tokenize("wend/stories-cached", qwen, 256, split="train_sft", work_dir=tmp_path / "work").reused
 
 
 @pytest.mark.parametrize("how", ["offline-mode", "no-route"])
@@ -434,19 +427,19 @@ def test_hub_dataset_out_of_reach_fails_fast_with_one_line(qwen, tmp_path, monke
         monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://hub.invalid")
         host = "hub.invalid"
     for call in (
-        lambda: D.read_rows(f"nobody/absent-{how}"),
-        lambda: D.tokenize(f"nobody/absent-{how}", qwen, 128),
-        lambda: D.source_fingerprint(f"nobody/absent-{how}"),
+        lambda: read_rows(f"nobody/absent-{how}"),
+        lambda: tokenize(f"nobody/absent-{how}", qwen, 128),
+        lambda: source_fingerprint(f"nobody/absent-{how}"),
     ):
         start = time.monotonic()
-        with pytest.raises(D.DataError) as e:
+        with pytest.raises(DataError) as e:
             call()
-        assert time.monotonic() - start < D.HUB_CONNECT_TIMEOUT_S + 2
+        assert time.monotonic() - start < HUB_CONNECT_TIMEOUT_S + 2
         message = str(e.value)
         assert "\n" not in message and f"the hub ({host}) cannot be reached" in message
     assert huggingface_hub.constants.HF_HUB_OFFLINE == (how == "offline-mode")  # the offline switch was put back
     # A missing file is missing, not a hub name.
-    with pytest.raises(D.DataError, match="data source not found"):
-        D.read_rows(tmp_path / "rows.jsonl")
-    with pytest.raises(D.DataError, match="data source not found"):
-        D.tokenize("rows.jsonl", qwen, 128)
+    with pytest.raises(DataError, match="data source not found"):
+        read_rows(tmp_path / "rows.jsonl")
+    with pytest.raises(DataError, match="data source not found"):
+        tokenize("rows.jsonl", qwen, 128)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from conftest import RecordingSink
+from helpers import RecordingSink
 
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
 from dflash_cache.train.config import TrainConfig

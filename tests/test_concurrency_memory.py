@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CHAT, ROOT, TINY_TARGET
+from helpers import CHAT, ROOT, TINY_TARGET
 from test_extract import read_cache
 
 from dflash_cache.cache.store import committed_units
@@ -73,6 +73,7 @@ def assert_same_cache(a: Path, b: Path) -> None:
             np.testing.assert_array_equal(u, v)
 
 
+@pytest.mark.slow  # three CLI extracts
 def test_second_extract_refused_and_dead_holder_recovered(tmp_path):
     data = rows(tmp_path, 100)
     first_out = tmp_path / "cache"
@@ -162,6 +163,7 @@ def test_extract_peak_memory_does_not_grow_with_data(caches):
         assert four < 1.15 * one, (what, one, four)
 
 
+@pytest.mark.slow  # two CLI trains
 def test_train_peak_memory_does_not_grow_with_data(caches, tmp_path):
     n, out = caches
     peaks = {k: peak_rss_kb(["train", "--cache", str(out[k][0]), "--out", str(tmp_path / f"run{k}x"), *TRAIN_ARGS])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import CHAT, ROOT, TINY_TARGET, RecordingSink
+from helpers import CHAT, ROOT, TINY_TARGET, RecordingSink
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -25,8 +25,9 @@ from dflash_cache.core.devices import DeviceError, check_gpus, parse_gpus
 from dflash_cache.core.paths import PathKindError
 from dflash_cache.core.settings import SettingsError, plain, resolve
 from dflash_cache.eval import benchsets
+from dflash_cache.eval.config import EvalConfig
 from dflash_cache.extract.config import ExtractConfig
-from dflash_cache.pipelines.config import EvalConfig, RecipeConfig, RegenConfig
+from dflash_cache.pipelines.config import RecipeConfig, RegenConfig
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.follow import wait_for_cache
 
@@ -270,8 +271,8 @@ def test_json_output_is_one_object_on_stdout(tmp_path):
 def test_eval_shows_progress_and_prints_json(tmp_path):
     from test_evaluate import PROMPTS, export_random_drafter
 
-    from dflash_cache.eval.evaluate import evaluate
-    from dflash_cache.pipelines.config import EvalConfig
+    from dflash_cache.eval.config import EvalConfig
+    from dflash_cache.eval.decode import evaluate
 
     drafter = export_random_drafter(tmp_path / "export", 4)
     sink = RecordingSink()

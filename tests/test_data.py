@@ -11,8 +11,10 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_cache.rows import data as D
-from dflash_cache.rows.chat import has_generation_markers
+from dflash_cache.rows.chat import DataError, has_generation_markers
+from dflash_cache.rows.digest import chat_template_digest, source_fingerprint, tokenizer_digest
+from dflash_cache.rows.encode import Tokenized, encode_row, tokenize
+from dflash_cache.rows.sources import read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "data" / "tiny-target"
@@ -62,7 +64,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
-def tokens(tz: D.Tokenized) -> list[tuple]:
+def tokens(tz: Tokenized) -> list[tuple]:
     d = tz.dataset
     return list(zip(d["sample_index"], d["input_ids"], d["loss_mask"], d["length"], strict=True))
 
@@ -83,7 +85,7 @@ CONVERSATION = [
 
 
 def test_chat_mask_is_exactly_the_assistant_replies(tok):
-    ids, mask = D.encode_row({"messages": CONVERSATION}, tok, 4096, False)
+    ids, mask = encode_row({"messages": CONVERSATION}, tok, 4096, False)
     assert ids == tok(chatml(CONVERSATION), add_special_tokens=False)["input_ids"]
     replies = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
     assert runs(tok, ids, mask) == [r + EOT for r in replies]
@@ -94,20 +96,20 @@ def test_chat_mask_is_exactly_the_assistant_replies(tok):
 
 def test_bundled_chat_masks(tok, chat_rows):
     for row in chat_rows[:100]:
-        ids, mask = D.encode_row(row, tok, 4096, False)
+        ids, mask = encode_row(row, tok, 4096, False)
         msgs = row["messages"]
         assert ids == tok(chatml(msgs), add_special_tokens=False)["input_ids"]
         assert runs(tok, ids, mask) == [m["content"] + EOT for m in msgs if m["role"] == "assistant"]
 
 
 def test_prompt_response_and_text_rows(tok):
-    ids, mask = D.encode_row({"prompt": "Count from 1 to 3.", "response": "1, 2, 3."}, tok, 4096, False)
+    ids, mask = encode_row({"prompt": "Count from 1 to 3.", "response": "1, 2, 3."}, tok, 4096, False)
     pair = [{"role": "user", "content": "Count from 1 to 3."}, {"role": "assistant", "content": "1, 2, 3."}]
-    assert (ids, mask) == D.encode_row({"messages": pair}, tok, 4096, False)
+    assert (ids, mask) == encode_row({"messages": pair}, tok, 4096, False)
     assert runs(tok, ids, mask) == ["1, 2, 3." + EOT]
 
     text = "Bram the ferryman lived in Brindle."
-    ids, mask = D.encode_row({"text": text, "messages": None}, tok, 4096, False)
+    ids, mask = encode_row({"text": text, "messages": None}, tok, 4096, False)
     assert ids == tok(text)["input_ids"] and tok.decode(ids) == text
     assert mask == [1] * len(ids)
 
@@ -121,10 +123,10 @@ def strip_markers(tokenizer):
 def test_located_turns_equal_marker_path(tok, chat_rows):
     plain = strip_markers(load_tok())
     for row in [{"messages": CONVERSATION}, *chat_rows]:
-        assert D.encode_row(row, plain, 4096, False) == D.encode_row(row, tok, 4096, False)
+        assert encode_row(row, plain, 4096, False) == encode_row(row, tok, 4096, False)
     # An opening assistant turn is located like any other, in the one rendering of the row.
-    opening = D.encode_row({"messages": CONVERSATION[2:]}, plain, 4096, False)
-    assert opening == D.encode_row({"messages": CONVERSATION[2:]}, tok, 4096, False)
+    opening = encode_row({"messages": CONVERSATION[2:]}, plain, 4096, False)
+    assert opening == encode_row({"messages": CONVERSATION[2:]}, tok, 4096, False)
     assert runs(tok, *opening) == [m["content"] + EOT for m in CONVERSATION[2:] if m["role"] == "assistant"]
 
 
@@ -147,13 +149,13 @@ def test_template_that_is_not_prefix_stable_supervises_turns_as_rendered(templat
     as the whole rendering shows it, and the row's tokens are the whole rendering's."""
     t = load_tok()
     t.chat_template = template
-    ids, mask = D.encode_row({"messages": CONVERSATION}, t, 4096, False)
+    ids, mask = encode_row({"messages": CONVERSATION}, t, 4096, False)
     assert ids == t.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
     replies = [m["content"] + EOT for m in CONVERSATION if m["role"] == "assistant"]
     if template is LAST_TURN_DIFFERS:
         replies[-1] = "<think>\n\n</think>\n\n" + replies[-1]
     assert runs(t, ids, mask) == replies
-    tz = D.tokenize(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}] * 3), t, 4096)
+    tz = tokenize(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}] * 3), t, 4096)
     assert not tz.rejected and tz.dataset["input_ids"][:] == [ids] * 3 and tz.dataset["loss_mask"][:] == [mask] * 3
 
 
@@ -167,13 +169,13 @@ def test_template_whose_turns_cannot_be_located_is_a_data_error(tmp_path):
     t = load_tok()
     t.chat_template = NO_ASSISTANT_HEADER
     with pytest.raises(
-        D.DataError, match="cannot locate assistant turns .* generation prompt adds no assistant header"
+        DataError, match="cannot locate assistant turns .* generation prompt adds no assistant header"
     ):
-        D.encode_row({"messages": CONVERSATION[1:]}, t, 4096, False)
-    with pytest.raises(D.DataError, match="cannot locate assistant turns"):
-        D.tokenize(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION[1:]}]), t, 4096)
+        encode_row({"messages": CONVERSATION[1:]}, t, 4096, False)
+    with pytest.raises(DataError, match="cannot locate assistant turns"):
+        tokenize(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION[1:]}]), t, 4096)
     text_only = write_jsonl(tmp_path / "t.jsonl", [{"text": "plain words"}])  # text rows need no template
-    assert D.tokenize(text_only, t, 128).num_rows == 1
+    assert tokenize(text_only, t, 128).num_rows == 1
 
 
 MARKS_USER_TURNS = (
@@ -192,10 +194,10 @@ MARKS_LAST_TURN_ONLY = (
 def test_markers_that_miss_the_replies_are_a_data_error(template, tmp_path):
     t = load_tok()
     t.chat_template = template
-    with pytest.raises(D.DataError, match="generation %} markers"):
-        D.tokenize(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}]), t, 4096)
-    with pytest.raises(D.DataError, match="cannot be trusted"):
-        D.encode_row({"messages": CONVERSATION}, t, 4096, False)
+    with pytest.raises(DataError, match="generation %} markers"):
+        tokenize(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}]), t, 4096)
+    with pytest.raises(DataError, match="cannot be trusted"):
+        encode_row({"messages": CONVERSATION}, t, 4096, False)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -250,7 +252,7 @@ def expected_rows() -> list[tuple[int, str | None]]:
 
 
 def test_bad_rows_rejected_with_reasons(tok, bad_corpus):
-    tz = D.tokenize(bad_corpus, tok, MAX_LEN)
+    tz = tokenize(bad_corpus, tok, MAX_LEN)
     exp = expected_rows()
     assert tz.num_rows == len(exp) == 18
     assert tz.dataset["sample_index"][:] == [i for i, e in exp if e is None] == [0, 16, 17]
@@ -259,20 +261,20 @@ def test_bad_rows_rejected_with_reasons(tok, bad_corpus):
         assert i == j and reason.startswith(category + ":"), (i, reason)
     reasons = dict(tz.rejected)
     assert "(line 2)" in reasons[1] and "(line 3)" in reasons[2]
-    assert reasons[14].startswith(f"too long: {len(D.encode_row(json.loads(BAD_CORPUS[15][0]), tok, 10**6, False)[0])}")
+    assert reasons[14].startswith(f"too long: {len(encode_row(json.loads(BAD_CORPUS[15][0]), tok, 10**6, False)[0])}")
     # Each accepted row is what encode_row makes of its source line.
     good = [json.loads(line) for line, e in BAD_CORPUS if line and e is None]
     for row, ids, mask, length in zip(
         good, tz.dataset["input_ids"], tz.dataset["loss_mask"], tz.dataset["length"], strict=True
     ):
-        assert (ids, mask) == D.encode_row(row, tok, MAX_LEN, False) and length == len(ids)
+        assert (ids, mask) == encode_row(row, tok, MAX_LEN, False) and length == len(ids)
 
 
 def test_truncate_keeps_long_rows_that_still_have_a_supervised_token(tok, bad_corpus):
-    tz = D.tokenize(bad_corpus, tok, MAX_LEN, truncate=True)
+    tz = tokenize(bad_corpus, tok, MAX_LEN, truncate=True)
     assert tz.dataset["sample_index"][:] == [0, 14, 16, 17]
     row = tz.dataset[1]
-    full_ids, full_mask = D.encode_row(json.loads(BAD_CORPUS[15][0]), tok, 10**6, False)
+    full_ids, full_mask = encode_row(json.loads(BAD_CORPUS[15][0]), tok, 10**6, False)
     assert len(full_ids) > MAX_LEN
     assert row["length"] == MAX_LEN
     assert row["input_ids"] == full_ids[:MAX_LEN] and row["loss_mask"] == full_mask[:MAX_LEN]
@@ -283,39 +285,39 @@ def test_truncate_keeps_long_rows_that_still_have_a_supervised_token(tok, bad_co
 
 def test_every_row_rejected_is_a_data_error(tok, tmp_path):
     path = write_jsonl(tmp_path / "x.jsonl", [{"messages": []}, {"messages": []}, {"nothing": 1}])
-    with pytest.raises(D.DataError, match=r"every row .* \(3 rows\): 2 x empty conversation.*1 x missing field"):
-        D.tokenize(path, tok, 128)
+    with pytest.raises(DataError, match=r"every row .* \(3 rows\): 2 x empty conversation.*1 x missing field"):
+        tokenize(path, tok, 128)
     (tmp_path / "empty.jsonl").write_text("\n\n")
-    with pytest.raises(D.DataError, match="no rows"):
-        D.tokenize(tmp_path / "empty.jsonl", tok, 128)
+    with pytest.raises(DataError, match="no rows"):
+        tokenize(tmp_path / "empty.jsonl", tok, 128)
 
 
 def test_input_errors(tok, tmp_path):
-    with pytest.raises(D.DataError, match="not found"):
-        D.tokenize(tmp_path / "missing.jsonl", tok, 128)
-    with pytest.raises(D.DataError, match="not found"):
-        D.read_rows(tmp_path / "missing.parquet")
+    with pytest.raises(DataError, match="not found"):
+        tokenize(tmp_path / "missing.jsonl", tok, 128)
+    with pytest.raises(DataError, match="not found"):
+        read_rows(tmp_path / "missing.parquet")
     (tmp_path / "rows.csv").write_text("a,b\n")
-    with pytest.raises(D.DataError, match="unsupported"):
-        D.read_rows(tmp_path / "rows.csv")
+    with pytest.raises(DataError, match="unsupported"):
+        read_rows(tmp_path / "rows.csv")
     (tmp_path / "plain_dir").mkdir()
-    with pytest.raises(D.DataError, match="save_to_disk"):
-        D.read_rows(tmp_path / "plain_dir")
+    with pytest.raises(DataError, match="save_to_disk"):
+        read_rows(tmp_path / "plain_dir")
     (tmp_path / "broken.json").write_text('[{"text": "a"} {"text": "b"}]')  # no comma: invalid, not cut short
-    with pytest.raises(D.DataError, match=r"not valid JSON \(Expecting ',' or ']' at byte 15"):
-        D.read_rows(tmp_path / "broken.json")
+    with pytest.raises(DataError, match=r"not valid JSON \(Expecting ',' or ']' at byte 15"):
+        read_rows(tmp_path / "broken.json")
 
 
 def test_chat_rows_need_a_chat_template(tmp_path):
     t = load_tok()
     t.chat_template = None
     path = write_jsonl(tmp_path / "c.jsonl", [GOOD_CHAT, {"text": "plain"}])
-    with pytest.raises(D.DataError, match="no chat template"):
-        D.tokenize(path, t, 128)
-    with pytest.raises(D.DataError, match="no chat template"):
-        D.tokenize(path, t, 128, num_proc=2)  # raised in a worker, still a DataError
+    with pytest.raises(DataError, match="no chat template"):
+        tokenize(path, t, 128)
+    with pytest.raises(DataError, match="no chat template"):
+        tokenize(path, t, 128, num_proc=2)  # raised in a worker, still a DataError
     text_only = write_jsonl(tmp_path / "t.jsonl", [{"text": "plain words"}])
-    assert D.tokenize(text_only, t, 128).dataset["input_ids"][0] == t("plain words")["input_ids"]
+    assert tokenize(text_only, t, 128).dataset["input_ids"][0] == t("plain words")["input_ids"]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -333,7 +335,7 @@ def mixed_rows(chat_rows) -> list[dict]:
 
 
 def test_formats_give_the_same_tokens(tok, mixed_rows, tmp_path):
-    ref = D.tokenize(write_jsonl(tmp_path / "rows.jsonl", mixed_rows), tok, 512)
+    ref = tokenize(write_jsonl(tmp_path / "rows.jsonl", mixed_rows), tok, 512)
     assert ref.num_rows == len(mixed_rows) and not ref.rejected
     expect = tokens(ref)
     assert [i for i, *_ in expect] == list(range(len(mixed_rows)))
@@ -346,21 +348,21 @@ def test_formats_give_the_same_tokens(tok, mixed_rows, tmp_path):
     datasets.DatasetDict({"train": ds, "test": ds.select(range(3))}).save_to_disk(str(tmp_path / "saved_dict"))
     datasets.DatasetDict({"only": ds}).save_to_disk(str(tmp_path / "saved_one"))
     for name in ["rows.json", "rows.parquet", "saved", "saved_dict", "saved_one"]:
-        assert tokens(D.tokenize(tmp_path / name, tok, 512)) == expect, name
+        assert tokens(tokenize(tmp_path / name, tok, 512)) == expect, name
     for name in ["rows.jsonl", "rows.parquet"]:  # read through Arrow files in work_dir
-        assert tokens(D.tokenize(tmp_path / name, tok, 512, work_dir=tmp_path / "work")) == expect, name
+        assert tokens(tokenize(tmp_path / name, tok, 512, work_dir=tmp_path / "work")) == expect, name
     # Reading a saved dataset (and mapping over it) writes nothing into the source directory.
     before = sorted(p.name for p in (tmp_path / "saved").iterdir())
-    D.tokenize(tmp_path / "saved", tok, 512, work_dir=tmp_path / "work")
+    tokenize(tmp_path / "saved", tok, 512, work_dir=tmp_path / "work")
     assert sorted(p.name for p in (tmp_path / "saved").iterdir()) == before
     datasets.DatasetDict({"a": ds, "b": ds}).save_to_disk(str(tmp_path / "saved_two"))
-    with pytest.raises(D.DataError, match="train"):
-        D.read_rows(tmp_path / "saved_two")
+    with pytest.raises(DataError, match="train"):
+        read_rows(tmp_path / "saved_two")
 
 
 def test_num_proc_gives_the_same_result(tok, bad_corpus, tmp_path):
-    one = D.tokenize(bad_corpus, tok, MAX_LEN)
-    two = D.tokenize(bad_corpus, tok, MAX_LEN, num_proc=2, work_dir=tmp_path / "work")
+    one = tokenize(bad_corpus, tok, MAX_LEN)
+    two = tokenize(bad_corpus, tok, MAX_LEN, num_proc=2, work_dir=tmp_path / "work")
     assert tokens(one) == tokens(two) and one.rejected == two.rejected and one.num_rows == two.num_rows
 
 
@@ -375,7 +377,7 @@ def snapshot(work: Path) -> dict[str, tuple[int, int]]:
 
 def test_work_dir_is_reused(tok, bad_corpus, tmp_path, monkeypatch):
     work = tmp_path / "work"
-    first = D.tokenize(bad_corpus, tok, MAX_LEN, work_dir=work)
+    first = tokenize(bad_corpus, tok, MAX_LEN, work_dir=work)
     assert not first.reused
     saved = [p for p in work.iterdir()]
     assert len(saved) == 1 and saved[0].name.startswith("tokenized-")  # no scratch left behind
@@ -384,20 +386,20 @@ def test_work_dir_is_reused(tok, bad_corpus, tmp_path, monkeypatch):
     def no_encoding(*args, **kwargs):
         raise AssertionError("re-tokenized instead of reusing the work_dir copy")
 
-    monkeypatch.setattr(D, "encode_row", no_encoding)
-    again = D.tokenize(bad_corpus, tok, MAX_LEN, work_dir=work)
+    monkeypatch.setattr("dflash_cache.rows.encode.encode_row", no_encoding)
+    again = tokenize(bad_corpus, tok, MAX_LEN, work_dir=work)
     assert again.reused
     assert tokens(again) == tokens(first) and again.rejected == first.rejected and again.num_rows == first.num_rows
     assert snapshot(work) == before
     monkeypatch.undo()
 
     # Another max_length, truncation, template or source content is another key.
-    D.tokenize(bad_corpus, tok, MAX_LEN, truncate=True, work_dir=work)
+    tokenize(bad_corpus, tok, MAX_LEN, truncate=True, work_dir=work)
     t = strip_markers(load_tok())
-    D.tokenize(bad_corpus, t, MAX_LEN, work_dir=work)
+    tokenize(bad_corpus, t, MAX_LEN, work_dir=work)
     with open(bad_corpus, "ab") as f:
         f.write(json.dumps({"text": "one more row"}).encode() + b"\n")
-    grown = D.tokenize(bad_corpus, tok, MAX_LEN, work_dir=work)
+    grown = tokenize(bad_corpus, tok, MAX_LEN, work_dir=work)
     assert not grown.reused and grown.num_rows == first.num_rows + 1
     assert len(list(work.iterdir())) == 4
 
@@ -410,21 +412,21 @@ def test_work_dir_is_reused(tok, bad_corpus, tmp_path, monkeypatch):
 def test_digests(tok, tmp_path):
     tok.save_pretrained(tmp_path / "tok")
     reloaded = AutoTokenizer.from_pretrained(tmp_path / "tok")
-    assert D.tokenizer_digest(reloaded) == D.tokenizer_digest(tok)
-    assert D.chat_template_digest(reloaded) == D.chat_template_digest(tok) is not None
+    assert tokenizer_digest(reloaded) == tokenizer_digest(tok)
+    assert chat_template_digest(reloaded) == chat_template_digest(tok) is not None
     tok("padded", padding="max_length", max_length=16, truncation=True)  # per-call state
-    assert D.tokenizer_digest(tok) == D.tokenizer_digest(reloaded)
+    assert tokenizer_digest(tok) == tokenizer_digest(reloaded)
     changed = strip_markers(load_tok())
-    assert D.chat_template_digest(changed) != D.chat_template_digest(tok)
-    assert D.tokenizer_digest(changed) == D.tokenizer_digest(tok)
+    assert chat_template_digest(changed) != chat_template_digest(tok)
+    assert tokenizer_digest(changed) == tokenizer_digest(tok)
     changed.chat_template = None
-    assert D.chat_template_digest(changed) is None
+    assert chat_template_digest(changed) is None
     changed.add_tokens(["<|extra|>"], special_tokens=True)
-    assert D.tokenizer_digest(changed) != D.tokenizer_digest(tok)
+    assert tokenizer_digest(changed) != tokenizer_digest(tok)
 
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_bytes(CHAT.read_bytes())
     b.write_bytes(CHAT.read_bytes())
-    assert D.source_fingerprint(a) == D.source_fingerprint(b) == D.source_fingerprint(CHAT)
+    assert source_fingerprint(a) == source_fingerprint(b) == source_fingerprint(CHAT)
     b.write_bytes(CHAT.read_bytes() + b"\n")
-    assert D.source_fingerprint(b) != D.source_fingerprint(a)
+    assert source_fingerprint(b) != source_fingerprint(a)

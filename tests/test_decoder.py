@@ -121,27 +121,27 @@ def test_a_step_of_fewer_rows_than_slots_reads_only_its_own():
 
 def test_a_half_precision_step_the_kernel_does_not_serve_pads_its_tokens():
     """A bf16 target whose widths the product kernel does not take (here: no kernel on the CPU)
-    runs a few-row step as `PaddedProducts`, each row's tokens padded to PADDED_TOKENS: its logits
-    and tapped states are the tensor ops' unpadded ones, and a verify step's are the one-token
-    steps' bit for bit (the property the padding exists for on a GPU, where tests/test_gpu.py
-    checks it on Qwen3-8B's widths)."""
+    runs a few-row step as `PaddedProducts`, each row's tokens padded to `KernelSettings.padded_tokens`:
+    its logits and tapped states are the tensor ops' unpadded ones, and a verify step's are the
+    one-token steps' bit for bit (the property the padding exists for on a GPU, where
+    tests/gpu/test_decode.py checks it on Qwen3-8B's widths)."""
     from dflash_cache.generate import decoder
+    from dflash_cache.generate.kernel_settings import KernelSettings
 
     model = model_of("qwen3").bfloat16()
     prompt, ids, positions = tuple(range(5, 17)), torch.tensor([[7, 8, 9, 10, 11]]), torch.arange(12, 17)[None]
 
     def run(width: int = 5, padded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        target = SlotTarget(model, 1, 64, LAYERS)
+        kernels = KernelSettings() if padded else KernelSettings(padded_tokens=0)  # unpadded: the tensor ops
+        target = SlotTarget(model, 1, 64, LAYERS, kernels=kernels)
         target.prefill([0], [prompt])
-        with pytest.MonkeyPatch.context() as mp:
-            if not padded:
-                mp.setattr(decoder, "PaddedProducts", decoder.Products)
-            steps = [target.step(ids[:, k : k + width], positions[:, k : k + width])
-                     for k in range(0, 5, width)]  # fmt: skip
+        steps = [target.step(ids[:, k : k + width], positions[:, k : k + width]) for k in range(0, 5, width)]
         return torch.cat([s[0] for s in steps], 1), torch.cat([s[1] for s in steps], 1)
 
     step = SlotStep(positions, seen=positions[:, -1] + 1)
-    assert SlotTarget(model, 1, 64).decoder.layers._products(step, "fixed") is decoder.PaddedProducts
+    assert type(SlotTarget(model, 1, 64).decoder.layers._products(step, "fixed")) is decoder.PaddedProducts
+    assert SlotTarget(model, 1, 64, kernels=KernelSettings(padded_tokens=0)).decoder.layers._products(
+        step, "fixed") is decoder.TENSOR_OPS
     block = run()
     for got, want in zip(block, run(padded=False), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -7,13 +7,16 @@ test that checks acceptance on held-out text, not agreement with a reference com
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from dflash_cache.eval.evaluate import evaluate, replayed
-from dflash_cache.pipelines.config import EvalConfig
+from dflash_cache.eval.config import EvalConfig
+from dflash_cache.eval.decode import evaluate
+from dflash_cache.eval.replay import replayed
 from dflash_cache.pipelines.demo import DemoConfig, run
 
 
+@pytest.mark.slow  # the whole demo: a few minutes
 def test_demo_trained_drafter_beats_untrained(tmp_path):
     saved = torch.get_num_threads()
     torch.set_num_threads(1)  # batch-1 decoding and a tiny drafter: one thread is fastest on a shared CPU

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, TINY_TARGET
+from helpers import ROOT, TINY_TARGET
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_cache import drafters
@@ -201,6 +201,7 @@ def _ddp_objective(w, out_dir):
         del ddp
 
 
+@pytest.mark.slow  # two gloo ranks
 def test_ddp_sums_the_loss_denominator_over_the_ranks(tmp_path):
     """Two gloo ranks with batches of different weight: the reduced gradient is the gradient of
     the loss of both batches pooled (sum of the weighted terms over the sum of the weights), as
@@ -264,8 +265,8 @@ def test_train_validates_resumes_and_exports(final_cache, tmp_path):
     model, cfg, family = drafters.load_serving(export)
     assert family.name == "dspark" and cfg.markov_rank == 16 and type(model) is DSparkDrafter
     # dflash eval decodes it as any family: the target's greedy output, steps of up to B + 1 tokens
-    from dflash_cache.eval.evaluate import evaluate
-    from dflash_cache.pipelines.config import EvalConfig
+    from dflash_cache.eval.config import EvalConfig
+    from dflash_cache.eval.decode import evaluate
 
     r = evaluate(EvalConfig(target=str(TINY_TARGET), drafter=export, data=str(ROOT / "data" / "prompts.jsonl"),
                             limit=3, max_new_tokens=16))  # fmt: skip
@@ -309,6 +310,7 @@ print(json.dumps({"same": out[0].tolist() == ref[0].tolist(), "keys": sorted(dra
         assert torch.equal(v, trained[k].bfloat16()), k
 
 
+@pytest.mark.slow  # a CLI train refused, then a DFlash run
 def test_refusals(final_cache, tmp_path, tiny_cache):
     """DSpark on a cache without the final hidden state, an unknown family, and a confidence head
     on the Markov features without a Markov head: one line each, naming what to change."""

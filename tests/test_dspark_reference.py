@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from conftest import pypi_package
+from helpers import pypi_package
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_cache import drafters

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CHAT, extract_config
+from helpers import CHAT, extract_config
 from test_follow import _committed_samples, _epoch_ends, _signal, _start, _trace, _wait_for
 
 from dflash_cache.cache.format import UnitReader
@@ -118,6 +118,7 @@ def _lr(done: float, total: float, peak: float = 6e-4, warmup: float = 0.04) -> 
     return peak * 0.5 * (1 + math.cos(math.pi * min(1.0, (done - warmup * total) / (total - warmup * total))))
 
 
+@pytest.mark.slow  # runs of two and three processes
 def test_followed_run_killed_on_two_processes_finishes_on_three(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:60]))

@@ -6,7 +6,6 @@ tau pooled and per prompt, prompts in every row form with chat-template kwargs, 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import statistics
@@ -15,16 +14,19 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY_TARGET, hf_greedy
+from helpers import ROOT, TINY_TARGET, hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache.cache.spec import default_layer_ids
 from dflash_cache.drafters.attention import BlockLayout
-from dflash_cache.eval import evaluate as ev
+from dflash_cache.eval import decode as ev
+from dflash_cache.eval.config import EvalConfig
+from dflash_cache.eval.metrics import first_difference, histogram, tau, tau_per_prompt
+from dflash_cache.extract.target import stop_token_ids
 from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, lookup
 from dflash_cache.generate.requests import Chooser, DraftChooser, speculative_accept
 from dflash_cache.generate.targets import CachedTarget, SlotTarget
-from dflash_cache.pipelines.config import EvalConfig
+from dflash_cache.rows.chat import DataError
 from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, load_serving, save_serving
 
 PROMPTS = ROOT / "data" / "prompts.jsonl"
@@ -55,7 +57,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def stop_ids(tokenizer, target):
-    ids = ev.stop_token_ids(tokenizer, target)
+    ids = stop_token_ids(tokenizer, target)
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in ids
     return ids
 
@@ -270,7 +272,7 @@ def test_oracle_drafter_accepts_whole_blocks(target, prompts, references, contin
         assert [pos for key, pos in proposer.calls if key == c.request.key] == \
             [p + k * block_size for k in range(len(c.accepted))]  # fmt: skip
         if (len(ref) - 1) % block_size == 0:
-            assert ev.tau(c.accepted) == block_size
+            assert tau(c.accepted) == block_size
 
 
 @pytest.mark.parametrize("slots", [3, 0])
@@ -379,17 +381,17 @@ def test_drafts_chosen_at_once_are_the_ones_chosen_one_by_one(temperature):
 
 
 def test_tau_and_histogram():
-    assert ev.tau([1, 3, 4, 2, 5]) == 3.0
-    assert ev.tau([16, 16, 7]) == 13.0
-    assert ev.tau([]) == 0.0
-    assert ev.histogram([1, 3, 4, 2, 5, 1], 5) == [2, 1, 1, 1, 1]
+    assert tau([1, 3, 4, 2, 5]) == 3.0
+    assert tau([16, 16, 7]) == 13.0
+    assert tau([]) == 0.0
+    assert histogram([1, 3, 4, 2, 5, 1], 5) == [2, 1, 1, 1, 1]
 
 
 def test_tau_per_prompt():
     per_prompt = [[1, 3, 4], [16, 16, 7], [], [2]]  # the empty one: the first token ended the generation
     want = statistics.fmean(statistics.fmean(lengths) for lengths in per_prompt if lengths)
-    assert ev.tau_per_prompt(per_prompt) == pytest.approx(want)
-    assert ev.tau_per_prompt([[], []]) == 0.0
+    assert tau_per_prompt(per_prompt) == pytest.approx(want)
+    assert tau_per_prompt([[], []]) == 0.0
 
 
 def test_evaluate_reports_taus_speed_and_equality(tmp_path):
@@ -413,15 +415,11 @@ def test_evaluate_reports_taus_speed_and_equality(tmp_path):
 
 
 def _qwen3_tokenizer():
-    """The Qwen3-style fixture tokenizer (data/make_family_targets.py): no generation markers, and
-    a template that honours enable_thinking."""
-    families = sys.modules.get("make_family_targets")
-    if families is None:
-        spec = importlib.util.spec_from_file_location("make_family_targets", ROOT / "data" / "make_family_targets.py")
-        families = importlib.util.module_from_spec(spec)
-        sys.modules["make_family_targets"] = families  # its dataclasses look their module up there
-        spec.loader.exec_module(families)
-    return families.build_tokenizer("qwen3")
+    """The Qwen3-style fixture tokenizer (family_targets.py): no generation markers, and a template
+    that honours enable_thinking."""
+    import family_targets
+
+    return family_targets.build_tokenizer("qwen3")
 
 
 def test_prompts_in_every_row_form_with_thinking_off(tmp_path):
@@ -456,9 +454,9 @@ def test_prompts_in_every_row_form_with_thinking_off(tmp_path):
 def test_bad_prompt_rows_and_template_kwargs(tmp_path, tokenizer):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n" + '{"conversations": 3}\n')
-    with pytest.raises(ev.DataError, match=r"line 2: wrong type: conversations must be a list"):
+    with pytest.raises(DataError, match=r"line 2: wrong type: conversations must be a list"):
         ev.load_prompts(f, tokenizer)
-    with pytest.raises(ev.DataError, match="JSON object"):
+    with pytest.raises(DataError, match="JSON object"):
         ev.load_prompts(f, tokenizer, chat_template_kwargs=["enable_thinking"])
 
 
@@ -480,6 +478,7 @@ def test_drafter_for_another_target_is_refused():
         ev.check_fits(dcfg, cfg)
 
 
+@pytest.mark.slow  # three CLI evals
 def test_cli_end_to_end(tmp_path):
     drafter = export_random_drafter(tmp_path / "export", 8)
     out = tmp_path / "eval.json"
@@ -544,8 +543,8 @@ def test_mt_bench_turns_follow_the_targets_own_answers(tmp_path, tokenizer, targ
         assert s["output_ids"] == hf_greedy(target, prompt, MAX_NEW, stop_ids) and s["same_as_target"]
         lookup_lengths[s["turn"]].append(lookup.acceptance_lengths(prompt, s["output_ids"], block_size=8))
     assert r.settings["block_size"] == r.lookup["block_size"] == 8  # a DFlash block: 7 drafts, as lookup's
-    assert [t["tau_per_prompt"] for t in r.lookup["turns"]] == [ev.tau_per_prompt(lookup_lengths[t]) for t in (1, 2)]
-    assert r.lookup["tau_per_prompt"] == pytest.approx(ev.tau_per_prompt(lookup_lengths[1] + lookup_lengths[2]))
+    assert [t["tau_per_prompt"] for t in r.lookup["turns"]] == [tau_per_prompt(lookup_lengths[t]) for t in (1, 2)]
+    assert r.lookup["tau_per_prompt"] == pytest.approx(tau_per_prompt(lookup_lengths[1] + lookup_lengths[2]))
     assert r.lookup["tau_per_prompt"] > 1
     lengths = {t: [s["acceptance_lengths"] for s in r.samples if s["turn"] == t] for t in (1, 2)}
     assert [(t["turn"], t["prompts"]) for t in r.turns] == [(1, 3), (2, 2)]
@@ -566,7 +565,7 @@ def test_mt_bench_turns_follow_the_targets_own_answers(tmp_path, tokenizer, targ
 def test_first_difference_is_where_two_outputs_part():
     """Where a speculative output parts from the target alone's: the first unequal token, the
     shorter one's length when one is the other's prefix, None when equal."""
-    assert ev.first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert ev.first_difference([1, 2, 3], [1, 5, 3]) == 1
-    assert ev.first_difference([4, 2], [1, 2]) == 0
-    assert ev.first_difference([1, 2], [1, 2, 3]) == 2 and ev.first_difference([1, 2, 3], [1, 2]) == 2
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([4, 2], [1, 2]) == 0
+    assert first_difference([1, 2], [1, 2, 3]) == 2 and first_difference([1, 2, 3], [1, 2]) == 2

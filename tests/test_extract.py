@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import CHAT, TINY_TARGET, extract_config, read_cache
+from helpers import CHAT, TINY_TARGET, extract_config, read_cache
 from transformers import AutoModelForCausalLM
 
 from dflash_cache.cache.format import decode_hidden
@@ -65,6 +65,7 @@ def test_every_row_once_and_rejections_recorded(tmp_path):
     assert summary["buffer_wait_s"] >= 0
 
 
+@pytest.mark.slow  # two extract processes
 def test_two_processes_equal_one(tmp_path, tiny_cache):
     out = tmp_path / "cache"
     run(extract_config(out, procs=2))

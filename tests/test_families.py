@@ -1,4 +1,4 @@
-"""The family-shaped fixture targets (data/make_family_targets.py) are laid out like the real families.
+"""The family-shaped fixture targets (family_targets.py) are laid out like the real families.
 
 Other tests rely on these targets standing in for Qwen3, Llama 3 and Gemma, so this checks what
 makes them stand-ins: they load through the Auto classes, carry no mask token, have the real
@@ -12,12 +12,12 @@ import json
 import sys
 from pathlib import Path
 
+import family_targets as fam
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
-import make_family_targets as fam  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))  # make_bench_inputs, a data/ script
 
 STOPS = {"qwen3": ["<|im_end|>", "<|endoftext|>"], "llama3": ["<|eot_id|>", "<|end_of_text|>"],
          "gemma": ["<end_of_turn>", "<eos>"]}  # fmt: skip
@@ -163,7 +163,7 @@ def test_build_is_deterministic_and_vocab_overridable(tmp_path, built):
 def test_bench_inputs_qwen3_rows_fit_the_length_mix(built):
     import make_bench_inputs
 
-    from dflash_cache.bench.suite import lognormal_lengths
+    from dflash_cache.bench.shapes import lognormal_lengths
 
     tok = AutoTokenizer.from_pretrained(built["qwen3"])
     rows = make_bench_inputs.qwen3_rows(30, tok)

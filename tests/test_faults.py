@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CHAT, ROOT, TINY_TARGET, assert_same_cache, extract_cmd, extract_config, read_cache, read_metrics
+from helpers import CHAT, ROOT, TINY_TARGET, assert_same_cache, extract_cmd, extract_config, read_cache, read_metrics
 
 from dflash_cache.cache.audit import verify
 from dflash_cache.cache.format import RowFormat, verify_unit
@@ -168,6 +168,7 @@ def _one_line(rc: int, err: str, stage: str) -> None:
     assert len(lines) == 1 and lines[0].startswith("interrupted:") and "rerun the same command" in lines[0], err
 
 
+@pytest.mark.slow  # a CLI extract stopped by Ctrl-C and rerun, twice
 @pytest.mark.parametrize("when", ["after the first unit", "during the last unit"])
 def test_ctrl_c_ends_extract_with_one_line_and_resumes(tmp_path, when):
     """Ctrl-C mid-extract, writer processes included, ends it with one line that says how to
@@ -199,6 +200,7 @@ def test_ctrl_c_while_workers_start(tmp_path):
     _one_line(rc, err, "extract")
 
 
+@pytest.mark.slow  # two CLI extracts
 def test_ctrl_c_after_the_work_is_done(tmp_path):
     """A Ctrl-C once every unit is committed, while the process reports and exits: it ends with
     its summary (exit 0) or the interrupted line (130), never a traceback or death by the signal."""
@@ -215,7 +217,6 @@ def test_ctrl_c_after_the_work_is_done(tmp_path):
     assert len(committed_units(out)) == total and verify(out) == {}
 
 
-@pytest.mark.slow
 @pytest.mark.slow  # three runs of two processes: about 40 s
 def test_sharded_extract_answers_ctrl_c_and_a_lost_rank(tmp_path):
     """`--procs 2 --tp 2` (one copy of the target over two ranks): Ctrl-C after the first unit ends
@@ -250,6 +251,7 @@ def test_sharded_extract_answers_ctrl_c_and_a_lost_rank(tmp_path):
     assert len(read_cache(out)) == read_spec(out).plan.num_samples  # read_cache fails on a sample cached twice
 
 
+@pytest.mark.slow  # the CLI extract killed and rerun 14 times
 def test_extract_killed_many_times(tmp_path):
     data = _rows(tmp_path / "rows.jsonl", 160)
     ref = tmp_path / "ref"
@@ -278,14 +280,6 @@ def test_extract_killed_many_times(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- train
-
-
-@pytest.fixture(scope="module")
-def small_cache(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("faults")
-    out = root / "cache"
-    run(extract_config(out, data=str(_rows(root / "rows.jsonl", 60)), unit_mb=1, token_budget=512))
-    return out
 
 
 def _train_cmd(cache: Path, out: Path) -> list[str]:
@@ -331,6 +325,7 @@ def test_train_killed_many_times(small_cache, tmp_path):
     assert losses(out) == losses(ref) and [m[0] for m in losses(out)] == list(range(1, total + 1))
 
 
+@pytest.mark.slow  # two CLI trains
 def test_ctrl_c_ends_train_with_one_line_and_resumes(small_cache, tmp_path):
     """Ctrl-C mid-train (loader threads and all): one line, exit code 130; the rerun resumes from
     the last checkpoint to the uninterrupted run's step count."""
@@ -378,6 +373,7 @@ def test_regen_killed_many_times(tmp_path):
     assert not parts_dir(out).exists()
 
 
+@pytest.mark.slow  # two regens in processes of their own
 def test_ctrl_c_ends_regen_with_one_line_and_resumes(tmp_path):
     """Ctrl-C mid-regen: one line, exit code 130; the rerun completes the output."""
     data = tmp_path / "in.jsonl"
@@ -446,10 +442,9 @@ if _cfg:
 
 
 @pytest.mark.parametrize("how", ["tmpfs", "injected"])
-def test_disk_full_fails_clearly_and_resumes(tmp_path, monkeypatch, how):
+def test_disk_full_fails_clearly_and_resumes(small_cache, tmp_path, monkeypatch, how):
     data = _rows(tmp_path / "rows.jsonl", 60)
-    ref = tmp_path / "ref"
-    run(extract_config(ref, data=str(data), unit_mb=1, token_budget=512))
+    ref = small_cache  # the same rows and settings, uninterrupted
     total = len(committed_units(ref))
     assert total >= 3
 

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import CHAT, TINY_TARGET, extract_config
+from helpers import CHAT, TINY_TARGET, extract_config
 from transformers import AutoModelForCausalLM
 
 from dflash_cache.cache.audit import info, verify

@@ -19,7 +19,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from conftest import CHAT, ROOT, TINY_TARGET
+import pytest
+from helpers import CHAT, ROOT, TINY_TARGET
 
 from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.heartbeat import HEARTBEAT, STALE
@@ -98,6 +99,7 @@ def _epoch_ends(run: Path) -> dict[int, dict]:
     return {r["epoch_end"]: r for r in records if "epoch_end" in r}
 
 
+@pytest.mark.slow  # a CLI extract and train side by side
 def test_train_follows_a_paused_and_resumed_extraction(tmp_path):
     cache, run = tmp_path / "cache", tmp_path / "run"
     # Started first, with --follow: it waits for the extract to create the directory, then for
@@ -145,6 +147,7 @@ def test_train_follows_a_paused_and_resumed_extraction(tmp_path):
     assert ends[0]["loader_wait_s"] >= 2.0  # the pause was spent waiting for data
 
 
+@pytest.mark.slow  # an extract and two runs of two ranks
 def test_two_ranks_follow_through_extract_and_trainer_restarts(tmp_path):
     cache, run = tmp_path / "cache", tmp_path / "run"
     data = _data(tmp_path)
@@ -223,6 +226,7 @@ def test_train_refuses_at_once_a_cache_that_nothing_writes(tiny_cache, tmp_path)
     assert not (tmp_path / "run").exists() or not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.slow  # a CLI train waiting on a heartbeat
 def test_train_waits_for_a_live_heartbeat_from_another_node_and_says_so(tiny_cache, tmp_path):
     part, missing = _part_of(tiny_cache, tmp_path)
     log = tmp_path / "train.log"

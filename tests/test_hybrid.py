@@ -1,7 +1,7 @@
 """Hybrid targets (Qwen3.5 / Qwen3.6, Qwen3-Next): gated delta-net (linear attention) layers beside
 full-attention ones, through every stage.
 
-The fixtures (conftest's `hybrid_targets`, from data/make_family_targets.py) are the two layouts a
+The fixtures (conftest's `hybrid_targets`, from family_targets.py) are the two layouts a
 user has: a text-only `Qwen3_5ForCausalLM`, and the multimodal `Qwen3_5ForConditionalGeneration`
 checkpoint the hub publishes (nested `text_config`, `model.language_model.*` weights, a vision
 tower and an `mtp.*` head). Cached states are checked against `output_hidden_states` of the model
@@ -13,20 +13,21 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 
+import family_targets as fam
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, extract_config, read_cache
+from helpers import extract_config, read_cache
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from dflash_cache.bench import suite as bench
+from dflash_cache.bench import shapes as bench
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import read_frozen
 from dflash_cache.drafters.attention import BlockLayout
+from dflash_cache.eval.config import EvalConfig
 from dflash_cache.extract import stage as extract_stage
 from dflash_cache.extract.target import (
     TargetError,
@@ -39,13 +40,10 @@ from dflash_cache.extract.target import (
     text_config,
 )
 from dflash_cache.generate import Request
-from dflash_cache.pipelines.config import EvalConfig, RegenConfig
+from dflash_cache.pipelines.config import RegenConfig
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.drafter import DrafterConfig, load_serving
-
-sys.path.insert(0, str(ROOT / "data"))
-import make_family_targets as fam  # noqa: E402
 
 HYBRIDS = fam.HYBRIDS
 CPU = torch.device("cpu")
@@ -291,7 +289,8 @@ def test_eval_on_hybrid_targets_equals_an_uncached_loop(pipeline, tmp_path, bloc
     """dflash eval on a hybrid rolls the recurrent state back after every rejection (the one-row
     target keeps a copy from before the verification and re-runs the accepted tokens): its outputs
     and acceptance equal an uncached speculative loop's, and greedy speculative equals the target."""
-    from dflash_cache.eval.evaluate import evaluate, load_prompts, stop_token_ids
+    from dflash_cache.eval.decode import evaluate, load_prompts
+    from dflash_cache.extract.target import stop_token_ids
 
     drafter_dir = pipeline["run"] / "export"
     prompts = write_rows(tmp_path / "prompts.jsonl", [{"prompt": q} for q in fam.QUESTIONS[:2]])

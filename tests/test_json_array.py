@@ -12,11 +12,14 @@ import sys
 import warnings
 
 import pytest
-from conftest import ROOT, TINY_TARGET
+from helpers import ROOT, TINY_TARGET
 from transformers import AutoTokenizer
 
-from dflash_cache.rows import data as D
+from dflash_cache.rows.chat import DataError, DataWarning, RowRejected
+from dflash_cache.rows.encode import encode_row, tokenize
+from dflash_cache.rows.forms import SHAREGPT_ROLES, conversation, user_turns
 from dflash_cache.rows.json_array import read_json_array
+from dflash_cache.rows.sources import read_rows
 
 
 def sharegpt_records(n: int) -> list:
@@ -80,13 +83,13 @@ def test_a_json_file_that_is_invalid_before_its_end_is_refused(tmp_path):
             json.loads(text.decode("utf-8-sig"))
         offset = stdlib.value.pos + 3 * text.startswith(b"\xef\xbb\xbf")  # ASCII: characters are bytes
         f.write_bytes(text)
-        with pytest.raises(D.DataError, match=rf"{f} is not valid JSON \((.*) at byte {offset}\)"):
-            D.read_rows(f)
+        with pytest.raises(DataError, match=rf"{f} is not valid JSON \((.*) at byte {offset}\)"):
+            read_rows(f)
     f.write_bytes(b'[{"a": "\xff"}]')
-    with pytest.raises(D.DataError, match="not valid UTF-8 \\(byte 8"):
-        D.read_rows(f)
+    with pytest.raises(DataError, match="not valid UTF-8 \\(byte 8"):
+        read_rows(f)
     f.write_bytes(b'{"a": 1}\n{"a": 2}\n')  # JSON Lines in a .json file: read as lines, as before
-    assert len(D.read_rows(f)) == 2
+    assert len(read_rows(f)) == 2
 
 
 def cut_sharegpt(tmp_path, n_whole: int = 5):
@@ -108,17 +111,17 @@ def test_rows_of_a_cut_short_file_warn_once_and_reject_the_invalid_one(tmp_path)
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert len(D.read_rows(path)) == 6 and len(D.read_rows(path, max_samples=2)) == 2
-        result = D.tokenize(path, tok, 512, work_dir=tmp_path / "work")
-    cuts = [w for w in seen if issubclass(w.category, D.DataWarning)]
+        assert len(read_rows(path)) == 6 and len(read_rows(path, max_samples=2)) == 2
+        result = tokenize(path, tok, 512, work_dir=tmp_path / "work")
+    cuts = [w for w in seen if issubclass(w.category, DataWarning)]
     assert len(cuts) == 1
     assert str(cuts[0].message) == (f"{path} is a JSON array cut short: the file ends at byte {start + 60:,} inside "
                                     f"the record that starts at byte {start:,}; the 6 whole records before it "
                                     "are read")  # fmt: skip
     assert result.num_rows == 6 and len(result.dataset) == 5
     assert result.rejected == [(5, "not a JSON object: got array")]
-    with pytest.warns(D.DataWarning, match="JSON array cut short") as again:
-        reused = D.tokenize(path, tok, 512, work_dir=tmp_path / "work")
+    with pytest.warns(DataWarning, match="JSON array cut short") as again:
+        reused = tokenize(path, tok, 512, work_dir=tmp_path / "work")
     assert reused.reused and reused.num_rows == 6 and len(again) == 1
 
 
@@ -127,35 +130,35 @@ def test_sharegpt_roles_of_other_chats_are_assistant_turns():
     assistant turns, they render and are supervised exactly as gpt turns are."""
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)
     for role in ("chatgpt", "bing", "bard"):
-        assert D.SHAREGPT_ROLES[role] == "assistant"
+        assert SHAREGPT_ROLES[role] == "assistant"
         row = {"conversations": [{"from": "human", "value": "Name a colour."}, {"from": role, "value": "Teal."}]}
         gpt = {"conversations": [row["conversations"][0], {"from": "gpt", "value": "Teal."}]}
-        assert [m["role"] for m in D.conversation(row)] == ["user", "assistant"]
-        ids, mask = D.encode_row(row, tok, 512, False)
-        assert (ids, mask) == D.encode_row(gpt, tok, 512, False) and any(mask)
-    with pytest.raises(D.RowRejected, match="unknown role: conversations turn 1 has from 'claude'"):
-        D.conversation({"conversations": [{"from": "human", "value": "a"}, {"from": "claude", "value": "b"}]})
+        assert [m["role"] for m in conversation(row)] == ["user", "assistant"]
+        ids, mask = encode_row(row, tok, 512, False)
+        assert (ids, mask) == encode_row(gpt, tok, 512, False) and any(mask)
+    with pytest.raises(RowRejected, match="unknown role: conversations turn 1 has from 'claude'"):
+        conversation({"conversations": [{"from": "human", "value": "a"}, {"from": "claude", "value": "b"}]})
 
 
 def test_turns_rows_are_prompts_not_training_rows(tmp_path):
     """MT-Bench's rows: as prompts, each user turn with an empty reply for regen to fill; as training
     rows, refused with the reason (nothing to learn before regen answers them); malformed, named."""
     row = {"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Now make it rhyme."]}
-    assert D.user_turns(row) == row["turns"] and D.user_turns({"prompt": "x"}) is None
-    assert D.conversation(row, reply_required=False) == [
+    assert user_turns(row) == row["turns"] and user_turns({"prompt": "x"}) is None
+    assert conversation(row, reply_required=False) == [
         {"role": "user", "content": "Write a haiku."}, {"role": "assistant", "content": ""},
         {"role": "user", "content": "Now make it rhyme."}, {"role": "assistant", "content": ""}]  # fmt: skip
-    with pytest.raises(D.RowRejected, match="no assistant turn: a turns row holds the user's turns only"):
-        D.conversation(row)
+    with pytest.raises(RowRejected, match="no assistant turn: a turns row holds the user's turns only"):
+        conversation(row)
     for bad, reason in (({"turns": "hi"}, "wrong type: turns must be a list of strings, got string"),
                         ({"turns": []}, "empty conversation: turns is an empty list"),
                         ({"turns": ["a", 3]}, "wrong type: turn 1 must be a string, got number")):  # fmt: skip
-        with pytest.raises(D.RowRejected, match=reason):
-            D.conversation(bad, reply_required=False)
+        with pytest.raises(RowRejected, match=reason):
+            conversation(bad, reply_required=False)
     f = tmp_path / "question.jsonl"
     f.write_text(json.dumps(row) + "\n")
-    with pytest.raises(D.DataError, match="every row of .* was rejected .*a turns row holds the user's turns"):
-        D.tokenize(f, AutoTokenizer.from_pretrained(TINY_TARGET), 512)
+    with pytest.raises(DataError, match="every row of .* was rejected .*a turns row holds the user's turns"):
+        tokenize(f, AutoTokenizer.from_pretrained(TINY_TARGET), 512)
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -164,6 +167,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)  # fmt: skip
 
 
+@pytest.mark.slow  # a CLI extract and regen
 def test_extract_and_regen_read_a_cut_short_file_with_one_warning(tmp_path):
     """`dflash extract` and `dflash regen` on the cut file: each prints the one warning line and
     uses every whole record (the invalid one rejected with its reason, as any bad row)."""
@@ -189,7 +193,7 @@ def test_extract_and_regen_read_a_cut_short_file_with_one_warning(tmp_path):
 def test_eval_prompts_of_a_cut_short_file_are_its_whole_records(tmp_path):
     """`dflash eval`'s prompts from a cut file: one per whole record, each the prompt that record
     gives when written alone as JSON Lines; one warning."""
-    from dflash_cache.eval import evaluate as ev
+    from dflash_cache.eval import decode as ev
 
     records = sharegpt_records(4)
     path = tmp_path / "cut.json"
@@ -198,6 +202,6 @@ def test_eval_prompts_of_a_cut_short_file_are_its_whole_records(tmp_path):
     whole = tmp_path / "whole.jsonl"
     whole.write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)
-    with pytest.warns(D.DataWarning, match=f"the file ends at byte {spans[-1][0] + 30:,}") as seen:
+    with pytest.warns(DataWarning, match=f"the file ends at byte {spans[-1][0] + 30:,}") as seen:
         got = ev.load_prompts(path, tok)
     assert len(seen) == 1 and got == ev.load_prompts(whole, tok) and len(got) == 3

@@ -23,7 +23,8 @@ from dflash_cache.cache.spec import (
 from dflash_cache.cache.store import committed_units, write_unit
 from dflash_cache.train import loader as loader_mod
 from dflash_cache.train.batching import SampleTable, epoch_batches
-from dflash_cache.train.loader import CacheLoader, open_units
+from dflash_cache.train.index import open_units
+from dflash_cache.train.loader import CacheLoader
 
 H = 8
 LAYERS = [1, 3, 5]

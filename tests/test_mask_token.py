@@ -6,10 +6,10 @@ embedding table, absent from the data and the chat template, and it is the id th
 from __future__ import annotations
 
 import json
-import sys
 
+import family_targets as fam
 import pytest
-from conftest import CHAT, ROOT, TINY_TARGET, extract_config
+from helpers import CHAT, TINY_TARGET, extract_config
 from transformers import AutoConfig, AutoTokenizer
 
 from dflash_cache.cache.spec import CacheSpec, read_spec
@@ -20,9 +20,6 @@ from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.mask import choose_mask_token, data_token_ids, unused_special_tokens
 from dflash_cache.extract.stage import prepare, run
 from dflash_cache.train import stage as train_mod
-
-sys.path.insert(0, str(ROOT / "data"))
-import make_family_targets as fam  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +73,7 @@ def test_a_full_table_gets_the_first_reserved_special_token(targets):
         mask_token_id(tok, vocab, None, every)
 
 
+@pytest.mark.slow  # the real model's conversion
 def test_smollm2_gets_an_added_special_token_its_data_and_template_never_use(smollm2):
     """The real SmolLM2: 49,152 tokens fill its table, 17 special tokens, none a mask; auto takes
     <empty_output> (16), or the one before it when a data row holds that token's text."""

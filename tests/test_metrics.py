@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from dflash_cache.bench.suite import QWEN3_8B
+from dflash_cache.bench.shapes import QWEN3_8B
 from dflash_cache.drafters.dflash import family as dflash
 from dflash_cache.drafters.dflash.config import DrafterConfig
 from dflash_cache.drafters.dflash.family import StepFlops

@@ -5,7 +5,7 @@ A sharded extraction is checked against the one-process extraction of the same t
 (the same samples, tokens and masks; hidden states equal up to bf16 rounding, since the sharded
 forward sums its partial products in another order) and against `output_hidden_states` of the
 model loaded whole; two sharded copies must write every sample exactly once. The families are the
-tiny random targets of data/make_family_targets.py laid out like the real ones.
+tiny random targets of family_targets.py laid out like the real ones.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import family_targets as fam
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY_TARGET, extract_cmd, extract_config, read_cache
+from helpers import ROOT, TINY_TARGET, extract_cmd, extract_config, read_cache
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from dflash_cache.cache.format import TOKEN_ARRAYS, UnitReader
@@ -29,9 +30,6 @@ from dflash_cache.cache.store import committed_units
 from dflash_cache.extract.parallel import check_fits, layout, running_bytes
 from dflash_cache.extract.stage import run
 from dflash_cache.extract.target import TargetError, load_config, load_target, text_config
-
-sys.path.insert(0, str(ROOT / "data"))
-import make_family_targets as fam  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 # dense (Qwen3), and the MoE layouts that transformers shards by heads and by experts
@@ -113,9 +111,8 @@ def test_moe_targets_are_laid_out_like_their_families(targets):
     assert {"model.layers.0.self_attn.sinks", "model.layers.0.mlp.experts.gate_up_proj_bias"} <= names["gpt_oss"]
 
 
-# about 25 s each on 2 busy cores (two processes start and import transformers): dense and one MoE layout always
-@pytest.mark.parametrize("family", [f if f in ("qwen3", "qwen3_moe") else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in SHARDED])  # fmt: skip
+@pytest.mark.slow  # about 25 s each on 2 busy cores (two processes start and import transformers)
+@pytest.mark.parametrize("family", SHARDED)
 def test_sharded_extraction_is_the_one_process_cache(targets, family, tmp_path):
     """`--procs 2 --tp 2` against the same extraction in one process, and against the whole model's
     `output_hidden_states`: the taps and the final hidden state (so every layer runs)."""
@@ -153,13 +150,13 @@ def test_sharded_extraction_is_the_one_process_cache(targets, family, tmp_path):
 
 
 @pytest.mark.slow  # four processes: about 50 s on 2 cores
-def test_two_sharded_copies_write_each_sample_once(tmp_path):
+def test_two_sharded_copies_write_each_sample_once(small_cache, tmp_path):
     """`--procs 4 --tp 2`: two copies of two ranks each; units are dealt to the copies, and every
-    row of the data is cached exactly once, equal to the one-process cache."""
+    row of the data is cached exactly once, equal to the one-process cache (`small_cache`: the same
+    rows and settings)."""
     data = tmp_path / "rows.jsonl"
     data.write_text("".join((ROOT / "data" / "chat.jsonl").read_text().splitlines(keepends=True)[:60]))
-    one, four = tmp_path / "one", tmp_path / "four"
-    run(extract_config(one, data=str(data), unit_mb=1, token_budget=512))
+    one, four = small_cache, tmp_path / "four"
     _sharded(data, four, TINY_TARGET, 4, 2)
     assert len(committed_units(four)) == len(committed_units(one)) >= 4  # both copies had units
     a, b = read_cache(four), read_cache(one)  # no sample twice
@@ -168,6 +165,7 @@ def test_two_sharded_copies_write_each_sample_once(tmp_path):
         _assert_within_bf16_rounding(a[s][0], b[s][0])
 
 
+@pytest.mark.slow  # two sharded extracts of two processes
 def test_caches_of_any_layout_resume_each_other(tmp_path):
     """A unit lost from a one-process cache is extracted again by `--tp 2`, and one lost after
     that by one process: the cache ends whole, the one-process cache's up to bf16 rounding."""
@@ -207,6 +205,7 @@ Path(sys.argv[2], f"rank{w.rank}.json").write_text(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # torchrun ranks measuring their weights
 def test_each_rank_holds_its_share_of_the_weights(targets, tmp_path):
     """Under torchrun, each of 2 ranks holds its shards: well under the whole model's parameter
     bytes (counted from the model loaded whole), the routed experts halved."""
@@ -225,6 +224,7 @@ def test_each_rank_holds_its_share_of_the_weights(targets, tmp_path):
             assert r[family]["local"] < 0.75 * whole, (family, r[family]["local"], whole)
 
 
+@pytest.mark.slow  # sharded CLI extracts
 def test_layout_refusals(targets, tmp_path):
     """`--tp` where transformers has no plan, or where neither the heads nor experts split evenly,
     is refused with one line before anything runs; a process count that is no multiple of --tp too."""

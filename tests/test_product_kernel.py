@@ -2,7 +2,7 @@
 of product against the tensor ops it replaces (`decoder.Products`, in float64), each token's bits
 the same in a step of any size, and a whole decoder step through the kernels: its logits against
 the step through the tensor ops, and a verify step's logits against one-token steps', bit for bit.
-The GPU suite runs the same compiled (tests/test_gpu.py)."""
+The GPU suite runs the same compiled (tests/gpu/test_kernels.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash_cache.generate import decoder
-from dflash_cache.generate.decoder import KernelProducts, Products
+from dflash_cache.generate.decoder import TENSOR_OPS, KernelProducts, Products
+from dflash_cache.generate.kernel_settings import KernelSettings
 from dflash_cache.generate.slots import SlotStep
 from dflash_cache.generate.targets import SlotTarget
 
@@ -30,7 +30,7 @@ def operands(rows: int, bias: bool, seed: int = 0) -> dict:
             "res": torch.randn(rows, 2 * N, generator=g).bfloat16()}  # fmt: skip
 
 
-def run(how: type[Products], kind: str, o: dict) -> torch.Tensor:
+def run(how: Products, kind: str, o: dict) -> torch.Tensor:
     if kind == "normed":
         return how.normed(o["x"], o["norm"], 1e-5, o["w"], o["bias"])
     if kind == "gated":
@@ -44,10 +44,10 @@ def test_each_product_equals_its_tensor_ops(kind, bias):
     """17 rows (a tile of 16 and one more) of each kind, with and without a bias, against the same
     tensor ops in float64 on the same half-precision operands. The bound is bfloat16's rounding of
     the kernel's intermediates as the interpreter does it: toward zero, where a GPU rounds to nearest
-    (tests/test_gpu.py holds the compiled kernel to torch's own half-precision ops)."""
+    (tests/gpu/test_kernels.py holds the compiled kernel to torch's own half-precision ops)."""
     o = operands(17, bias)
-    got = run(KernelProducts, kind, o)
-    want = run(Products, kind, {k: v.double() if v is not None else None for k, v in o.items()})
+    got = run(KernelProducts(), kind, o)
+    want = run(TENSOR_OPS, kind, {k: v.double() if v is not None else None for k, v in o.items()})
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert float((got.double() - want).norm() / want.norm()) < 3e-2
 
@@ -57,10 +57,10 @@ def test_a_token_gets_the_same_bits_in_a_step_of_any_size(kind):
     """Each of 17 rows alone, and rows 3-10 as a step of 8 (each at another place in its tile), give
     the bits the 17-row step gives them."""
     o = operands(17, bias=True)
-    whole = run(KernelProducts, kind, o)
+    whole = run(KernelProducts(), kind, o)
     for rows in [slice(i, i + 1) for i in range(17)] + [slice(3, 11)]:
         part = {k: v[rows] if v is not None and v.shape[0] == 17 else v for k, v in o.items()}
-        assert torch.equal(run(KernelProducts, kind, part), whole[rows]), (kind, rows)
+        assert torch.equal(run(KernelProducts(), kind, part), whole[rows]), (kind, rows)
 
 
 def test_the_qkv_product_rotates_its_keys_and_writes_them_into_the_cache():
@@ -84,16 +84,16 @@ def test_the_qkv_product_rotates_its_keys_and_writes_them_into_the_cache():
                           cast(sin[rows]), (*caches, slot[rows], positions[rows]), heads, kv_heads)  # fmt: skip
         return q, caches
 
-    q, (kc, vc) = run(KernelProducts, slice(None))
-    want_q, (want_k, want_v) = run(Products, slice(None), lambda t: t.double())
+    q, (kc, vc) = run(KernelProducts(), slice(None))
+    want_q, (want_k, want_v) = run(TENSOR_OPS, slice(None), lambda t: t.double())
     for got, want in ((q, want_q), (kc, want_k), (vc, want_v)):
         assert float((got.double() - want).norm() / want.norm()) < 3e-2
     assert not kc[1].any() and not vc[1].any() and not kc[2, :5].any()
     for t in range(3):
         alone = {k: v[:, t : t + 1] for k, v in {"x": x, "cos": cos, "sin": sin, "positions": positions}.items()}
         caches = [torch.zeros_like(kc) for _ in "kv"]
-        q1, _, _ = KernelProducts.qkv(alone["x"], norm, 1e-5, w, bias, None, None, alone["cos"], alone["sin"],
-                                      (*caches, slot, alone["positions"]), heads, kv_heads)  # fmt: skip
+        q1, _, _ = KernelProducts().qkv(alone["x"], norm, 1e-5, w, bias, None, None, alone["cos"], alone["sin"],
+                                        (*caches, slot, alone["positions"]), heads, kv_heads)  # fmt: skip
         assert torch.equal(q1[:, 0], q[:, t])
         for row in range(2):
             at = (slot[row, 0], positions[row, t])
@@ -112,7 +112,7 @@ def small_model(model_type: str):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_a_decoder_step_through_the_kernels(monkeypatch, model_type):
+def test_a_decoder_step_through_the_kernels(model_type):
     """A slot target's steps (Llama with q/k/v and o biases, Qwen3 with q/k norms) run their products
     through the kernel: their logits match the same steps through the tensor ops, and a verify step
     of 5 tokens gives each token's logits bit for bit as 5 one-token steps do."""
@@ -120,14 +120,13 @@ def test_a_decoder_step_through_the_kernels(monkeypatch, model_type):
     prompt = tuple(range(5, 24))
     ids, positions = torch.tensor([[7, 8, 9, 10, 11]]), torch.arange(19, 24)[None]
     kernels = SlotTarget(model, 1, 64)
-    assert kernels.decoder.layers._products(SlotStep(positions), "fixed") is KernelProducts
+    assert type(kernels.decoder.layers._products(SlotStep(positions), "fixed")) is KernelProducts
     kernels.prefill([0], [prompt])
     verify, _ = kernels.step(ids, positions)
     singles = torch.cat([kernels.step(ids[:, i : i + 1], positions[:, i : i + 1])[0] for i in range(5)], 1)
     assert torch.equal(verify, singles)
 
-    monkeypatch.setattr(decoder, "KERNEL_ROWS", 0)  # the same steps through the tensor ops
-    plain = SlotTarget(model, 1, 64)
+    plain = SlotTarget(model, 1, 64, kernels=KernelSettings(kernel_rows=0))  # the same steps through the tensor ops
     plain.prefill([0], [prompt])
     want, _ = plain.step(ids, positions)
     assert float((verify.float() - want.float()).norm() / want.float().norm()) < 2e-2

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import CHAT, ROOT, TINY_TARGET, assert_same_cache, extract_config, read_cache
+from helpers import CHAT, ROOT, TINY_TARGET, assert_same_cache, extract_config, read_cache
 from transformers import AutoModelForCausalLM
 
 from dflash_cache import drafters
@@ -162,6 +162,7 @@ def test_a_damaged_basis_is_found_and_refused(joint, tmp_path):
     assert done.returncode == 1 and "missing" in done.stdout + done.stderr
 
 
+@pytest.mark.slow  # two extract processes
 def test_two_processes_fit_one_basis_and_write_the_same_cache(joint, data, tmp_path):
     out = tmp_path / "cache"
     run(extract_config(out, data=str(data), project="auto", unit_mb=1, procs=2))
@@ -182,6 +183,7 @@ def test_fp8_storage_of_projected_values(joint, data, tmp_path):
         assert ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 0.07
 
 
+@pytest.mark.slow  # a CLI train and export
 def test_a_drafter_trains_on_a_projected_cache_and_dflash_export_folds_it(joint, tmp_path):
     """The CLI's train and export on a projected cache: the export is the serving format, whose fc
     reads the full tapped layers, and `dflash export` of the same run writes the same weights."""
@@ -205,6 +207,7 @@ def test_a_drafter_trains_on_a_projected_cache_and_dflash_export_folds_it(joint,
     assert torch.equal(again["fc.weight"], fc)
 
 
+@pytest.mark.slow  # two CLI dry runs
 def test_the_dry_run_estimates_the_projected_size(data, tmp_path):
     env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
     sizes = {}
@@ -236,6 +239,7 @@ def test_a_validation_cache_needs_the_training_caches_basis(joint, per_layer, ti
             check_val_cache(joint, other, layers)
 
 
+@pytest.mark.slow  # two sharded processes
 def test_a_sharded_copy_fits_one_basis_with_its_ranks(joint, data, tmp_path):
     """--procs 2 --tp 2: the copy's two ranks run the fit's forwards together and its lead writes
     the basis; the basis keeps what the one-process fit keeps (the sharded sums round otherwise)."""

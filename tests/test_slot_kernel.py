@@ -1,7 +1,7 @@
 """The slot attention kernels (generate/slot_kernel.py), run on the CPU by Triton's interpreter,
 against the masked attention path and against themselves in other steps: a query's output must be
 the same bits in a decode step, a verify step, and a buffer cut in pieces or not. The GPU suite
-checks the same compiled, through the whole step (tests/test_gpu.py)."""
+checks the same compiled, through the whole step (tests/gpu/)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dflash_cache.generate import slot_kernel
+from dflash_cache.generate.slot_kernel import AttentionTiles
 from dflash_cache.generate.slots import SlotStep, _masked, _rows_of
 from dflash_cache.kernels import triton_support
 
@@ -16,39 +17,38 @@ pytestmark = pytest.mark.usefixtures("triton_interpreter")  # conftest: the kern
 
 
 @pytest.mark.parametrize("split", [0, 64])
-def test_slot_kernel_equals_the_masked_path(monkeypatch, split):
+def test_slot_kernel_equals_the_masked_path(split):
     """Decode steps, causal verify steps and the drafter's bidirectional block, rows of other slots
     and grouped-query heads, in one piece and cut at every 64 keys (merged by the last piece of a
     row to finish): the masked SDPA path in float32."""
-    monkeypatch.setattr(slot_kernel, "SPLIT", split or 10**9)
-    monkeypatch.setattr(slot_kernel, "BLOCK_N", 64)
+    tiles = AttentionTiles(split=split or 10**9, block_n=64)
     g = torch.Generator().manual_seed(0)
     S, L, heads, kv, d = 3, 200, 6, 2, 32
     k_buf, v_buf = (torch.randn(S, L, kv, d, generator=g).bfloat16() for _ in range(2))
     for T, seen, causal in ((1, [30, 150, 200], True), (5, [30, 150, 200], True), (8, [60, 150, 130], False)):
         rows = torch.tensor([2, 0, 1])
         query = torch.randn(3, T, heads, d, generator=g).bfloat16()
-        got = slot_kernel.attention(query, k_buf, v_buf, rows.int(), torch.tensor(seen).int(), causal, d**-0.5)
+        got = slot_kernel.attention(query, k_buf, v_buf, rows.int(), torch.tensor(seen).int(), causal, d**-0.5, tiles)
         positions = torch.tensor(seen)[:, None] - T + torch.arange(T)
         step = SlotStep(positions, seen=torch.tensor(seen), rows=rows, causal=causal)
         want = _masked(query.float(), *(t.float() for t in _rows_of(k_buf, v_buf, step)), step, d**-0.5)
         assert float((got.float() - want).norm() / want.norm()) < 1e-2
 
 
-def test_slot_kernel_gives_a_query_the_same_bits_in_any_step(monkeypatch):
+def test_slot_kernel_gives_a_query_the_same_bits_in_any_step():
     """A query's output does not depend on the step around it: a verify step's 5 queries against 5
     decode steps, over a buffer cut in pieces of 64 keys, where the decode steps' rows reach one
     piece or several (the last piece to finish leaves its counter at zero for the next step); and a
     query that sees one piece gets the same bits whether the buffer is cut or not."""
-    monkeypatch.setattr(slot_kernel, "SPLIT", 64)
-    monkeypatch.setattr(slot_kernel, "BLOCK_N", 64)
     g = torch.Generator().manual_seed(3)
     heads, kv, d = 6, 2, 32
     k_buf, v_buf = (torch.randn(1, 200, kv, d, generator=g).bfloat16() for _ in range(2))
     slot = torch.tensor([0], dtype=torch.int32)
+    cut_at_64 = AttentionTiles(split=64, block_n=64)
 
-    def attend(query, seen):
-        return slot_kernel.attention(query, k_buf, v_buf, slot, torch.tensor([seen], dtype=torch.int32), True, 0.2)
+    def attend(query, seen, tiles=cut_at_64):
+        seen = torch.tensor([seen], dtype=torch.int32)
+        return slot_kernel.attention(query, k_buf, v_buf, slot, seen, True, 0.2, tiles)
 
     query = torch.randn(1, 5, heads, d, generator=g).bfloat16()
     for seen in (150, 67):  # at 67 the first two queries see one piece alone, the verify step's row two
@@ -58,5 +58,4 @@ def test_slot_kernel_gives_a_query_the_same_bits_in_any_step(monkeypatch):
         assert not triton_support._COUNTS["slot_kernel", block.device].any()
     one = query[:, :1].contiguous()
     cut = attend(one, 50)
-    monkeypatch.setattr(slot_kernel, "SPLIT", 10**9)
-    assert torch.equal(attend(one, 50), cut)
+    assert torch.equal(attend(one, 50, AttentionTiles(split=10**9, block_n=64)), cut)

@@ -18,7 +18,8 @@ from zarr.storage import LocalStore
 from dflash_cache.cache.audit import info, verify
 from dflash_cache.cache.format import CorruptUnit, RowFormat, UnitReader, index_crc, verify_unit
 from dflash_cache.cache.store import committed_units
-from dflash_cache.train.loader import SampleTable, open_units
+from dflash_cache.train.batching import SampleTable
+from dflash_cache.train.index import open_units
 
 UNITS, PER_UNIT = 12, 6
 

@@ -1,14 +1,15 @@
 """The default training token budget: a pure function of the drafter's geometry, the GPU's memory
-and the run's size (train/config.py), checked against the figures it was calibrated on, and held
+and the run's size (train/cost.py), checked against the figures it was calibrated on, and held
 fixed across a resume."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ROOT
 
-from dflash_cache.bench import suite as bench
+from dflash_cache.bench import extract as bench_extract
+from dflash_cache.bench import train as bench_train
+from dflash_cache.bench.shapes import shape_of
 from dflash_cache.cache.spec import SpecError, read_spec
 from dflash_cache.train.cost import (
     DENSEST_BLOCKS,
@@ -86,18 +87,15 @@ def test_an_8b_drafter_on_an_80gb_gpu_gets_4096():
 def test_bench_extract_like_a_real_target_and_train_on_it(tmp_path):
     """`dflash bench extract --like T` makes a random target of T's shape (here the Llama-3-shaped
     family target); `bench train` then trains that drafter, at the stage's default budget."""
-    import sys
+    import family_targets as fam
 
-    sys.path.insert(0, str(ROOT / "data"))
-    import make_family_targets as fam
-
-    shape = bench.shape_of(fam.build("llama3", tmp_path / "llama3"))
+    shape = shape_of(fam.build("llama3", tmp_path / "llama3"))
     assert shape["model_type"] == "llama" and shape["hidden_size"] == 64
     out = tmp_path / "bx"
-    bench.extract(out, config=shape, num_tokens=6000, unit_mb=1, writers=1)
-    bench.write_random_frozen(out, shape)
+    bench_extract.extract(out, config=shape, num_tokens=6000, unit_mb=1, writers=1)
+    bench_extract.write_random_frozen(out, shape)
     assert read_spec(out).target.model_type == "llama"
-    t = bench.train(out, steps=2, warmup=1, max_anchors=4, draft_layers=1)
+    t = bench_train.train(out, steps=2, warmup=1, max_anchors=4, draft_layers=1)
     assert t["token_budget"] == 2048 and t["drafter_hidden"] == 64 and t["steps"] == 2  # CPU: the CPU default
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import CHAT, ROOT, TINY_TARGET, extract_config, read_cache
+from helpers import CHAT, ROOT, TINY_TARGET, extract_config, read_cache
 
 from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.spec import read_spec
@@ -102,6 +102,7 @@ def _files(cache: Path) -> dict[str, bytes]:
     return {str(p.relative_to(cache)): p.read_bytes() for p in files if p.relative_to(cache).parts[0][0] != "."}
 
 
+@pytest.mark.slow  # two torchrun nodes, twice
 def test_extract_on_two_nodes_resumes_to_the_one_process_cache(rows, one_process, tmp_path):
     """Node 0 failed after node 1 committed its unit 1 (a copy of the reference's): the rerun on both
     nodes extracts units 0 and 2 on rank 0, none on rank 1, and the cache is bitwise the one-process
@@ -146,6 +147,7 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in m.items() if k not in TIMING} for m in lines]
 
 
+@pytest.mark.slow  # two torchrun nodes and a two-process reference
 def test_train_on_two_nodes_is_the_two_process_run(one_process, tmp_path):
     ref, out = tmp_path / "procs", tmp_path / "nodes"
     # the CLI's defaults and these settings, as `dflash train ... --procs 2` runs them (in this process: one

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RecordingSink
+from helpers import RecordingSink
 
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.core.devices import Worker, flush_denormals, launch, process_group, worker_threads
@@ -26,6 +26,7 @@ def _metrics(run_dir):
     return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # three epochs of the whole cache
 def test_training_learns(tiny_cache, tmp_path):
     run(_cfg(tiny_cache, tmp_path / "run", epochs=3, lr=3e-3, token_budget=2048, max_anchors=64, log_every=5,
              draft_layers=2))
@@ -47,6 +48,7 @@ def _state(run_dir):
     return Checkpointer(run_dir).load()["model"]
 
 
+@pytest.mark.slow  # two gloo ranks
 def test_ddp_two_processes(tiny_cache, tmp_path):
     out = tmp_path / "ddp"
     run(_cfg(tiny_cache, out, procs=2, epochs=2, token_budget=2048, max_anchors=8, trace=True))
@@ -82,6 +84,7 @@ def _save_grads(w, grad_reduce, out):
     torch.save((local, model.weight.grad), out / f"rank{w.rank}.pt")
 
 
+@pytest.mark.slow  # two gloo ranks a precision
 @pytest.mark.parametrize("grad_reduce", ["fp32", "bf16"])
 def test_ddp_gradient_is_the_mean_of_the_ranks(grad_reduce, tmp_path):
     launch(_reduce_grads, (grad_reduce, tmp_path), procs=2)

@@ -117,6 +117,7 @@ def _reference(model, embed, head, loader, B, mask_id, seed=SEED, anchors=ANCHOR
             "val_slot_acc": [h / c if c else 0.0 for h, c in zip(hits[1:], counts[1:], strict=True)]}  # fmt: skip
 
 
+@pytest.mark.slow  # two trainings of ITERS steps
 def test_validator_matches_a_full_logits_computation(tiny_cache, tmp_path):
     """On a second cache (one unit of short samples), a drafter fitted to those very blocks, so
     that many slots are right: the validator's loss, slot accuracy and acceptance equal a
@@ -341,6 +342,7 @@ def test_refusals_before_anything_is_written(tiny_cache, tmp_path):
         assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # two gloo ranks
 def test_validation_under_ddp(tiny_cache, tmp_path):
     """Two gloo ranks share the validation batches and sum their figures: every held-out sample is
     validated (at most one left out by the deal), and the run ends as usual."""

@@ -1,0 +1,98 @@
+"""Storage and training on the GPU against the same runs on the CPU: fp8 storage encoded there, a
+projected cache and the drafter trained on it, the compiled training step, DDP over NCCL."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import CHAT, ROOT, TINY_TARGET, extract_config, read_cache, read_metrics
+from test_hybrid import write_rows
+from transformers import AutoModelForCausalLM
+
+from dflash_cache.cache.spec import read_spec
+from dflash_cache.eval.config import EvalConfig
+from dflash_cache.eval.decode import evaluate
+from dflash_cache.extract import stage as extract_stage
+from dflash_cache.train import stage as train_stage
+from dflash_cache.train.config import TrainConfig
+from gpu.common import GPU
+
+pytestmark = GPU
+
+
+def test_fp8_cache_on_cuda_equals_the_cpu_one(tmp_path):
+    """fp8 storage encoded on the GPU against the same extraction on the CPU: the scales agree to
+    bf16 rounding and the decoded rows to within fp8's step."""
+    from dflash_cache.cache.format import decode_hidden
+
+    gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
+    data = write_rows(tmp_path / "rows.jsonl", [json.loads(x) for x in CHAT.read_text().splitlines()[:24]])
+    extract_stage.run(extract_config(gpu, data=str(data), storage="fp8", gpus=[0]))
+    extract_stage.run(extract_config(cpu, data=str(data), storage="fp8"))
+    a, b = read_cache(gpu), read_cache(cpu)
+    assert sorted(a) == sorted(b)
+    K = len(read_spec(cpu).layers.ids)
+    for s in sorted(a):
+        x, y = (decode_hidden(torch.from_numpy(c[s][0]), torch.from_numpy(c[s][3]), K) for c in (a, b))
+        assert float((x - y).norm() / y.norm()) < 0.08, s
+        assert np.array_equal(a[s][1], b[s][1]) and np.array_equal(a[s][2], b[s][2])
+
+
+def test_projected_cache_on_cuda_trains_a_drafter_that_decodes_as_the_target(tmp_path):
+    """A projected cache extracted on the GPU (the basis fitted there, bf16 products) holds the
+    basis applied to the float32 model's own hidden states, to bf16 rounding; a drafter trained on
+    it there exports folded, and eval with the target live decodes the target alone's tokens."""
+    from dflash_cache.cache.format import decode_hidden
+    from dflash_cache.cache.projection import Basis
+
+    data = write_rows(tmp_path / "rows.jsonl", [json.loads(x) for x in CHAT.read_text().splitlines()[:48]])
+    cache = tmp_path / "cache"
+    extract_stage.run(extract_config(cache, data=str(data), project="auto", gpus=[0]))
+    spec = read_spec(cache)
+    basis = Basis.load(cache, spec)
+    model = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
+    cached = read_cache(cache)
+    for s in sorted(cached)[:4]:
+        bits, ids, _, _ = cached[s]
+        with torch.inference_mode():
+            states = model(input_ids=torch.tensor([ids.tolist()]), output_hidden_states=True).hidden_states
+        want = torch.cat([states[lid + 1][0] for lid in spec.layers.ids], dim=1) @ basis.weights[0].T
+        got = decode_hidden(torch.from_numpy(bits), None, 1).float()
+        assert float((got - want).norm() / want.norm()) < 5e-2, s
+    run = tmp_path / "run"
+    train_stage.run(TrainConfig(cache=cache, out=run, epochs=1, max_steps=8, token_budget=1024, max_anchors=16,
+                                draft_layers=1, block_size=8, log_every=1, gpus=[0]))  # fmt: skip
+    r = evaluate(EvalConfig(target=str(TINY_TARGET), drafter=run / "export", data=str(ROOT / "data" / "prompts.jsonl"),
+                            max_new_tokens=24, limit=4))  # fmt: skip
+    assert r.settings["device"] == "cuda" and all(x["same_as_target"] for x in r.samples)
+
+
+def test_compiled_training_step_on_cuda_follows_the_cpu_run(tiny_cache, tmp_path):
+    """The drafter's training on the GPU (compiled objective, bf16 autocast) against the same run on
+    the CPU: the same batches give the same first losses to bf16 rounding, and both learn."""
+    runs = {}
+    for name, gpus in (("gpu", [0]), ("cpu", None)):
+        train_stage.run(TrainConfig(cache=tiny_cache, out=tmp_path / name, epochs=1, max_steps=12, token_budget=1024,
+                                    max_anchors=16, draft_layers=2, block_size=8, log_every=1, gpus=gpus))  # fmt: skip
+        runs[name] = [m["loss"] for m in read_metrics(tmp_path / name) if "loss" in m]
+    gpu, cpu = runs["gpu"], runs["cpu"]
+    assert len(gpu) == len(cpu) == 12
+    assert abs(gpu[0] - cpu[0]) / cpu[0] < 2e-2, (gpu[0], cpu[0])
+    assert gpu[-1] < gpu[0] and cpu[-1] < cpu[0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="DDP over NCCL needs two GPUs")
+def test_ddp_over_nccl_trains_and_resumes_on_one_gpu(tiny_cache, tmp_path):
+    """Two NCCL ranks train, and the run resumes on one GPU to the step count asked for (the
+    loader deals the rest of the epoch to the new world size)."""
+    from dflash_cache.train.checkpoint import Checkpointer
+
+    cfg = {"cache": tiny_cache, "out": tmp_path / "run", "epochs": 1, "token_budget": 1024, "max_anchors": 16,
+           "draft_layers": 1, "block_size": 8, "log_every": 1, "save_every": 3}  # fmt: skip
+    train_stage.run(TrainConfig(**cfg, max_steps=3, gpus=[0, 1]))
+    train_stage.run(TrainConfig(**cfg, max_steps=6, gpus=[0]))
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run") if "loss" in m]
+    assert len(losses) == 6 and all(np.isfinite(losses)) and Checkpointer(tmp_path / "run").load()["step"] == 6

