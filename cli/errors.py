@@ -4,7 +4,9 @@ the user's input as one `warning:` line. Anything else is a bug, and Python's tr
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 from collections.abc import Callable
 from functools import wraps
 from typing import Any
@@ -18,6 +20,7 @@ from dflash_cache.core.interrupts import ignore_from_now
 from .ui import console
 
 _own_process = False
+EXIT_GRACE_S = 20.0  # after a Ctrl-C, what exit hooks may take before the process ends anyway
 
 
 def in_own_process() -> None:
@@ -51,6 +54,9 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             console.print("[yellow]interrupted:[/yellow] what was committed is kept; rerun the same command to resume")
+            if _own_process:
+                ignore_from_now()
+                _exit_within(EXIT_GRACE_S, 130)
             raise typer.Exit(130) from None
         except Exception as e:
             if not _worker_error(e):
@@ -60,6 +66,22 @@ def friendly(fn: Callable[..., Any]) -> Callable[..., Any]:
             raise typer.Exit(1) from None
 
     return run
+
+
+def _exit_within(seconds: float, code: int) -> None:
+    """End the process with `code` if exiting takes longer than `seconds`. After a Ctrl-C nothing is
+    left to finish (units and checkpoints are committed atomically, helper processes die with this
+    one), but an exit hook can wait forever on what the interrupt left half-stopped: a queue's
+    feeder thread, a lock. The user, who was told the run is over, must never see it hang."""
+
+    def end() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(seconds, end)
+    timer.daemon = True
+    timer.start()
 
 
 def show_data_warnings() -> None:

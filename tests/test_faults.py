@@ -200,6 +200,31 @@ def test_ctrl_c_while_workers_start(tmp_path):
     _one_line(rc, err, "extract")
 
 
+def test_an_interrupted_command_ends_even_if_an_exit_hook_never_returns():
+    """After the interrupted line, exit hooks get EXIT_GRACE_S and the process then ends with 130:
+    a hook left waiting on what the Ctrl-C half-stopped (a queue's feeder thread, a lock) must not
+    hang the command the user was told is over."""
+    script = """
+import atexit, threading, typer
+from cli import errors
+errors.EXIT_GRACE_S = 1.0
+errors.in_own_process()
+atexit.register(threading.Event().wait)  # an exit hook that never returns
+app = typer.Typer()
+
+@app.command()
+@errors.friendly
+def go() -> None:
+    raise KeyboardInterrupt
+
+app()
+"""
+    start = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 130 and "interrupted:" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert time.monotonic() - start < 30
+
+
 @pytest.mark.slow  # two CLI extracts
 def test_ctrl_c_after_the_work_is_done(tmp_path):
     """A Ctrl-C once every unit is committed, while the process reports and exits: it ends with
