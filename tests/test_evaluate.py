@@ -24,6 +24,7 @@ from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.metrics import first_difference, histogram, tau, tau_per_prompt
 from dflash_cache.extract.target import stop_token_ids
 from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, lookup
+from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.generate.requests import Chooser, DraftChooser, speculative_accept
 from dflash_cache.generate.targets import CachedTarget, SlotTarget
 from dflash_cache.rows.chat import DataError
@@ -65,7 +66,7 @@ def stop_ids(tokenizer, target):
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
     # Answers of several lengths: some end in <|im_end|>, some run into max_new_tokens.
-    return [p for i, p in enumerate(ev.load_prompts(PROMPTS, tokenizer, limit=7)) if i in (0, 1, 2, 3, 6)]
+    return [p for i, p in enumerate(load_prompts(PROMPTS, tokenizer, limit=7)) if i in (0, 1, 2, 3, 6)]
 
 
 @pytest.fixture(scope="module")
@@ -441,12 +442,12 @@ def test_prompts_in_every_row_form_with_thinking_off(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     chat = [{"role": "user", "content": ask}]
-    off = ev.load_prompts(f, tok, chat_template_kwargs={"enable_thinking": False})
+    off = load_prompts(f, tok, chat_template_kwargs={"enable_thinking": False})
     want = tok(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, enable_thinking=False),
                add_special_tokens=False)["input_ids"]  # fmt: skip
     assert off == [want] * len(rows)
     assert tok.decode(want).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    default = ev.load_prompts(f, tok)
+    default = load_prompts(f, tok)
     assert default == [tok.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]] * 8
     assert default[0] != off[0]
 
@@ -455,9 +456,9 @@ def test_bad_prompt_rows_and_template_kwargs(tmp_path, tokenizer):
     f = tmp_path / "p.jsonl"
     f.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}) + "\n" + '{"conversations": 3}\n')
     with pytest.raises(DataError, match=r"line 2: wrong type: conversations must be a list"):
-        ev.load_prompts(f, tokenizer)
+        load_prompts(f, tokenizer)
     with pytest.raises(DataError, match="JSON object"):
-        ev.load_prompts(f, tokenizer, chat_template_kwargs=["enable_thinking"])
+        load_prompts(f, tokenizer, chat_template_kwargs=["enable_thinking"])
 
 
 def test_prompts_drop_the_reply(tmp_path, tokenizer):
@@ -465,10 +466,10 @@ def test_prompts_drop_the_reply(tmp_path, tokenizer):
     chat = [{"role": "user", "content": "Add 2 and 3."}]
     rows = [{"messages": [*chat, {"role": "assistant", "content": "5"}]}, {"messages": chat}, {"text": "hello"}]
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    a, b, c = ev.load_prompts(f, tokenizer)
+    a, b, c = load_prompts(f, tokenizer)
     assert a == b == tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert c == tokenizer("hello")["input_ids"]
-    assert ev.load_prompts(f, tokenizer, limit=1) == [a]
+    assert load_prompts(f, tokenizer, limit=1) == [a]
 
 
 def test_drafter_for_another_target_is_refused():
@@ -557,7 +558,7 @@ def test_mt_bench_turns_follow_the_targets_own_answers(tmp_path, tokenizer, targ
     one = ev.evaluate(EvalConfig(**{**cfg.__dict__, "first_turn": True}), baseline=False)
     assert [s["output_ids"] for s in one.samples] == [s["output_ids"] for s in r.samples if s["turn"] == 1]
     assert one.turns == r.turns[:1] and one.tau_per_prompt == r.turns[0]["tau_per_prompt"]
-    assert ev.load_prompts(data, tokenizer)[0] == tokenizer.apply_chat_template(
+    assert load_prompts(data, tokenizer)[0] == tokenizer.apply_chat_template(
         [{"role": "user", "content": MT_BENCH_ROWS[0]["turns"][0]}], add_generation_prompt=True, return_dict=True
     )["input_ids"]  # fmt: skip
 

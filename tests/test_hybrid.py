@@ -289,8 +289,9 @@ def test_eval_on_hybrid_targets_equals_an_uncached_loop(pipeline, tmp_path, bloc
     """dflash eval on a hybrid rolls the recurrent state back after every rejection (the one-row
     target keeps a copy from before the verification and re-runs the accepted tokens): its outputs
     and acceptance equal an uncached speculative loop's, and greedy speculative equals the target."""
-    from dflash_cache.eval.decode import evaluate, load_prompts
+    from dflash_cache.eval.decode import evaluate
     from dflash_cache.extract.target import stop_token_ids
+    from dflash_cache.generate.dialogue import load_prompts
 
     drafter_dir = pipeline["run"] / "export"
     prompts = write_rows(tmp_path / "prompts.jsonl", [{"prompt": q} for q in fam.QUESTIONS[:2]])

@@ -15,6 +15,7 @@ import pytest
 from helpers import ROOT, TINY_TARGET
 from transformers import AutoTokenizer
 
+from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.rows.chat import DataError, DataWarning, RowRejected
 from dflash_cache.rows.encode import encode_row, tokenize
 from dflash_cache.rows.forms import SHAREGPT_ROLES, conversation, user_turns
@@ -193,7 +194,6 @@ def test_extract_and_regen_read_a_cut_short_file_with_one_warning(tmp_path):
 def test_eval_prompts_of_a_cut_short_file_are_its_whole_records(tmp_path):
     """`dflash eval`'s prompts from a cut file: one per whole record, each the prompt that record
     gives when written alone as JSON Lines; one warning."""
-    from dflash_cache.eval import decode as ev
 
     records = sharegpt_records(4)
     path = tmp_path / "cut.json"
@@ -203,5 +203,5 @@ def test_eval_prompts_of_a_cut_short_file_are_its_whole_records(tmp_path):
     whole.write_text("".join(json.dumps(r) + "\n" for r in records[:3]))
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)
     with pytest.warns(DataWarning, match=f"the file ends at byte {spans[-1][0] + 30:,}") as seen:
-        got = ev.load_prompts(path, tok)
-    assert len(seen) == 1 and got == ev.load_prompts(whole, tok) and len(got) == 3
+        got = load_prompts(path, tok)
+    assert len(seen) == 1 and got == load_prompts(whole, tok) and len(got) == 3

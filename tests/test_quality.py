@@ -12,9 +12,9 @@ from helpers import ROOT, TINY_TARGET, hf_greedy
 from test_evaluate import decode, scripted_engine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache.eval import decode as ev
 from dflash_cache.extract.target import stop_token_ids
 from dflash_cache.generate import lookup
+from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.generate.lookup_mix import ngram_drafts
 
 
@@ -70,7 +70,7 @@ def test_acceptance_equals_the_speculative_loop():
     tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
     target = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
     stop_ids = stop_token_ids(tokenizer, target)
-    prompts = ev.load_prompts(ROOT / "data" / "prompts.jsonl", tokenizer, limit=6)
+    prompts = load_prompts(ROOT / "data" / "prompts.jsonl", tokenizer, limit=6)
     B = 8
     drafted: list[int] = []
 

@@ -29,6 +29,7 @@ from dflash_cache.eval.config import EvalConfig
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.stage import prepare, run
 from dflash_cache.extract.target import load_config, load_tokenizer, stop_token_ids
+from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.pipelines.convert import RECORD, ConvertError, convert, find_gguf
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
@@ -215,7 +216,7 @@ def test_eval_is_the_targets_decoding_with_the_references_acceptance(real_run, s
     tok = AutoTokenizer.from_pretrained(smollm2)
     target = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     stops = sorted(stop_token_ids(tok, target))
-    for sample, ids in zip(result.samples, ev.load_prompts(prompts, tok), strict=True):
+    for sample, ids in zip(result.samples, load_prompts(prompts, tok), strict=True):
         stats = ref_model.dflash_generate(theirs, target, torch.tensor([ids]), max_new_tokens=MAX_NEW,
                                           stop_token_ids=stops, return_stats=True)  # fmt: skip
         assert stats.output_ids[0, len(ids) :].tolist() == sample["output_ids"]

@@ -17,8 +17,8 @@ from helpers import ROOT, TINY_TARGET, hf_greedy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache.drafters.attention import BlockLayout
-from dflash_cache.eval import decode as ev
 from dflash_cache.extract.target import stop_token_ids
+from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.train.drafter import AUTO_MAP, MODELING_FILE, DFlashDrafter, DrafterConfig, load_serving, save_serving
 
 B = 4
@@ -112,7 +112,7 @@ def remote(tmp_path_factory):
     tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
     target = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
     stops = stop_token_ids(tokenizer, target)
-    inputs["prompt"] = ev.load_prompts(ROOT / "data" / "prompts.jsonl", tokenizer, limit=1)[0]
+    inputs["prompt"] = load_prompts(ROOT / "data" / "prompts.jsonl", tokenizer, limit=1)[0]
     torch.save(inputs, tmp / "inputs.pt")
     job = {"inputs": str(tmp / "inputs.pt"), "exports": exports, "extra": CTX2 - CTX, "target": str(TINY_TARGET),
            "max_new": MAX_NEW, "stops": sorted(stops), "out": str(tmp / "results.pt")}  # fmt: skip

@@ -82,14 +82,13 @@ from dflash_cache.generate.dialogue import (
     Dialogue,
     first_prompt,
     load_dialogues,
-    load_prompts,
     reply_decoder,
     turn_by_turn,
 )
 from dflash_cache.generate.proposer import proposer_slot_bytes
 from dflash_cache.rows.chat import DataError, RowRejected, check_template_kwargs
 
-__all__ = ["EvalError", "check_config", "check_fits", "evaluate", "load_drafter", "load_prompts"]
+__all__ = ["EvalError", "check_config", "check_fits", "evaluate", "load_drafter"]
 
 ANSWER_SLACK = 8  # positions an answer may take beyond its tokens once decoded and rendered again
 

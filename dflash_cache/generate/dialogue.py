@@ -168,7 +168,7 @@ def load_prompts(
     are dropped first, so the training data works as a prompt set, and rows that stop before the
     reply (user-only ``messages``, a ``prompt`` without ``response``) are prompts as they are.
     ``text`` rows are plain text (special tokens as the tokenizer adds them). A ``turns`` row gives
-    its first turn (the later ones need the target's answers: `evaluate` asks them).
+    its first turn (the later ones need the target's answers: `turn_by_turn` asks them).
     """
     kwargs = check_template_kwargs(chat_template_kwargs)
     dialogues = load_dialogues(str(path), split=split, limit=limit)

@@ -9,8 +9,8 @@ from helpers import ROOT, TINY_TARGET, extract_config
 from test_hybrid import write_rows
 from transformers import AutoTokenizer
 
-from dflash_cache.eval.decode import load_prompts
 from dflash_cache.extract import stage as extract_stage
+from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
 

@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.eval.config import EvalConfig
-from dflash_cache.eval.decode import evaluate, load_prompts
+from dflash_cache.eval.decode import evaluate
 from dflash_cache.eval.replay import replayed
 from dflash_cache.extract.target import stop_token_ids
 from dflash_cache.generate import Engine, StopRule
+from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.generate.targets import SlotTarget
 from gpu.common import CUDA, GPU, decode
 
