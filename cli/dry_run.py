@@ -24,6 +24,6 @@ def extract_plan(cfg: ExtractConfig) -> dict[str, Any]:
         "final_hidden": spec.layers.final_hidden, **ex.final_bytes(spec), "parallel": spec.parallel,
         "projection": spec.projection and {"basis": spec.projection.basis, "rank": spec.projection.rank},
         "stored_values_per_token": spec.row_width,
-        "raw_bf16_bytes_per_token": 2 * len(spec.layers.ids) * spec.target.hidden_size,
+        "raw_bf16_bytes_per_token": spec.raw_bf16_bytes_per_token,
         "estimated_bytes_max": ex.estimated_bytes(spec, plan.num_tokens),
     }  # fmt: skip

@@ -192,7 +192,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
         **({f"kernel_{k}": v for k, v in linear_attention_kernels().items()} if hybrid else {}),
         "tokens": plan.num_tokens, "samples": plan.num_samples, "units": len(plan.units),
         "padding": plan.padding_ratio, "storage": storage, "project": project, "fit_s": fit_s,
-        "raw_bf16_bytes_per_token": 2 * len(layer_ids) * config["hidden_size"],
+        "raw_bf16_bytes_per_token": spec.raw_bf16_bytes_per_token,
         "bare_tok_s": plan.num_tokens / times["bare"], "full_tok_s": plan.num_tokens / times["full"],
         "ratio": times["bare"] / times["full"], "setup_s": times["setup"], "drain_s": times["drain"],
         "steady_ratio": _steady_rate(plan, written) * times["bare"] / plan.num_tokens,

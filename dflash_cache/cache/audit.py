@@ -29,7 +29,7 @@ def info(cache_dir: Path) -> dict[str, Any]:
         final_bytes += sum(size for rel, size in r.files.items() if rel.split("/", 1)[0] in FINAL_ARRAYS)
     row = RowFormat.of(spec)
     raw = tokens * row.row_bytes
-    taps_bf16 = 2 * len(spec.layers.ids) * spec.target.hidden_size  # the tapped layers as bf16, per token
+    taps_bf16 = spec.raw_bf16_bytes_per_token
     taps_on_disk = (nbytes - final_bytes) / tokens if tokens else 0.0
     partial = Path(cache_dir) / PARTIAL
     final = {}

@@ -206,6 +206,11 @@ class CacheSpec:
         return len(self.layers.ids) * self.target.hidden_size
 
     @property
+    def raw_bf16_bytes_per_token(self) -> int:
+        """The tapped layers of a token as they are, in bf16: what a projection and fp8 are measured against."""
+        return 2 * len(self.layers.ids) * self.target.hidden_size
+
+    @property
     def groups(self) -> list[list[int]]:
         """Positions of the tapped layers in each stored group of values: one group a layer, or
         one for all of them under a joint projection."""
