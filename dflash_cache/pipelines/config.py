@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from dflash_cache.core.errors import UserError
 from dflash_cache.core.settings import SettingsError, same_as, setting
@@ -23,6 +23,7 @@ from dflash_cache.extract.config import (
     MAX_SAMPLES_HELP,
     SPLIT_HELP,
     TARGET_HELP,
+    ExtractConfig,
 )
 
 
@@ -95,6 +96,7 @@ class RecipeConfig:
     code_roots: list[str] = setting(help="Where the code prompts come from: stdlib, site-packages, or "
                                     "directories.", factory=lambda: ["stdlib"])  # fmt: skip
     regen_tokens: int = setting(512, "Longest regenerated turn.", min=1)
+    project: int | Literal["auto", "none"] = same_as(ExtractConfig, "project")
     families: list[str] = setting(help="Drafter families to train: dflash, dspark.", factory=lambda: ["dspark"])
     draft_layers: list[int] = setting(help="Draft layers: one drafter for each value (each layer adds to every "
                                       "speculative step's cost).", factory=lambda: [2])  # fmt: skip

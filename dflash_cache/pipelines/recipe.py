@@ -149,7 +149,8 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     cache = cfg.out / "cache"
     final_hidden = any(f != "dflash" for f in cfg.families)
     record.stage("extract", lambda: extract.run(ExtractConfig(target=target, data=str(regen_out), out=cache,
-                                                              final_hidden=final_hidden, gpus=cfg.gpus),
+                                                              final_hidden=final_hidden, project=cfg.project,
+                                                              gpus=cfg.gpus),
                                                 bars("extract")))  # fmt: skip
     exports = {}
     for i, (name, (family, layers, epochs)) in enumerate(runs.items()):
