@@ -33,7 +33,7 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
            "--rows", "6", "--code-rows", "4", "--code-roots", str(ROOT / "dflash_cache" / "generate"),
            "--regen-tokens", "8", "--families", "dflash,dspark", "--draft-layers", "1",
            "--epochs", "1", "--eval-limit", "2", "--max-new-tokens", "8", "--token-budget", "256",
-           "--lookup", "0,2", "--project", "24"]  # fmt: skip
+           "--lookup", "0,2", "--project", "24,none"]  # fmt: skip
     missing = tmp_path / "no-such-sources"
     bad = [*cmd[: cmd.index("--code-roots") + 1], str(missing), *cmd[cmd.index("--code-roots") + 2 :]]
     failed = subprocess.run(bad, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -45,8 +45,9 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     assert proc.returncode == 0, proc.stderr
     record = json.loads((out / "recipe.json").read_text())
     assert record["unfinished"] == {} and record["stages"]["prompts"]["seconds"] >= first["unfinished"]["prompts"]
-    runs = ["dflash-l1-e1", "dspark-l1-e1"]
-    assert list(record["stages"]) == ["target", "prompts", "regen", "extract", *[f"train {r}" for r in runs], "eval"]
+    runs = ["dflash-l1-e1", "dspark-l1-e1", "dflash-l1-e1-project-none", "dspark-l1-e1-project-none"]
+    assert list(record["stages"]) == ["target", "prompts", "regen", "extract", "extract project-none",
+                                      *[f"train {r}" for r in runs], "eval"]  # fmt: skip
     assert record["seconds"] == round(sum(s["seconds"] for s in record["stages"].values()), 1)
     assert f"{record['seconds'] / 60:.1f} minutes from prompts" in proc.stderr  # the console's, as every stage line
     # stderr is a pipe: each bar writes its line as it moves (every DFLASH_LOG_EVERY_S seconds), not
@@ -64,18 +65,20 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     for row, turns in zip(regen, asked, strict=True):  # every human turn asked, in order, and answered
         assert [m["content"] for m in row["messages"] if m["role"] == "user"] == turns
         assert [m["role"] for m in row["messages"]][-1] == "assistant"
-    spec = read_spec(out / "cache")
-    assert spec.layers.final_hidden  # DSpark's, in the cache both trained on
-    assert spec.projection.rank == 24  # --project reaches extract (auto would store H/2 = 32)
-    for r in runs:
+    spec, full = read_spec(out / "cache"), read_spec(out / "cache-project-none")
+    assert spec.layers.final_hidden and full.layers.final_hidden  # DSpark's, in the caches both trained on
+    assert spec.projection.rank == 24 and full.projection is None  # --project reaches extract (auto: H/2 = 32)
+    for r in runs:  # each drafter trained on its own cache
+        assert json.loads((out / "runs" / r / "train.json").read_text())["config"]["cache"] == str(
+            out / ("cache-project-none" if r.endswith("-project-none") else "cache"))
         assert (out / "runs" / r / "export" / "config.json").is_file()
 
     table = [(row["set"], row["run"]) for row in record["table"]]
     each = [run for r in runs for run in (r, f"{r} + lookup 2")] + ["prompt lookup", "target alone"]
     assert table == [(s, r) for s in ("humaneval", "mt-bench", "sharegpt") for r in each]
     evaluation = json.loads((out / "eval.json").read_text())
-    decoded, replayed = runs  # the second drafter's tau is replayed on the first's outputs
-    assert all(s["runs"][decoded]["same_as_target"] and s["runs"][replayed]["replayed"]
+    decoded, replayed = runs[:2]  # the others' tau is replayed on the first's outputs
+    assert all(s["runs"][decoded]["same_as_target"] and all(s["runs"][r]["replayed"] for r in runs[1:])
                and s["runs"][f"{decoded} + lookup 2"]["replayed"] for s in evaluation["sets"].values())  # fmt: skip
     mt, mt_file = evaluation["sets"]["mt-bench"], tmp_path / "mt-bench.jsonl"  # against decoding with it
     write_rows(set_rows("mt-bench")[1], mt_file)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from dflash_cache.core.errors import UserError
 from dflash_cache.core.settings import SettingsError, same_as, setting
@@ -96,7 +96,11 @@ class RecipeConfig:
     code_roots: list[str] = setting(help="Where the code prompts come from: stdlib, site-packages, or "
                                     "directories.", factory=lambda: ["stdlib"])  # fmt: skip
     regen_tokens: int = setting(512, "Longest regenerated turn.", min=1)
-    project: int | Literal["auto", "none"] = same_as(ExtractConfig, "project")
+    project: list[str] = setting(help="How the cache stores the tapped layers, as dflash extract --project: auto "
+                                 "(H/2 values a token), none (the layers as they are) or R. Several values make "
+                                 "a cache each, with the drafters trained on each: the first is OUT/cache, the "
+                                 "others OUT/cache-project-V, their drafters named ...-project-V.",
+                                 factory=lambda: [str(ExtractConfig.project)])  # fmt: skip
     families: list[str] = setting(help="Drafter families to train: dflash, dspark.", factory=lambda: ["dspark"])
     draft_layers: list[int] = setting(help="Draft layers: one drafter for each value (each layer adds to every "
                                       "speculative step's cost).", factory=lambda: [2])  # fmt: skip
@@ -121,6 +125,11 @@ class RecipeConfig:
 
         if self.target is None:  # --print-config of a template
             return
+        for value in self.project:
+            if value not in ("auto", "none") and not (value.isdigit() and int(value) > 0):
+                raise RecipeError(f"--project: {value!r} is not auto, none or a positive integer")
+        if len(set(self.project)) < len(self.project):
+            raise RecipeError(f"--project names a value twice: {','.join(self.project)}")
         for name in self.families:
             try:
                 drafters.family(name)
@@ -143,7 +152,14 @@ class RecipeConfig:
         """A recipe.json as its settings; any other mapping as it is."""
         return data["settings"] if {"settings", "stages"} <= data.keys() else data
 
-    def runs(self) -> dict[str, tuple[str, int, int]]:
-        """Each drafter's name and its (family, draft layers, epochs)."""
-        grid = itertools.product(self.families, self.draft_layers, self.epochs)
-        return {f"{family}-l{layers}-e{epochs}": (family, layers, epochs) for family, layers, epochs in grid}
+    def caches(self) -> dict[str, Path]:
+        """Each --project value's cache: OUT/cache for the first, OUT/cache-project-V for the others
+        (so that adding a value to an earlier recipe keeps its cache and drafters)."""
+        return {v: self.out / ("cache" if i == 0 else f"cache-project-{v}") for i, v in enumerate(self.project)}
+
+    def runs(self) -> dict[str, tuple[str, int, int, str]]:
+        """Each drafter's name and its (family, draft layers, epochs, --project value); the drafters
+        on a cache other than the first are named for its value."""
+        grid = itertools.product(self.project, self.families, self.draft_layers, self.epochs)
+        return {f"{family}-l{layers}-e{epochs}" + ("" if project == self.project[0] else f"-project-{project}"):
+                (family, layers, epochs, project) for project, family, layers, epochs in grid}  # fmt: skip

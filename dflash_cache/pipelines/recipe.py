@@ -12,8 +12,8 @@ one resumable command.
 3. **regen**: the target answers them on-policy, turn by turn (each assistant turn is its answer
    given its own earlier answers);
 4. **extract**: the cache, with the final hidden state when a DSpark drafter is asked for (DFlash
-   trains on the same cache);
-5. **train**: one drafter for each family x draft layers x epochs asked for, on that one cache;
+   trains on the same cache), stored as `project` asks; one cache for each value given there;
+5. **train**: one drafter for each family x draft layers x epochs asked for, on each cache;
 6. **eval**: every drafter and the target alone on the benchmark sets at batch 1 (`dflash
    eval-sets`): tau per prompt and pooled (by turn on MT-Bench), tokens/s and the speedup. Each drafter
    runs with prompt lookup mixed in (`lookup`, 2 by default: `generate.lookup_mix`) and alone
@@ -145,18 +145,19 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     record.stage("regen", lambda: regen.run(RegenConfig(target=target, data=str(prompts), out=regen_out,
                                                         max_new_tokens=cfg.regen_tokens, seed=cfg.seed,
                                                         gpus=cfg.gpus), bars("regen")))  # fmt: skip
-    say("[4/6] extract: tapped hidden states -> cache")
-    cache = cfg.out / "cache"
     final_hidden = any(f != "dflash" for f in cfg.families)
-    record.stage("extract", lambda: extract.run(ExtractConfig(target=target, data=str(regen_out), out=cache,
-                                                              final_hidden=final_hidden, project=cfg.project,
-                                                              gpus=cfg.gpus),
-                                                bars("extract")))  # fmt: skip
+    for i, (project, cache) in enumerate(cfg.caches().items()):
+        say(f"[4/6] extract: tapped hidden states -> {cache.name} (--project {project})")
+        ecfg = ExtractConfig(target=target, data=str(regen_out), out=cache, final_hidden=final_hidden,
+                             project=int(project) if project.isdigit() else project, gpus=cfg.gpus)  # fmt: skip
+        record.stage("extract" if i == 0 else f"extract project-{project}",
+                     lambda ecfg=ecfg: extract.run(ecfg, bars("extract")))  # fmt: skip
     exports = {}
-    for i, (name, (family, layers, epochs)) in enumerate(runs.items()):
+    for i, (name, (family, layers, epochs, project)) in enumerate(runs.items()):
         say(f"[5/6] train {i + 1}/{len(runs)}: {name}")
-        tcfg = TrainConfig(cache=cache, out=cfg.out / "runs" / name, drafter=family, draft_layers=layers,
-                           epochs=epochs, token_budget=cfg.token_budget, seed=cfg.seed, gpus=cfg.gpus)  # fmt: skip
+        tcfg = TrainConfig(cache=cfg.caches()[project], out=cfg.out / "runs" / name, drafter=family,
+                           draft_layers=layers, epochs=epochs, token_budget=cfg.token_budget, seed=cfg.seed,
+                           gpus=cfg.gpus)  # fmt: skip
         record.stage(f"train {name}", lambda tcfg=tcfg: train.run(tcfg, bars("train")))
         exports[name] = tcfg.out / "export"
     say(f"[6/6] eval: {', '.join(cfg.benchmarks)} at batch 1")
