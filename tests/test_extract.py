@@ -17,6 +17,8 @@ from dflash_cache.cache.format import decode_hidden
 from dflash_cache.cache.spec import read_spec, write_spec
 from dflash_cache.cache.store import REJECTED, committed_units
 from dflash_cache.core.errors import UserError
+from dflash_cache.core.settings import resolve
+from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.stage import ExtractError, prepare, run
 
 
@@ -144,8 +146,10 @@ def test_source_options_recorded_and_a_changed_one_refused(tmp_path):
                           ({"chat_template_kwargs": None}, "tokenizer.chat_template_kwargs"),
                           ({"max_samples": 25}, "data.max_samples"),
                           ({"data_split": "train"}, "data.split")):  # fmt: skip
-        with pytest.raises(ExtractError, match=f"other settings.*{re.escape(field)}"):
+        with pytest.raises(ExtractError, match=f"other settings.*{re.escape(field)}") as refused:
             prepare(extract_config(out, **{**options, **change}))
+        assert f"rerun with --config {out}" in str(refused.value)
+    assert prepare(resolve(ExtractConfig, files=[out])).spec.differences(spec) == []  # what that rerun reads
 
 
 def test_cache_json_without_the_new_fields_still_reads(tmp_path, tiny_cache):

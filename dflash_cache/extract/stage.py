@@ -158,7 +158,8 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
         if diffs:
             raise ExtractError(
                 f"{cfg.out} was made with other settings; refusing to mix them. Differences: " + "; ".join(diffs)
-            )
+                + f". To resume it, rerun with --config {cfg.out} (the settings it was made with); or use another --out"
+            )  # fmt: skip
     return Prepared(spec, plan, tokens, set(committed_units(cfg.out)))
 
 
