@@ -27,7 +27,7 @@ from dflash_cache.core.settings import SettingsError, plain, resolve
 from dflash_cache.eval import benchsets
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.extract.config import ExtractConfig
-from dflash_cache.pipelines.config import RecipeConfig, RegenConfig
+from dflash_cache.pipelines.config import RecipeConfig, RecipeError, RegenConfig
 from dflash_cache.train.config import TrainConfig
 from dflash_cache.train.follow import wait_for_cache
 
@@ -120,9 +120,14 @@ def test_name_lists_and_a_recipe_record_as_a_config(tmp_path):
     cfg = resolve(RecipeConfig, flags={"target": "t", "families": "dflash, dspark", "epochs": "6,18"})
     assert (cfg.families, cfg.epochs, cfg.code_roots) == (["dflash", "dspark"], [6, 18], ["stdlib"])
     assert cfg.benchmarks == list(benchsets.SETS)  # every named set by default
-    (tmp_path / "a.yaml").write_text("target: t\nfamilies: [1]\n")
-    with pytest.raises(SettingsError, match=r"families \(in .*a.yaml\) \[1\]: expected comma-separated names"):
+    (tmp_path / "a.yaml").write_text("target: t\nfamilies: [dflash, [1]]\n")
+    with pytest.raises(SettingsError, match=r"families \(in .*a.yaml\) .*: expected comma-separated names"):
         resolve(RecipeConfig, files=[tmp_path / "a.yaml"])
+    (tmp_path / "p.yaml").write_text("target: t\nproject: [auto, 288]\n")  # YAML reads 288 as a number
+    assert resolve(RecipeConfig, files=[tmp_path / "p.yaml"]).project == ["auto", "288"]
+    (tmp_path / "f.yaml").write_text("target: t\nfamilies: [1]\n")
+    with pytest.raises(RecipeError, match="--families: unknown drafter family '1'"):
+        resolve(RecipeConfig, files=[tmp_path / "f.yaml"])
     with pytest.raises(SettingsError, match=r"--benchmarks ' , ': expected comma-separated names"):
         resolve(RecipeConfig, flags={"target": "t", "benchmarks": " , "})
     (tmp_path / "recipe.json").write_text(json.dumps({"settings": plain(cfg), "stages": {}}))

@@ -212,6 +212,8 @@ def check(s: Setting, value: Any, where: str) -> Any:
     kind = typing.get_origin(s.kind) or s.kind
     if isinstance(value, str) and kind not in (str, Literal, Path):  # "3e-3" is a string to PyYAML
         return from_text(s, value, where)
+    if s.names and isinstance(value, list):  # [auto, 288]: a name that YAML read as a number
+        value = [str(x) if isinstance(x, int) and not isinstance(x, bool) else x for x in value]
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
