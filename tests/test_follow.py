@@ -29,7 +29,7 @@ from dflash_cache.cache.store import committed_units, extract_running, unit_name
 from dflash_cache.train.checkpoint import Checkpointer
 from dflash_cache.train.follow import UnitFeed, Window
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}  # a hung command's stacks: _wait_or_dump
 ROWS = 200
 
 
@@ -67,6 +67,17 @@ def _train(cache: Path, run: Path, *extra: str) -> subprocess.Popen:
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:
     os.killpg(proc.pid, sig)
+
+
+def _wait_or_dump(proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    """Wait for a process that was told to stop; if it hangs, fail with every thread's stack (the
+    CLI commands here run with PYTHONFAULTHANDLER, which SIGABRT makes write them to the log)."""
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGABRT)
+        proc.wait(timeout=30)
+        pytest.fail(f"still running {timeout:.0f} s after it was stopped; its threads:\n{log.read_text()[-12000:]}")
 
 
 def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
@@ -277,7 +288,7 @@ def test_train_waits_for_a_live_heartbeat_from_another_node_and_says_so(tiny_cac
                   what="two lines saying what training waits for")  # fmt: skip
         assert trainer.poll() is None, log.read_text()
         _signal(trainer, signal.SIGINT)  # as a terminal's Ctrl-C
-        trainer.wait(timeout=120)
+        _wait_or_dump(trainer, log)
     finally:
         stop.set()
         if trainer.poll() is None:
