@@ -8,10 +8,12 @@ import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -185,3 +187,17 @@ def reference_dflash():
     import dflash
 
     return dflash
+
+
+def as_from_a_terminal(cmd: list[str], **popen: Any) -> subprocess.Popen:
+    """`cmd` in a process group of its own, answering SIGINT as a command typed at a terminal does,
+    even where the suite itself ignores it (a background job of a non-interactive shell ignores
+    SIGINT, and its children inherit that): a handler, unlike SIG_IGN, is reset by exec."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(cmd, start_new_session=True, **popen)
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)

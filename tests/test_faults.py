@@ -37,7 +37,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CHAT, ROOT, TINY_TARGET, assert_same_cache, extract_cmd, extract_config, read_cache, read_metrics
+from helpers import (
+    CHAT,
+    ROOT,
+    TINY_TARGET,
+    as_from_a_terminal,
+    assert_same_cache,
+    extract_cmd,
+    extract_config,
+    read_cache,
+    read_metrics,
+)
 
 from dflash_cache.cache.audit import verify
 from dflash_cache.cache.format import RowFormat, verify_unit
@@ -119,18 +129,7 @@ def _alive(pid: int) -> bool:
 
 
 def _as_from_a_terminal(cmd) -> subprocess.Popen:
-    """`cmd` in a process group of its own, answering SIGINT as a command typed at a terminal does,
-    even where the suite itself ignores it (a background job of a non-interactive shell ignores
-    SIGINT, and its children inherit that): a handler, unlike SIG_IGN, is reset by exec."""
-    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
-    if ignored:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        return subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # fmt: skip
-    finally:
-        if ignored:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return as_from_a_terminal(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def ctrl_c(cmd, ready, left, reset, attempts=6, timeout=180):

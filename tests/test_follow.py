@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import CHAT, ROOT, TINY_TARGET
+from helpers import CHAT, ROOT, TINY_TARGET, as_from_a_terminal
 
 from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.heartbeat import HEARTBEAT, STALE
@@ -278,11 +278,10 @@ def test_train_waits_for_a_live_heartbeat_from_another_node_and_says_so(tiny_cac
     beating = threading.Thread(target=extract_on_another_node, daemon=True)
     beating.start()
     with open(log, "w") as out:
-        trainer = subprocess.Popen([sys.executable, "-m", "cli.main", "train", "--cache", str(part), "--out",
-                                    str(tmp_path / "run"), "--token-budget", "512", "--max-anchors", "4",
-                                    "--draft-layers", "1", "--block-size", "4", "--wait-report", "1"],
-                                   env={**ENV, "NO_COLOR": "1"}, stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # fmt: skip
+        trainer = as_from_a_terminal([sys.executable, "-m", "cli.main", "train", "--cache", str(part), "--out",
+                                      str(tmp_path / "run"), "--token-budget", "512", "--max-anchors", "4",
+                                      "--draft-layers", "1", "--block-size", "4", "--wait-report", "1"],
+                                     env={**ENV, "NO_COLOR": "1"}, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         _wait_for(lambda: log.read_text().count("waiting for units: ") >= 2 or trainer.poll() is not None,
                   what="two lines saying what training waits for")  # fmt: skip
