@@ -27,7 +27,6 @@ from dflash_cache.cache.heartbeat import HEARTBEAT, STALE
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import committed_units, extract_running, unit_name
 from dflash_cache.train.checkpoint import Checkpointer
-from dflash_cache.train.follow import UnitFeed, Window
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}  # a hung command's stacks: _wait_or_dump
 ROWS = 200
@@ -236,32 +235,6 @@ def test_train_refuses_at_once_a_cache_that_nothing_writes(tiny_cache, tmp_path)
     assert err.count("error:") == 1 and missing[0] in err and f"dflash extract --out {part}" in err, err
     assert "--no-follow" in err and f"lacks {len(missing)} of the {len(missing) + 1} units" in err, err
     assert not (tmp_path / "run").exists() or not (tmp_path / "run" / "checkpoints").exists()
-
-
-def test_waiting_for_units_answers_a_ctrl_c_that_another_thread_received(tmp_path):
-    """The kernel hands a process's SIGINT to any thread that does not block it; Python raises it
-    only in the main thread, between bytecodes. Training waiting for a window must still answer it.
-    Without an answer in 10 s a window is put in, and the wait ends without the interrupt."""
-    (tmp_path / "units").mkdir()
-    feed = UnitFeed(tmp_path, num_units=2, poll=0.05)  # nothing commits: the wait has no end of its own
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def ctrl_c_to_this_thread() -> None:
-        time.sleep(0.5)
-        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
-        time.sleep(10)
-        feed._windows.put(Window((), True))
-
-    threading.Thread(target=ctrl_c_to_this_thread, daemon=True).start()
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            feed.request()
-            feed.get(block=True)
-        assert time.monotonic() - t0 < 5
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        feed.close()
 
 
 @pytest.mark.slow  # a CLI train waiting on a heartbeat

@@ -70,7 +70,6 @@ def writer(cache_dir: Path) -> str | None:
     return None
 
 
-ANSWER_S = 0.5  # longest that training waiting for units takes to answer a Ctrl-C
 NO_WRITER = f"no extract is writing it (none holds its lock on this host, and no fresh {HEARTBEAT} from any host)"
 
 
@@ -172,15 +171,10 @@ class UnitFeed:
         self._wanted.set()
 
     def get(self, block: bool) -> Window | None:
-        while True:
-            try:
-                # Timed, so that the waiting thread runs Python between waits: a Ctrl-C that the kernel
-                # hands to another thread of the process raises only when the main thread does.
-                item = self._windows.get(block=block, timeout=ANSWER_S if block else None)
-                break
-            except queue.Empty:
-                if not block:
-                    return None
+        try:
+            item = self._windows.get(block=block)
+        except queue.Empty:
+            return None
         if isinstance(item, BaseException):
             raise item
         return item
