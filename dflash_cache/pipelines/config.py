@@ -84,6 +84,16 @@ class RecipeError(UserError, ValueError):
     """A recipe asked for something it cannot do."""
 
 
+def extract_project(value: str) -> int | str:
+    """A recipe's --project value as dflash extract takes it: auto, none, or a rank of at least 1
+    (refused here, before the regen that comes ahead of extraction)."""
+    if value in ("auto", "none"):
+        return value
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise RecipeError(f"--project: {value!r} is not auto, none or a positive integer")
+
+
 @dataclass
 class RecipeConfig:
     target: str = setting(help="The target: a model directory or hub id, or a GGUF file (or a directory holding "
@@ -126,8 +136,7 @@ class RecipeConfig:
         if self.target is None:  # --print-config of a template
             return
         for value in self.project:
-            if value not in ("auto", "none") and not (value.isdigit() and int(value) > 0):
-                raise RecipeError(f"--project: {value!r} is not auto, none or a positive integer")
+            extract_project(value)
         if len(set(self.project)) < len(self.project):
             raise RecipeError(f"--project names a value twice: {','.join(self.project)}")
         for name in self.families:

@@ -42,7 +42,7 @@ from dflash_cache.eval import benchsets, code_prompts
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.pipelines import regen
-from dflash_cache.pipelines.config import RecipeConfig, RecipeError, RegenConfig
+from dflash_cache.pipelines.config import RecipeConfig, RecipeError, RegenConfig, extract_project
 from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig
 
@@ -146,16 +146,17 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
                                                         max_new_tokens=cfg.regen_tokens, seed=cfg.seed,
                                                         gpus=cfg.gpus), bars("regen")))  # fmt: skip
     final_hidden = any(f != "dflash" for f in cfg.families)
-    for i, (project, cache) in enumerate(cfg.caches().items()):
+    caches = cfg.caches()
+    for i, (project, cache) in enumerate(caches.items()):
         say(f"[4/6] extract: tapped hidden states -> {cache.name} (--project {project})")
         ecfg = ExtractConfig(target=target, data=str(regen_out), out=cache, final_hidden=final_hidden,
-                             project=int(project) if project.isdigit() else project, gpus=cfg.gpus)  # fmt: skip
+                             project=extract_project(project), gpus=cfg.gpus)  # fmt: skip
         record.stage("extract" if i == 0 else f"extract project-{project}",
                      lambda ecfg=ecfg: extract.run(ecfg, bars("extract")))  # fmt: skip
     exports = {}
     for i, (name, (family, layers, epochs, project)) in enumerate(runs.items()):
         say(f"[5/6] train {i + 1}/{len(runs)}: {name}")
-        tcfg = TrainConfig(cache=cfg.caches()[project], out=cfg.out / "runs" / name, drafter=family,
+        tcfg = TrainConfig(cache=caches[project], out=cfg.out / "runs" / name, drafter=family,
                            draft_layers=layers, epochs=epochs, token_budget=cfg.token_budget, seed=cfg.seed,
                            gpus=cfg.gpus)  # fmt: skip
         record.stage(f"train {name}", lambda tcfg=tcfg: train.run(tcfg, bars("train")))
