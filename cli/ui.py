@@ -30,7 +30,8 @@ def _count(n: float) -> str:
 
 
 def say(delta: dict[str, Any], out: Console = console) -> None:
-    """A stage's warning or note (e.g. where a run resumed), as one line above the bar."""
+    """A stage's warning or note (e.g. where a run resumed), as one line above the bar: every bar
+    and the quiet sink of --json say them, so no form of a command drops one."""
     if "warning" in delta:
         out.print(f"[yellow]warning:[/yellow] {delta['warning']}")
     if "info" in delta:
@@ -92,6 +93,7 @@ class ExtractBar(_Bar):
                                            written="0 B")  # fmt: skip
 
     def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
+        say(delta, self.progress.console)
         task = self.progress.tasks[0]
         padded = totals.get("padded", 0)
         pad = f"{100 * (1 - totals.get('tokens', 0) / padded):.1f}%" if padded else "-"
@@ -180,6 +182,7 @@ class RegenBar(_Bar):
         self.task = self.progress.add_task("regen", total=total, completed=done, rate="-")
 
     def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
+        say(delta, self.progress.console)
         rate = totals.get("tokens", 0) / max(time.perf_counter() - self.started, 1e-9)
         self.progress.update(self.task, advance=delta.get("rows", 0), rate=f"{rate:,.0f} tok/s")
         self._log()
@@ -203,6 +206,7 @@ class EvalBar(_Bar):
         self.task = self.progress.add_task("eval", total=total, completed=done, tau="-")
 
     def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
+        say(delta, self.progress.console)
         self.progress.update(self.task, advance=delta.get("prompts", 0), tau=f"{totals.get('tau', 0):.3f}")
         self._log()
 
