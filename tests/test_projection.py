@@ -250,3 +250,29 @@ def test_a_sharded_copy_fits_one_basis_with_its_ranks(joint, data, tmp_path):
     np.testing.assert_allclose(sharded.retained_energy, single.retained_energy, atol=1e-3)
     assert verify(out) == {}
     assert sorted(read_cache(out)) == sorted(read_cache(joint))
+
+
+def test_extract_says_what_the_basis_keeps_and_names_the_layers_it_neglects(data, tmp_path):
+    """`dflash extract`, in the form a user runs it, prints each tapped layer's energy kept as soon
+    as the basis is fitted, and names the layers under LOW_ENERGY with a larger --project to try.
+    The tiny target's random features are nearly isotropic, so H/2 keeps about 80% of each layer;
+    300 of its 320 values keep nearly all."""
+    from dflash_cache.extract.basis import LOW_ENERGY
+
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "COLUMNS": "400"}
+    for project in ("auto", "300"):
+        out = tmp_path / project
+        done = subprocess.run([sys.executable, "-m", "cli.main", "extract", "--target", str(TINY_TARGET), "--data",
+                               str(data), "--out", str(out), "--project", project, "--unit-mb", "1",
+                               "--tokenize-procs", "1"], capture_output=True, text=True, env=env)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        spec = read_spec(out)
+        kept = spec.projection.retained_energy
+        line = next(ln for ln in (done.stdout + done.stderr).splitlines() if "energy kept per tapped layer" in ln)
+        assert "energy kept per tapped layer: " + ", ".join(f"{100 * e:.1f}%" for e in kept) in line
+        low = [str(layer) for layer, e in zip(spec.layers.ids, kept, strict=True) if e < LOW_ENERGY]
+        if project == "auto":
+            assert low == [str(layer) for layer in spec.layers.ids], kept
+            assert f"layers {', '.join(low)} keep under 97%" in line and "--project 64 keeps more" in line
+        else:
+            assert low == [] and "under" not in line and "--project" not in line, line

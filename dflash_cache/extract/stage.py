@@ -72,7 +72,7 @@ from dflash_cache.core.devices import (
 from dflash_cache.core.errors import ExtractError
 from dflash_cache.core.paths import output_dir
 from dflash_cache.core.progress import ProgressSink, Reporter
-from dflash_cache.extract.basis import fit_basis, fit_sample
+from dflash_cache.extract.basis import energy_note, fit_basis, fit_sample
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 from dflash_cache.extract.config import ExtractConfig, resolve_rank, resolve_token_budget
 from dflash_cache.extract.mask import AUTO, choose_mask_token, data_token_ids
@@ -367,9 +367,8 @@ def _basis(group: Group, fit: bool, target: Callable[[torch.Tensor], list[torch.
         if group.first_lead:
             spec = dataclasses.replace(spec, projection=dataclasses.replace(spec.projection, digest=basis.save(out)))
             write_spec(out, spec)
-            kept = ", ".join(f"{100 * e:.1f}%" for e in spec.projection.retained_energy)
             say({"info": f"fitted the basis on {spec.projection.fitted_tokens:,} tokens in "
-                         f"{time.perf_counter() - started:.1f}s; energy kept per tapped layer: {kept}"})  # fmt: skip
+                         f"{time.perf_counter() - started:.1f}s; {energy_note(spec)}"})  # fmt: skip
     while not (out / CACHE_JSON).exists():
         time.sleep(0.5)
     spec = read_spec(out)
