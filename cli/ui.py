@@ -30,8 +30,7 @@ def _count(n: float) -> str:
 
 
 def say(delta: dict[str, Any], out: Console = console) -> None:
-    """A stage's warning or note (e.g. where a run resumed), as one line above the bar: every bar
-    and the quiet sink of --json say them, so no form of a command drops one."""
+    """A stage's warning or note (e.g. where a run resumed), as one line above the bar."""
     if "warning" in delta:
         out.print(f"[yellow]warning:[/yellow] {delta['warning']}")
     if "info" in delta:
@@ -61,6 +60,15 @@ class _Bar:
 
     progress: Progress
     _logged = float("-inf")
+
+    def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
+        """The stage's notes and warnings above the bar (as --json's quiet sink says them), then the
+        bar moved by `show`."""
+        say(delta, self.progress.console)
+        self.show(totals, delta)
+
+    def show(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
+        raise NotImplementedError
 
     def _log(self) -> None:
         if self.progress.console.is_terminal:
@@ -92,8 +100,7 @@ class ExtractBar(_Bar):
         self.task = self.progress.add_task("extract", total=total, completed=done, rate="-", pad="-", units="-",
                                            written="0 B")  # fmt: skip
 
-    def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
-        say(delta, self.progress.console)
+    def show(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
         task = self.progress.tasks[0]
         padded = totals.get("padded", 0)
         pad = f"{100 * (1 - totals.get('tokens', 0) / padded):.1f}%" if padded else "-"
@@ -137,8 +144,7 @@ class TrainBar(_Bar):
         self.task = self.progress.add_task("train", total=None, where="", tokens="-", loss="-", accept="-", rate="-",
                                            mfu="", wait="-", follow="")  # fmt: skip
 
-    def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
-        say(delta, self.progress.console)
+    def show(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
         if "follow" in delta:
             f = delta["follow"]
             idle = "" if f["extract_running"] or f["committed"] >= f["planned"] else ", no extract running"
@@ -181,8 +187,7 @@ class RegenBar(_Bar):
         self.started = time.perf_counter()
         self.task = self.progress.add_task("regen", total=total, completed=done, rate="-")
 
-    def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
-        say(delta, self.progress.console)
+    def show(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
         rate = totals.get("tokens", 0) / max(time.perf_counter() - self.started, 1e-9)
         self.progress.update(self.task, advance=delta.get("rows", 0), rate=f"{rate:,.0f} tok/s")
         self._log()
@@ -205,8 +210,7 @@ class EvalBar(_Bar):
         self.progress.start()
         self.task = self.progress.add_task("eval", total=total, completed=done, tau="-")
 
-    def update(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
-        say(delta, self.progress.console)
+    def show(self, totals: dict[str, Any], delta: dict[str, Any]) -> None:
         self.progress.update(self.task, advance=delta.get("prompts", 0), tau=f"{totals.get('tau', 0):.3f}")
         self._log()
 
