@@ -88,8 +88,8 @@ class Setting:
             text = "comma-separated names like a,b"
         else:
             text = _WORDS.get(self.kind, _WORDS.get(typing.get_origin(self.kind), "a value"))
-        text += "".join(f" or {w}" for w in self.words)
-        return text + (f" >= {self.min:g}" if self.min is not None else "")
+        text += f" >= {self.min:g}" if self.min is not None else ""  # the bound is the number's, not a word's
+        return text + "".join(f" or {w}" for w in self.words)
 
     @property
     def names(self) -> bool:

@@ -56,7 +56,7 @@ class ExtractConfig:
     project: int | Literal["auto", "none"] = setting(
         "auto", "Store each token's tapped layers projected to R values (a basis fitted on the target's own "
         "features, which the drafter's fc folds back at export, exactly): R, auto (H/2), or none (the layers "
-        "as they are).")  # fmt: skip
+        "as they are).", min=1)  # fmt: skip
     project_basis: Literal["joint", "per-layer"] = setting(
         "joint", "One basis over the tapped layers together, or one per layer (R/K values each; lets a "
         "drafter read a subset of the layers).")  # fmt: skip

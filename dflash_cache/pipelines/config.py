@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cache.core.errors import UserError
-from dflash_cache.core.settings import SettingsError, same_as, setting
+from dflash_cache.core.settings import SettingsError, describe, from_text, same_as, setting
 from dflash_cache.eval.config import EvalSetsConfig, lookup_list_problem
 from dflash_cache.extract.config import (
     DATA_HELP,
@@ -85,13 +85,9 @@ class RecipeError(UserError, ValueError):
 
 
 def extract_project(value: str) -> int | str:
-    """A recipe's --project value as dflash extract takes it: auto, none, or a rank of at least 1
-    (refused here, before the regen that comes ahead of extraction)."""
-    if value in ("auto", "none"):
-        return value
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    raise RecipeError(f"--project: {value!r} is not auto, none or a positive integer")
+    """A recipe's --project value as dflash extract takes it, checked by extract's own setting
+    (so a bad one is refused here, before the regen that comes ahead of extraction)."""
+    return from_text(describe(ExtractConfig)["project"], value, "--project")
 
 
 @dataclass
@@ -161,14 +157,18 @@ class RecipeConfig:
         """A recipe.json as its settings; any other mapping as it is."""
         return data["settings"] if {"settings", "stages"} <= data.keys() else data
 
+    def _named_for(self, project: str) -> str:
+        """What a --project value adds to its cache's and drafters' names: nothing for the first (so
+        that adding a value to an earlier recipe keeps its cache and drafters), -project-V after."""
+        return "" if project == self.project[0] else f"-project-{project}"
+
     def caches(self) -> dict[str, Path]:
-        """Each --project value's cache: OUT/cache for the first, OUT/cache-project-V for the others
-        (so that adding a value to an earlier recipe keeps its cache and drafters)."""
-        return {v: self.out / ("cache" if i == 0 else f"cache-project-{v}") for i, v in enumerate(self.project)}
+        """Each --project value's cache: OUT/cache for the first, OUT/cache-project-V for the others."""
+        return {v: self.out / f"cache{self._named_for(v)}" for v in self.project}
 
     def runs(self) -> dict[str, tuple[str, int, int, str]]:
         """Each drafter's name and its (family, draft layers, epochs, --project value); the drafters
         on a cache other than the first are named for its value."""
         grid = itertools.product(self.project, self.families, self.draft_layers, self.epochs)
-        return {f"{family}-l{layers}-e{epochs}" + ("" if project == self.project[0] else f"-project-{project}"):
-                (family, layers, epochs, project) for project, family, layers, epochs in grid}  # fmt: skip
+        return {f"{family}-l{layers}-e{epochs}{self._named_for(project)}": (family, layers, epochs, project)
+                for project, family, layers, epochs in grid}  # fmt: skip
