@@ -276,3 +276,25 @@ def test_extract_says_what_the_basis_keeps_and_names_the_layers_it_neglects(data
             assert f"layers {', '.join(low)} keep under 97%" in line and "--project 64 keeps more" in line
         else:
             assert low == [] and "under" not in line and "--project" not in line, line
+
+
+def test_the_larger_rank_the_energy_note_suggests_is_one_extract_takes(per_layer):
+    """Twice the rank, within what extract accepts for the basis (under K x H, a multiple of K for
+    a per-layer basis); none but `--project none` where no larger rank exists."""
+    import dataclasses
+
+    from dflash_cache.cache.projection import check_projection
+    from dflash_cache.extract.basis import energy_note
+
+    spec = read_spec(per_layer)
+    k, h = len(spec.layers.ids), spec.target.hidden_size
+    for basis, rank, suggested in (("per-layer", 40, 80), ("per-layer", 300, 315), ("joint", 200, 319),
+                                   ("joint", 319, None)):  # fmt: skip
+        proj = dataclasses.replace(spec.projection, basis=basis, rank=rank, retained_energy=[0.9] * k)
+        note = energy_note(dataclasses.replace(spec, projection=proj))
+        assert note.endswith("--project none everything"), note
+        if suggested is None:
+            assert "keeps more" not in note, note
+        else:
+            assert f"--project {suggested} keeps more" in note, note
+            assert check_projection(basis, suggested, "layer-rms", k, h) is None

@@ -72,7 +72,10 @@ def energy_note(spec: CacheSpec) -> str:
     low = [str(layer) for layer, e in zip(spec.layers.ids, proj.retained_energy, strict=True) if e < LOW_ENERGY]
     if not low:
         return note
-    more = min(2 * proj.rank, len(spec.layers.ids) * spec.target.hidden_size - 1)
+    k = len(spec.layers.ids)
+    largest = k * spec.target.hidden_size - (k if proj.basis == "per-layer" else 1)  # a rank extract takes
+    more = min(2 * proj.rank, largest)
+    larger = f"--project {more} keeps more, " if more > proj.rank else ""
     return (f"{note}; layer{'s' * (len(low) > 1)} {', '.join(low)} keep{'s' * (len(low) == 1)} under "
-            f"{LOW_ENERGY:.0%} (on a real target, 94-95% cost its drafters 1-3% of tau): --project {more} keeps "
-            "more, --project none everything")  # fmt: skip
+            f"{LOW_ENERGY:.0%} (on a real target, 94-95% cost its drafters 1-3% of tau): {larger}--project none "
+            "everything")  # fmt: skip
