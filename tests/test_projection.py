@@ -298,3 +298,7 @@ def test_the_larger_rank_the_energy_note_suggests_is_one_extract_takes(per_layer
         else:
             assert f"--project {suggested} keeps more" in note, note
             assert check_projection(basis, suggested, "layer-rms", k, h) is None
+    # a layer is judged as its percentage is shown: 96.996% shows as 97.0% and is not called under 97%
+    for kept, under in ((0.96996, False), (0.9694, True)):
+        proj = dataclasses.replace(spec.projection, retained_energy=[kept] * k)
+        assert ("under 97%" in energy_note(dataclasses.replace(spec, projection=proj))) is under

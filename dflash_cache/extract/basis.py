@@ -68,8 +68,9 @@ def energy_note(spec: CacheSpec) -> str:
     rank to try: the figure a user needs to choose --project for a real target."""
     proj = spec.projection
     assert proj is not None and proj.retained_energy
-    note = "energy kept per tapped layer: " + ", ".join(f"{100 * e:.1f}%" for e in proj.retained_energy)
-    low = [str(layer) for layer, e in zip(spec.layers.ids, proj.retained_energy, strict=True) if e < LOW_ENERGY]
+    shown = [f"{100 * e:.1f}" for e in proj.retained_energy]  # judged as shown: no "97.0%" said to be under 97%
+    note = "energy kept per tapped layer: " + ", ".join(f"{e}%" for e in shown)
+    low = [str(layer) for layer, e in zip(spec.layers.ids, shown, strict=True) if float(e) < 100 * LOW_ENERGY]
     if not low:
         return note
     k = len(spec.layers.ids)
