@@ -112,7 +112,7 @@ def task(cfg, name: str, regen_path: Path, block_size: int | None = None, final_
 
     times: dict[str, float] = {}
     if name in ("untrained", "dspark"):
-        cache = cfg.out / "cache"
+        cache = cfg.out / "cache-bf16"
         while not (cache / "cache.json").exists():  # the bf16 task, running at once, is starting it
             time.sleep(1)
         t = time.perf_counter()

@@ -402,7 +402,7 @@ def test_layers_not_numbers(suite):
 
 
 def test_storage_unknown(suite):
-    assert_user_error(suite["storage_unknown"], "--storage", "int4", "bf16 or fp8")
+    assert_user_error(suite["storage_unknown"], "--storage", "int4", "auto, bf16, fp8")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="this machine has a GPU 0")

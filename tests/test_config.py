@@ -70,7 +70,7 @@ def _click_app():
 
 def test_choices_are_in_help_and_bad_ones_fail_as_one_line():
     r = _cli("extract", "--help")
-    assert "[bf16|fp8]" in r.stdout
+    assert "[auto|bf16|fp8]" in r.stdout
     assert "[fp32|bf16]" in _cli("train", "--help").stdout
     bad = _cli("train", "--cache", "c", "--out", "o", "--grad-reduce", "fp8")
     assert bad.exit_code == 1

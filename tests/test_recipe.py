@@ -67,7 +67,8 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
         assert [m["role"] for m in row["messages"]][-1] == "assistant"
     spec, full = read_spec(out / "cache"), read_spec(out / "cache-project-none")
     assert spec.layers.final_hidden and full.layers.final_hidden  # DSpark's, in the caches both trained on
-    assert spec.projection.rank == 24 and full.projection is None  # --project reaches extract (auto: H/2 = 32)
+    assert spec.projection.rank == 24 and full.projection is None  # --project reaches extract (auto: H = 64)
+    assert (spec.storage.dtype, full.storage.dtype) == ("fp8", "bf16")  # --storage auto: fp8 when projected
     for r in runs:  # each drafter trained on its own cache
         assert json.loads((out / "runs" / r / "train.json").read_text())["config"]["cache"] == str(
             out / ("cache-project-none" if r.endswith("-project-none") else "cache"))

@@ -38,7 +38,7 @@ class CommitBenchConfig:
 class ExtractBenchConfig:
     out: Path = setting(help="Where to write the benchmark cache.")
     tokens: int = setting(1_000_000, "Tokens of the synthetic log-normal length mix.")
-    storage: Literal["bf16", "fp8"] = same_as(ExtractConfig, "storage")
+    storage: Literal["auto", "bf16", "fp8"] = same_as(ExtractConfig, "storage")
     token_budget: int | None = same_as(ExtractConfig, "token_budget")
     writers: int = setting(6, "Unit writer processes (dflash extract's default with --gpus, here on a CPU too).")
     peer: bool = setting(False, "Also run the one-torch.save-per-sample baseline and both loaders.")
@@ -50,7 +50,7 @@ class ExtractBenchConfig:
     final_hidden: bool = same_as(ExtractConfig, "final_hidden")
     project: int | None = setting(None, "Projected values a token (the stage's basis fitted on the random target's "
                                   "features); default: the tapped layers as they are, where dflash extract "
-                                  "projects to H/2 unless told --project none.")  # fmt: skip
+                                  "projects to H values in fp8 unless told --project none.")  # fmt: skip
     project_basis: Literal["joint", "per-layer"] = same_as(ExtractConfig, "project_basis")
 
 

@@ -105,7 +105,7 @@ def _steady_rate(plan, marks: dict) -> float:
 
 
 def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenchConfig.tokens,
-            token_budget: int | None = None, storage: str = "bf16", unit_mb: int = 512,
+            token_budget: int | None = None, storage: str = "auto", unit_mb: int = 512,
             writers: int = ExtractBenchConfig.writers,
             device: torch.device | None = None, target=None, long: bool = False,
             lengths: np.ndarray | None = None, final_hidden: bool = False,
@@ -120,6 +120,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     from dflash_cache.cache.format import RowFormat, chunk_tokens_for, encode_rows, host_rows
     from dflash_cache.cache.spec import ProjectionInfo, default_bucket_edges, default_layer_ids, write_spec
     from dflash_cache.cache.store import committed_units
+    from dflash_cache.extract.config import resolve_storage
     from dflash_cache.extract.plan import make_plan
     from dflash_cache.extract.stage import copy_out, extract_units, fit_projection, projecting
 
@@ -134,6 +135,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     projection = None
     if project:
         projection = ProjectionInfo(basis=project_basis, rank=project, scaling="layer-rms", fit_tokens=131072)
+    storage = resolve_storage(storage, projection is not None)
     row = RowFormat.planned(storage, len(layer_ids), config["hidden_size"], projection, final=final_hidden)
     row_bytes = row.hidden_bytes
     plan = make_plan(lengths, bucket_edges=default_bucket_edges(LONG_MAX if long else 3072),

@@ -22,14 +22,22 @@ GPU_IDS = "GPU ids like 0-4 or 0,2,5"
 
 def resolve_rank(project: int | str, basis: str, num_layers: int, hidden_size: int) -> int | None:
     """The stored values a token for `--project` (None: the tapped layers as they are). auto is
-    H/2, rounded up to a multiple of K for a per-layer basis; a rank of every tapped value or more
+    H, rounded up to a multiple of K for a per-layer basis; a rank of every tapped value or more
     projects nothing."""
     if project == "none":
         return None
-    rank = hidden_size // 2 if project == "auto" else int(project)
+    rank = hidden_size if project == "auto" else int(project)
     if basis == "per-layer":
         rank = -(-rank // num_layers) * num_layers if project == "auto" else rank
     return None if project == "auto" and rank >= num_layers * hidden_size else rank
+
+
+def resolve_storage(storage: str, projected: bool) -> str:
+    """`--storage auto` is fp8 for a projected cache and bf16 for the layers as they are: the
+    smallest storage measured to keep tau for each (QUALITY.md, "Projected caches")."""
+    if storage != "auto":
+        return storage
+    return "fp8" if projected else "bf16"
 
 
 def resolve_token_budget(token_budget: int | None, cuda: bool) -> int:
@@ -48,14 +56,15 @@ class ExtractConfig:
     revision: str | None = setting(None, "Hub revision of the target.")
     max_length: int = setting(3072, "Longest sample in tokens; longer rows are rejected.", min=1)
     truncate: bool = setting(False, "Cut rows over --max-length instead of rejecting them.")
-    storage: Literal["bf16", "fp8"] = setting(
-        "bf16", "bf16, or fp8 (float8_e4m3fn with a per-token, per-layer scale).")  # fmt: skip
+    storage: Literal["auto", "bf16", "fp8"] = setting(
+        "auto", "bf16, fp8 (float8_e4m3fn with a per-token scale for each layer or basis), or auto: fp8 for a "
+        "projected cache, bf16 for the layers as they are.")  # fmt: skip
     final_hidden: bool = setting(False, "Also cache the target's last hidden state after its final norm (the LM "
                                  "head's input), which DSpark drafters train on; the target then runs all its "
                                  "layers (never the LM head).")  # fmt: skip
     project: int | Literal["auto", "none"] = setting(
         "auto", "Store each token's tapped layers projected to R values (a basis fitted on the target's own "
-        "features, which the drafter's fc folds back at export, exactly): R, auto (H/2), or none (the layers "
+        "features, which the drafter's fc folds back at export, exactly): R, auto (H), or none (the layers "
         "as they are).", min=1)  # fmt: skip
     project_basis: Literal["joint", "per-layer"] = setting(
         "joint", "One basis over the tapped layers together, or one per layer (R/K values each; lets a "

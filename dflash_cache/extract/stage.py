@@ -74,7 +74,7 @@ from dflash_cache.core.paths import output_dir
 from dflash_cache.core.progress import ProgressSink, Reporter
 from dflash_cache.extract.basis import energy_note, fit_basis, fit_sample
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
-from dflash_cache.extract.config import ExtractConfig, resolve_rank, resolve_token_budget
+from dflash_cache.extract.config import ExtractConfig, resolve_rank, resolve_storage, resolve_token_budget
 from dflash_cache.extract.mask import AUTO, choose_mask_token, data_token_ids
 from dflash_cache.extract.parallel import layout, load_copy
 from dflash_cache.extract.plan import Batch, Plan, Unit, make_plan
@@ -109,8 +109,8 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     """Tokenize, plan and describe the cache; check it against an existing one. Writes nothing
     in the cache directory except the reusable tokenized dataset under `.work/`, and with
     `write=False` (`--dry-run`) not even that."""
-    if cfg.storage not in STORAGES:
-        raise ExtractError(f"--storage {cfg.storage!r}: expected bf16 or fp8")
+    if cfg.storage not in ("auto", *STORAGES):
+        raise ExtractError(f"--storage {cfg.storage!r}: expected auto, bf16 or fp8")
     template_kwargs = check_template_kwargs(cfg.chat_template_kwargs)
     output_dir(cfg.out, "--out")
     if cfg.out.is_dir() and any(cfg.out.iterdir()) and not (cfg.out / "cache.json").exists():
@@ -143,6 +143,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
                                     data_ids=data_token_ids(tokens.dataset, vocab_size))  # fmt: skip
     device = _device_kind(cfg)
     projection = _projection(cfg, len(layer_ids), int(tc["hidden_size"]))
+    cfg = dataclasses.replace(cfg, storage=resolve_storage(cfg.storage, projection is not None))
     row_bytes = RowFormat.planned(cfg.storage, len(layer_ids), int(tc["hidden_size"]), projection).hidden_bytes
     plan = make_plan(
         np.asarray(tokens.dataset["length"], dtype=np.int64),

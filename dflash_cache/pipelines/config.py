@@ -102,8 +102,9 @@ class RecipeConfig:
     code_roots: list[str] = setting(help="Where the code prompts come from: stdlib, site-packages, or "
                                     "directories.", factory=lambda: ["stdlib"])  # fmt: skip
     regen_tokens: int = setting(512, "Longest regenerated turn.", min=1)
-    project: list[str] = setting(help="How the cache stores the tapped layers, as dflash extract --project: auto "
-                                 "(H/2 values a token), none (the layers as they are) or R. Several values make "
+    project: list[str] = setting(help="How the cache stores the tapped layers, as dflash extract --project with "
+                                 "--storage auto: auto (H values a token in fp8), none (the layers as they are, "
+                                 "bf16) or R (in fp8). Several values make "
                                  "a cache each, with the drafters trained on each: the first is OUT/cache, the "
                                  "others OUT/cache-project-V, their drafters named ...-project-V.",
                                  factory=lambda: [str(ExtractConfig.project)])  # fmt: skip

@@ -76,11 +76,11 @@ def regenerate(cfg: DemoConfig, sink: ProgressSink | None = None) -> Path:
     return path
 
 
-def extract_cache(cfg: DemoConfig, data: Path, storage: str = "bf16", sink: ProgressSink | None = None,
+def extract_cache(cfg: DemoConfig, data: Path, storage: str = "auto", sink: ProgressSink | None = None,
                   final_hidden: bool = False) -> tuple[Path, dict[str, Any]]:  # fmt: skip
     """The cache of the regenerated rows (`final_hidden`: with the target's final hidden state,
     which DSpark drafters train on; DFlash trains on the same cache as on one without it)."""
-    cache = cfg.out / ("cache" if storage == "bf16" else f"cache-{storage}")
+    cache = cfg.out / ("cache" if storage == "auto" else f"cache-{storage}")
     ex = extract.run(ExtractConfig(target=str(cfg.target), data=str(data), out=cache, max_length=2048,
                                    storage=storage, gpus=cfg.gpus, final_hidden=final_hidden),
                      sink)  # type: ignore[arg-type]  # fmt: skip
