@@ -46,6 +46,7 @@ VARIANTS = {
     "joint-1h-fp8": ("dflash", "1h", "joint", "layer-rms", "fp8"),
     "dspark-full": ("dspark", "all", "joint", "layer-rms", "bf16"),
     "dspark-joint-0.5h": ("dspark", "0.5h", "joint", "layer-rms", "bf16"),
+    "dspark-joint-1h-fp8": ("dspark", "1h", "joint", "layer-rms", "fp8"),
 }
 
 
