@@ -50,7 +50,7 @@ def test_projected_cache_on_cuda_trains_a_drafter_that_decodes_as_the_target(tmp
 
     data = write_rows(tmp_path / "rows.jsonl", [json.loads(x) for x in CHAT.read_text().splitlines()[:48]])
     cache = tmp_path / "cache"
-    extract_stage.run(extract_config(cache, data=str(data), project="auto", gpus=[0]))
+    extract_stage.run(extract_config(cache, data=str(data), project="auto", storage="bf16", gpus=[0]))
     spec = read_spec(cache)
     basis = Basis.load(cache, spec)
     model = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
