@@ -8,7 +8,6 @@ host; partial units of dead writers are swept on the next start.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import re
 import secrets
@@ -24,6 +23,7 @@ from dflash_cache.cache.format import UnitArrays, write_group
 from dflash_cache.cache.spec import StorageInfo
 from dflash_cache.core.atomic import replacing, write_atomic
 from dflash_cache.core.errors import UserError
+from dflash_cache.core.jsonl import dumps_lines
 
 if TYPE_CHECKING:  # torch is imported where it is used: unit writer processes never load it
     import torch
@@ -213,5 +213,5 @@ def read_frozen(cache_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
 
 def write_rejected(cache_dir: Path, rejected: list[tuple[int, str]]) -> None:
     """Record the source rows that were not cached, and why (one JSON object per line)."""
-    write_atomic(Path(cache_dir) / REJECTED, "".join(json.dumps({"row": row, "reason": reason}) + "\n"
+    write_atomic(Path(cache_dir) / REJECTED, dumps_lines({"row": row, "reason": reason}
                                                      for row, reason in rejected))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_cache.core.errors import UserError
+from dflash_cache.core.jsonl import iter_lines
 
 if TYPE_CHECKING:
     import torch
@@ -95,7 +96,7 @@ def read_jsonl(path: str | Path, fix: str) -> list[dict[str, Any]]:
     line is damage, not a row to reject), or `DamagedFile` naming the file and the line."""
     rows = []
     with reading(path, "JSON Lines file", fix):
-        for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        for n, line in iter_lines(Path(path).read_text(encoding="utf-8")):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:

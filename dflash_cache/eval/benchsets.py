@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cache.core.atomic import write_atomic
+from dflash_cache.core.jsonl import dumps_lines
 from dflash_cache.rows.chat import DataError, RowRejected
 from dflash_cache.rows.sources import read_rows, source_row
 
@@ -180,7 +181,7 @@ def resolve(name: str, scratch: Path) -> tuple[str, Path, dict[str, Any]]:
 def write_rows(rows: list[dict[str, Any]], out: Path) -> str:
     """Rows as JSON Lines, whole or not at all (a temporary file, renamed); returns their sha256."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    text = dumps_lines(rows)
     write_atomic(out, text)
     return hashlib.sha256(text.encode()).hexdigest()
 

@@ -83,7 +83,7 @@ def file_prompts(job: tuple[str, str, frozenset[str]]) -> list[tuple[str, str]]:
     low = text.lower()
     if "humaneval" in low or "human_eval" in low:
         return []
-    lines = text.splitlines()
+    lines = text.split("\n")  # as ast counts lines: splitlines() also cuts at \x0c, U+2028 and the like
     out: list[tuple[str, str]] = []
 
     def visit(node: ast.AST, cls: ast.ClassDef | None) -> None:

@@ -120,8 +120,8 @@ def _prompts(cfg: RecipeConfig) -> Path:
 
 
 def _first(path: Path, n: int, what: str) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in itertools.islice(f, n)]
+    with open(path, "rb") as f:  # lines cut at b"\n" alone, as JSON Lines are (core/jsonl.py)
+        rows = [json.loads(line) for line in itertools.islice((ln for ln in f if ln.strip()), n)]
     if len(rows) < n:
         raise RecipeError(f"{what} has {len(rows):,} rows ({path}), fewer than the {n:,} asked for")
     return rows

@@ -35,6 +35,7 @@ from typing import Any
 
 from dflash_cache.core.damage import damaged, read_json, read_jsonl
 from dflash_cache.core.devices import Worker, flush_denormals, launch, worker_threads
+from dflash_cache.core.jsonl import dumps_line
 from dflash_cache.core.paths import output_dir, output_file
 from dflash_cache.core.progress import ProgressSink, Reporter
 from dflash_cache.core.settings import plain
@@ -157,16 +158,16 @@ def _join(cfg: RegenConfig, n_parts: int, n_rows: int, totals: dict[str, Any], s
     tmp = cfg.out.with_name(f".{cfg.out.name}.{os.getpid()}.tmp")
     rejected_path = cfg.out.with_name(cfg.out.stem + ".rejected.jsonl")
     kept = rejected = truncated = 0
-    with open(tmp, "w") as out, open(rejected_path, "w") as rej:
+    with open(tmp, "w", encoding="utf-8") as out, open(rejected_path, "w", encoding="utf-8") as rej:
         for i in range(n_parts):
             for rec in _read_part(parts, i, len(_part_rows(i, cfg, n_rows))):
                 if "rejected" in rec:
-                    rej.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                    rej.write(dumps_line(rec))
                     rejected += 1
                     truncated += rec.get("truncated", False)
                 else:
                     truncated += rec.pop("truncated", False)
-                    out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                    out.write(dumps_line(rec))
                     kept += 1
     if not kept:  # nothing a later run could take for a finished output
         tmp.unlink()
@@ -309,7 +310,7 @@ def _write_part(part: int, cfg: RegenConfig, convs: dict, truncated: dict[int, b
     parts = parts_dir(cfg.out)
     tmp = parts / f".part-{part:05d}.{os.getpid()}.tmp"
     rows = _part_rows(part, cfg, n_rows)
-    with open(tmp, "w") as f:
+    with open(tmp, "w", encoding="utf-8") as f:
         for i in rows:
             c = convs[i]
             if isinstance(c, str):
@@ -319,6 +320,6 @@ def _write_part(part: int, cfg: RegenConfig, convs: dict, truncated: dict[int, b
                        "truncated": True}  # fmt: skip
             else:
                 rec = {"messages": c, **({"truncated": True} if truncated.get(i) else {})}
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.write(dumps_line(rec))
     os.replace(tmp, parts / f"part-{part:05d}.jsonl")
     report({"parts": 1, "rows": len(rows)})

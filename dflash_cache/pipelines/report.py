@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cache.core.errors import UserError
+from dflash_cache.core.jsonl import iter_lines
 
 METRICS = "metrics.jsonl"
 PLOTS = "report"
@@ -34,7 +35,7 @@ def read_metrics(run_dir: Path) -> dict[str, list[dict[str, Any]]]:
     if not path.is_file():
         raise ReportError(f"{run_dir} has no {METRICS}: not a `dflash train` run directory, or no step logged yet")
     out: dict[str, list[dict[str, Any]]] = {"steps": [], "val": [], "epochs": []}
-    for line in path.read_text(errors="replace").splitlines():  # damaged bytes: skipped as torn lines are
+    for _, line in iter_lines(path.read_text(errors="replace")):  # damaged bytes: skipped as torn lines are
         try:
             record = json.loads(line)
         except json.JSONDecodeError:

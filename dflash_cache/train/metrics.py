@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dflash_cache.core.jsonl import dumps_line, iter_lines
+
 if TYPE_CHECKING:
     from dflash_cache.drafters import Output
 
@@ -167,7 +169,7 @@ class MetricsLog:
         if resume_step is not None and self.path.exists():
             # a torn or damaged line (a kill mid-write, a disk error) is dropped with the lines past the checkpoint
             text = self.path.read_text(errors="replace")
-            kept = [ln for ln in text.splitlines() if ln.strip() and _step(ln) <= resume_step]
+            kept = [ln for _, ln in iter_lines(text) if _step(ln) <= resume_step]
             self.path.write_text("".join(ln + "\n" for ln in kept))
         elif resume_step is None:
             self.path.write_text("")
@@ -177,7 +179,7 @@ class MetricsLog:
         if self.rank != 0:
             return
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(dumps_line(record))
         for sink in self.sinks:
             sink.log(record)
         if self.on_progress is not None and "loss" in record:
@@ -234,7 +236,7 @@ class Trace:
 
 def _trim_trace(path: Path, resume_step: int) -> None:
     """Keep a trace's lines up to `resume_step`'s step line (none for a fresh run)."""
-    lines = path.read_text(errors="replace").splitlines() if path.exists() and resume_step > 0 else []
+    lines = [ln for _, ln in iter_lines(path.read_text(errors="replace"))] if path.exists() and resume_step > 0 else []
     kept = []
     for line in lines:  # a step's batch lines are written together with its step line
         if _step(line) == 1 << 62:  # torn or damaged: what follows it is past the checkpoint too
