@@ -6,6 +6,11 @@ lists and short stories about one small fictional island with fixed facts), beca
 trained on it should reach a visibly non-trivial acceptance length on the tiny target. Lengths
 range from about 20 to about 400 tokens so that length bucketing has something to do.
 
+Real files hold characters that some readers take for line ends (ShareGPT's text holds U+2028):
+eight of the first 40 conversations, and eight prompts, carry one each of U+2028, U+2029, U+0085,
+\\x0b, \\x0c and \\x1c-\\x1e in a user turn and in their last assistant turn (`with_line_breaks`), so
+every test that reads the bundled rows meets them.
+
 ``prompts.jsonl`` holds held-out prompts for evaluation: the same generators with another seed,
 keeping each conversation up to its first assistant turn (an optional system turn and the first
 user turn), and skipping any whose first user turn also occurs in ``chat.jsonl``.
@@ -479,6 +484,32 @@ def make_prompts(seed: int, n: int, train: list[Conversation]) -> list[Conversat
     return out
 
 
+# What str.splitlines() cuts at besides \n and \r: JSON writes the controls escaped, the rest raw.
+LINE_BREAKS = ("\u2028", "\u2029", "\u0085", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e")
+
+
+def with_break(text: str, ch: str) -> str:
+    """`text` with `ch` in place of its first paragraph break, or else before its last word."""
+    if "\n" in text:
+        return text.replace("\n", ch, 1)
+    head, _, last = text.rpartition(" ")
+    return f"{head} {ch}{last}" if head else f"{ch}{text}"
+
+
+def with_line_breaks(convs: list[Conversation], first: int, step: int) -> list[Conversation]:
+    """Conversations `first`, `first + step`, ... carry one of LINE_BREAKS each, in their first
+    user turn and their last assistant turn."""
+    out = [list(c) for c in convs]
+    for ch, i in zip(LINE_BREAKS, range(first, len(out), step), strict=False):
+        c = out[i]
+        u = next(j for j, m in enumerate(c) if m["role"] == "user")
+        c[u] = {**c[u], "content": with_break(c[u]["content"], ch)}
+        a = [j for j, m in enumerate(c) if m["role"] == "assistant"]
+        if a:
+            c[a[-1]] = {**c[a[-1]], "content": with_break(c[a[-1]]["content"], ch)}
+    return out
+
+
 def write_jsonl(path: Path, convs: list[Conversation]) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as f:
         for c in convs:
@@ -492,7 +523,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=40)
     args = ap.parse_args()
     train = make_conversations(TRAIN_SEED, args.rows)
-    prompts = make_prompts(PROMPT_SEED, args.prompts, train)
+    prompts = with_line_breaks(make_prompts(PROMPT_SEED, args.prompts, train), 1, 4)
+    train = with_line_breaks(train, 2, 5)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out_dir / "chat.jsonl", train)
     write_jsonl(args.out_dir / "prompts.jsonl", prompts)

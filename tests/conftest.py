@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import CHAT, extract_config, smollm2_gguf
+from helpers import CHAT, extract_config, jsonl_head, smollm2_gguf
 
 # Under pytest-xdist (`-n 2`: one worker a core) every process of the suite, the workers and the
 # commands they start, runs one torch thread: two workers of two threads each on two cores thrash,
@@ -91,7 +91,7 @@ def small_cache(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("small-cache")
     rows = root / "rows.jsonl"
-    rows.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:60]))
+    rows.write_text(jsonl_head(CHAT, 60))
     run(extract_config(root / "cache", data=str(rows), unit_mb=1, token_budget=512))
     return root / "cache"
 

@@ -94,9 +94,25 @@ def assert_same_cache(a_dir: Path, b_dir: Path) -> None:
                 assert x.dtype == y.dtype
 
 
+def jsonl_lines(path: Path, n: int | None = None) -> list[str]:
+    """The first `n` (default: all) lines of a JSON Lines file, newline kept, cut at "\\n" alone:
+    the bundled rows hold U+2028 and the other characters `str.splitlines()` also cuts at."""
+    return [ln + "\n" for ln in Path(path).read_text(encoding="utf-8").split("\n") if ln.strip()][:n]
+
+
+def jsonl_head(path: Path, n: int) -> str:
+    """The first `n` rows of a JSON Lines file as its text: a smaller data file for a test."""
+    return "".join(jsonl_lines(path, n))
+
+
+def jsonl_rows(path: Path, n: int | None = None) -> list[dict]:
+    """The first `n` (default: all) rows of a JSON Lines file."""
+    return [json.loads(x) for x in jsonl_lines(path, n)]
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """A run's metrics.jsonl, one dict a line."""
-    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return jsonl_rows(Path(run_dir) / "metrics.jsonl")
 
 
 def extract_config(out: Path, **overrides):

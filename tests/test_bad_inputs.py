@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import CHAT, ROOT, TINY_TARGET, smollm2_gguf
+from helpers import CHAT, ROOT, TINY_TARGET, jsonl_rows, smollm2_gguf
 
 # One fixture runs every command of the module at once (a few minutes of three CLI processes), whichever
 # tests are chosen: the module belongs to the full suite alone.
@@ -358,7 +358,7 @@ def test_bad_rows_are_counted_rejections(suite):
     assert "error:" not in r.flat_err, str(r)
     n_bad = len(BAD_ROWS)
     assert f"cached {GOOD_ROWS} samples" in r.flat_err and f"{n_bad} rows rejected" in r.flat_err, str(r)
-    rejected = [json.loads(x) for x in (suite.cache / "rejected.jsonl").read_text().splitlines()]
+    rejected = jsonl_rows(suite.cache / "rejected.jsonl")
     got = {x["row"]: x["reason"] for x in rejected}
     assert sorted(got) == sorted(suite.expected_rejections), rejected
     for row, reason in suite.expected_rejections.items():
@@ -532,7 +532,7 @@ def test_train_skip_bad_units_reports_dropped_samples(suite):
     assert r.rc == 0, str(r)
     assert "warning:" in r.flat_err and "skipping bad units" in r.flat_err, str(r)
     assert broken["bad"] in r.flat_err and f"({broken['lost']} samples dropped)" in r.flat_err, str(r)
-    metrics = [json.loads(x) for x in (suite.root / "run-skip" / "metrics.jsonl").read_text().splitlines()]
+    metrics = jsonl_rows(suite.root / "run-skip" / "metrics.jsonl")
     ends = [m["samples"] for m in metrics if "epoch_end" in m]
     assert ends == [broken["kept"]], (ends, broken)  # one process, one epoch: every sample of the good units
     assert (suite.root / "run-skip" / "export" / "model.safetensors").exists()

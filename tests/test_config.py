@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import CHAT, ROOT, TINY_TARGET, RecordingSink
+from helpers import CHAT, ROOT, TINY_TARGET, RecordingSink, jsonl_head
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -164,7 +164,7 @@ def test_a_cache_is_a_config_that_makes_the_same_cache(tmp_path):
     from dflash_cache.extract.stage import prepare
 
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:12]))
+    rows.write_text(jsonl_head(CHAT, 12))
     cache = tmp_path / "cache"
     cfg = ExtractConfig(target=str(TINY_TARGET), data=str(rows), out=cache, max_length=512, unit_mb=1,
                         token_budget=512, storage="fp8", zstd_level=5, tokenize_procs=1, max_samples=10,
@@ -244,7 +244,7 @@ def test_json_output_is_one_object_on_stdout(tmp_path):
     """extract, info, verify, train and export with --json: stdout is exactly one JSON object (no
     bar, no other line); the human forms print their lines instead."""
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:12]))
+    rows.write_text(jsonl_head(CHAT, 12))
     cache, run = tmp_path / "cache", tmp_path / "run"
     config = tmp_path / "extract.yaml"
     config.write_text(f"target: {TINY_TARGET}\ndata: {rows}\nout: {cache}\nmax_length: 512\nunit_mb: 1\n"

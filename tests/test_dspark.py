@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import ROOT, TINY_TARGET
+from helpers import ROOT, TINY_TARGET, jsonl_rows
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_cache import drafters
@@ -244,7 +244,7 @@ def test_train_validates_resumes_and_exports(final_cache, tmp_path):
     assert any(k.startswith("markov_head.") for k in a["model"]) and "confidence_head.proj.bias" in a["model"]
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
-    lines = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    lines = jsonl_rows(whole / "metrics.jsonl")
     steps = [m for m in lines if "loss" in m]
     assert [m["step"] for m in steps] == list(range(1, 9))
     assert all({"ce", "l1", "confidence", "tau_prob"} <= m.keys() and len(m["slot_acc"]) == 7 for m in steps)

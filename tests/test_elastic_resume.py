@@ -10,7 +10,6 @@ formula over the plan's tokens. The pure tests check the re-dealt plans without 
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import CHAT, extract_config
+from helpers import CHAT, extract_config, jsonl_head, jsonl_rows
 from test_follow import _committed_samples, _epoch_ends, _signal, _start, _trace, _wait_for
 
 from dflash_cache.cache.format import UnitReader
@@ -121,7 +120,7 @@ def _lr(done: float, total: float, peak: float = 6e-4, warmup: float = 0.04) -> 
 @pytest.mark.slow  # runs of two and three processes
 def test_followed_run_killed_on_two_processes_finishes_on_three(tmp_path):
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:60]))
+    rows.write_text(jsonl_head(CHAT, 60))
     cache, run, held = tmp_path / "cache", tmp_path / "run", tmp_path / "held"
     extract(extract_config(cache, data=str(rows), unit_mb=1, token_budget=512))
     spec = read_spec(cache)
@@ -170,7 +169,7 @@ def test_followed_run_killed_on_two_processes_finishes_on_three(tmp_path):
     assert sorted(sums[0]) == list(range(1, max(sums[0]) + 1))
     assert all(sums[r][s] == sums[0][s] for r in (1, 2) for s in sums[r]) and min(sums[2]) == killed_at + 1
     # the same schedule: tokens of all ranks over epochs x the plan's tokens, continued across the resize
-    steps = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "lr" in m]
+    steps = [m for m in jsonl_rows(run / "metrics.jsonl") if "lr" in m]
     assert [m["step"] for m in steps] == list(range(1, len(steps) + 1))
     total, before = 2 * spec.plan.num_tokens, 0
     for m in steps:

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import CHAT, TINY_TARGET, extract_config, read_cache
+from helpers import CHAT, TINY_TARGET, extract_config, jsonl_rows, read_cache
 from transformers import AutoModelForCausalLM
 
 from dflash_cache.cache.format import decode_hidden
@@ -44,7 +44,7 @@ def test_hidden_states_match_output_hidden_states(tiny_cache):
 
 
 def test_every_row_once_and_rejections_recorded(tmp_path):
-    rows = [json.loads(line) for line in CHAT.read_text().splitlines()[:60]]
+    rows = jsonl_rows(CHAT, 60)
     bad = {3: {"messages": []}, 10: {"messages": [{"role": "wizard", "content": "hi"}]},
            20: {"prompt": "x" * 5000, "response": "y"}}  # fmt: skip
     lines = [json.dumps(bad.get(i, r)) for i, r in enumerate(rows)]
@@ -53,7 +53,7 @@ def test_every_row_once_and_rejections_recorded(tmp_path):
     data.write_text("\n".join(lines) + "\n")
     out = tmp_path / "cache"
     summary = run(extract_config(out, data=str(data), unit_mb=1))
-    rejected = [json.loads(x) for x in (out / REJECTED).read_text().splitlines()]
+    rejected = jsonl_rows(out / REJECTED)
     rejected_rows = sorted(r["row"] for r in rejected)
     assert rejected_rows == [3, 10, 20, 30]
     assert all(r["reason"] for r in rejected)
@@ -125,7 +125,7 @@ def test_source_options_recorded_and_a_changed_one_refused(tmp_path):
     them and a rerun with other values is refused, naming the field."""
     import datasets
 
-    rows = [json.loads(line) for line in CHAT.read_text().splitlines()[:40]]
+    rows = jsonl_rows(CHAT, 40)
     saved = tmp_path / "saved"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:10]),
                           "train_sft": datasets.Dataset.from_list(rows[10:])}).save_to_disk(saved)  # fmt: skip

@@ -45,6 +45,8 @@ from helpers import (
     assert_same_cache,
     extract_cmd,
     extract_config,
+    jsonl_head,
+    jsonl_rows,
     read_cache,
     read_metrics,
 )
@@ -66,7 +68,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 
 
 def _rows(path: Path, n: int) -> Path:
-    path.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:n]))
+    path.write_text(jsonl_head(CHAT, n))
     return path
 
 
@@ -297,7 +299,7 @@ def test_extract_killed_many_times(tmp_path):
     assert verify(out) == {}
     spec = read_spec(out)
     cached = read_cache(out)  # asserts that no sample is cached twice
-    rejected = {json.loads(x)["row"] for x in (out / "rejected.jsonl").read_text().splitlines()}
+    rejected = {r["row"] for r in jsonl_rows(out / "rejected.jsonl")}
     assert sorted(cached) == [i for i in range(160) if i not in rejected]
     assert len(cached) == spec.plan.num_samples
     assert_same_cache(out, ref)
@@ -374,7 +376,7 @@ def _regen_cmd(data: Path, out: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_regen_killed_many_times(tmp_path):
-    rows = [json.loads(x) for x in CHAT.read_text().splitlines()[:12]]
+    rows = jsonl_rows(CHAT, 12)
     prompts = [next(m["content"] for m in r["messages"] if m["role"] == "user") for r in rows]
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "response": "-"}) + "\n" for p in prompts))
@@ -417,7 +419,7 @@ def test_ctrl_c_ends_regen_with_one_line_and_resumes(tmp_path):
     _one_line(rc, err, "regen")
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert len(out.read_text().splitlines()) == 8
+    assert len(jsonl_rows(out)) == 8
 
 
 # --------------------------------------------------------------------------------------- disk full

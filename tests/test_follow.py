@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import CHAT, ROOT, TINY_TARGET, as_from_a_terminal
+from helpers import CHAT, ROOT, TINY_TARGET, as_from_a_terminal, jsonl_head, jsonl_rows
 
 from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.heartbeat import HEARTBEAT, STALE
@@ -34,7 +34,7 @@ ROWS = 200
 
 def _data(tmp: Path) -> Path:
     path = tmp / "rows.jsonl"
-    path.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:ROWS]))
+    path.write_text(jsonl_head(CHAT, ROWS))
     return path
 
 
@@ -98,7 +98,7 @@ def _committed_samples(cache: Path) -> set[int]:
 
 def _trace(run: Path, rank: int = 0) -> list[dict]:
     path = run / "trace" / f"rank{rank}.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    return jsonl_rows(path) if path.exists() else []
 
 
 def _epoch_samples(run: Path, epoch: int, rank: int = 0) -> list[int]:
@@ -106,7 +106,7 @@ def _epoch_samples(run: Path, epoch: int, rank: int = 0) -> list[int]:
 
 
 def _epoch_ends(run: Path) -> dict[int, dict]:
-    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    records = jsonl_rows(run / "metrics.jsonl")
     return {r["epoch_end"]: r for r in records if "epoch_end" in r}
 
 
@@ -152,7 +152,7 @@ def test_train_follows_a_paused_and_resumed_extraction(tmp_path):
     ends = _epoch_ends(run)
     assert ends[0]["samples"] == ends[1]["samples"] == len(everything)
     # The token-based schedule, sized from cache.json before the cache existed, ends with the data.
-    lrs = [json.loads(x)["lr"] for x in (run / "metrics.jsonl").read_text().splitlines() if '"lr"' in x]
+    lrs = [r["lr"] for r in jsonl_rows(run / "metrics.jsonl") if "lr" in r]
     assert max(lrs) > 5e-4 and lrs[-1] < 1e-3 * max(lrs)
     assert ends[0]["followed_windows"] >= 2 and "followed_windows" not in ends[1]
     assert ends[0]["loader_wait_s"] >= 2.0  # the pause was spent waiting for data

@@ -18,7 +18,7 @@ import family_targets as fam
 import numpy as np
 import pytest
 import torch
-from helpers import extract_config, read_cache
+from helpers import extract_config, jsonl_rows, read_cache
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
@@ -240,7 +240,7 @@ def test_extract_caches_the_targets_hidden_states(pipeline):
 def test_train_and_export_take_the_drafter_geometry_from_the_text_config(pipeline):
     """The drafter is Qwen3-style: the text config's width and attention geometry, full RoPE at its
     theta; the hybrid's linear-attention fields, partial rotary and RoPE sections are not its."""
-    lines = [json.loads(x) for x in (pipeline["run"] / "metrics.jsonl").read_text().splitlines()]
+    lines = jsonl_rows(pipeline["run"] / "metrics.jsonl")
     losses = [m["loss"] for m in lines if "loss" in m]
     assert len(losses) >= 4 and all(np.isfinite(losses))
     drafter, dcfg = load_serving(pipeline["run"] / "export")
@@ -364,8 +364,8 @@ def test_regen_replies_are_the_targets_greedy_ones(hybrid_targets, family, tmp_p
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     stop = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
-    for src, line in zip(rows, out.read_text().splitlines(), strict=True):
-        messages = json.loads(line)["messages"]
+    for src, row in zip(rows, jsonl_rows(out), strict=True):
+        messages = row["messages"]
         k = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
         assert messages[:k] == src["messages"][:k]
         assert messages[k]["content"] == greedy_without_cache(tok, model, messages[:k], stop, 6)

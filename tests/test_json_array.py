@@ -12,7 +12,7 @@ import sys
 import warnings
 
 import pytest
-from helpers import ROOT, TINY_TARGET
+from helpers import ROOT, TINY_TARGET, jsonl_rows
 from transformers import AutoTokenizer
 
 from dflash_cache.generate.dialogue import load_prompts
@@ -187,7 +187,7 @@ def test_extract_and_regen_read_a_cut_short_file_with_one_warning(tmp_path):
     assert r.stderr.count("warning:") == 1 and want in r.stderr
     summary = json.loads(r.stdout)
     assert summary["rows"] == 3 and summary["rejected"] == 1
-    rejected = [json.loads(x) for x in (tmp_path / "regen.rejected.jsonl").read_text().splitlines()]
+    rejected = jsonl_rows(tmp_path / "regen.rejected.jsonl")
     assert rejected == [{"rejected": "not a JSON object: got array", "row": 3}]
 
 

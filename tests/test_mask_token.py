@@ -9,7 +9,7 @@ import json
 
 import family_targets as fam
 import pytest
-from helpers import CHAT, TINY_TARGET, extract_config
+from helpers import CHAT, TINY_TARGET, extract_config, jsonl_head
 from transformers import AutoConfig, AutoTokenizer
 
 from dflash_cache.cache.spec import CacheSpec, read_spec
@@ -167,7 +167,7 @@ def test_mask_id_reaches_cache_blocks_and_export(tmp_path, targets, monkeypatch,
     tok, vocab = load(target)
     want = len(tok) if family == "qwen3" else tok.convert_tokens_to_ids("<|reserved_special_token_0|>")
     data = tmp_path / "rows.jsonl"
-    data.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:40]))
+    data.write_text(jsonl_head(CHAT, 40))
     cache = tmp_path / "cache"
     ex = run(extract_config(cache, target=str(target), data=str(data)))
     assert read_spec(cache).tokenizer.mask_token_id == want == ex["mask_token"]["id"]

@@ -5,6 +5,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from helpers import jsonl_rows
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_cache.bench.shapes import QWEN3_8B
@@ -78,7 +79,6 @@ class _Sink:
 
 
 def test_metrics_log_keeps_every_record_once_and_hands_it_to_the_sinks(tmp_path):
-    import json
 
     sink, other, bars = _Sink(), _Sink(), []
     line = {"step": 1, "epoch": 0, "loss": 2.5, "accept_len": 1.5, "tokens_per_s": 9.0, "loader_wait_s": 0.0,
@@ -89,8 +89,8 @@ def test_metrics_log_keeps_every_record_once_and_hands_it_to_the_sinks(tmp_path)
     log.log({"epoch_end": 0, "step": 2, "samples": 7})
     MetricsLog(tmp_path, None, rank=1, sinks=[other]).log(line)  # other ranks keep nothing
     log.close()
-    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = jsonl_rows(tmp_path / "metrics.jsonl")
     assert lines == sink.records and len(lines) == 3 and other.records == [] and sink.closed
     assert [b["bar"]["step"] for b in bars] == [1, 2]  # step lines reach the bar, epoch ends do not
     MetricsLog(tmp_path, 1)  # resumed at step 1: the lines past it go
-    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert [r["step"] for r in jsonl_rows(tmp_path / "metrics.jsonl")] == [1]

@@ -21,7 +21,7 @@ import family_targets as fam
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, TINY_TARGET, extract_cmd, extract_config, read_cache
+from helpers import ROOT, TINY_TARGET, extract_cmd, extract_config, jsonl_head, read_cache
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from dflash_cache.cache.format import TOKEN_ARRAYS, UnitReader
@@ -155,7 +155,7 @@ def test_two_sharded_copies_write_each_sample_once(small_cache, tmp_path):
     row of the data is cached exactly once, equal to the one-process cache (`small_cache`: the same
     rows and settings)."""
     data = tmp_path / "rows.jsonl"
-    data.write_text("".join((ROOT / "data" / "chat.jsonl").read_text().splitlines(keepends=True)[:60]))
+    data.write_text(jsonl_head(ROOT / "data" / "chat.jsonl", 60))
     one, four = small_cache, tmp_path / "four"
     _sharded(data, four, TINY_TARGET, 4, 2)
     assert len(committed_units(four)) == len(committed_units(one)) >= 4  # both copies had units
@@ -170,7 +170,7 @@ def test_caches_of_any_layout_resume_each_other(tmp_path):
     """A unit lost from a one-process cache is extracted again by `--tp 2`, and one lost after
     that by one process: the cache ends whole, the one-process cache's up to bf16 rounding."""
     data = tmp_path / "rows.jsonl"
-    data.write_text("".join((ROOT / "data" / "chat.jsonl").read_text().splitlines(keepends=True)[:40]))
+    data.write_text(jsonl_head(ROOT / "data" / "chat.jsonl", 40))
     ref, out = tmp_path / "ref", tmp_path / "out"
     run(extract_config(ref, data=str(data), unit_mb=1, token_budget=512))
     shutil.copytree(ref, out)

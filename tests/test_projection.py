@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers import CHAT, ROOT, TINY_TARGET, assert_same_cache, extract_config, read_cache
+from helpers import CHAT, ROOT, TINY_TARGET, assert_same_cache, extract_config, jsonl_head, read_cache
 from transformers import AutoModelForCausalLM
 
 from dflash_cache import drafters
@@ -31,7 +31,7 @@ JOINT = {"project": "auto", "storage": "bf16"}
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
-    path.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:ROWS]))
+    path.write_text(jsonl_head(CHAT, ROWS))
     return path
 
 

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from helpers import CHAT, read_cache, reference_dflash, require_llama_cpp, smollm2_gguf
+from helpers import CHAT, jsonl_rows, read_cache, reference_dflash, require_llama_cpp, smollm2_gguf
 from test_chat_masks import expected_mask
 from test_serving_export import one_block
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -40,7 +40,7 @@ MAX_NEW = 8  # tokens a prompt in the eval test
 
 
 def chat_rows(n: int = 24) -> list[dict]:
-    return [json.loads(x) for x in CHAT.read_text().splitlines()[:n]]
+    return jsonl_rows(CHAT, n)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_loss_mask_covers_the_assistant_turns_as_chatml_renders_them(real_cache,
     tok = AutoTokenizer.from_pretrained(smollm2)
     rows = chat_rows()
     cached = read_cache(cache)
-    rejected = [json.loads(x)["row"] for x in (cache / "rejected.jsonl").read_text().splitlines()]
+    rejected = [r["row"] for r in jsonl_rows(cache / "rejected.jsonl")]
     assert sorted([*cached, *rejected]) == list(range(len(rows)))  # every row cached or rejected (too long)
     for s, (_, ids, mask, _) in cached.items():
         # SmolLM2's template is plain ChatML, whose assistant turns the qwen3 family's regex finds
@@ -255,7 +255,7 @@ def short(x):
 ''')
     (src / "copied.py").write_text('def mention():\n    """From the HumanEval benchmark, copied: no prompt."""\n')
     manifest = code_prompts.build(tmp_path / "p.jsonl", roots=[str(src)])
-    rows = [json.loads(x) for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    rows = jsonl_rows(tmp_path / "p.jsonl")
     assert manifest["rows"] == len(rows) == 2 and manifest["files"] == 2
     by_source = {r["source"]: r["prompt"] for r in rows}
     assert by_source["pkg/mod.py:Walker.walk"] == "Complete this Python function:\n```python\n" + (

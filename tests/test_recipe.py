@@ -14,10 +14,10 @@ import re
 import subprocess
 import sys
 
-from helpers import ROOT, TINY_TARGET, pypi_package, python_path
+from helpers import ROOT, TINY_TARGET, jsonl_rows, pypi_package, python_path
 
 from dflash_cache.cache.spec import read_spec
-from dflash_cache.eval.benchsets import set_rows, write_rows
+from dflash_cache.eval.benchsets import set_rows, training_rows, write_rows
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.decode import evaluate
 
@@ -40,6 +40,13 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     assert failed.returncode == 1 and f"code prompt root {str(missing)!r}" in failed.stderr, failed.stderr
     first = json.loads((out / "recipe.json").read_text())
     assert list(first["stages"]) == ["target"] and first["unfinished"]["prompts"] > 0  # the failed attempt's time
+    # ShareGPT's training side as `dflash sets` writes it, its rows that hold U+2028 and \x0c first:
+    # the recipe takes the file in OUT/sets as it is (the failed attempt wrote the whole side there)
+    side = training_rows()[0]
+    by_size = sorted(side, key=lambda r: sum(map(len, r["turns"])))
+    breaks = ([r for r in by_size if any("\u2028" in t for t in r["turns"])][:2]
+              + [r for r in by_size if any("\x0c" in t for t in r["turns"])][:1])  # fmt: skip
+    write_rows(breaks + side[:3], out / "sets" / "sharegpt-train.jsonl")
 
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
@@ -56,10 +63,11 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     assert len(regen_rows) > 2 and regen_rows == sorted(regen_rows) and regen_rows[-1] == 10, proc.stderr
     assert len(re.findall(r"^train ", proc.stderr, re.M)) >= 2 * len(runs), proc.stderr  # rich alone: one a run
 
-    regen = [json.loads(line) for line in (out / "regen.jsonl").read_text().splitlines()]
-    sharegpt = [json.loads(line) for line in (out / "sets" / "sharegpt-train.jsonl").read_text().splitlines()[:6]]
-    code = [json.loads(line) for line in (out / "sets" / "code-train.jsonl").read_text().splitlines()[:4]]
+    regen = jsonl_rows(out / "regen.jsonl")
+    sharegpt = jsonl_rows(out / "sets" / "sharegpt-train.jsonl", 6)
+    code = jsonl_rows(out / "sets" / "code-train.jsonl", 4)
     sg, cd = [t["turns"] for t in sharegpt], [[c["prompt"]] for c in code]
+    assert sharegpt[:3] == breaks and all(any(ch in "".join(t) for ch in "\u2028\x0c") for t in sg[:3])
     asked = [sg[0], cd[0], sg[1], cd[1], sg[2], cd[2], sg[3], cd[3], sg[4], sg[5]]  # alternating while both last
     assert len(regen) == 10 and all(c["source"].startswith("generate/") for c in code)
     for row, turns in zip(regen, asked, strict=True):  # every human turn asked, in order, and answered

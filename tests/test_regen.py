@@ -13,7 +13,7 @@ from pathlib import Path
 import family_targets as fam
 import pytest
 import torch
-from helpers import CHAT, ROOT, TINY_TARGET, RecordingSink
+from helpers import CHAT, ROOT, TINY_TARGET, RecordingSink, jsonl_rows
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -24,7 +24,7 @@ from dflash_cache.pipelines.regen import RegenConfig, parts_dir, run
 
 
 def _source(n):
-    return [json.loads(x) for x in CHAT.read_text().splitlines()[:n]]
+    return jsonl_rows(CHAT, n)
 
 
 def greedy_reply(tok, model, messages, stop, max_new_tokens, **template_kwargs) -> str:
@@ -51,7 +51,7 @@ def regen_rows(tmp_path: Path, rows: list[dict], **settings) -> tuple[dict, list
     data, out = tmp_path / "in.jsonl", tmp_path / "regen.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     summary = run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, **settings))
-    return summary, [json.loads(x)["messages"] for x in out.read_text().splitlines()]
+    return summary, [r["messages"] for r in jsonl_rows(out)]
 
 
 def first_reply(messages: list[dict]) -> int:
@@ -67,7 +67,7 @@ def test_prompts_kept_and_responses_are_the_targets_own(tmp_path):
     summary = run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=40, part_rows=5,
                               batch_size=4))  # fmt: skip
     assert summary["rows"] == 13 and summary["rejected"] == 1
-    got = [json.loads(x) for x in out.read_text().splitlines()]
+    got = jsonl_rows(out)
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)
     model = AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval()
     stop = [tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")]
@@ -106,7 +106,7 @@ def test_family_targets_template_kwargs_and_stop_ids(tmp_path, family, kwargs):
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     stop = [tok.convert_tokens_to_ids(t) for t in fam_stops(family)]
-    got = [json.loads(x)["messages"] for x in out.read_text().splitlines()]
+    got = [r["messages"] for r in jsonl_rows(out)]
     prompt = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False, **kwargs) != \
         tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)  # the kwargs matter  # fmt: skip
@@ -135,7 +135,7 @@ def test_every_row_form_regenerates_alike(tmp_path):
     data.write_text("".join(json.dumps(r) + "\n" for r in forms + with_system))
     out = tmp_path / "regen.jsonl"
     assert run(RegenConfig(target=str(TINY_TARGET), data=str(data), out=out, max_new_tokens=16))["rows"] == 8
-    got = [json.loads(x) for x in out.read_text().splitlines()]
+    got = jsonl_rows(out)
     assert all(g == got[0] for g in got[: len(forms)]) and got[6] == got[7]
     assert got[0]["messages"][0] == {"role": "user", "content": q} and got[0]["messages"][1]["content"] != "Ila."
     assert got[6]["messages"][0] == {"role": "system", "content": system}

@@ -23,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, require_llama_cpp
+from helpers import ROOT, jsonl_rows, require_llama_cpp
 
 from dflash_cache.core.errors import UserError
 from dflash_cache.pipelines.config import RegenConfig
@@ -111,7 +111,7 @@ def test_regen_through_a_real_server_renders_as_the_server_does(server, target, 
     summary = run(RegenConfig(target=str(target), data=str(_rows(tmp_path / "in.jsonl", 6)), out=out,
                               max_new_tokens=24, server=server.url, concurrency=3, part_rows=2))  # fmt: skip
     assert summary["rows"] == 6 and summary["rejected"] == 0
-    got = [json.loads(x)["messages"] for x in out.read_text().splitlines()]
+    got = [r["messages"] for r in jsonl_rows(out)]
     truncated = 0
     for q, messages in zip(QUESTIONS, got, strict=True):
         want = _chat(server.url, q, 24)

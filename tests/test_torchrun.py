@@ -5,7 +5,6 @@ docs/guides/multi-gpu.md's torchrun recipe is these commands with a real host in
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import CHAT, ROOT, TINY_TARGET, extract_config, read_cache
+from helpers import CHAT, ROOT, TINY_TARGET, extract_config, jsonl_head, jsonl_rows, read_cache
 
 from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.spec import read_spec
@@ -82,7 +81,7 @@ def _two_nodes(rendezvous: str, argv: list[str], logs: Path, per_node: int = 1) 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("rows") / "rows.jsonl"
-    path.write_text("".join(CHAT.read_text().splitlines(keepends=True)[:ROWS]))
+    path.write_text(jsonl_head(CHAT, ROWS))
     return path
 
 
@@ -143,7 +142,7 @@ def test_sharded_copies_on_two_nodes(rows, one_process, tmp_path):
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = jsonl_rows(run_dir / "metrics.jsonl")
     return [{k: v for k, v in m.items() if k not in TIMING} for m in lines]
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import RecordingSink
+from helpers import RecordingSink, jsonl_rows
 
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.core.devices import Worker, flush_denormals, launch, process_group, worker_threads
@@ -23,7 +23,7 @@ def _cfg(cache, out, **kw):
 
 
 def _metrics(run_dir):
-    return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return jsonl_rows(Path(run_dir) / "metrics.jsonl")
 
 
 @pytest.mark.slow  # three epochs of the whole cache
@@ -52,7 +52,7 @@ def _state(run_dir):
 def test_ddp_two_processes(tiny_cache, tmp_path):
     out = tmp_path / "ddp"
     run(_cfg(tiny_cache, out, procs=2, epochs=2, token_budget=2048, max_anchors=8, trace=True))
-    traces = [[json.loads(x) for x in (out / "trace" / f"rank{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    traces = [jsonl_rows(out / "trace" / f"rank{r}.jsonl") for r in (0, 1)]
     # replicas identical after every step
     sums = [[x["checksum"] for x in t if "step" in x] for t in traces]
     assert sums[0] == sums[1] and len(sums[0]) > 3
@@ -156,10 +156,11 @@ def test_a_run_of_few_optimizer_steps_is_warned(tiny_cache, tmp_path):
     cfg = _cfg(tiny_cache, tmp_path / "run", epochs=2, draft_layers=1, max_anchors=8, log_every=100)
     sink = RecordingSink()
     summary = run(cfg, sink)
-    steps = summary["steps"]
-    assert steps < FEW_STEPS and steps == 2 * (steps // 2)
+    # the warning counts the first epoch's batches twice; a later epoch may pack one more or fewer
+    first = next(r["step"] for r in _metrics(tmp_path / "run") if r.get("epoch_end") == 0)
+    assert summary["steps"] < FEW_STEPS and abs(summary["steps"] - 2 * first) <= 2
     few = [w for w in _warnings(sink) if "optimizer steps" in w]
-    assert few == [few[0]] and f"takes {steps} optimizer steps (2 epochs of {steps // 2})" in few[0], _warnings(sink)
+    assert few == [few[0]] and f"takes {2 * first} optimizer steps (2 epochs of {first})" in few[0], _warnings(sink)
     again = RecordingSink()
     run(_cfg(tiny_cache, tmp_path / "run", epochs=2, draft_layers=1, max_anchors=8, log_every=100), again)  # resumes
     short = RecordingSink()

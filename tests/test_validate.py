@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import jsonl_rows
 
 from dflash_cache.cache.spec import SpecError, read_spec
 from dflash_cache.cache.store import read_frozen
@@ -218,7 +219,7 @@ def runs(tiny_cache, tmp_path_factory):
 
 
 def _records(run_dir):
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = jsonl_rows(run_dir / "metrics.jsonl")
     return [r for r in lines if "val_accept_len" in r], [r for r in lines if "loss" in r]
 
 
@@ -294,8 +295,7 @@ def test_training_never_reads_held_out_units(runs, tiny_cache):
         return set(meta["attributes"]["dflash_unit"]["index"]["sample_index"])
 
     held_rows = set().union(*(samples(u) for u in held))
-    trained = [s for line in (a / "trace" / "rank0.jsonl").read_text().splitlines()
-               for s in json.loads(line).get("samples", [])]  # fmt: skip
+    trained = [s for r in jsonl_rows(a / "trace" / "rank0.jsonl") for s in r.get("samples", [])]
     assert len(trained) > 50 and not held_rows & set(trained)
     assert set(trained) <= set().union(*(samples(u) for u in range(6) if u not in held))
 

@@ -3,12 +3,10 @@ projected cache and the drafter trained on it, the compiled training step, DDP o
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
-from helpers import CHAT, ROOT, TINY_TARGET, extract_config, read_cache, read_metrics
+from helpers import CHAT, ROOT, TINY_TARGET, extract_config, jsonl_rows, read_cache, read_metrics
 from test_hybrid import write_rows
 from transformers import AutoModelForCausalLM
 
@@ -29,7 +27,7 @@ def test_fp8_cache_on_cuda_equals_the_cpu_one(tmp_path):
     from dflash_cache.cache.format import decode_hidden
 
     gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
-    data = write_rows(tmp_path / "rows.jsonl", [json.loads(x) for x in CHAT.read_text().splitlines()[:24]])
+    data = write_rows(tmp_path / "rows.jsonl", jsonl_rows(CHAT, 24))
     extract_stage.run(extract_config(gpu, data=str(data), storage="fp8", gpus=[0]))
     extract_stage.run(extract_config(cpu, data=str(data), storage="fp8"))
     a, b = read_cache(gpu), read_cache(cpu)
@@ -48,7 +46,7 @@ def test_projected_cache_on_cuda_trains_a_drafter_that_decodes_as_the_target(tmp
     from dflash_cache.cache.format import decode_hidden
     from dflash_cache.cache.projection import Basis
 
-    data = write_rows(tmp_path / "rows.jsonl", [json.loads(x) for x in CHAT.read_text().splitlines()[:48]])
+    data = write_rows(tmp_path / "rows.jsonl", jsonl_rows(CHAT, 48))
     cache = tmp_path / "cache"
     extract_stage.run(extract_config(cache, data=str(data), project="auto", storage="bf16", gpus=[0]))
     spec = read_spec(cache)
