@@ -1,4 +1,4 @@
-"""The cache's projection basis (DESIGN.md section 3, "the fold"): fitted, stored, applied, folded.
+"""The cache's projection basis (docs/reference/projection.md): fitted, stored, applied, folded.
 
 Both drafter families read the cached layers through one bias-free linear map first,
 `fc: K*H -> H`. So a cache may hold `z = W x` per token instead of the K tapped layers `x`: the

@@ -156,7 +156,7 @@ class PlanInfo:
 
 @dataclass
 class ProjectionInfo:
-    """The fold (DESIGN.md section 3): the cache holds `z = W x` per token, not the tapped layers `x`.
+    """The fold (docs/reference/projection.md): the cache holds `z = W x` per token, not the tapped layers `x`.
 
     `W` (`projection.safetensors`, cache/projection.py) is fitted on the target's own features
     before the first unit: each tapped layer divided by its RMS (`scaling` "layer-rms"), then the

@@ -1,4 +1,4 @@
-"""The export of a drafter trained on a projected cache: `fc = fc' W` (DESIGN.md section 3).
+"""The export of a drafter trained on a projected cache: `fc = fc' W` (docs/reference/projection.md).
 
 Training on a projected cache gives `fc'` [H, r] over the stored values `z = W x`. The serving
 format (and z-lab's code, vLLM and SGLang) reads `fc` [H, K*H] over the full tapped layers; the

@@ -1,7 +1,7 @@
 """The DSpark family (arXiv 2607.05147; deepseek-ai/DeepSpec): DFlash's parallel block backbone,
 a Markov head and a confidence head, trained with CE + L1 (total variation) + confidence BCE.
 
-What the reference's code does, and this module with it (DESIGN.md 2b; QUALITY.md has the check):
+What the reference's code does, and this module with it (docs/reference/dspark.md; QUALITY.md has the check):
 
 - **Blocks.** Slot 0 holds the anchor token, slots 1..B-1 the mask token, at positions anchor + k,
   as in DFlash; but slot k (k = 0..B-1) predicts the token at anchor + k + 1, so a block of B slots
