@@ -4,6 +4,12 @@ A batch is packed: S sequences concatenated with `offsets [S+1]`, and blocks of 
 anchors in them (`blocks.py`). Block j attends to the context of its own sequence strictly before
 its anchor and bidirectionally to its own B tokens, never to other blocks; `block_attention`
 implements that rule with flex attention on GPU and with an exact chunked SDPA elsewhere.
+
+A sliding layer (`window` W) keeps of that only the keys within W positions of the query, z-lab's
+reference rule (`dflash` 0.1.0, `_attention_mask`): the block token at position q = anchor + k sees
+the context positions [q - W + 1, anchor) and the block tokens at positions j with |q - j| < W (all
+B of them when B <= W). Both paths then visit only the window's keys: the cost of a block's
+attention is O(W), whatever the context (docs/reference/serving-format.md, "Sliding-window layers").
 """
 
 from __future__ import annotations
@@ -44,8 +50,8 @@ class BlockLayout:
     block_seq: Tensor  # [nb] sequence of each block
     block_anchor: Tensor  # [nb] anchor position (within its sequence) of each block
     offsets: Tensor  # [S+1] int64: sequence s is context rows offsets[s]:offsets[s+1]
-    _flex_mask: object | None = field(default=None, init=False, repr=False, compare=False)
-    _sdpa_plan: list | None = field(default=None, init=False, repr=False, compare=False)
+    _flex_masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # by window
+    _sdpa_plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -84,16 +90,17 @@ class BlockLayout:
         return BlockLayout(self.block_size, *(to_device(t, device) for t in (
             self.ctx_seq, self.ctx_pos, self.block_seq, self.block_anchor, self.offsets)))  # fmt: skip
 
-    def flex_block_mask(self) -> BlockMask:
-        """The flex BlockMask of the attention rule over [context ; block tokens], built once.
+    def flex_block_mask(self, window: int | None = None) -> BlockMask:
+        """The flex BlockMask of the attention rule over [context ; block tokens], built once per
+        window (None: full attention).
 
         The tiles each query tile must visit come straight from the layout (`kv_tiles`), so no
         [Q, KV] mask is ever evaluated and nothing is compiled per batch shape; `mask_mod`
         decides inside the visited tiles. Every lookup table is padded past the next multiple of
         128 with ids that match nothing, so the mask_mod stays in bounds in padded tiles too.
         """
-        if self._flex_mask is not None:
-            return self._flex_mask
+        if window in self._flex_masks:
+            return self._flex_masks[window]
         B, nc, dev = self.block_size, self.num_context, self.block_seq.device
         nq = self.num_blocks * B
 
@@ -109,18 +116,31 @@ class BlockLayout:
         kv_pos = padded(torch.cat([self.ctx_pos, torch.zeros_like(blk)]), -3)
         kv_blk = padded(torch.cat([torch.full_like(self.ctx_seq, -1), blk]), -3)
 
-        def mask_mod(b, h, q_idx, kv_idx):
-            in_context = (kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
-            return in_context | (kv_blk[kv_idx] == q_blk[q_idx])
+        if window is None:
 
-        counts, indices, full_counts, full_indices = self.kv_tiles()
-        self._flex_mask = BlockMask.from_kv_blocks(
+            def mask_mod(b, h, q_idx, kv_idx):
+                in_context = (kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
+                return in_context | (kv_blk[kv_idx] == q_blk[q_idx])
+
+        else:
+            q_pos = padded(self.query_positions(), -2)
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                in_context = ((kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
+                              & (kv_pos[kv_idx] > q_pos[q_idx] - window))  # fmt: skip
+                own = kv_blk[kv_idx] == q_blk[q_idx]
+                if window < B:  # block keys too: slot c of the query's block sits at nc + its query index
+                    own = own & ((kv_idx - nc - q_idx).abs() < window)
+                return in_context | own
+
+        counts, indices, full_counts, full_indices = self.kv_tiles(window)
+        self._flex_masks[window] = BlockMask.from_kv_blocks(
             counts[None, None], indices[None, None], full_counts[None, None], full_indices[None, None],
             BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(nq, nc + nq),
         )  # fmt: skip
-        return self._flex_mask
+        return self._flex_masks[window]
 
-    def kv_tiles(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def kv_tiles(self, window: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """For each 128-query tile, the 128-key tiles it may attend to, split as flex wants them:
         (counts [Qt], indices [Qt, KVt]) of the partial tiles, where mask_mod decides pair by
         pair, and (full_counts, full_indices) of the full tiles, where every pair is allowed and
@@ -133,27 +153,20 @@ class BlockLayout:
         `Nc + query index`. When the tile's blocks all belong to one sequence, the context tiles
         before its smallest anchor are full: at long context that is nearly all of them, and
         skipping mask_mod there is what makes the attention kernel fast (BENCHMARKS.md).
+
+        With a window, a tile visits only the context tiles of its blocks' windows (`_window_tiles`).
         """
-        B, nc, dev = self.block_size, self.num_context, self.block_seq.device
-        nq = self.num_blocks * B
-        n_qt, n_kvt = -(-nq // TILE), -(-(nc + nq) // TILE)
+        if window is not None:
+            return self._window_tiles(window)
+        nc, nq = self.num_context, self.num_blocks * self.block_size
+        n_kvt = -(-(nc + nq) // TILE)
         starts = self.offsets[self.block_seq]  # context start of each block's sequence
         ends = starts + self.block_anchor  # one past the last visible context token
-        first_tile = torch.arange(self.num_blocks, device=dev) * B // TILE  # a block may straddle
-        last_tile = ((torch.arange(self.num_blocks, device=dev) + 1) * B - 1) // TILE  # two tiles
-
-        def per_tile(values: Tensor, reduce: str, init: int) -> Tensor:
-            out = torch.full((n_qt,), init, dtype=torch.int64, device=dev)
-            for tile in (first_tile, last_tile):
-                out.scatter_reduce_(0, tile, values, reduce)
-            return out
+        per_tile = self._per_tile
 
         lo, hi, min_end = per_tile(starts, "amin", nc), per_tile(ends, "amax", 0), per_tile(ends, "amin", nc)
         one_seq = per_tile(self.block_seq, "amin", 1 << 62) == per_tile(self.block_seq, "amax", -1)
-        t = torch.arange(n_qt, device=dev)
-        # own keys: the whole blocks the tile's queries belong to (at nc + their token indices)
-        own_lo = (nc + t * TILE // B * B) // TILE
-        own_hi = (nc + torch.clamp(-(-(t + 1) * TILE // B) * B, max=nq) - 1) // TILE
+        own_lo, own_hi = self._own_tiles()
         ctx_lo = lo // TILE
         ctx_hi = torch.minimum((hi - 1) // TILE, own_lo - 1)  # a shared tile is counted as own
         n_ctx = torch.where(hi > lo, ctx_hi - ctx_lo + 1, 0).clamp(min=0)
@@ -167,33 +180,104 @@ class BlockLayout:
         full_counts, full_indices = _tile_runs([(full_lo, n_full)], n_kvt)
         return counts, indices, full_counts, full_indices
 
-    def sdpa_plan(self) -> list[tuple[int, int, int, int]]:
-        """(q_start, q_end, ctx_start, ctx_len) pieces for the exact path, in query order.
+    def _per_tile(self, values: Tensor, reduce: str, init: int) -> Tensor:
+        """[query tiles]: `reduce` of the blocks' `values` over the blocks each query tile holds (a
+        block may straddle two tiles)."""
+        nb, B, dev = self.num_blocks, self.block_size, self.block_seq.device
+        out = torch.full((-(-nb * B // TILE),), init, dtype=torch.int64, device=dev)
+        j = torch.arange(nb, device=dev)
+        for tile in (j * B // TILE, ((j + 1) * B - 1) // TILE):
+            out.scatter_reduce_(0, tile, values, reduce)
+        return out
+
+    def _own_tiles(self) -> tuple[Tensor, Tensor]:
+        """(first, last) key tile of each query tile's own block keys: the whole blocks its queries
+        belong to, at nc + their token indices."""
+        B, nc, nq = self.block_size, self.num_context, self.num_blocks * self.block_size
+        t = torch.arange(-(-nq // TILE), device=self.block_seq.device)
+        own_lo = (nc + t * TILE // B * B) // TILE
+        own_hi = (nc + torch.clamp(-(-(t + 1) * TILE // B) * B, max=nq) - 1) // TILE
+        return own_lo, own_hi
+
+    def _window_tiles(self, window: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """`kv_tiles` of a sliding layer: each query tile visits the union of its blocks' window
+        tiles (block j's context [anchor - W + 1, anchor)) and its own block keys, so the tiles a
+        block costs are O(W) however far apart the tile's anchors lie. A context tile is full
+        when every query of a one-sequence tile sees all of it: inside [largest anchor + B - W,
+        smallest anchor), the window of the tile's last slot of its furthest block."""
+        B, nc, dev = self.block_size, self.num_context, self.block_seq.device
+        nq = self.num_blocks * B
+        n_qt, n_kvt = -(-nq // TILE), -(-(nc + nq) // TILE)
+        starts = self.offsets[self.block_seq]
+        ends = starts + self.block_anchor
+        lows = starts + (self.block_anchor - window + 1).clamp(min=0)  # slot 0's first visible context key
+        # each block's context tiles [lows // TILE, (ends - 1) // TILE], marked on its query tiles
+        # through a difference array over the key tiles
+        marks = torch.zeros(n_qt, n_kvt + 1, dtype=torch.int32, device=dev)
+        j = torch.arange(self.num_blocks, device=dev)
+        some = ends > lows
+        ones = torch.ones(int(some.sum()), dtype=torch.int32, device=dev)
+        for tile in (j * B // TILE, ((j + 1) * B - 1) // TILE):
+            marks.index_put_((tile[some], lows[some] // TILE), ones, accumulate=True)
+            marks.index_put_((tile[some], (ends[some] - 1) // TILE + 1), -ones, accumulate=True)
+        kv_t = torch.arange(n_kvt, device=dev)
+        own_lo, own_hi = self._own_tiles()
+        visit = (marks.cumsum(1)[:, :n_kvt] > 0) | ((kv_t >= own_lo[:, None]) & (kv_t <= own_hi[:, None]))
+        one_seq = self._per_tile(self.block_seq, "amin", 1 << 62) == self._per_tile(self.block_seq, "amax", -1)
+        full_start = self._per_tile(starts + (self.block_anchor + B - window).clamp(min=0), "amax", 0)
+        full_end = self._per_tile(ends, "amin", nc)
+        full = one_seq[:, None] & (kv_t >= -(-full_start[:, None] // TILE)) & (kv_t < full_end[:, None] // TILE)
+        return (*_tile_list(visit & ~full), *_tile_list(full))
+
+    def sdpa_plan(self, window: int | None = None) -> list[tuple[int, int, int, int, int]]:
+        """(q_start, q_end, ctx_start, lo, hi) pieces for the exact path, in query order: queries
+        [q_start, q_end) score the context positions [lo, hi) of the sequence whose context rows
+        start at ctx_start.
 
         A piece is a run of consecutive blocks of one sequence; its context is that sequence's
-        prefix up to the largest anchor in the run. Runs are cut so that a piece's score matrix
-        stays near SDPA_CHUNK_ELEMS elements per head.
+        prefix up to the largest anchor in the run (with a window, from the smallest anchor's
+        window start on). Runs are cut so that a piece's score matrix stays near SDPA_CHUNK_ELEMS
+        elements per head, and, with a window, so that a piece's context stays within twice the
+        window: a block's cost is then O(W) however far apart its run's anchors lie.
         """
-        if self._sdpa_plan is not None:
-            return self._sdpa_plan
+        if window in self._sdpa_plans:
+            return self._sdpa_plans[window]
         B = self.block_size
         seqs = self.block_seq.tolist()
         anchors = self.block_anchor.tolist()
         offsets = self.offsets.tolist()
-        plan: list[tuple[int, int, int, int]] = []
+        plan: list[tuple[int, int, int, int, int]] = []
         j = 0
         while j < len(seqs):
             s, start = seqs[j], j
             if start > 0 and s < seqs[start - 1]:
                 raise ValueError("blocks must be grouped by sequence, in sequence order")
+            run_min = run_max = anchors[start]
             while j < len(seqs) and seqs[j] == s:
                 nq = (j - start + 1) * B
-                if j > start and nq * (anchors[j] + nq) > SDPA_CHUNK_ELEMS:
+                a_min, a_max = min(run_min, anchors[j]), max(run_max, anchors[j])
+                if window is None:
+                    too_big = nq * (anchors[j] + nq) > SDPA_CHUNK_ELEMS
+                else:
+                    span = a_max - max(0, a_min - window + 1)
+                    too_big = nq * (span + nq) > SDPA_CHUNK_ELEMS or span > 2 * window
+                if j > start and too_big:
                     break
+                run_min, run_max = a_min, a_max
                 j += 1
-            plan.append((start * B, j * B, offsets[s], max(anchors[start:j])))
-        self._sdpa_plan = plan
+            lo = 0 if window is None else max(0, run_min - window + 1)
+            plan.append((start * B, j * B, offsets[s], lo, run_max))
+        self._sdpa_plans[window] = plan
         return plan
+
+
+def _tile_list(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Rows of tile ids from a [rows, tiles] mask: (counts [rows] int32, indices [rows, tiles] int32,
+    each row's marked tiles in order, zero past its count)."""
+    counts = mask.sum(1)
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+    used = torch.arange(mask.shape[1], device=mask.device) < counts[:, None]
+    return counts.to(torch.int32), torch.where(used, order, 0).to(torch.int32)
 
 
 def _tile_runs(runs: list[tuple[Tensor, Tensor]], width: int) -> tuple[Tensor, Tensor]:
@@ -221,22 +305,25 @@ def block_attention(
     layout: BlockLayout,
     scale: float | None = None,
     impl: str | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Attention of block queries over [own-sequence context before the anchor ; own block].
 
     q [nq, Hq, D] with nq = nb*B; k_ctx, v_ctx [Nc, Hkv, D]; k_blk, v_blk [nq, Hkv, D]; Hq a
     multiple of Hkv (GQA: query head h reads kv head h // (Hq/Hkv)). Returns [nq, Hq, D].
-    impl: "flex", "sdpa", or None (flex on CUDA when it works, else sdpa).
+    impl: "flex", "sdpa", or None (flex on CUDA when it works, else sdpa). window: a sliding
+    layer's W (the module docstring's rule), None for full attention.
     """
     global _flex_broken
     if q.shape[0] == 0:
         return q * 0  # keeps the graph for an empty batch
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    args = (q, k_ctx, v_ctx, k_blk, v_blk, layout, scale, window)
     if impl is None:
         use_flex = q.is_cuda and _flex_compiled is not None and not _flex_broken
         if use_flex:
             try:
-                return _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale)
+                return _flex_path(*args)
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # compile/kernel failure: fall back once, loudly
@@ -248,13 +335,13 @@ def block_attention(
                 )
         impl = "sdpa"
     if impl == "flex":
-        return _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale)
+        return _flex_path(*args)
     if impl == "sdpa":
-        return _sdpa_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale)
+        return _sdpa_path(*args)
     raise ValueError(f"unknown attention impl {impl!r}")
 
 
-def _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale) -> Tensor:
+def _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale, window) -> Tensor:
     fn = _flex_compiled if _flex_compiled is not None else flex_attention
     k = torch.cat([k_ctx, k_blk]).transpose(0, 1).unsqueeze(0)
     v = torch.cat([v_ctx, v_blk]).transpose(0, 1).unsqueeze(0)
@@ -262,33 +349,42 @@ def _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale) -> Tensor:
         q.transpose(0, 1).unsqueeze(0),
         k,
         v,
-        block_mask=layout.flex_block_mask(),
+        block_mask=layout.flex_block_mask(window),
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
     return out[0].transpose(0, 1)
 
 
-def _sdpa_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale) -> Tensor:
+def _sdpa_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale, window) -> Tensor:
     """Exact attention without a [nq, nq] score block: each query scores its sequence's context
-    prefix and its own block's B keys, and one softmax runs over both. Most of a dense
-    [context ; all blocks] mask would be masked out, so this is several times cheaper on CPU."""
+    prefix (a sliding layer: its window of it) and its own block's B keys, and one softmax runs
+    over both. Most of a dense [context ; all blocks] mask would be masked out, so this is several
+    times cheaper on CPU."""
     B = layout.block_size
     groups = q.shape[1] // k_ctx.shape[1]
     anchors = layout.block_anchor
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax in float32 at least
+    slots = torch.arange(B, device=q.device)
     outs = []
-    for q0, q1, c0, n_ctx in layout.sdpa_plan():
-        nb = (q1 - q0) // B
+    for q0, q1, c0, lo, hi in layout.sdpa_plan(window):
+        nb, n_ctx = (q1 - q0) // B, hi - lo
         qs = q[q0:q1].view(nb, B, *q.shape[1:]).transpose(1, 2)  # [nb, Hq, B, D]
-        kc = k_ctx[c0 : c0 + n_ctx].repeat_interleave(groups, dim=1).transpose(0, 1)  # [Hq, T, D]
-        vc = v_ctx[c0 : c0 + n_ctx].repeat_interleave(groups, dim=1).transpose(0, 1)
+        kc = k_ctx[c0 + lo : c0 + hi].repeat_interleave(groups, dim=1).transpose(0, 1)  # [Hq, T, D]
+        vc = v_ctx[c0 + lo : c0 + hi].repeat_interleave(groups, dim=1).transpose(0, 1)
         kb = k_blk[q0:q1].view(nb, B, *k_blk.shape[1:]).repeat_interleave(groups, dim=2).transpose(1, 2)
         vb = v_blk[q0:q1].view(nb, B, *v_blk.shape[1:]).repeat_interleave(groups, dim=2).transpose(1, 2)
         s_ctx = torch.einsum("nhbd,htd->nhbt", qs, kc).to(acc) * scale
-        visible = torch.arange(n_ctx, device=q.device) < anchors[q0 // B : q1 // B, None]  # [nb, T]
-        s_ctx = s_ctx.masked_fill(~visible[:, None, None, :], float("-inf"))
+        pos, anchor = torch.arange(lo, hi, device=q.device), anchors[q0 // B : q1 // B, None]
+        if window is None:
+            visible = (pos < anchor)[:, None, None, :]  # [nb, 1, 1, T]
+        else:  # slot k of the block at anchor a sees [a + k - W + 1, a)
+            near = pos[None, None, :] > (anchor + slots[None, :] - window)[:, :, None]
+            visible = ((pos < anchor)[:, None, :] & near)[:, None]  # [nb, 1, B, T]
+        s_ctx = s_ctx.masked_fill(~visible, float("-inf"))
         s_blk = torch.einsum("nhbd,nhcd->nhbc", qs, kb).to(acc) * scale
+        if window is not None and window < B:
+            s_blk = s_blk.masked_fill((slots[:, None] - slots[None, :]).abs() >= window, float("-inf"))
         p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1).to(v_ctx.dtype)
         o = torch.einsum("nhbt,htd->nhbd", p[..., :n_ctx], vc) + torch.einsum("nhbc,nhcd->nhbd", p[..., n_ctx:], vb)
         outs.append(o.transpose(1, 2).reshape(q1 - q0, *q.shape[1:]))
