@@ -26,6 +26,7 @@ CTX = 13  # context positions before the first block; the cached case continues 
 CTX2 = 19
 MAX_NEW = 24
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+WINDOW = 6  # shorter than either context
 
 # Runs in a clean interpreter: transformers' module cache in a fresh directory, no dflash_cache.
 REMOTE = r"""
@@ -66,14 +67,16 @@ torch.save(results, job["out"])
 """
 
 
-def tiny_drafter(rope_scaling: dict | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
+def tiny_drafter(rope_scaling: dict | None = None, window: int | None = None) -> tuple[DFlashDrafter, DrafterConfig]:
     """A random drafter for the tiny target with bf16-representable weights (the export is then
-    lossless) and norms away from 1, so that every weight matters."""
+    lossless) and norms away from 1, so that every weight matters. `window`: its first layer slides
+    with that window, its second keeps full attention."""
     cfg = json.loads((TINY_TARGET / "config.json").read_text())
     if rope_scaling is not None:
         cfg["rope_parameters"] = {**cfg["rope_parameters"], **rope_scaling}
+    types = None if window is None else ["sliding_attention", "full_attention"]
     dcfg = DrafterConfig.from_target(cfg, target_layer_ids=[1, 4, 6], mask_token_id=1535, num_draft_layers=2,
-                                     block_size=B)  # fmt: skip
+                                     block_size=B, sliding_window=window, layer_types=types)  # fmt: skip
     assert (dcfg.rope_scaling is None) == (rope_scaling is None)
     torch.manual_seed(0)
     model = DFlashDrafter(dcfg)
@@ -95,11 +98,12 @@ def one_block(model: DFlashDrafter, context: torch.Tensor, noise: torch.Tensor) 
 
 @pytest.fixture(scope="module")
 def remote(tmp_path_factory):
-    """Export two drafters (plain and YaRN RoPE), load them in a clean process, run them there."""
+    """Export three drafters (plain, YaRN RoPE, a sliding window shorter than the context), load them
+    in a clean process, run them there."""
     tmp = tmp_path_factory.mktemp("remote")
     models, exports = {}, {}
-    for name, scaling in (("tiny", None), ("yarn", YARN)):
-        model, dcfg = tiny_drafter(scaling)
+    for name, scaling, window in (("tiny", None, None), ("yarn", YARN, None), ("window", None, WINDOW)):
+        model, dcfg = tiny_drafter(scaling, window)
         save_serving(model, dcfg, tmp / name)
         models[name], exports[name] = (model, dcfg), str(tmp / name)
     dcfg = models["tiny"][1]
@@ -138,7 +142,7 @@ def test_export_carries_auto_map_and_modeling_file(tmp_path):
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
 
 
-@pytest.mark.parametrize("name", ["tiny", "yarn"])
+@pytest.mark.parametrize("name", ["tiny", "yarn", "window"])
 def test_remote_weights_equal_ours(remote, name):
     models, _, results, _ = remote
     model, dcfg = models[name]
@@ -148,10 +152,11 @@ def test_remote_weights_equal_ours(remote, name):
     assert results[name]["attrs"] == [dcfg.block_size, dcfg.target_layer_ids, dcfg.mask_token_id]
 
 
-@pytest.mark.parametrize("name", ["tiny", "yarn"])
+@pytest.mark.parametrize("name", ["tiny", "yarn", "window"])
 def test_remote_forward_equals_ours(remote, name):
     """One call over the whole context, and the same context split over two calls with the KV
-    cache in between, give DFlashDrafter's hidden states for the block."""
+    cache in between, give DFlashDrafter's hidden states for the block (a sliding layer's window
+    too: there, full attention would give other states)."""
     models, inputs, results, _ = remote
     model, _ = models[name]
     ctx, r = inputs["context"][0], results[name]
@@ -160,6 +165,10 @@ def test_remote_forward_equals_ours(remote, name):
     torch.testing.assert_close(r["whole"][0], want_whole, **tol)
     torch.testing.assert_close(r["first"][0], one_block(model, ctx[:CTX], inputs["noise"][0]), **tol)
     torch.testing.assert_close(r["second"][0], want_whole, **tol)
+    if name == "window":
+        full, _ = tiny_drafter()
+        full.load_state_dict(model.state_dict())
+        assert (one_block(full, ctx, inputs["noise2"][0]) - want_whole).abs().max() > 1e-3
 
 
 def test_remote_spec_generate_is_the_targets_greedy_decoding(remote):

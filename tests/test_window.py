@@ -12,13 +12,28 @@ with q - j < W, and the block tokens at positions j with |q - j| < W."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from helpers import ROOT, reference_dflash
+from transformers import DynamicCache, Qwen3Config
 
+from dflash_cache import drafters
 from dflash_cache.drafters import attention
 from dflash_cache.drafters.attention import TILE, BlockLayout, block_attention
+from dflash_cache.drafters.dflash.config import DrafterConfig
+from dflash_cache.drafters.dflash.model import DFlashDrafter
+from dflash_cache.drafters.dspark.config import DSparkConfig
+from dflash_cache.drafters.dspark.model import DSparkDrafter
+from dflash_cache.drafters.settings import DrafterSettings
 
 B = 4
+S, F = "sliding_attention", "full_attention"
 
 
 def packed_layout(lengths: list[int], per_seq: int, seed: int = 0, block_size: int = B) -> BlockLayout:
@@ -145,3 +160,169 @@ def test_sdpa_pieces_stay_within_the_window():
         assert [p[:2] for p in plan] == sorted(p[:2] for p in plan)
         assert sum(q1 - q0 for q0, q1, *_ in plan) == layout.num_blocks * B
     assert any(lo == 0 and hi > 1000 for *_, lo, hi in layout.sdpa_plan(None))
+
+
+# ----------------------------------------------------------------------------- settings and configs
+
+
+def test_settings_give_each_layer_its_type():
+    """--sliding-window alone slides every layer; --full-attention-layers keeps the named ones full;
+    settings that make no sense are refused naming the flag."""
+    assert DrafterSettings().layer_types() is None
+    assert DrafterSettings(sliding_window=8).layer_types() == [S] * 5
+    assert DrafterSettings(sliding_window=8, full_attention_layers=[4]).layer_types() == [S, S, S, S, F]
+    assert DrafterSettings(sliding_window=8, draft_layers=2, full_attention_layers=[0]).layer_types() == [F, S]
+    for bad, match in ((dict(full_attention_layers=[1]), "needs --sliding-window"),
+                       (dict(sliding_window=8, full_attention_layers=[5]), "out of range for 5 draft layers"),
+                       (dict(sliding_window=8, full_attention_layers=[0, 1, 2, 3, 4]), "names every draft layer"),
+                       (dict(sliding_window=0), "expected an integer >= 1")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            DrafterSettings(**bad).layer_types()
+
+
+GEOMETRY = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "intermediate_size": 48, "vocab_size": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "max_position_embeddings": 512, "num_hidden_layers": 6}  # fmt: skip
+
+
+def windowed(cls=DrafterConfig, window: int | None = 5, types: list[str] | None = (S, F), **kw) -> DrafterConfig:
+    return cls.from_target(GEOMETRY, target_layer_ids=[1, 3, 4], mask_token_id=63, num_draft_layers=2,
+                           block_size=B, sliding_window=window, layer_types=None if types is None else list(types),
+                           **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", [DrafterConfig, DSparkConfig])
+def test_serving_config_round_trip(cls):
+    """The export's layer_types, sliding_window, use_sliding_window, max_window_layers and is_causal,
+    as transformers' Qwen3Config and z-lab's reference read them, and back; without a window the
+    fields are what they always were."""
+    cfg = windowed(cls, 5, [F, S])
+    d = cfg.to_serving_config()
+    assert (d["layer_types"], d["sliding_window"], d["use_sliding_window"]) == ([F, S], 5, True)
+    assert d["max_window_layers"] == 1 and d["is_causal"] is False
+    qwen = Qwen3Config(**{k: v for k, v in d.items() if k not in ("architectures", "auto_map")})
+    assert (qwen.layer_types, qwen.sliding_window, qwen.is_causal) == ([F, S], 5, False)
+    back = cls.from_serving_config(json.loads(json.dumps(d)))
+    assert back == cfg and back.windows == [None, 5]
+    plain = windowed(cls, None, None).to_serving_config()
+    assert (plain["layer_types"], plain["sliding_window"], plain["use_sliding_window"]) == ([F, F], None, False)
+    assert plain["max_window_layers"] == 2 and "is_causal" not in plain
+    assert cls.from_serving_config(plain).windows == [None, None]
+    # transformers' reading of a config without layer_types: the layers at and past max_window_layers slide
+    implied = {k: v for k, v in d.items() if k != "layer_types"}
+    assert cls.from_serving_config(implied).layer_types == [F, S]
+    with pytest.raises(ValueError, match="is_causal"):  # the reference would run these layers causally
+        cls.from_serving_config({k: v for k, v in d.items() if k != "is_causal"})
+    with pytest.raises(ValueError, match="sliding_window"):
+        cls.from_serving_config({**d, "use_sliding_window": False})
+
+
+# ----------------------------------------------------------------------------- served == trained
+
+
+def random_drafter(cfg: DrafterConfig, cls: type = DFlashDrafter, seed: int = 0) -> DFlashDrafter:
+    """A random drafter with bf16-representable weights (its export is then lossless) and norms away
+    from 1, so that every weight matters."""
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+            p.copy_(p.bfloat16().float())
+    return model.eval()
+
+
+def same_weights(model: DFlashDrafter, cfg: DrafterConfig) -> DFlashDrafter:
+    """A drafter of config `cfg` holding `model`'s weights."""
+    other = type(model)(cfg).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def trained_block(model: DFlashDrafter, context: torch.Tensor, block_embeds: torch.Tensor) -> torch.Tensor:
+    """The training forward's hidden states [B, H] of one block anchored right after `context` [C, K*H]."""
+    c = context.shape[0]
+    layout = BlockLayout.build(torch.tensor([0, c]), torch.zeros(1, dtype=torch.long), torch.tensor([c]),
+                               block_embeds.shape[0])  # fmt: skip
+    with torch.no_grad():
+        return model(block_embeds, context, layout)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name,types", [("dflash", [S, F]), ("dspark", [F, S]), ("dflash", [S, S])])
+def test_the_reference_code_serves_what_was_trained(tmp_path, name, types):
+    """z-lab's DFlashDraftModel (dflash 0.1.0) loads a windowed export (a DSpark export's backbone
+    too) and gives the training forward's hidden states for a block after a context longer than the
+    window: in one call, and with its KV cache over two calls (the first block's keys cropped off,
+    as its decoding does). The same weights with full attention give other states."""
+    reference = reference_dflash()
+    family = drafters.family(name)
+    cfg = windowed(DSparkConfig if name == "dspark" else DrafterConfig, 5, types)
+    model = random_drafter(cfg, DSparkDrafter if name == "dspark" else DFlashDrafter)
+    family.save_serving(model, cfg, tmp_path / "export")
+    theirs = reference.DFlashDraftModel.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    assert [layer.self_attn.sliding_window for layer in theirs.layers] == cfg.windows
+    assert not any(layer.self_attn.is_causal for layer in theirs.layers)
+    g = torch.Generator().manual_seed(7)
+    c1, c2 = 11, 19
+    ctx = torch.randn(c2, cfg.fc_inputs, generator=g)
+    first, second = (torch.randn(B, cfg.hidden_size, generator=g) for _ in range(2))
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+    with torch.no_grad():
+        whole = theirs(position_ids=torch.arange(c2 + B)[None], noise_embedding=second[None], target_hidden=ctx[None])
+        cache = DynamicCache()
+        got1 = theirs(position_ids=torch.arange(c1 + B)[None], noise_embedding=first[None],
+                      target_hidden=ctx[None, :c1], past_key_values=cache, use_cache=True)  # fmt: skip
+        cache.crop(-B)  # the first block's keys off, its context's kept
+        got2 = theirs(position_ids=torch.arange(c1, c2 + B)[None], noise_embedding=second[None],
+                      target_hidden=ctx[None, c1:], past_key_values=cache, use_cache=True)  # fmt: skip
+    want = trained_block(model, ctx, second)
+    torch.testing.assert_close(whole[0], want, **tol)
+    torch.testing.assert_close(got1[0], trained_block(model, ctx[:c1], first), **tol)
+    torch.testing.assert_close(got2[0], want, **tol)
+    full = trained_block(same_weights(model, dataclasses.replace(cfg, sliding_window=None, layer_types=None)), ctx,
+                         second)  # fmt: skip
+    assert (full - want).abs().max() > 1e-3
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def test_train_with_a_window_from_the_command_line(tiny_cache, tmp_path):
+    """`dflash train --sliding-window 8 --full-attention-layers 1` trains and exports a drafter whose
+    config says so, records both settings in the run's identity, and loads back with those windows;
+    settings that make no sense are one `error:` line naming the flag."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    base = [sys.executable, "-m", "cli.main", "train", "--cache", str(tiny_cache), "--epochs", "1", "--max-steps", "2",
+            "--token-budget", "1024", "--max-anchors", "8", "--draft-layers", "2"]  # fmt: skip
+    out = tmp_path / "run"
+    res = subprocess.run([*base, "--out", str(out), "--sliding-window", "8", "--full-attention-layers", "1"], env=env,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    config = json.loads((out / "export" / "config.json").read_text())
+    assert (config["layer_types"], config["sliding_window"], config["use_sliding_window"]) == ([S, F], 8, True)
+    assert config["is_causal"] is False
+    identity = json.loads((out / "train.json").read_text())["identity"]
+    assert (identity["sliding_window"], identity["full_attention_layers"]) == (8, [1])
+    _, cfg = drafters.load_serving(out / "export")[:2]
+    assert cfg.windows == [8, None]
+    for flags, flag in ((["--sliding-window", "8", "--full-attention-layers", "2"], "--full-attention-layers"),
+                        (["--full-attention-layers", "0"], "--sliding-window"),
+                        (["--sliding-window", "0"], "--sliding-window")):  # fmt: skip
+        res = subprocess.run([*base, "--out", str(tmp_path / "bad"), *flags], env=env, capture_output=True, text=True,
+                             timeout=600)  # fmt: skip
+        lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
+        assert res.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:") and flag in lines[0], lines
+
+
+def test_useful_flops_count_the_window():
+    """MFU's attention term counts a sliding layer's context keys as min(anchor, W - 1), averaged
+    over the layers; with full attention everywhere, the sum of the anchors as before."""
+    from dflash_cache.drafters.dflash.family import StepFlops
+
+    layout = packed_layout([300, 40], per_seq=10)
+    anchors = layout.block_anchor
+    flops = StepFlops(DFlashDrafter(windowed(DrafterConfig, 5, [S, F])))
+    assert float(flops.context_keys(layout)) == (anchors.clamp(max=4).sum() + anchors.sum()).item() / 2
+    assert torch.equal(StepFlops(DFlashDrafter(windowed(DrafterConfig, None, None))).context_keys(layout),
+                       anchors.sum())  # fmt: skip

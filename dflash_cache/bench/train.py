@@ -93,7 +93,7 @@ class _BenchSteps:
             cfg.token_budget = run_token_budget(cfg, drafter_config(cfg, spec), spec, device, few_steps_cap=False)
         self.setup = setup(Worker(0, 1, device), cfg)
         self.flops = self.setup.family.flops(self.setup.model)
-        self.useful: list[tuple] = []  # (blocks, context tokens, sum of anchors, scored slots) a step
+        self.useful: list[tuple] = []  # (blocks, context tokens, context keys attended, scored slots) a step
 
     def step(self, batch: Batch) -> None:
         from dflash_cache.train.stage import train_step
@@ -103,7 +103,7 @@ class _BenchSteps:
         s.opt.step()
         s.opt.zero_grad(set_to_none=True)
         blocks = out.blocks
-        self.useful.append((blocks.layout.num_blocks, batch.num_tokens, blocks.layout.block_anchor.sum(),
+        self.useful.append((blocks.layout.num_blocks, batch.num_tokens, self.flops.context_keys(blocks.layout),
                             0 if out.scored is None else out.scored))  # fmt: skip
 
     def useful_flops(self) -> float:

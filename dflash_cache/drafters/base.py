@@ -77,8 +77,9 @@ class Family:
     - `objective(model, embed, head, batch, config, settings, generator, reduce=False) -> Output`:
       blocks from anchors, the model, the loss; `reduce`: the loss's denominators are summed over
       the data-parallel ranks (training) rather than taken per rank (validation);
-    - `flops(model)`: a callable (blocks, context tokens, sum of anchors, scored slots) -> useful
-      FLOPs of a training step, forward and backward (MFU);
+    - `flops(model)`: a callable (blocks, context tokens, context keys, scored slots) -> useful
+      FLOPs of a training step, forward and backward (MFU), whose `context_keys(layout)` gives the
+      third argument of a batch (the sum of its anchors where no layer has a window);
     - `serving_config(config)` / `from_serving_config(dict)`: the export's config.json and back;
     - `save_serving(model, config, out_dir, frozen=None)`: the export (config.json,
       model.safetensors, the family's self-contained remote-code file); `frozen` is the target's

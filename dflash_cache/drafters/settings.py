@@ -22,3 +22,29 @@ class DrafterSettings:
     gamma: float | None = setting(None, "Loss decay over a block's drafted tokens, exp(-i/gamma) for the i-th "
                                   "(default: dflash 7 for B=16, dspark 4).", tuning=True)  # fmt: skip
     loss_chunk: int = setting(4096, "Block tokens per LM-head chunk of the loss.", min=1, tuning=True)
+    sliding_window: int | None = setting(None, "Sliding-window draft layers: a block token attends to the context "
+                                         "within W positions of its own (z-lab's rule), so a block's attention "
+                                         "costs O(W) at any context (default: full attention).", min=1)  # fmt: skip
+    full_attention_layers: list[int] | None = setting(None, "With --sliding-window: the draft layers (0-based) that "
+                                                      "keep full attention (default: none, every layer slides).",
+                                                      expects="draft-layer indices like 4 or 0,4")  # fmt: skip
+
+    def layer_types(self) -> list[str] | None:
+        """Each draft layer's type for `sliding_window` and `full_attention_layers` ("sliding_attention"
+        or "full_attention"), None without a window; ValueError naming the flag for settings that
+        do not make sense."""
+        full = self.full_attention_layers or []
+        if self.sliding_window is None:
+            if full:
+                raise ValueError("--full-attention-layers needs --sliding-window")
+            return None
+        if self.sliding_window < 1:
+            raise ValueError(f"--sliding-window {self.sliding_window}: expected an integer >= 1")
+        wrong = sorted(i for i in set(full) if not 0 <= i < self.draft_layers)
+        if wrong:
+            raise ValueError(f"--full-attention-layers {','.join(map(str, wrong))}: out of range for "
+                             f"{self.draft_layers} draft layers (0-{self.draft_layers - 1})")  # fmt: skip
+        if len(set(full)) == self.draft_layers:
+            raise ValueError("--full-attention-layers names every draft layer: without --sliding-window all of them "
+                             "attend to the whole context")  # fmt: skip
+        return ["full_attention" if i in full else "sliding_attention" for i in range(self.draft_layers)]

@@ -146,7 +146,9 @@ class TrainConfig(_extended(TrainerSettings, [DrafterSettings, *map(drafters.set
         other = {} if family.name == "dflash" else {"drafter": family.name, **own}
         # how batches are dealt to ranks (DDP steps of similar cost) changes which samples share a step
         held = {"val_fraction": self.val_fraction} if self.val_fraction else {}  # held-out units change the data
-        return {**settings, "dealing": "cost-balanced", **other, **held}
+        # sliding-window layers, only when set: runs with full attention everywhere resume as they are
+        window = {k: getattr(self, k) for k in ("sliding_window", "full_attention_layers") if getattr(self, k)}
+        return {**settings, "dealing": "cost-balanced", **other, **held, **window}
 
 
 def drafter_config(cfg: TrainConfig, spec: CacheSpec) -> Any:

@@ -122,7 +122,7 @@ class StepWindow:
         self.n += 1
         self.tokens += num_tokens
         self.blocks += blocks.layout.num_blocks
-        self.anchors += blocks.layout.block_anchor.sum()  # on the device: summed at log time
+        self.anchors += self.flops.context_keys(blocks.layout)  # on the device: summed at log time
         if out.scored is not None:
             self.scored += out.scored
 

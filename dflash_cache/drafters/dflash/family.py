@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from dflash_cache.cache.spec import CacheSpec, check_drafter_fits
 from dflash_cache.core.devices import to_device
+from dflash_cache.drafters.attention import BlockLayout
 from dflash_cache.drafters.base import Choose, Family, Output, TrainingBatch
 from dflash_cache.drafters.blocks import Blocks, make_blocks
 from dflash_cache.drafters.decoding import choose_each, mask_block
@@ -37,7 +38,9 @@ def config(settings: DrafterSettings, spec: CacheSpec) -> DrafterConfig:
     dcfg = DrafterConfig.from_target(spec.target.config, target_layer_ids=layers,
                                      mask_token_id=spec.tokenizer.mask_token_id,
                                      num_draft_layers=settings.draft_layers,
-                                     block_size=settings.block_size or BLOCK_SIZE)  # fmt: skip
+                                     block_size=settings.block_size or BLOCK_SIZE,
+                                     sliding_window=settings.sliding_window,
+                                     layer_types=settings.layer_types())  # fmt: skip
     check_drafter_fits(spec, layer_ids=layers, hidden_size=dcfg.hidden_size, vocab_size=dcfg.vocab_size,
                        mask_token_id=dcfg.mask_token_id)  # fmt: skip
     if spec.projection is not None:
@@ -84,7 +87,9 @@ class StepFlops:
     - draft layers, forward and backward: 6 * P_layers * blocks * B;
     - frozen LM head, forward and input gradient: 4 * V * H * blocks * (B - 1);
     - `fc` and the per-layer k/v projections of the context: 4 * P_ctx * context_tokens;
-    - attention: 14 * layers * (query heads * head_dim) * B * sum over blocks of (anchor + B).
+    - attention: 14 * layers * (query heads * head_dim) * B * sum over blocks of (context keys + B),
+      a block's context keys its anchor, in a sliding layer min(anchor, W - 1) (its first slot's
+      window; `context_keys` averages them over the layers).
 
     Recomputation, padding and masked-out work are not useful, so MFU from this count is honest.
     """
@@ -92,11 +97,22 @@ class StepFlops:
     def __init__(self, model: nn.Module) -> None:
         cfg = model.config
         self.block_size = cfg.block_size
+        self.windows = cfg.windows
         self.p_layers = sum(p.numel() for p in model.layers.parameters())
         attn = [layer.self_attn for layer in model.layers]
         self.p_ctx = model.fc.weight.numel() + sum(a.k_proj.weight.numel() + a.v_proj.weight.numel() for a in attn)
         self.head = cfg.vocab_size * cfg.hidden_size
         self.attn = 14 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * cfg.block_size
+
+    def context_keys(self, layout: BlockLayout) -> Tensor:
+        """The context keys the blocks of `layout` attend to, summed over the blocks and averaged over
+        the layers (what `__call__` takes as `anchor_sum`): the sum of the anchors with full
+        attention everywhere."""
+        anchors = layout.block_anchor
+        if not any(self.windows):
+            return anchors.sum()
+        return sum(anchors.sum() if w is None else anchors.clamp(max=w - 1).sum() for w in self.windows
+                   ) / len(self.windows)  # fmt: skip
 
     def backbone(self, num_blocks: int, context_tokens: int, anchor_sum: int) -> float:
         """The draft layers, the context projections and attention: what every family built on

@@ -49,8 +49,9 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, window: int | None = None) -> None:
         super().__init__()
+        self.window = window  # a sliding layer's W (`attention.block_attention`), None: full attention
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.q_proj = nn.Linear(h, self.n_heads * d, bias=bias)
@@ -81,15 +82,16 @@ class Attention(nn.Module):
         layout: BlockLayout,
         attention: str | None = None,
     ) -> Tensor:
-        out = block_attention(*self.project(x, ctx, rope_q, rope_k), layout, self.head_dim**-0.5, attention)
+        out = block_attention(*self.project(x, ctx, rope_q, rope_k), layout, self.head_dim**-0.5, attention,
+                              self.window)  # fmt: skip
         return self.o_proj(out.flatten(1))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig) -> None:
+    def __init__(self, cfg: DrafterConfig, window: int | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -102,7 +104,7 @@ class DecoderLayer(nn.Module):
         # RoPE, casts and SiLU fuse into a few kernels around the GEMMs (BENCHMARKS.md, "Training step").
         attn = self.self_attn
         out = block_attention(*_attention_inputs_cuda(self, x, ctx, rope_q, rope_k), layout, attn.head_dim**-0.5,
-                              attention)
+                              attention, attn.window)
         return _mlp_block_cuda(self, x, out)
 
 
@@ -126,7 +128,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, window) for window in cfg.windows)
         self.fc = nn.Linear(cfg.fc_inputs, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)

@@ -17,6 +17,11 @@ The computation is dflash_cache.train.drafter.DFlashDrafter's: the tapped target
 keys and values of the fused context followed by the block's own. With a KV cache, the context's
 keys and values stay in the cache between calls and each call brings only the new context
 positions; the caller crops the block's entries off again (as z-lab's inference code does).
+
+A layer whose ``config.layer_types`` entry is "sliding_attention" attends only to the keys within
+``config.sliding_window`` (W) positions of the query, z-lab's reference rule: the block token at
+position q sees the context positions [q - W + 1, p) before the block's first position p, and the
+block tokens j with |q - j| < W. It reads only the last W - 1 + B keys, whatever the context.
 """
 
 from __future__ import annotations
@@ -77,6 +82,9 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
         self.q_norm = DFlashRMSNorm(d, config.rms_norm_eps)
         self.k_norm = DFlashRMSNorm(d, config.rms_norm_eps)
+        types = getattr(config, "layer_types", None)
+        sliding = bool(types) and types[layer_idx] == "sliding_attention"
+        self.sliding_window = getattr(config, "sliding_window", None) if sliding else None
 
     def forward(
         self,
@@ -97,10 +105,27 @@ class DFlashAttention(nn.Module):
         k = _rotate(k, cos, sin)
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
+        if self.sliding_window is not None:
+            k, v, attention_mask = self._window(k, v, n_q, attention_mask)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=attention_mask, scale=d**-0.5)
         return self.o_proj(out.transpose(1, 2).reshape(b, n_q, self.num_heads * d))
+
+    def _window(self, k: torch.Tensor, v: torch.Tensor, n_q: int, attention_mask: torch.Tensor | None):
+        """The last W - 1 + n_q keys and values (the queries are the last n_q positions) and the mask
+        of the window over them: query t sees key j where |(position of t) - (position of j)| < W."""
+        w = self.sliding_window
+        keep = min(k.shape[-2], w - 1 + n_q)
+        k, v = k[..., -keep:, :], v[..., -keep:, :]
+        query = keep - n_q + torch.arange(n_q, device=k.device)[:, None]
+        mask = (query - torch.arange(keep, device=k.device)[None, :]).abs() < w
+        if attention_mask is None:
+            return k, v, mask
+        attention_mask = attention_mask[..., -keep:]
+        if attention_mask.dtype == torch.bool:
+            return k, v, attention_mask & mask
+        return k, v, attention_mask.masked_fill(~mask, torch.finfo(attention_mask.dtype).min)
 
 
 class DFlashDecoderLayer(nn.Module):
