@@ -59,3 +59,47 @@ def test_slot_kernel_gives_a_query_the_same_bits_in_any_step():
     one = query[:, :1].contiguous()
     cut = attend(one, 50)
     assert torch.equal(attend(one, 50, AttentionTiles(split=10**9, block_n=64)), cut)
+
+
+def window_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, rows: list[int],
+                     seen: list[int], causal: bool, window: int, scale: float) -> torch.Tensor:  # fmt: skip
+    """Sliding-window attention written out query by query, in float64: query t of row i, at position
+    seen[i] - T + t, against the keys at positions j < its limit with |position - j| < window."""
+    b, T, heads, d = query.shape
+    groups = heads // keys.shape[2]
+    out = torch.zeros(b, T, heads, d, dtype=torch.float64)
+    for i in range(b):
+        for t in range(T):
+            at = seen[i] - T + t
+            j = torch.tensor([j for j in range(at + 1 if causal else seen[i]) if abs(at - j) < window])
+            k = keys[rows[i], j].double().repeat_interleave(groups, 1)  # [n, heads, d]
+            v = values[rows[i], j].double().repeat_interleave(groups, 1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", query[i, t].double(), k) * scale, dim=-1)
+            out[i, t] = torch.einsum("hn,nhd->hd", p, v)
+    return out
+
+
+@pytest.mark.parametrize("split", [0, 64])
+def test_slot_kernel_window_equals_the_rule(split):
+    """A sliding layer's window (z-lab's rule: keys within W positions of the query's own) over rows
+    longer than W: the drafter's bidirectional block with W above and below the block's size, a
+    causal verify step and a decode step, in one piece and cut at every 64 keys; the kernel and the
+    masked path (the window's keys gathered) against the rule written out query by query."""
+    tiles = AttentionTiles(split=split or 10**9, block_n=64)
+    g = torch.Generator().manual_seed(5)
+    S, L, heads, kv, d = 3, 256, 4, 2, 16
+    k_buf, v_buf = (torch.randn(S, L, kv, d, generator=g).bfloat16() for _ in range(2))
+    rows = [2, 0, 1]
+    for T, seen, causal, window in ((8, [200, 40, 256], False, 70), (8, [200, 9, 130], False, 3),
+                                    (5, [150, 30, 256], True, 100), (1, [150, 256, 64], True, 65)):  # fmt: skip
+        query = torch.randn(3, T, heads, d, generator=g).bfloat16()
+        want = window_reference(query, k_buf, v_buf, rows, seen, causal, window, d**-0.5)
+        got = slot_kernel.attention(query, k_buf, v_buf, torch.tensor(rows).int(), torch.tensor(seen).int(), causal,
+                                    d**-0.5, tiles, window)  # fmt: skip
+        assert float((got.double() - want).norm() / want.norm()) < 1e-2
+        step = SlotStep(torch.tensor(seen)[:, None] - T + torch.arange(T), seen=torch.tensor(seen),
+                        rows=torch.tensor(rows), causal=causal)  # fmt: skip
+        masked = _masked(query.double(), *(t.double() for t in _rows_of(k_buf, v_buf, step)), step, d**-0.5, window)
+        torch.testing.assert_close(masked, want, rtol=1e-9, atol=1e-9)
+        full = _masked(query.double(), *(t.double() for t in _rows_of(k_buf, v_buf, step)), step, d**-0.5)
+        assert float((full - want).norm() / want.norm()) > 1e-2  # the window changes these rows' outputs

@@ -285,6 +285,60 @@ def test_the_reference_code_serves_what_was_trained(tmp_path, name, types):
     assert (full - want).abs().max() > 1e-3
 
 
+class Recorder:
+    """A greedy `choose` that keeps every logits row it is given (each draft position's, in order)."""
+
+    def __init__(self) -> None:
+        self.logits: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, None]:
+        self.logits.append(logits.clone())
+        return logits.argmax(-1), None
+
+    def all(self) -> torch.Tensor:
+        return torch.stack(self.logits, 1)
+
+
+@pytest.mark.parametrize("name,types", [("dflash", [S, F]), ("dspark", [S, S])])
+def test_block_proposer_serves_what_was_trained(name, types):
+    """generate's BlockProposer (each row's context keys and values in its slots, stale entries past
+    the block included) gives, for both families, the logits the family's `draft` makes of the
+    training forward over the block's whole context, at anchors well past the window; with full
+    attention the same weights give other logits."""
+    from dflash_cache.generate import BlockProposer
+
+    family = drafters.family(name)
+    cfg = windowed(DSparkConfig if name == "dspark" else DrafterConfig, 6, types)
+    model = random_drafter(cfg, DSparkDrafter if name == "dspark" else DFlashDrafter)
+    g = torch.Generator().manual_seed(3)
+    embed, head = torch.randn(64, cfg.hidden_size, generator=g), torch.randn(64, cfg.hidden_size, generator=g)
+    ctx = torch.randn(60, cfg.fc_inputs, generator=g)
+    anchors, last = [37, 22], torch.tensor([17, 4])
+
+    def served(model: DFlashDrafter) -> torch.Tensor:
+        proposer = BlockProposer(model, embed=embed, head=head, slots=2, length=64, family=family)
+        for row, a in enumerate(anchors):
+            stale = ctx[: a + B + 3].clone()
+            stale[a:] = torch.randn_like(stale[a:])  # what rejected drafts leave behind
+            proposer.add_context(stale[None], torch.arange(a + B + 3)[None], torch.tensor([row]))
+        recorder = Recorder()
+        proposer.propose(last, torch.tensor(anchors), recorder)
+        return recorder.all()
+
+    want = []
+    for a, t in zip(anchors, last.tolist(), strict=True):
+        block = family.block_input(torch.tensor([t]), cfg.block_size, cfg.mask_token_id)
+        hidden = trained_block(model, ctx[:a], embed[block[0]])
+        recorder = Recorder()
+        with torch.no_grad():
+            family.draft(model, hidden[None], block, head, recorder)
+        want.append(recorder.all()[0])
+    got = served(model)
+    torch.testing.assert_close(got, torch.stack(want), rtol=1e-5, atol=1e-5)
+    full = served(same_weights(model, dataclasses.replace(cfg, sliding_window=None, layer_types=None)))
+    assert (full - got).abs().max() > 1e-3
+
+
 # ----------------------------------------------------------------------------- the command line
 
 

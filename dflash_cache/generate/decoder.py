@@ -340,12 +340,15 @@ class LayerStack:
 
     `prologue(inputs, positions)` makes a forward's first residual stream and its rotary tables
     (x [b, T, H], cos, sin [b, T, d]); `norm` is the final norm's weight. `context_in`, for a
-    drafter, makes its context states and their rotary tables from the target's tapped states."""
+    drafter, makes its context states and their rotary tables from the target's tapped states.
+    `windows`: each layer's sliding window (None: full attention), as `slots.slot_attention` takes it."""
 
     def __init__(self, layers: list[nn.Module], *, eps: float, heads: int, kv_heads: int, scale: float,
                  act: Callable[[Tensor], Tensor], norm: Tensor, prologue: Callable, context_in: Callable | None = None,
-                 compile: bool, kernels: KernelSettings = DEFAULT_KERNELS) -> None:  # fmt: skip
+                 compile: bool, kernels: KernelSettings = DEFAULT_KERNELS,
+                 windows: list[int | None] | None = None) -> None:  # fmt: skip
         self.layers = [_Layer.of(layer) for layer in layers]
+        self.windows = list(windows or [None] * len(self.layers))
         self.eps, self.heads, self.kv_heads, self.scale, self.act, self.norm = eps, heads, kv_heads, scale, act, norm
         self.kernels = kernels
         self._padded = PaddedProducts(kernels.padded_tokens)
@@ -412,7 +415,8 @@ class LayerStack:
         tapped = {}
         last_layer = len(self.layers) - 1
         for i, w in enumerate(self.layers):
-            attn = slot_attention(cache, i, q, k, v, step, self.scale, write=False, tiles=self.kernels.attention)
+            attn = slot_attention(cache, i, q, k, v, step, self.scale, write=False, tiles=self.kernels.attention,
+                                  window=self.windows[i])  # fmt: skip
             if i < last_layer:
                 x, q, k, v = fns["seam"](x, attn, w.out, self.layers[i + 1].into, cos, sin,
                                          self._kv(cache, i + 1, step), *geometry, self.act, products)  # fmt: skip

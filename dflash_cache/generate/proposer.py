@@ -7,8 +7,10 @@ states (fc, hidden_norm) and writes their keys and values into the row's slots a
 positions. `propose` runs the block [last token, mask x (B-1)] at positions p..p+B-1: its own keys
 and values are written at those positions too, and each block query sees every slot position
 below p + B, i.e. the context before the anchor and the whole block, bidirectionally: the
-attention rule of training (`drafters.attention.block_attention`). Entries past a row's committed
-length are never visible before they are rewritten with the committed tokens' context.
+attention rule of training (`drafters.attention.block_attention`). In a sliding layer (the
+config's `windows`) a query sees only the positions within W of its own, as in training, and the
+attention reads only those. Entries past a row's committed length are never visible before they
+are rewritten with the committed tokens' context.
 
 The family decides the block's input and how drafts come out of the block's hidden states
 (`block_input`, `draft`): DFlash reads slots 1..B-1 through the LM head at once; DSpark runs its
@@ -68,7 +70,8 @@ class BlockProposer:
         self.layers = LayerStack(list(model.layers), eps=cfg.rms_norm_eps, heads=cfg.num_attention_heads,
                                  kv_heads=cfg.num_key_value_heads, scale=cfg.head_dim**-0.5,
                                  act=activation(cfg.hidden_act), norm=model.norm.weight, prologue=self._prologue,
-                                 context_in=self._context_in, compile=compile, kernels=kernels)  # fmt: skip
+                                 context_in=self._context_in, compile=compile, kernels=kernels,
+                                 windows=cfg.windows)  # fmt: skip
         self._rope(torch.zeros(1, 1, dtype=torch.long, device=weight.device), weight.dtype)  # its tables on the device
 
     def start(self, rows: Tensor, prompts: Sequence[Sequence[int]], first: Tensor) -> None:

@@ -24,6 +24,10 @@ arithmetic depends only on its own row and position:
 - key blocks past what a query sees change nothing (their weights are exactly 0, the running
   maximum stays), so queries that see fewer keys than others in their tile are unaffected.
 
+**A sliding layer** (`window` W, a drafter's) sees the keys within W positions of each query. The
+kernel then visits only the pieces (and, uncut, the key blocks) from the one holding the row's
+lowest visible key on: its programs and its reads are O(W + T) a row, whatever the buffer holds.
+
 `slot_attention` checks the kernel's first call against the masked path, as it does flash's.
 """
 
@@ -74,13 +78,15 @@ def _kernels():
     @triton.jit
     def attend(Q, K, V, Out, ACC, STAT, COUNT, SLOT, SEEN, sq_b, sq_t, sq_h, sk_s, sk_l, sk_h, so_b, so_t, so_h, T,
                tiles, splits, scale, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+               CAUSAL: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
         """Without SPLIT: the attention of one tile of query rows over all the keys its row sees,
         into Out. With SPLIT: over keys [s SPLIT, (s+1) SPLIT), the unnormalised sum, its running
         maximum and its total into ACC and STAT, and the row's last piece to finish (COUNT counts
         them) merges the pieces into Out (the first piece writes Out itself when the row's keys all
-        fit in it). With PDL it may start before the kernel before it ends, and waits for it first
-        (everything it reads may come from it)."""
+        fit in it). With WINDOW (> 0) a query sees only the keys within WINDOW positions of its own,
+        and the pieces are counted from the one of the row's lowest visible key. With PDL it may
+        start before the kernel before it ends, and waits for it first (everything it reads may
+        come from it)."""
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -93,22 +99,30 @@ def _kernels():
         q = tl.load(Q + b * sq_b + t[:, None] * sq_t + h[:, None] * sq_h + d[None, :], mask=real[:, None], other=0.0)
         slot, seen = tl.load(SLOT + b), tl.load(SEEN + b).to(tl.int32)  # seen: int32 or int64
         limit = seen - T + 1 + t if CAUSAL else tl.zeros([BLOCK_M], dtype=tl.int32) + seen
+        low, lowest = 0, 0  # each query's lowest visible key, and the row's
+        if WINDOW > 0:
+            at = seen - T + t  # the queries' positions
+            low, limit = at - WINDOW + 1, tl.minimum(limit, at + WINDOW)
+            lowest = tl.maximum(seen - T - WINDOW + 1, 0)
         k_base = K + slot.to(tl.int64) * sk_s + kvh * sk_h
         v_base = V + slot.to(tl.int64) * sk_s + kvh * sk_h
         top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         total = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
         qk_scale = scale * 1.4426950408889634  # exp2 below
-        start, stop = 0, seen
+        start, stop = lowest // BLOCK_N * BLOCK_N, seen
         if SPLIT > 0:
-            start = s * SPLIT
+            start = (lowest // SPLIT + s) * SPLIT
             stop = tl.minimum(seen, start + SPLIT)
         for first in range(start, stop, BLOCK_N):
             n = first + tl.arange(0, BLOCK_N)
             inside = n < seen
             k = tl.load(k_base + n[:, None] * sk_l + d[None, :], mask=inside[:, None], other=0.0)
             x = tl.dot(q, tl.trans(k)) * qk_scale
-            x = tl.where(n[None, :] < limit[:, None], x, float("-inf"))
+            visible = n[None, :] < limit[:, None]
+            if WINDOW > 0:
+                visible = visible & (n[None, :] >= low[:, None])
+            x = tl.where(visible, x, float("-inf"))
             new_top = tl.maximum(top, tl.max(x, 1))
             safe = tl.where(new_top == float("-inf"), 0.0, new_top)  # a query that sees none of these keys yet
             weight = tl.exp2(x - safe[:, None])
@@ -119,9 +133,9 @@ def _kernels():
             top = new_top
         whole = s == 0  # this program saw every key its row sees: its output is the answer
         if SPLIT > 0:
-            whole = whole & (seen <= SPLIT)  # what the merge makes of one piece, bit for bit
-            pieces = (seen + SPLIT - 1) // SPLIT
-            if (seen > SPLIT) & (s < pieces):
+            pieces = (seen + SPLIT - 1) // SPLIT - lowest // SPLIT  # the pieces the row's keys reach
+            whole = whole & (pieces <= 1)  # what the merge makes of one piece, bit for bit
+            if (pieces > 1) & (s < pieces):
                 group = (b * tl.num_programs(1) + kvh) * tiles + tile
                 i = tl.arange(0, BLOCK_M)
                 tl.store(ACC + ((group * splits + s) * BLOCK_M + i[:, None]) * D + d[None, :], acc)
@@ -152,10 +166,11 @@ def _kernels():
 
 
 def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: Tensor, causal: bool,
-              scale: float, tiles: AttentionTiles = DEFAULT_TILES) -> Tensor:  # fmt: skip
+              scale: float, tiles: AttentionTiles = DEFAULT_TILES, window: int | None = None) -> Tensor:  # fmt: skip
     """query [b, T, heads, d] (the last dimension contiguous) of batch row i against the first
     seen[i] positions of slot slot[i] of keys/values [S, L, kv_heads, d]; causal: query t sees
-    seen[i] - T + 1 + t of them. Returns [b, T, heads, d]."""
+    seen[i] - T + 1 + t of them; window W: only those j with |(seen[i] - T + t) - j| < W, query
+    t's position being seen[i] - T + t. Returns [b, T, heads, d]."""
     b, T, heads, d = query.shape
     kv_heads, length = keys.shape[2], keys.shape[1]
     groups = heads // kv_heads
@@ -166,6 +181,8 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
     if query.stride(-1) != 1:
         query = query.contiguous()
     split = tiles.split if splits > 1 else 0
+    if window is not None and split:  # a row's window of W - 1 + T keys reaches at most this many pieces
+        splits = min(splits, (window + T - 2) // split + 2)
     if split % block_n:
         raise ValueError(f"slot_kernel: split ({tiles.split}) must be a multiple of block_n ({block_n})")
     acc = stat = count = out
@@ -176,5 +193,6 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
     _kernels()[(b, kv_heads, row_tiles * splits)](
         query, keys, values, out, acc, stat, count, slot, seen, *query.stride()[:3], *keys.stride()[:3],
         *out.stride()[:3], T, row_tiles, splits, scale, G=groups, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal and T > 1, SPLIT=split, num_warps=tiles.warps, **pdl_options(query, tiles.pdl))  # fmt: skip
+        CAUSAL=causal and T > 1, SPLIT=split, WINDOW=window or 0, num_warps=tiles.warps,
+        **pdl_options(query, tiles.pdl))  # fmt: skip
     return out

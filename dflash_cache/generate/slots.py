@@ -10,11 +10,13 @@ allocated per step, so a decode step can be captured in a CUDA graph.
 
 `slot_attention` writes a step's new keys and values at their positions (unless the caller's
 compiled layer already did), then lets each row's queries see the first `seen[r]` positions of its
-slot (causally among the step's own tokens, or all of them). On a GPU that is the Triton kernel
-over the padded buffer (`slot_kernel`: one for every step, so that a token's attention is the same
-bits in a decode and a verify step), or flash attention with per-row key counts (`seqused_k`)
-where Triton is missing; both read only each row's used keys, with grouped-query heads as they
-are. On a CPU it is an SDPA call with the equivalent mask. What every layer of a forward shares
+slot (causally among the step's own tokens, or all of them); a sliding layer's (`window` W) only
+those within W positions of the query's own, and reads no others: its cost is O(W) at any length.
+On a GPU that is the Triton kernel over the padded buffer (`slot_kernel`: one for every step, so
+that a token's attention is the same bits in a decode and a verify step), or flash attention with
+per-row key counts (`seqused_k`) where Triton is missing (no window); both read only each row's
+used keys, with grouped-query heads as they are. On a CPU it is an SDPA call with the equivalent
+mask (over the window's keys alone, gathered, for a sliding layer). What every layer of a forward shares
 (positions, key counts, flash's sequence offsets) is a `SlotStep`, made once per forward.
 
 Tensors are token-major: queries, keys and values [b, T, heads, head_dim].
@@ -67,7 +69,7 @@ def _has_varlen_flash() -> bool:
 # The GPU kernels a step may use, in order of preference; the first call of each is compared with
 # the masked path, and a mismatch turns it off.
 _KERNELS = {"triton": triton_support.available(), "flash": _has_varlen_flash()}
-_checked: set[tuple[str, bool]] = set()
+_checked: set[tuple[str, bool, bool]] = set()
 
 
 def capturing() -> bool:
@@ -98,25 +100,30 @@ class SlotStep:
 
 
 def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, value: Tensor, step: SlotStep,
-                   scale: float | None, *, write: bool = True,
-                   tiles: AttentionTiles = slot_kernel.DEFAULT_TILES) -> Tensor:  # fmt: skip
+                   scale: float | None, *, write: bool = True, tiles: AttentionTiles = slot_kernel.DEFAULT_TILES,
+                   window: int | None = None) -> Tensor:  # fmt: skip
     """Write key/value [b, T, kv_heads, D] of a step's tokens into their slots (`write`; False when
     the caller wrote them), then attend; returns [b, T, heads, D] (see `SlotStep` for what each
-    query sees). `tiles`: how the Triton kernel runs, where it does."""
+    query sees; `window`: a sliding layer's W, of which a query sees the keys at positions j with
+    |its position - j| < W). `tiles`: how the Triton kernel runs, where it does."""
     k_buf, v_buf = cache.k[layer], cache.v[layer]
     if write:
         write_kv(key, value, k_buf, v_buf, step.slot(cache), step.positions)
     if step.seen is None:
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        T, mask = query.shape[1], None
+        if window is not None:  # causal within the window
+            gap = torch.arange(T, device=query.device)[:, None] - torch.arange(T, device=query.device)[None, :]
+            mask = (gap >= 0) & (gap < window)
         with sdpa_kernel(SDPA_BACKENDS):  # a prefill: no cuDNN plan per prompt length
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=query.shape[1] > 1, scale=scale,
-                                                 enable_gqa=query.shape[2] != key.shape[2])  # fmt: skip
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                                 scale=scale, enable_gqa=query.shape[2] != key.shape[2])  # fmt: skip
         return out.transpose(1, 2)
     if triton_support.on_device(query):
-        out = _on_gpu(query, k_buf, v_buf, step.slot(cache), step, scale, tiles)
+        out = _on_gpu(query, k_buf, v_buf, step.slot(cache), step, scale, tiles, window)
         if out is not None:
             return out
-    return _masked(query, *_rows_of(k_buf, v_buf, step), step, scale)
+    return _masked(query, *_rows_of(k_buf, v_buf, step), step, scale, window)
 
 
 def write_kv(k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, slot: Tensor, positions: Tensor) -> None:
@@ -135,16 +142,17 @@ def _rows_of(k_buf: Tensor, v_buf: Tensor, step: SlotStep) -> tuple[Tensor, Tens
 
 
 def _on_gpu(query: Tensor, k_buf: Tensor, v_buf: Tensor, slot: Tensor, step: SlotStep, scale: float | None,
-            tiles: AttentionTiles) -> Tensor | None:  # fmt: skip
-    """A step's attention through the first GPU kernel that serves it, or None."""
+            tiles: AttentionTiles, window: int | None = None) -> Tensor | None:  # fmt: skip
+    """A step's attention through the first GPU kernel that serves it, or None (flash attention
+    serves no window: a sliding layer without the Triton kernel takes the masked path's window)."""
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if _KERNELS["triton"] and slot_kernel.fits(query, k_buf):
-        out = slot_kernel.attention(query, k_buf, v_buf, slot[:, 0], step.seen, step.causal, scale, tiles)
+        out = slot_kernel.attention(query, k_buf, v_buf, slot[:, 0], step.seen, step.causal, scale, tiles, window)
         cut = slot_kernel.pieces(k_buf.shape[1], tiles) > 1
-        if _trusted("triton", out, query, k_buf, v_buf, step, scale, cut=cut):
+        if _trusted("triton", out, query, k_buf, v_buf, step, scale, cut=cut, window=window):
             return out
     half = query.dtype in (torch.float16, torch.bfloat16)
-    if _KERNELS["flash"] and query.is_cuda and half and query.shape[-1] <= 256:
+    if window is None and _KERNELS["flash"] and query.is_cuda and half and query.shape[-1] <= 256:
         out = _flash(query, k_buf, v_buf, step, scale)
         if _trusted("flash", out, query, k_buf, v_buf, step, scale):
             return out
@@ -168,13 +176,23 @@ def _flash(query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep, scale: f
     return out.view(b, T, heads, d)
 
 
-def _masked(query: Tensor, keys: Tensor, values: Tensor, step: SlotStep, scale: float | None) -> Tensor:
+def _masked(query: Tensor, keys: Tensor, values: Tensor, step: SlotStep, scale: float | None,
+            window: int | None = None) -> Tensor:  # fmt: skip
     b, T, heads, d = query.shape
     kv_heads, L = keys.shape[2], keys.shape[1]
     seen = step.seen
     offsets = T - 1 - torch.arange(T, device=seen.device)
     limit = seen[:, None] - offsets if step.causal else seen[:, None].expand(b, T)
-    mask = torch.arange(L, device=seen.device) < limit[:, :, None]  # [b, T, L]
+    if window is None:
+        mask = torch.arange(L, device=seen.device) < limit[:, :, None]  # [b, T, L]
+    else:  # only the W - 1 + T positions the step's queries may reach, gathered
+        first = seen - T - (window - 1)  # [b]: the step's first query's lowest position
+        pos = first[:, None] + torch.arange(window - 1 + T, device=seen.device)  # [b, W - 1 + T]
+        rows = torch.arange(b, device=seen.device)[:, None]
+        keys, values = keys[rows, pos.clamp(min=0)], values[rows, pos.clamp(min=0)]
+        at = (seen[:, None] - T + torch.arange(T, device=seen.device))[:, :, None]  # the queries' positions
+        pos = pos[:, None, :]
+        mask = (pos >= 0) & (pos < limit[:, :, None]) & ((at - pos).abs() < window)  # [b, T, W - 1 + T]
     groups = heads // kv_heads
     q = query.permute(0, 2, 1, 3).reshape(b, kv_heads, groups * T, d)  # query head h reads key/value head h // groups
     k, v = keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3)
@@ -184,13 +202,14 @@ def _masked(query: Tensor, keys: Tensor, values: Tensor, step: SlotStep, scale: 
 
 
 def _trusted(name: str, out: Tensor, query: Tensor, k_buf: Tensor, v_buf: Tensor, step: SlotStep,
-             scale: float, cut: bool = False) -> bool:  # fmt: skip
+             scale: float, cut: bool = False, window: int | None = None) -> bool:  # fmt: skip
     """Whether a kernel's output may be used. Its first call in a process (of each way it runs: the
-    Triton kernel over a buffer cut in pieces too) is compared with the masked path: a disagreement
-    beyond bf16 rounding turns the kernel off, with a warning."""
-    if (name, cut) not in _checked and not capturing():
-        _checked.add((name, cut))
-        masked = _masked(query, *_rows_of(k_buf, v_buf, step), step, scale).float()
+    Triton kernel over a buffer cut in pieces too, with a window too) is compared with the masked
+    path: a disagreement beyond bf16 rounding turns the kernel off, with a warning."""
+    key = (name, cut, window is not None)
+    if key not in _checked and not capturing():
+        _checked.add(key)
+        masked = _masked(query, *_rows_of(k_buf, v_buf, step), step, scale, window).float()
         err = float((out.float() - masked).norm() / masked.norm().clamp_min(1e-6))
         if not err < 2e-2:
             _KERNELS[name] = False
