@@ -185,10 +185,12 @@ GEOMETRY = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 
             "max_position_embeddings": 512, "num_hidden_layers": 6}  # fmt: skip
 
 
-def windowed(cls=DrafterConfig, window: int | None = 5, types: list[str] | None = (S, F), **kw) -> DrafterConfig:
-    return cls.from_target(GEOMETRY, target_layer_ids=[1, 3, 4], mask_token_id=63, num_draft_layers=2,
-                           block_size=B, sliding_window=window, layer_types=None if types is None else list(types),
-                           **kw)  # fmt: skip
+def windowed(cls=DrafterConfig, window: int | None = 5, types: list[str] | None = (S, F), geometry: dict = GEOMETRY,
+             block_size: int = B) -> DrafterConfig:  # fmt: skip
+    """A two-layer drafter's config of `types` at `window` (None, None: full attention)."""
+    return cls.from_target(geometry, target_layer_ids=[1, 3, 4], mask_token_id=geometry["vocab_size"] - 1,
+                           num_draft_layers=len(types or [0, 0]), block_size=block_size, sliding_window=window,
+                           layer_types=None if types is None else list(types))  # fmt: skip
 
 
 @pytest.mark.parametrize("cls", [DrafterConfig, DSparkConfig])
