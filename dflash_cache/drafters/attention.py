@@ -212,14 +212,14 @@ class BlockLayout:
         ends = starts + self.block_anchor
         lows = starts + (self.block_anchor - window + 1).clamp(min=0)  # slot 0's first visible context key
         # each block's context tiles [lows // TILE, (ends - 1) // TILE], marked on its query tiles
-        # through a difference array over the key tiles
+        # through a difference array over the key tiles (a block without context marks nothing;
+        # no boolean indexing, which would wait for the GPU)
         marks = torch.zeros(n_qt, n_kvt + 1, dtype=torch.int32, device=dev)
         j = torch.arange(self.num_blocks, device=dev)
-        some = ends > lows
-        ones = torch.ones(int(some.sum()), dtype=torch.int32, device=dev)
+        some = (ends > lows).to(torch.int32)
         for tile in (j * B // TILE, ((j + 1) * B - 1) // TILE):
-            marks.index_put_((tile[some], lows[some] // TILE), ones, accumulate=True)
-            marks.index_put_((tile[some], (ends[some] - 1) // TILE + 1), -ones, accumulate=True)
+            marks.index_put_((tile, lows // TILE), some, accumulate=True)
+            marks.index_put_((tile, (ends - 1) // TILE + 1), -some, accumulate=True)
         kv_t = torch.arange(n_kvt, device=dev)
         own_lo, own_hi = self._own_tiles()
         visit = (marks.cumsum(1)[:, :n_kvt] > 0) | ((kv_t >= own_lo[:, None]) & (kv_t <= own_hi[:, None]))
