@@ -223,7 +223,8 @@ def eval_sets(
     """Drafters on the benchmark sets (HumanEval, MT-Bench, the ShareGPT hold-out), as `dflash recipe` ends.
 
     Each drafter and the target alone on each set: tau per prompt and pooled (by turn for MT-Bench),
-    tokens/s and the speedup, in one table (at batch 1 by default), and JSON."""
+    tokens/s and the speedup, in one table (at batch 1 by default), then tau per prompt by the
+    prompts' length in tokens, and JSON."""
     from dflash_cache.eval.sets import run
 
     check_paths(("output_file", cfg.json_out, "--json-out"))

@@ -60,7 +60,15 @@ def print_eval(r: dict) -> None:
         for t in r["turns"]:
             print(f"  turn {t['turn']:<8}tau/prompt {t['tau_per_prompt']:.3f}, pooled {t['tau']:.3f} "
                   f"({t['prompts']} prompts)")  # fmt: skip
+    if len(r["by_context"]) > 1:  # prompts of several lengths: each bucket of prompt tokens apart
+        for name, b in r["by_context"].items():
+            print(f"  {name + ' tokens':<13}tau/prompt {b['tau_per_prompt']:.3f}, pooled {b['tau']:.3f} "
+                  f"({b['prompts']} prompts)")  # fmt: skip
     print("  accept len   " + "  ".join(f"{n}:{c}" for n, c in enumerate(r["histogram"], 1)))
+    if r["rejected"]:
+        first = r["rejected"][0]
+        print(f"  rejected     {len(r['rejected'])} prompts (turns) past the target's positions, left out; row "
+              f"{first['index']} turn {first['turn']}: {first['reason']}")  # fmt: skip
     if r["lookup"]:
         print(f"  prompt lookup tau/prompt {r['lookup']['tau_per_prompt']:.3f}, pooled {r['lookup']['tau']:.3f} "
               "(the n-gram baseline on the same outputs)")  # fmt: skip
@@ -90,9 +98,36 @@ def print_sets_table(r: dict) -> None:
     for row in r["table"]:
         s = r["sets"][row["set"]]
         prompts = f"{s['prompts']}" + (f" ({s['turn_prompts']} turns)" if s["turn_prompts"] != s["prompts"] else "")
+        prompts += f", {len(s['rejected'])} rejected" if s.get("rejected") else ""
         by_turn = " / ".join(f"{t:.2f}" for t in row["tau_by_turn"]) if row["tau_by_turn"] else "-"
         speedups = ["-" if row.get(k) is None else f"{row[k]:.2f}x" for k in ("speedup", "decode_speedup")]
         run = row["run"] + (" (replayed)" if s["runs"][row["run"]].get("replayed") else "")
         table.add_row(row["set"], prompts, run, num(row["tau_per_prompt"], ".3f"), num(row["tau"], ".3f"),
                       by_turn, num(row["tok_s"], ".1f"), *speedups)  # fmt: skip
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    stdout = Console(width=None if sys.stdout.isatty() else 160)
+    stdout.print(table)
+    if by_context := _context_table(r):
+        stdout.print(by_context)
+
+
+def _context_table(r: dict):
+    """tau per prompt of each set and run by the prompts' length in tokens (a column for each bucket
+    that holds a prompt of some set), with each bucket's prompts; None for a result without them."""
+    from rich.table import Table
+
+    rows = [row for row in r["table"] if row.get("tau_by_context")]
+    buckets: dict[str, tuple[int, int]] = {}
+    for row in rows:
+        for name, b in r["sets"][row["set"]]["runs"][row["run"]]["by_context"].items():
+            buckets[name] = tuple(b["tokens"])
+    if not buckets:
+        return None
+    order = sorted(buckets, key=buckets.__getitem__)
+    table = Table(title="tau/prompt by prompt length in tokens (prompts)")
+    for col in ("set", "run", *order):
+        table.add_column(col, justify="left" if col in ("set", "run") else "right")
+    for row in rows:
+        figures = r["sets"][row["set"]]["runs"][row["run"]]["by_context"]
+        table.add_row(row["set"], row["run"], *(f"{figures[b]['tau_per_prompt']:.2f} ({figures[b]['prompts']})"
+                                                 if b in figures else "-" for b in order))  # fmt: skip
+    return table

@@ -14,7 +14,12 @@ different steps and the next prompts take their places. Each step:
    committed positions join the context.
 
 tau is the mean number of tokens committed per verification step (accepted drafts + bonus),
-pooled (``tau``) and per prompt (``tau_per_prompt``, the reference benchmark's figure): `eval.metrics`.
+pooled (``tau``) and per prompt (``tau_per_prompt``, the reference benchmark's figure), and both by
+the prompt's length in tokens (``by_context``): `eval.metrics`.
+
+A prompt is never cut, and never run at positions the target was not built for: one whose tokens
+and ``max_new_tokens`` exceed its ``max_position_embeddings`` is rejected, left out of the figures and
+listed with the reason in ``rejected`` (a later turn that would, with the turns after it).
 
 Temperature 0 compares argmaxes, so greedy speculative decoding reproduces target-only greedy
 decoding token for token, and a prompt's output and tau do not depend on the batch it ran in.
@@ -42,7 +47,7 @@ decoding: one forward of each model per prompt, no speed figures.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +62,22 @@ from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.metrics import (
     EvalResult,
     acceptance,
+    context_figures,
     figures,
     first_difference,
     tau,
     tau_per_prompt,
     turn_figures,
 )
-from dflash_cache.extract.target import TargetError, first_line, load_tokenizer, stop_token_ids, text_config
+from dflash_cache.extract.target import (
+    TargetError,
+    first_line,
+    load_config,
+    load_tokenizer,
+    max_positions,
+    stop_token_ids,
+    text_config,
+)
 from dflash_cache.generate import (
     ERROR,
     BlockProposer,
@@ -144,21 +158,42 @@ class _Prompts:
     kwargs: dict
     max_new_tokens: int
     seed: int
+    positions: int | None  # the target's (max_position_embeddings), None where its config names none
+    rejected: dict[tuple[int, int], dict] = field(default_factory=dict)  # (prompt, turn) -> why
+
+    def fits(self, i: int, k: int, prompt: list[int]) -> bool:
+        """Whether turn k of prompt i and its answer stay inside the target's positions; one that
+        does not is recorded in `rejected`, with how many turns of its dialogue go unasked."""
+        need = len(prompt) + self.max_new_tokens
+        if self.positions is None or need <= self.positions:
+            return True
+        self.rejected[(i, k)] = {
+            "index": i, "turn": k + 1, "prompt_tokens": len(prompt), "turns_left_out": len(self.dialogues[i]) - k,
+            "reason": f"{len(prompt):,} prompt tokens and --max-new-tokens {self.max_new_tokens:,} need {need:,} "
+                      f"positions, more than the target's {self.positions:,} (max_position_embeddings)"}  # fmt: skip
+        return False
+
+    @property
+    def asked(self) -> list[int]:
+        """The prompts whose first turn fits the target's positions."""
+        return [i for i, p in enumerate(self.first) if self.fits(i, 0, p)]
 
     def request(self, i: int, k: int, prompt: list[int]) -> Request:
         # turn 0 keeps the seed of a one-turn prompt; later turns draw other noise (the low 32 bits count)
         return Request(prompt, self.max_new_tokens, seed=self.seed * 1_000_003 + i + k * 0x9E3779B9, key=(i, k))
 
     def length(self, room: int) -> int:
-        """Positions a row needs: a dialogue's last prompt with every earlier answer at its longest."""
+        """Positions a row needs: a dialogue's last prompt with every earlier answer at its longest,
+        and never more than the target's positions (a turn past them is not asked)."""
         longest = 0
-        for d, first in zip(self.dialogues, self.first, strict=True):
-            n = len(first)
+        for i in self.asked:
+            d, n = self.dialogues[i], len(self.first[i])
             if len(d) > 1:
                 n = len(d.prompt(self.tokenizer, self.kwargs, [""] * (len(d) - 1)))
                 n += (len(d) - 1) * (self.max_new_tokens + ANSWER_SLACK)
             longest = max(longest, n)
-        return longest + self.max_new_tokens + room
+        need = longest + self.max_new_tokens
+        return (need if self.positions is None else min(need, self.positions)) + room
 
 
 @dataclass
@@ -171,9 +206,10 @@ class _Run:
     prefill_seconds: float
 
 
-def _decode(engine: Engine, prompts: _Prompts, progress, device: torch.device) -> _Run:
+def _decode(engine: Engine, prompts: _Prompts, progress, skipped, device: torch.device) -> _Run:
     """Every turn of every dialogue through `engine`, a turn's request made when the turn before it
-    completes, with the target's own answer in its prompt."""
+    completes, with the target's own answer in its prompt; a turn past the target's positions is not
+    asked, nor are the turns after it (`skipped` is told how many)."""
     decode = reply_decoder(prompts.tokenizer)
     answers: dict[int, list[str]] = {i: [] for i in range(len(prompts.dialogues))}
 
@@ -185,16 +221,21 @@ def _decode(engine: Engine, prompts: _Prompts, progress, device: torch.device) -
         if k + 1 == len(prompts.dialogues[i]):
             return None
         try:
-            return prompts.request(i, k + 1, prompts.dialogues[i].prompt(prompts.tokenizer, prompts.kwargs, answers[i]))
+            ids = prompts.dialogues[i].prompt(prompts.tokenizer, prompts.kwargs, answers[i])
         except RowRejected as e:
             raise DataError(f"prompt {i} turn {k + 2}: {e.reason}") from None
+        if not prompts.fits(i, k + 1, ids):
+            skipped(len(prompts.dialogues[i]) - k - 1)
+            return None
+        return prompts.request(i, k + 1, ids)
 
-    warm = Request(prompts.first[0], min(8, prompts.max_new_tokens), key=-1)  # allocations, kernels, CUDA graphs
+    asked = prompts.asked
+    warm = Request(prompts.first[asked[0]], min(8, prompts.max_new_tokens), key=-1)  # allocations, kernels, graphs
     list(engine.stream([warm]))
     _sync(device)
     t0, prefilled = time.perf_counter(), engine.prefill_seconds
     done = {}
-    for c in turn_by_turn(engine, [prompts.request(i, 0, p) for i, p in enumerate(prompts.first)], follow):
+    for c in turn_by_turn(engine, [prompts.request(i, 0, prompts.first[i]) for i in asked], follow):
         done[c.request.key] = c
         progress(c)
     _sync(device)
@@ -233,7 +274,7 @@ def _setup(cfg: EvalConfig, prompts: _Prompts, device: torch.device, baseline: b
     drafter, dcfg, family = load_drafter(cfg, model, device)
     B = cfg.block_size or dcfg.block_size
     length = prompts.length(B + 1)
-    wanted = min(len(prompts.first), cfg.batch_size or (128 if device.type == "cuda" else 16))
+    wanted = min(len(prompts.asked), cfg.batch_size or (128 if device.type == "cuda" else 16))
     slots = fit_slots(wanted, slot_bytes(model, length) + proposer_slot_bytes(drafter, length), device)
     target = make_target(model, slots, length, dcfg.target_layer_ids)
     proposer = BlockProposer(drafter, embed=model.get_input_embeddings().weight,
@@ -264,26 +305,32 @@ def evaluate(cfg: EvalConfig, sink: ProgressSink | None = None, *, baseline: boo
     kwargs = check_template_kwargs(cfg.chat_template_kwargs)
     dialogues = load_dialogues(cfg.data, split=cfg.data_split, limit=cfg.limit, first_turn=cfg.first_turn)
     first = [first_prompt(d, tokenizer, kwargs, f"{cfg.data} row {i}") for i, d in enumerate(dialogues)]
-    prompts = _Prompts(dialogues, first, tokenizer, kwargs, cfg.max_new_tokens, cfg.seed)  # bad rows fail first
+    prompts = _Prompts(dialogues, first, tokenizer, kwargs, cfg.max_new_tokens, cfg.seed,
+                       max_positions(load_config(cfg.target)))  # bad rows fail first  # fmt: skip
+    if not prompts.asked:
+        raise DataError(f"{cfg.data}: no prompt fits the target's positions: row 0 has "
+                        f"{prompts.rejected[(0, 0)]['reason']}")  # fmt: skip
     setup = _setup(cfg, prompts, device, baseline)
-    total = sum(map(len, dialogues))
+    total = sum(len(dialogues[i]) for i in prompts.asked)
     if sink is not None:
         sink.start(total * len(setup.engines), 0)
     per_prompt: dict[tuple[int, int], list[int]] = {}
     decoded = 0
 
-    def progress(c: Completion) -> None:
+    def progress(c: Completion | None, turns: int = 1) -> None:
+        """`c` decoded, or (None) `turns` turns that are not asked."""
         nonlocal decoded
-        decoded += 1
-        if c.accepted is not None:
+        decoded += turns
+        if c is not None and c.accepted is not None:
             per_prompt[c.request.key] = c.accepted
         if sink is not None:
-            sink.update({"prompts": decoded, "tau": tau_per_prompt(list(per_prompt.values()))}, {"prompts": 1})
+            sink.update({"prompts": decoded, "tau": tau_per_prompt(list(per_prompt.values()))}, {"prompts": turns})
 
     # a CPU slows down tenfold on denormal activations, and thrashes with more threads than idle cores
     with flush_denormals(device), worker_threads(Worker(0, 1, device)):
         threads = torch.get_num_threads()
-        runs = {name: _decode(engine, prompts, progress, device) for name, engine in setup.engines.items()}
+        runs = {name: _decode(engine, prompts, progress, lambda n: progress(None, n), device)
+                for name, engine in setup.engines.items()}  # fmt: skip
     if sink is not None:
         sink.close()
     return _result(cfg, setup, prompts, runs, {"device": str(device), "cpu_threads": threads})
@@ -306,8 +353,8 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
         **acceptance(samples, setup.proposer.num_drafts), new_tokens=spec_tokens,
         spec_tok_s=spec_tok_s, target_tok_s=target_tok_s,
         speedup=spec_tok_s / target_tok_s if target_tok_s > 0 else 0.0, samples=samples,
-        lookup={**figures([s["lookup_lengths"] for s in samples]), "turns": turn_figures(samples, "lookup_lengths"),
-                "block_size": lookup_block} if greedy else None,
+        lookup=_lookup_figures(samples, lookup_block) if greedy else None,
+        rejected=[prompts.rejected[k] for k in sorted(prompts.rejected)],
         settings={
             "target": str(cfg.target), "drafter": str(cfg.drafter), "data": str(cfg.data),
             "prompts": len(prompts.dialogues), "turn_prompts": len(samples), "first_turn": cfg.first_turn,
@@ -323,17 +370,24 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
     )  # fmt: skip
 
 
+def _lookup_figures(samples: list[dict], block_size: int) -> dict:
+    """Prompt lookup's figures on the samples' outputs, as a run's: overall, by turn, by context length."""
+    return {**figures([s["lookup_lengths"] for s in samples]), "turns": turn_figures(samples, "lookup_lengths"),
+            "by_context": context_figures(samples, "lookup_lengths"), "block_size": block_size}  # fmt: skip
+
+
 def _sample(key: tuple[int, int], c: Completion, ref: _Run | None, tokenizer, lookup_block: int | None) -> dict:
     """One prompt's figures; with `lookup_block` (greedy runs), prompt lookup's acceptance on its output."""
     i, k = key
+    other = None if ref is None else ref.completions.get(key)  # sampled answers may lead it to another turn
     lookup_lengths = None if lookup_block is None else lookup.acceptance_lengths(c.request.prompt, c.ids,
                                                                                  block_size=lookup_block)  # fmt: skip
     return {
         "index": i, "turn": k + 1, "prompt_tokens": len(c.request.prompt), "prompt_ids": list(c.request.prompt),
         "new_tokens": len(c.ids),
         "steps": len(c.accepted), "tau": tau(c.accepted), "acceptance_lengths": c.accepted, "finish": c.finish,
-        "same_as_target": None if ref is None else c.ids == ref.completions[key].ids,
-        "first_difference": None if ref is None else first_difference(c.ids, ref.completions[key].ids),
+        "same_as_target": None if other is None else c.ids == other.ids,
+        "first_difference": None if other is None else first_difference(c.ids, other.ids),
         "output": tokenizer.decode(c.ids), "output_ids": c.ids, "lookup_lengths": lookup_lengths,
     }  # fmt: skip
 

@@ -5,6 +5,12 @@ means are reported: ``tau`` pools every step of every prompt; ``tau_per_prompt``
 prompts of each prompt's tau, the figure the DFlash reference benchmark prints ("Average
 Acceptance length") and the one published numbers are.
 
+``by_context`` holds the same figures by the prompt's length (`context_figures`): a prompt's context
+is its tokens, the chat template's rendering of it (a later turn's with the earlier turns and the
+target's own answers), which is what the drafter sees at its first step. Buckets double from 1K
+tokens (1,024): ``0-1K`` holds prompts of up to 1,024 tokens, ``1K-2K`` 1,025 to 2,048, then
+``2K-4K``, ``4K-8K``, ... without end; only buckets that hold a prompt are reported.
+
 Pure functions over lists of acceptance lengths and `dflash eval`'s sample dicts (no model, no
 torch), so the decode driver (`eval.decode`), the replay driver (`eval.replay`) and the scripts that
 merge results compute them the same way.
@@ -17,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 __all__ = [
     "EvalResult",
     "acceptance",
+    "context_bucket",
+    "context_figures",
     "figures",
     "first_difference",
     "histogram",
@@ -32,7 +40,9 @@ class EvalResult:
 
     tau pools all verification steps of all prompts; tau_per_prompt is the mean over prompts of
     each prompt's own tau (the reference benchmark's figure; see the module docstring). Each turn of
-    a dialogue is a prompt; ``turns`` holds the same figures for each turn apart. ``lookup`` holds
+    a dialogue is a prompt; ``turns`` holds the same figures for each turn apart, ``by_context``
+    for each bucket of prompt length (`context_figures`); ``rejected`` lists the turns left out,
+    each with its reason (a prompt and its answer past the target's positions). ``lookup`` holds
     them for prompt lookup (`dflash_cache.generate.lookup`, n-grams of the prompt and the output so far, as
     many drafts a step as the drafter), the baseline that needs no training: under greedy decoding the output
     does not depend on the drafter, so its acceptance follows from each prompt and output alone."""
@@ -49,9 +59,27 @@ class EvalResult:
     settings: dict = field(default_factory=dict)
     turns: list[dict] = field(default_factory=list)
     lookup: dict | None = None  # the prompt-lookup drafter on the same prompts (greedy only)
+    by_context: dict = field(default_factory=dict)  # bucket label -> figures (context_figures)
+    rejected: list[dict] = field(default_factory=list)  # turns not asked: past the target's positions
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+CONTEXT_EDGE = 1024  # the first bucket's upper edge, in prompt tokens; each next one doubles it
+
+
+def context_bucket(tokens: int) -> tuple[int, int]:
+    """(fewest, most) prompt tokens of the bucket that holds a prompt of `tokens`: (1, 1024),
+    (1025, 2048), (2049, 4096), ..."""
+    high = CONTEXT_EDGE
+    while tokens > high:
+        high *= 2
+    return (1 if high == CONTEXT_EDGE else high // 2 + 1, high)
+
+
+def _bucket_label(low: int, high: int) -> str:
+    return f"{'0' if low == 1 else f'{(low - 1) // 1024}K'}-{high // 1024}K"
 
 
 def tau(acceptance_lengths: list[int]) -> float:
@@ -93,7 +121,7 @@ def acceptance(samples: list[dict], drafts: int) -> dict:
     lengths = [s["acceptance_lengths"] for s in samples]
     flat = [n for steps in lengths for n in steps]
     return {"tau": tau(flat), "tau_per_prompt": tau_per_prompt(lengths), "histogram": histogram(flat, drafts + 1),
-            "steps": len(flat), "turns": turn_figures(samples)}  # fmt: skip
+            "steps": len(flat), "turns": turn_figures(samples), "by_context": context_figures(samples)}  # fmt: skip
 
 
 def figures(lengths: list[list[int]]) -> dict:
@@ -110,3 +138,14 @@ def turn_figures(samples: list[dict], lengths: str = "acceptance_lengths") -> li
         out.append({"turn": turn, "prompts": len(mine), **figures([s[lengths] for s in mine]),
                     "new_tokens": sum(s["new_tokens"] for s in mine)})  # fmt: skip
     return out
+
+
+def context_figures(samples: list[dict], lengths: str = "acceptance_lengths") -> dict[str, dict]:
+    """Each non-empty bucket of prompt length (`context_bucket`, by each sample's ``prompt_tokens``),
+    shortest first, labelled ``0-1K``, ``1K-2K``, ...: its token range, prompts, and figures."""
+    buckets: dict[tuple[int, int], list[dict]] = {}
+    for s in samples:
+        buckets.setdefault(context_bucket(s["prompt_tokens"]), []).append(s)
+    return {_bucket_label(*b): {"tokens": list(b), "prompts": len(mine), **figures([s[lengths] for s in mine]),
+                                "new_tokens": sum(s["new_tokens"] for s in mine)}
+            for b, mine in sorted(buckets.items())}  # fmt: skip

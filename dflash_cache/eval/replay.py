@@ -107,6 +107,7 @@ def replayed(cfg: EvalConfig, earlier: EvalResult) -> EvalResult:
     return EvalResult(
         **acceptance(samples, drafts), new_tokens=sum(s["new_tokens"] for s in samples), spec_tok_s=0.0,
         target_tok_s=earlier.target_tok_s, speedup=0.0, samples=samples, lookup=earlier.lookup,
+        rejected=earlier.rejected,
         settings=earlier.settings | {"drafter": str(cfg.drafter), "block_size": B, "drafter_family": family.name,
                                      "target_layer_ids": list(dcfg.target_layer_ids), "lookup": cfg.lookup,
                                      "spec_seconds": None,

@@ -3,8 +3,11 @@ evaluation `dflash recipe` ends with.
 
 It runs `dflash eval` for each drafter on each set (HumanEval, MT-Bench, the ShareGPT hold-out, or
 any prompt file), the target alone once a set, at batch 1 by default: the single-stream speedup the
-DFlash paper reports. It sits with the apps, not in `generate/`, since it drives `evaluate`. On a
-GPU, the result also sets the target alone against its memory-bandwidth bound (`bench.generate`).
+DFlash paper reports. Each run's tau is also reported by the prompts' length (``by_context``,
+`metrics.context_figures`), one set at a time: pooling sets would mix what they ask with how long
+it is. It sits with the apps, not in `generate/`, since it drives
+`evaluate`. On a GPU, the result also sets the target alone against its memory-bandwidth bound
+(`bench.generate`).
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *,
     """`dflash eval` of each drafter on each set (`benchsets.resolve`: a named set or a prompt file),
     the target alone once a set (with the first drafter's run), and each run's speedup over it.
     `bars(label)` gives a progress sink for each run. The result, also written to `out` as JSON, has
-    a row for each set and run (``table``) and every run's figures (``sets``).
+    a row for each set and run (``table``) and every run's figures (``sets``), by context length
+    too (``by_context``).
 
     `lookup`: each drafter runs once for each value, as `EvalConfig.lookup` (0: the drafter alone,
     named as given; N: prompt lookup mixed in, named "NAME + lookup N"), in that order.
@@ -156,7 +160,7 @@ def _one_set(label: str, configs: dict[str, EvalConfig], bars: Callable[[str], P
             lookup = r.lookup
         runs[name] = _run_figures(r, alone)
     baselines = {"prompt lookup": lookup} if lookup else {}
-    return {"prompts": r.settings["prompts"], "turn_prompts": r.settings["turn_prompts"],
+    return {"prompts": r.settings["prompts"], "turn_prompts": r.settings["turn_prompts"], "rejected": r.rejected,
             "batch_size": r.settings["batch_size"], "runs": runs | baselines | {"target alone": alone}}  # fmt: skip
 
 
@@ -169,7 +173,8 @@ def _run_figures(r, alone: dict[str, Any]) -> dict[str, Any]:
     the milliseconds a speculative step takes, each prompt's prefill included (the speedup is about
     pooled tau times the target alone's ms_per_token over it) and left out (`decode_speedup`: the
     decode's tokens/s over the target alone's, prefills left out, as z-lab's benchmark times it)."""
-    figures = {k: getattr(r, k) for k in ("tau", "tau_per_prompt", "histogram", "steps", "new_tokens", "spec_tok_s")}
+    figures = {k: getattr(r, k) for k in ("tau", "tau_per_prompt", "histogram", "steps", "new_tokens", "spec_tok_s",
+                                          "by_context")}  # fmt: skip
     if r.settings.get("replayed"):  # not decoded: acceptance only
         unmeasured = ("seconds", "spec_tok_s", "ms_per_step", "prefill_seconds", "ms_per_step_without_prefill",
                       "same_as_target", "differ_from_target", "differ_by_turn", "first_differences", "speedup",
@@ -195,14 +200,15 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _table_row(f: dict[str, Any]) -> dict[str, Any]:
-    """The printed table's columns of one run: the target alone has speed only, prompt lookup
+    """The printed tables' columns of one run: the target alone has speed only, prompt lookup
     acceptance only (it is computed from the greedy outputs, not run)."""
     if "turns" not in f:
-        return {"tau_per_prompt": None, "tau": None, "tau_by_turn": None, "tok_s": f["tok_s"], "speedup": 1.0,
-                "decode_speedup": 1.0}  # fmt: skip
+        return {"tau_per_prompt": None, "tau": None, "tau_by_turn": None, "tau_by_context": None, "tok_s": f["tok_s"],
+                "speedup": 1.0, "decode_speedup": 1.0}  # fmt: skip
     by_turn = [t["tau_per_prompt"] for t in f["turns"]] if len(f["turns"]) > 1 else None
+    by_context = {k: b["tau_per_prompt"] for k, b in f.get("by_context", {}).items()}  # none in an older result
     return {"tau_per_prompt": f["tau_per_prompt"], "tau": f["tau"], "tau_by_turn": by_turn,
-            "tok_s": f.get("spec_tok_s"), "speedup": f.get("speedup"),
+            "tau_by_context": by_context, "tok_s": f.get("spec_tok_s"), "speedup": f.get("speedup"),
             "decode_speedup": f.get("decode_speedup")}  # fmt: skip
 
 

@@ -66,6 +66,15 @@ def text_config(config: dict) -> dict:
     return config.get("text_config") or config
 
 
+def max_positions(config: dict) -> int | None:
+    """The positions the target was built for (``max_position_embeddings``, GPT-2's ``n_positions``):
+    a prompt and its answer beyond them would run at positions it never saw. None where the config
+    names none."""
+    tc = text_config(config)
+    value = tc.get("max_position_embeddings", tc.get("n_positions"))
+    return int(value) if value else None
+
+
 def weights_fingerprint(root: Path | None) -> str:
     """A cheap fingerprint of a local checkpoint: file names, sizes, safetensors headers, and
     sampled bytes. Hashing every byte of a 60 GB checkpoint would take minutes."""

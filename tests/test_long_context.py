@@ -1,0 +1,123 @@
+"""Long contexts: tau by the prompt's length (`metrics.context_figures`, the ``by_context`` of eval and
+eval-sets), and a user's long prompt through eval-sets, one past the target's positions rejected."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, TINY_TARGET, RecordingSink
+from test_evaluate import export_random_drafter
+from transformers import AutoTokenizer
+
+from dflash_cache.eval.metrics import context_figures
+from dflash_cache.rows.chat import DataError
+
+
+def wide_target(tmp_path: Path, positions: int = 8192) -> Path:
+    """The tiny target with more positions in its config (RoPE has no table to outgrow): long
+    prompts fit it where the bundled one's 4,096 do not."""
+    out = tmp_path / "wide-target"
+    shutil.copytree(TINY_TARGET, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": positions}))
+    return out
+
+
+def prompt_tokens(tokenizer, message: str) -> int:
+    """A user message's tokens as the target is asked it: its chat template with the generation prompt."""
+    return len(tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=True,
+                                             add_generation_prompt=True, return_dict=True)["input_ids"])  # fmt: skip
+
+
+def test_by_context_groups_the_prompts_by_their_tokens():
+    """Each bucket's figures are those of its prompts alone, the buckets doubling from 1,024 tokens."""
+    rng = random.Random(0)
+    tokens = [1, 1023, 1024, 1025, 2048, 2049, 4096, 4097, 7000, 8192, 8193, 70000, 131072, 131073]
+    samples = [{"prompt_tokens": n, "new_tokens": rng.randint(0, 50),
+                "acceptance_lengths": [rng.randint(1, 8) for _ in range(rng.randint(0, 6))]}
+               for n in tokens * 3]  # fmt: skip
+    got = context_figures(samples)
+
+    def edge(n: int) -> int:
+        return 1024 * 2 ** max(0, math.ceil(math.log2(n / 1024)))
+
+    edges = sorted({edge(n) for n in tokens})
+    assert list(got) == ["0-1K", "1K-2K", "2K-4K", "4K-8K", "8K-16K", "64K-128K", "128K-256K"]
+    for name, e in zip(got, edges, strict=True):
+        mine = [s for s in samples if edge(s["prompt_tokens"]) == e]
+        steps = [n for s in mine for n in s["acceptance_lengths"]]
+        taus = [sum(s["acceptance_lengths"]) / len(s["acceptance_lengths"]) for s in mine if s["acceptance_lengths"]]
+        b = got[name]
+        assert b["tokens"] == [1 if e == 1024 else e // 2 + 1, e] and b["prompts"] == len(mine)
+        assert b["steps"] == len(steps) and b["new_tokens"] == sum(s["new_tokens"] for s in mine)
+        assert b["tau"] == pytest.approx(sum(steps) / len(steps))
+        assert b["tau_per_prompt"] == pytest.approx(sum(taus) / len(taus))
+
+
+def test_a_long_prompt_file_goes_through_eval_sets_with_tau_by_context(tmp_path, capsys):
+    """A prompt file with a 5K-token prompt, on a target whose positions hold it: eval-sets' JSON
+    has each run's figures by context length, which add up to the run's own, and the table a column
+    a bucket. On the bundled target's 4,096 positions the same file's long prompt is rejected, and so
+    is a second turn that would pass them, each with its reason; the rest is measured as before, and
+    a file with nothing that fits is refused."""
+    from cli.results import print_sets_table
+    from dflash_cache.eval.sets import evaluation
+
+    wide = wide_target(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
+    code = (ROOT / "dflash_cache" / "generate" / "decoder.py").read_text()
+    long_prompt = "Continue this Python file:\n```python\n" + code[:9000] + "```"
+    first_turn = next(code[:n] for n in range(5000, 9000, 10) if prompt_tokens(tokenizer, code[: n + 10]) > 4000)
+    second_turn = "Now explain each of those functions, one at a time, and say what could go wrong in it. " * 3
+    own = tmp_path / "mine.jsonl"
+    own.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"prompt": long_prompt}, {"prompt": "What is 10 x 24?"}, {"turns": [first_turn, second_turn]})))  # fmt: skip
+    lengths = [prompt_tokens(tokenizer, long_prompt), prompt_tokens(tokenizer, "What is 10 x 24?"),
+               prompt_tokens(tokenizer, first_turn)]  # fmt: skip
+    assert 5000 <= lengths[0] <= 8192 - 16 and lengths[1] <= 1024 and 3900 < lengths[2] <= 4096 - 8
+
+    drafter = export_random_drafter(tmp_path / "drafter" / "export", 8)
+    r = evaluation(str(wide), {"drafter": drafter}, [str(own)], max_new_tokens=8, out=tmp_path / "eval.json")
+    assert json.loads((tmp_path / "eval.json").read_text()) == r
+    mine = r["sets"]["mine"]
+    assert mine["rejected"] == [] and mine["turn_prompts"] == 4
+    for name in ("drafter", "prompt lookup"):
+        run = mine["runs"][name]
+        by = run["by_context"]
+        assert list(by) == ["0-1K", "2K-4K", "4K-8K"] and [b["prompts"] for b in by.values()] == [1, 1, 2]
+        assert sum(b["steps"] for b in by.values()) == run["steps"] > 0
+        assert sum(b["tau"] * b["steps"] for b in by.values()) == pytest.approx(run["tau"] * run["steps"])
+        assert sum(b["tau_per_prompt"] * b["prompts"] for b in by.values()) / 4 == pytest.approx(run["tau_per_prompt"])
+    assert mine["runs"]["drafter"]["same_as_target"]  # the long prompt decodes the target's own output
+    by = mine["runs"]["drafter"]["by_context"]
+    assert r["table"][0]["tau_by_context"] == {k: b["tau_per_prompt"] for k, b in by.items()}
+    print_sets_table(r)
+    table = capsys.readouterr().out
+    assert "by prompt length" in table and "4K-8K" in table and "0-1K" in table
+
+    sinks: list[RecordingSink] = []
+    bundled = evaluation(str(TINY_TARGET), {"drafter": drafter}, [str(own)], max_new_tokens=8,
+                         bars=lambda label: sinks.append(RecordingSink()) or sinks[-1])["sets"]["mine"]  # fmt: skip
+    assert [(x["index"], x["turn"], x["prompt_tokens"], x["turns_left_out"]) for x in bundled["rejected"]] == [
+        (0, 1, lengths[0], 1), (2, 2, bundled["rejected"][1]["prompt_tokens"], 1)]
+    assert bundled["rejected"][0]["reason"] == (f"{lengths[0]:,} prompt tokens and --max-new-tokens 8 need "
+                                                f"{lengths[0] + 8:,} positions, more than the target's 4,096 "
+                                                "(max_position_embeddings)")  # fmt: skip
+    assert bundled["rejected"][1]["prompt_tokens"] + 8 > 4096
+    assert bundled["turn_prompts"] == 2
+    run = bundled["runs"]["drafter"]
+    wide_by = mine["runs"]["drafter"]["by_context"]  # the same weights and prompts: the same figures
+    assert run["by_context"] == {k: wide_by[k] for k in ("0-1K", "2K-4K")} and run["turns"][0]["prompts"] == 2
+    assert all(sink.totals["prompts"] == sink.started[0] for sink in sinks)  # the turns not asked count as done
+    print_sets_table(r | {"sets": {"mine": bundled}})
+    assert "2 rejected" in capsys.readouterr().out
+
+    alone = tmp_path / "long.jsonl"
+    alone.write_text(json.dumps({"prompt": long_prompt}) + "\n")
+    with pytest.raises(DataError, match=f"{alone}: no prompt fits the target's positions: row 0 has {lengths[0]:,}"):
+        evaluation(str(TINY_TARGET), {"drafter": drafter}, [str(alone)], max_new_tokens=8)
