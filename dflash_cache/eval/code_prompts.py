@@ -8,6 +8,10 @@ asks for code and ShareGPT holds little.
   one kept back), if it has three or more. A method keeps its class line.
 - Test suites (``test/``, ``tests/``, ``test_*.py``), this project's packages and files over 1 MB are
   skipped; prompts of 80 to 2,000 characters are kept, each once.
+- **Held-out modules.** About 15% of modules, by a hash of the module's dotted name
+  (`held_out_module`), are the eval's: `long_code` asks to continue them, so no training text
+  comes from them (`source_files` gives the training side unless asked for the held-out one). The
+  rule reads the name alone, so a name is on the same side on every interpreter.
 - **Decontamination.** HumanEval is an eval, so no prompt derives from it: a file that mentions
   HumanEval (``humaneval`` or ``human_eval``, any case) is skipped, and so is every function named
   like one of HumanEval's 164 entry points (``has_close_elements``, ``fib``, ...).
@@ -21,6 +25,7 @@ the manifest (``OUT.json``) records the interpreter, the roots, the counts and t
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import multiprocessing
 import random
@@ -34,12 +39,13 @@ from typing import Any
 from dflash_cache.eval import benchsets
 from dflash_cache.rows.chat import DataError
 
-__all__ = ["ROOTS", "build", "manifest_path"]
+__all__ = ["ROOTS", "build", "held_out_module", "manifest_path", "module_name", "root_dirs", "source_files"]
 
 ROOTS = ("stdlib", "site-packages")
 SKIP_DIRS = {"test", "tests", "idle_test", "__pycache__", "site-packages"}
 OWN = {"dflash_cache"}  # this project's package (the CLI inside it), when installed into site-packages
 MIN_CHARS, MAX_CHARS, MAX_FILE = 80, 2000, 1 << 20
+HOLDOUT_PERCENT = 15  # of modules, by a hash of the module name: long_code's, never trained on
 
 
 def root_dirs(names: list[str]) -> list[tuple[str, Path]]:
@@ -58,8 +64,25 @@ def root_dirs(names: list[str]) -> list[tuple[str, Path]]:
     return out
 
 
-def source_files(roots: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
-    """(label/relative path, file) of every source file taken, sorted."""
+def module_name(label: str, rel: Path) -> str:
+    """The dotted module name of a file `rel` under a root labelled `label`: ``xml/dom/minidom.py``
+    is ``xml.dom.minidom``, ``json/__init__.py`` is ``json``, a root's own ``__init__.py`` the root's."""
+    parts = list(rel.with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts) or label
+
+
+def held_out_module(name: str) -> bool:
+    """Whether a module is on the eval side of the split (`long_code`'s, never trained on): the
+    first 32 bits of the sha256 of its dotted name, modulo 100, below HOLDOUT_PERCENT."""
+    digest = hashlib.sha256(f"python-module:{name}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") % 100 < HOLDOUT_PERCENT
+
+
+def source_files(roots: list[tuple[str, Path]], *, held_out: bool = False) -> list[tuple[str, Path]]:
+    """(label/relative path, file) of every source file taken, sorted: the training side of the
+    module split, or with `held_out` the eval side."""
     files = []
     for label, root in roots:
         for path in sorted(root.rglob("*.py")):
@@ -68,7 +91,8 @@ def source_files(roots: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
                 continue
             if rel.parts[0] in OWN or path.stat().st_size > MAX_FILE:
                 continue
-            files.append((f"{label}/{rel.as_posix()}", path))
+            if held_out_module(module_name(label, rel)) == held_out:
+                files.append((f"{label}/{rel.as_posix()}", path))
     return files
 
 
@@ -118,8 +142,9 @@ def function_prompt(fn: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]
 
 
 def build(out: Path, *, roots: list[str] = list(ROOTS), seed: int = 0, procs: int = 1) -> dict[str, Any]:  # noqa: B006
-    """Write every candidate prompt of `roots` to `out` (atomically) in a seeded order, then the
-    manifest beside it (`manifest_path`: a file with one is complete); returns the manifest."""
+    """Write every candidate prompt of `roots` (the training side of the module split) to `out`
+    (atomically) in a seeded order, then the manifest beside it (`manifest_path`: a file with one is
+    complete); returns the manifest."""
     banned = benchsets.humaneval_entry_points()
     where = root_dirs(roots)
     files = source_files(where)
@@ -139,7 +164,8 @@ def build(out: Path, *, roots: list[str] = list(ROOTS), seed: int = 0, procs: in
     random.Random(seed).shuffle(rows)
     digest = benchsets.write_rows(rows, out)
     manifest = {"rows": len(rows), "files": len(files), "roots": [str(p) for _, p in where], "seed": seed,
-                "python": sys.version.split()[0], "banned_names": len(banned), "sha256": digest}  # fmt: skip
+                "python": sys.version.split()[0], "banned_names": len(banned),
+                "held_out_modules": f"{HOLDOUT_PERCENT}% by a hash of the module name", "sha256": digest}  # fmt: skip
     manifest_path(out).write_text(json.dumps(manifest, indent=1) + "\n")  # last: it marks the file complete
     return manifest
 

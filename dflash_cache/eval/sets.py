@@ -1,11 +1,11 @@
 """`dflash eval-sets`: tau and the speedup of drafters on the benchmark sets (`benchsets`), the
 evaluation `dflash recipe` ends with.
 
-It runs `dflash eval` for each drafter on each set (HumanEval, MT-Bench, the ShareGPT hold-out, or
-any prompt file), the target alone once a set, at batch 1 by default: the single-stream speedup the
-DFlash paper reports. Each run's tau is also reported by the prompts' length (``by_context``,
-`metrics.context_figures`), one set at a time: pooling sets would mix what they ask with how long
-it is. It sits with the apps, not in `generate/`, since it drives
+It runs `dflash eval` for each drafter on each set (HumanEval, MT-Bench, the ShareGPT hold-out, the
+long-code prompts, or any prompt file), the target alone once a set, at batch 1 by default: the
+single-stream speedup the DFlash paper reports. Each run's tau is also reported by the prompts'
+length (``by_context``, `metrics.context_figures`), one set at a time: pooling sets would mix what
+they ask with how long it is. It sits with the apps, not in `generate/`, since it drives
 `evaluate`. On a GPU, the result also sets the target alone against its memory-bandwidth bound
 (`bench.generate`).
 """
@@ -45,7 +45,7 @@ def run(cfg: EvalSetsConfig, drafters: Sequence[Path], data: Sequence[str] = (),
         bars: Callable[[str], ProgressSink | None] | None = None) -> dict[str, Any]:  # fmt: skip
     """`dflash eval-sets`: the `evaluation` of `drafters`, each named by its directory (the run's, for
     RUN/export), and with `cfg.untrained` a drafter of the first one's shape with random weights, on
-    `cfg.benchmarks` (the three named sets when neither they nor `data` are given) and the prompt
+    `cfg.benchmarks` (`benchsets.DEFAULT_SETS` when neither they nor `data` are given) and the prompt
     files `data`; the result is also written to `cfg.json_out`."""
     from dflash_cache.eval import benchsets
     from dflash_cache.rows.chat import check_template_kwargs
@@ -53,7 +53,7 @@ def run(cfg: EvalSetsConfig, drafters: Sequence[Path], data: Sequence[str] = (),
     if not drafters:
         raise EvalError("no drafter to evaluate: give --drafter RUN/export (repeatable)")
     kwargs = check_template_kwargs(cfg.chat_template_kwargs)
-    sets = [*(cfg.benchmarks or ([] if data else benchsets.SETS)), *data]
+    sets = [*(cfg.benchmarks or ([] if data else benchsets.DEFAULT_SETS)), *data]
     runs = {d.name if d.name != "export" else d.parent.name: d for d in drafters}
     with tempfile.TemporaryDirectory() as tmp:
         if cfg.untrained:
@@ -75,7 +75,7 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *,
     the target alone once a set (with the first drafter's run), and each run's speedup over it.
     `bars(label)` gives a progress sink for each run. The result, also written to `out` as JSON, has
     a row for each set and run (``table``) and every run's figures (``sets``), by context length
-    too (``by_context``).
+    too (``by_context``). A measured set (long-code) is cut with the target's tokenizer.
 
     `lookup`: each drafter runs once for each value, as `EvalConfig.lookup` (0: the drafter alone,
     named as given; N: prompt lookup mixed in, named "NAME + lookup N"), in that order.
@@ -88,6 +88,7 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *,
     evaluation that is interrupted and run again with the same target, drafters and settings
     measures only the sets it had not finished (``seconds`` counts both runs)."""
     from dflash_cache.eval import benchsets
+    from dflash_cache.eval.long_code import Measure
 
     t0 = time.perf_counter()
     if replay and temperature != 0:  # before any set is decoded, not after the first drafter's run
@@ -106,7 +107,8 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *,
     partial = None if out is None else out.with_name(f"{out.stem}.partial.json")
     finished, before = _finished(partial, result)
     with tempfile.TemporaryDirectory() as tmp:
-        resolved = [benchsets.resolve(name, Path(tmp)) for name in sets]  # a missing package fails before any run
+        measure = Measure(target, chat_template_kwargs)  # loads the tokenizer only for a measured set
+        resolved = [benchsets.resolve(name, Path(tmp), measure) for name in sets]  # a missing package fails first
         for label, rows, about in resolved:
             if label in finished:
                 one = result["sets"][label] = finished[label]
