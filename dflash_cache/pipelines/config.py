@@ -77,7 +77,7 @@ class RegenConfig:
         return data
 
 
-BENCHMARKS = ("humaneval", "mt-bench", "sharegpt")  # benchsets.SETS, named without importing its readers
+BENCHMARKS = ("humaneval", "mt-bench", "sharegpt")  # benchsets.DEFAULT_SETS, named without importing its readers
 
 
 class RecipeError(UserError, ValueError):
@@ -101,6 +101,10 @@ class RecipeConfig:
                              "interpreter's own Python sources (HumanEval left out); 0 for none.", min=0)
     code_roots: list[str] = setting(help="Where the code prompts come from: stdlib, site-packages, or "
                                     "directories.", factory=lambda: ["stdlib"])  # fmt: skip
+    long_rows: int = setting(0, "Long prompts beside them: prefixes of 2,000 to 7,000 tokens of --code-roots' files "
+                             "(the training side of the module split that long-code is held out by) for the target "
+                             "to continue, so the drafter meets long contexts in training; the cache then holds "
+                             "rows as long as they and their answers are. 0 for none.", min=0)  # fmt: skip
     regen_tokens: int = setting(512, "Longest regenerated turn.", min=1)
     project: list[str] = setting(help="How the cache stores the tapped layers, as dflash extract --project with "
                                  "--storage auto: auto (H values a token in fp8), none (the layers as they are, "
@@ -113,7 +117,8 @@ class RecipeConfig:
                                       "speculative step's cost).", factory=lambda: [2])  # fmt: skip
     epochs: list[int] = setting(help="Training epochs: one drafter for each value.", factory=lambda: [24])
     benchmarks: list[str] = setting(help="Sets to evaluate on, as dflash eval-sets' --benchmarks: humaneval, "
-                                    "mt-bench, sharegpt, or prompt files.", factory=lambda: list(BENCHMARKS))
+                                    "mt-bench, sharegpt, long-code, or prompt files.",
+                                    factory=lambda: list(BENCHMARKS))  # fmt: skip
     eval_limit: int | None = setting(80, "Use only the first N prompts of each set (none: all; the ShareGPT "
                                      "hold-out's 179 conversations then take most of the eval).", min=1)  # fmt: skip
     max_new_tokens: int = same_as(EvalSetsConfig, "max_new_tokens")
@@ -141,8 +146,8 @@ class RecipeConfig:
                 drafters.family(name)
             except ValueError as e:  # an unknown family, named with the known ones
                 raise RecipeError(f"--families: {e}") from None
-        if self.rows + self.code_rows < 1:
-            raise RecipeError("--rows and --code-rows are both 0: nothing to train on")
+        if self.rows + self.code_rows + self.long_rows < 1:
+            raise RecipeError("--rows, --code-rows and --long-rows are all 0: nothing to train on")
         if min(self.draft_layers) < 1 or min(self.epochs) < 1:
             raise RecipeError("--draft-layers and --epochs must be at least 1")
         if problem := lookup_list_problem(self.lookup):

@@ -7,12 +7,17 @@ one resumable command.
    without any row that asks an MT-Bench question or holds a HumanEval function
    (`benchsets.training_rows`), into OUT/sets/sharegpt-train.jsonl; and "complete this function"
    prompts from the interpreter's own Python sources, HumanEval left out (`code_prompts`), into
-   OUT/sets/code-train.jsonl. The first `rows` of ShareGPT's and `code_rows` of the code prompts,
-   alternating, are OUT/sets/train.jsonl;
+   OUT/sets/code-train.jsonl; with `long_rows`, that many "continue this file" prompts of 2,000 to
+   7,000 tokens (counted with the target's tokenizer) from the same sources' training side
+   (`long_code.training_rows`: long-code's modules are held out), into OUT/sets/long-train.jsonl.
+   The first `rows` of ShareGPT's, `code_rows` of the code prompts and the long prompts, in turn,
+   are OUT/sets/train.jsonl;
 3. **regen**: the target answers them on-policy, turn by turn (each assistant turn is its answer
    given its own earlier answers);
 4. **extract**: the cache, with the final hidden state when a DSpark drafter is asked for (DFlash
-   trains on the same cache), stored as `project` asks; one cache for each value given there;
+   trains on the same cache), stored as `project` asks; one cache for each value given there. Its
+   longest row is extract's default, or with long prompts the longest of them and its answer
+   (`_max_length`), so none is cut or rejected; they batch in length buckets of their own;
 5. **train**: one drafter for each family x draft layers x epochs asked for, on each cache;
 6. **eval**: every drafter and the target alone on the benchmark sets at batch 1 (`dflash
    eval-sets`): tau per prompt and pooled (by turn on MT-Bench), tokens/s and the speedup. Each drafter
@@ -38,7 +43,7 @@ from dflash_cache.core.atomic import write_atomic
 from dflash_cache.core.damage import read_json
 from dflash_cache.core.progress import ProgressSink
 from dflash_cache.core.settings import plain
-from dflash_cache.eval import benchsets, code_prompts
+from dflash_cache.eval import benchsets, code_prompts, long_code
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.pipelines import regen
@@ -47,6 +52,7 @@ from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig
 
 _RECORD_FIX = "delete it (the stages' own outputs are kept, and each resumes or is reused)"
+REPLY_SLACK = 64  # tokens an answer may gain once rendered in its row (the turn's end, tokenized again)
 
 
 class _Record:
@@ -59,9 +65,10 @@ class _Record:
                                      "stages": old.get("stages", {})}  # fmt: skip
         self.partial: dict[str, float] = old.get("unfinished", {})  # seconds of stages begun, not done
 
-    def stage(self, name: str, fn: Callable[[], Any]) -> Any:
+    def stage(self, name: str, fn: Callable[[], Any], keep: Callable[[Any], dict] | None = None) -> Any:
         """Run a stage and record its seconds, with those of its attempts that were interrupted or
-        failed (the minutes it cost); a stage recorded as done keeps its time."""
+        failed (the minutes it cost), and `keep` of its result; a stage recorded as done keeps its
+        record."""
         done = name in self.data["stages"]
         t0 = time.perf_counter()
         try:
@@ -73,7 +80,7 @@ class _Record:
             raise
         if not done:
             seconds = self.partial.pop(name, 0.0) + time.perf_counter() - t0
-            self.data["stages"][name] = {"seconds": round(seconds, 1)}
+            self.data["stages"][name] = {"seconds": round(seconds, 1), **(keep(result) if keep else {})}
             self.save()
         return result
 
@@ -95,28 +102,68 @@ def _target(cfg: RecipeConfig) -> str:
     return convert(path, cfg.out / "target")["out"]
 
 
-def _prompts(cfg: RecipeConfig) -> Path:
-    """OUT/sets/train.jsonl: the first rows of ShareGPT's training side and of the code prompts,
-    alternating (each kept whole in OUT/sets); made once, and refused if the counts change."""
+def _prompts(cfg: RecipeConfig, target: str) -> Path:
+    """OUT/sets/train.jsonl: the first rows of ShareGPT's training side, of the code prompts and the
+    long prompts, in turn (each kept whole in OUT/sets); made once, and refused if the counts change."""
     sets = cfg.out / "sets"
     sharegpt, code, train = sets / "sharegpt-train.jsonl", sets / "code-train.jsonl", sets / "train.jsonl"
     if not sharegpt.is_file():
         benchsets.write_rows(benchsets.training_rows()[0], sharegpt)
     if cfg.code_rows and not code_prompts.manifest_path(code).is_file():
         code_prompts.build(code, roots=cfg.code_roots, seed=cfg.seed)
+    if cfg.long_rows and _long_made(cfg).get("rows") != cfg.long_rows:
+        _long_prompts(cfg, target)
     made_path = code_prompts.manifest_path(train)  # written after the file: its counts
+    counts = {"rows": cfg.rows, "code_rows": cfg.code_rows, "long_rows": cfg.long_rows}
     if made_path.is_file():
         made = read_json(made_path, f"delete {sets} to make the training rows again")
-        if (made["rows"], made["code_rows"]) != (cfg.rows, cfg.code_rows):
-            raise RecipeError(f"{cfg.out} was made with --rows {made['rows']} --code-rows {made['code_rows']}: "
-                              "rerun with those, or choose another --out")  # fmt: skip
+        if {k: made.get(k, 0) for k in counts} != counts:  # an older record has no long rows
+            raise RecipeError(f"{cfg.out} was made with --rows {made['rows']} --code-rows {made['code_rows']} "
+                              f"--long-rows {made.get('long_rows', 0)}: rerun with those, or choose another --out")
         return train
     picked = [_first(sharegpt, cfg.rows, "ShareGPT's training side"),
-              _first(code, cfg.code_rows, "the code prompts") if cfg.code_rows else []]  # fmt: skip
-    mixed = [r for pair in itertools.zip_longest(*picked) for r in pair if r is not None]
+              _first(code, cfg.code_rows, "the code prompts") if cfg.code_rows else [],
+              _first(_long(cfg), cfg.long_rows, "the long prompts") if cfg.long_rows else []]  # fmt: skip
+    mixed = [r for group in itertools.zip_longest(*picked) for r in group if r is not None]
     digest = benchsets.write_rows(mixed, train)
-    made_path.write_text(json.dumps({"rows": cfg.rows, "code_rows": cfg.code_rows, "sha256": digest}) + "\n")
+    made_path.write_text(json.dumps({**counts, "sha256": digest}) + "\n")
     return train
+
+
+def _long(cfg: RecipeConfig) -> Path:
+    return cfg.out / "sets" / "long-train.jsonl"
+
+
+def _long_made(cfg: RecipeConfig) -> dict[str, Any]:
+    """The long prompts' manifest (written after them: they are whole), or nothing."""
+    path = code_prompts.manifest_path(_long(cfg))
+    return read_json(path, f"delete {path.parent} to make the prompts again") if path.is_file() else {}
+
+
+def _long_prompts(cfg: RecipeConfig, target: str) -> None:
+    """OUT/sets/long-train.jsonl (`long_code.training_rows`), then its manifest: the prompts' tokens
+    counted with the target's tokenizer, each short enough that it and an answer of --regen-tokens
+    fit the target's positions."""
+    measure = long_code.Measure(target)
+    low, high = long_code.TRAIN_LENGTHS
+    if measure.max_positions is not None:
+        high = min(high, measure.max_positions - cfg.regen_tokens - REPLY_SLACK)
+    if high < low:
+        raise RecipeError(f"--long-rows: the target's {measure.max_positions:,} positions hold no prompt of {low:,} "
+                          f"tokens with an answer of --regen-tokens {cfg.regen_tokens:,}")  # fmt: skip
+    rows = long_code.training_rows(cfg.long_rows, cfg.code_roots, measure, low, high, seed=cfg.seed)
+    digest = benchsets.write_rows(rows, _long(cfg))
+    manifest = {"rows": len(rows), "lengths": [low, high], "longest": max(r["tokens"] for r in rows),
+                "tokens": measure.describe(), "roots": cfg.code_roots, "seed": cfg.seed, "sha256": digest}  # fmt: skip
+    code_prompts.manifest_path(_long(cfg)).write_text(json.dumps(manifest) + "\n")  # last: the file is complete
+
+
+def _max_length(cfg: RecipeConfig) -> int:
+    """The cache's longest row: extract's default, or the longest long prompt with an answer of
+    --regen-tokens where it is longer, so that no long row is cut or rejected."""
+    if not cfg.long_rows:
+        return ExtractConfig.max_length
+    return max(ExtractConfig.max_length, _long_made(cfg)["longest"] + cfg.regen_tokens + REPLY_SLACK)
 
 
 def _first(path: Path, n: int, what: str) -> list[dict[str, Any]]:
@@ -125,6 +172,11 @@ def _first(path: Path, n: int, what: str) -> list[dict[str, Any]]:
     if len(rows) < n:
         raise RecipeError(f"{what} has {len(rows):,} rows ({path}), fewer than the {n:,} asked for")
     return rows
+
+
+def _cached(summary: dict[str, Any]) -> dict[str, Any]:
+    """What recipe.json keeps of an extraction: the rows cached and rejected, the tokens and the padding."""
+    return {k: summary[k] for k in ("samples", "tokens", "rejected", "padding")}
 
 
 def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
@@ -139,8 +191,9 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     say(f"[1/6] target: {cfg.target}")
     target = record.stage("target", lambda: _target(cfg))
     say("[2/6] prompts: ShareGPT's training side and code, decontaminated")
-    prompts = record.stage("prompts", lambda: _prompts(cfg))
-    say(f"[3/6] regen: the target answers {cfg.rows:,} ShareGPT rows, turn by turn, and {cfg.code_rows:,} code prompts")
+    prompts = record.stage("prompts", lambda: _prompts(cfg, target))
+    say(f"[3/6] regen: the target answers {cfg.rows:,} ShareGPT rows, turn by turn, {cfg.code_rows:,} code prompts "
+        f"and {cfg.long_rows:,} long prompts")  # fmt: skip
     regen_out = cfg.out / "regen.jsonl"
     record.stage("regen", lambda: regen.run(RegenConfig(target=target, data=str(prompts), out=regen_out,
                                                         max_new_tokens=cfg.regen_tokens, seed=cfg.seed,
@@ -150,9 +203,9 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     for i, (project, cache) in enumerate(caches.items()):
         say(f"[4/6] extract: tapped hidden states -> {cache.name} (--project {project})")
         ecfg = ExtractConfig(target=target, data=str(regen_out), out=cache, final_hidden=final_hidden,
-                             project=extract_project(project), gpus=cfg.gpus)  # fmt: skip
+                             project=extract_project(project), max_length=_max_length(cfg), gpus=cfg.gpus)  # fmt: skip
         record.stage("extract" if i == 0 else f"extract project-{project}",
-                     lambda ecfg=ecfg: extract.run(ecfg, bars("extract")))  # fmt: skip
+                     lambda ecfg=ecfg: extract.run(ecfg, bars("extract")), _cached)  # fmt: skip
     exports = {}
     for i, (name, (family, layers, epochs, project)) in enumerate(runs.items()):
         say(f"[5/6] train {i + 1}/{len(runs)}: {name}")
