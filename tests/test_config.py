@@ -119,7 +119,7 @@ def test_name_lists_and_a_recipe_record_as_a_config(tmp_path):
     """A list of names (the recipe's families, roots and sets) from a flag, a file or its recipe.json."""
     cfg = resolve(RecipeConfig, flags={"target": "t", "families": "dflash, dspark", "epochs": "6,18"})
     assert (cfg.families, cfg.epochs, cfg.code_roots) == (["dflash", "dspark"], [6, 18], ["stdlib"])
-    assert cfg.benchmarks == list(benchsets.SETS)  # every named set by default
+    assert cfg.benchmarks == list(benchsets.DEFAULT_SETS)  # the papers' three sets; long-code is asked by name
     (tmp_path / "a.yaml").write_text("target: t\nfamilies: [dflash, [1]]\n")
     with pytest.raises(SettingsError, match=r"families \(in .*a.yaml\) .*: expected comma-separated names"):
         resolve(RecipeConfig, files=[tmp_path / "a.yaml"])
