@@ -39,7 +39,8 @@ from typing import Any
 from dflash_cache.eval import benchsets
 from dflash_cache.rows.chat import DataError
 
-__all__ = ["ROOTS", "build", "held_out_module", "manifest_path", "module_name", "root_dirs", "source_files"]
+__all__ = ["ROOTS", "build", "held_out_module", "manifest_path", "mentions_humaneval", "module_name", "root_dirs",
+           "source_files"]
 
 ROOTS = ("stdlib", "site-packages")
 SKIP_DIRS = {"test", "tests", "idle_test", "__pycache__", "site-packages"}
@@ -96,6 +97,13 @@ def source_files(roots: list[tuple[str, Path]], *, held_out: bool = False) -> li
     return files
 
 
+def mentions_humaneval(text: str) -> bool:
+    """Whether a file names HumanEval (``humaneval`` or ``human_eval``, any case): it may hold its
+    problems, so no training text comes from it."""
+    low = text.lower()
+    return "humaneval" in low or "human_eval" in low
+
+
 def file_prompts(job: tuple[str, str, frozenset[str]]) -> list[tuple[str, str]]:
     """(source, code) of every function prompt of one file; none for a file that mentions HumanEval."""
     name, path, banned = job
@@ -104,8 +112,7 @@ def file_prompts(job: tuple[str, str, frozenset[str]]) -> list[tuple[str, str]]:
         tree = ast.parse(text)
     except (OSError, UnicodeDecodeError, SyntaxError, ValueError, RecursionError):
         return []
-    low = text.lower()
-    if "humaneval" in low or "human_eval" in low:
+    if mentions_humaneval(text):
         return []
     lines = text.split("\n")  # as ast counts lines: splitlines() also cuts at \x0c, U+2028 and the like
     out: list[tuple[str, str]] = []

@@ -179,9 +179,8 @@ def training_rows(n: int, roots: list[str], measure: Measure, low: int, high: in
             i = (at + tried) % len(files)
             if i not in texts:
                 text = _read(files[i][1])
-                low_text = None if text is None else text.lower()
-                usable = text is not None and "humaneval" not in low_text and "human_eval" not in low_text
-                texts[i] = text if usable and not defines.search(text) else None
+                usable = text is not None and not code_prompts.mentions_humaneval(text) and not defines.search(text)
+                texts[i] = text if usable else None
             text = texts[i]
             if text is None or len(text) < low:  # too short to hold `low` tokens
                 continue
