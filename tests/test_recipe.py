@@ -16,6 +16,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from helpers import ROOT, TINY_TARGET, jsonl_rows, pypi_package, python_path, read_cache
 from test_long_context import held_out, prompt_tokens
 from transformers import AutoTokenizer
@@ -24,6 +25,9 @@ from dflash_cache.cache.spec import read_spec
 from dflash_cache.eval.benchsets import set_rows, training_rows, write_rows
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.decode import evaluate
+from dflash_cache.pipelines.config import RecipeConfig, RecipeError
+from dflash_cache.pipelines.recipe import _prompts, _taken
+from dflash_cache.rows.chat import DataWarning
 
 
 def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
@@ -130,3 +134,23 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     refused = subprocess.run(other, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert refused.returncode == 1 and "was made with --rows 6 --code-rows 4 --long-rows 3" in refused.stderr, \
         refused.stderr
+
+
+def test_fewer_code_prompts_than_asked_are_all_taken_with_a_warning(tmp_path):
+    """The code prompts come from the interpreter's own sources, whose size depends on the Python
+    version: the default --code-rows may ask for more than one has. The recipe takes them all and
+    says so; ShareGPT's rows, a fixed file, are still counted strictly."""
+    sharegpt = [{"id": str(i), "turns": [f"Question {i}?"]} for i in range(3)]
+    cfg = RecipeConfig(target=str(TINY_TARGET), out=tmp_path / "a", rows=3, code_rows=1_000_000,
+                       code_roots=[str(ROOT / "dflash_cache" / "generate")])  # fmt: skip
+    write_rows(sharegpt, cfg.out / "sets" / "sharegpt-train.jsonl")
+    with pytest.warns(DataWarning, match="fewer than the 1,000,000 asked for: the recipe takes all"):
+        rows = jsonl_rows(_prompts(cfg, str(TINY_TARGET)))
+    code = jsonl_rows(cfg.out / "sets" / "code-train.jsonl")
+    assert 0 < len(code) < 1_000_000 and len(rows) == 3 + len(code)
+    assert _taken(cfg) == {"rows": 3, "code_rows": len(code), "long_rows": 0}
+
+    strict = RecipeConfig(target=str(TINY_TARGET), out=tmp_path / "b", rows=4, code_rows=0)
+    write_rows(sharegpt, strict.out / "sets" / "sharegpt-train.jsonl")
+    with pytest.raises(RecipeError, match="ShareGPT's training side has 3 rows .* fewer than the 4 asked for"):
+        _prompts(strict, str(TINY_TARGET))

@@ -98,7 +98,8 @@ class RecipeConfig:
     rows: int = setting(3000, "ShareGPT training rows (conversations) the target answers, on-policy, turn by "
                         "turn.", min=0)  # fmt: skip
     code_rows: int = setting(6000, "Code prompts beside them: complete-this-function prompts from the "
-                             "interpreter's own Python sources (HumanEval left out); 0 for none.", min=0)
+                             "interpreter's own Python sources (HumanEval left out): all of them, with a warning, "
+                             "where they hold fewer; 0 for none.", min=0)
     code_roots: list[str] = setting(help="Where the code prompts come from: stdlib, site-packages, or "
                                     "directories.", factory=lambda: ["stdlib"])  # fmt: skip
     long_rows: int = setting(0, "Long prompts beside them: prefixes of 2,000 to 7,000 tokens of --code-roots' files "

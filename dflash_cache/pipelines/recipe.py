@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.pipelines import regen
 from dflash_cache.pipelines.config import RecipeConfig, RecipeError, RegenConfig, extract_project
+from dflash_cache.rows.chat import DataWarning
 from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig
 
@@ -121,13 +123,23 @@ def _prompts(cfg: RecipeConfig, target: str) -> Path:
             raise RecipeError(f"{cfg.out} was made with --rows {made['rows']} --code-rows {made['code_rows']} "
                               f"--long-rows {made.get('long_rows', 0)}: rerun with those, or choose another --out")
         return train
+    # The code and long prompts come from this interpreter's own sources, whose size depends on the
+    # Python version: fewer than asked is a warning, not a stop.
     picked = [_first(sharegpt, cfg.rows, "ShareGPT's training side"),
-              _first(code, cfg.code_rows, "the code prompts") if cfg.code_rows else [],
-              _first(_long(cfg), cfg.long_rows, "the long prompts") if cfg.long_rows else []]  # fmt: skip
+              _first(code, cfg.code_rows, "the code prompts", fewer_ok=True) if cfg.code_rows else [],
+              _first(_long(cfg), cfg.long_rows, "the long prompts", fewer_ok=True) if cfg.long_rows else []]
     mixed = [r for group in itertools.zip_longest(*picked) for r in group if r is not None]
     digest = benchsets.write_rows(mixed, train)
-    made_path.write_text(json.dumps({**counts, "sha256": digest}) + "\n")
+    taken = dict(zip(counts, map(len, picked), strict=True))
+    made_path.write_text(json.dumps({**counts, "taken": taken, "sha256": digest}) + "\n")
     return train
+
+
+def _taken(cfg: RecipeConfig) -> dict[str, int]:
+    """The rows OUT/sets/train.jsonl holds of each kind (fewer code or long prompts than asked
+    where the sources hold fewer)."""
+    made = read_json(code_prompts.manifest_path(cfg.out / "sets" / "train.jsonl"), "")
+    return made.get("taken") or {"rows": cfg.rows, "code_rows": cfg.code_rows, "long_rows": cfg.long_rows}
 
 
 def _long(cfg: RecipeConfig) -> Path:
@@ -166,11 +178,15 @@ def _max_length(cfg: RecipeConfig) -> int:
     return max(ExtractConfig.max_length, _long_made(cfg)["longest"] + cfg.regen_tokens + REPLY_SLACK)
 
 
-def _first(path: Path, n: int, what: str) -> list[dict[str, Any]]:
+def _first(path: Path, n: int, what: str, *, fewer_ok: bool = False) -> list[dict[str, Any]]:
+    """The first `n` rows of `path`; fewer is an error, or with `fewer_ok` a warning."""
     with open(path, "rb") as f:  # lines cut at b"\n" alone, as JSON Lines are (core/jsonl.py)
         rows = [json.loads(line) for line in itertools.islice((ln for ln in f if ln.strip()), n)]
     if len(rows) < n:
-        raise RecipeError(f"{what} has {len(rows):,} rows ({path}), fewer than the {n:,} asked for")
+        message = f"{what} has {len(rows):,} rows ({path}), fewer than the {n:,} asked for"
+        if not fewer_ok:
+            raise RecipeError(message)
+        warnings.warn(f"{message}: the recipe takes all {len(rows):,}", DataWarning, stacklevel=2)
     return rows
 
 
@@ -192,8 +208,9 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     target = record.stage("target", lambda: _target(cfg))
     say("[2/6] prompts: ShareGPT's training side and code, decontaminated")
     prompts = record.stage("prompts", lambda: _prompts(cfg, target))
-    say(f"[3/6] regen: the target answers {cfg.rows:,} ShareGPT rows, turn by turn, {cfg.code_rows:,} code prompts "
-        f"and {cfg.long_rows:,} long prompts")  # fmt: skip
+    taken = _taken(cfg)
+    say(f"[3/6] regen: the target answers {taken['rows']:,} ShareGPT rows, turn by turn, {taken['code_rows']:,} code "
+        f"prompts and {taken['long_rows']:,} long prompts")  # fmt: skip
     regen_out = cfg.out / "regen.jsonl"
     record.stage("regen", lambda: regen.run(RegenConfig(target=target, data=str(prompts), out=regen_out,
                                                         max_new_tokens=cfg.regen_tokens, seed=cfg.seed,
