@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 from helpers import ROOT, reference_dflash
+from test_serving_export import one_block
 from transformers import DynamicCache, Qwen3Config
 
 from dflash_cache import drafters
@@ -241,15 +242,6 @@ def same_weights(model: DFlashDrafter, cfg: DrafterConfig) -> DFlashDrafter:
     return other
 
 
-def trained_block(model: DFlashDrafter, context: torch.Tensor, block_embeds: torch.Tensor) -> torch.Tensor:
-    """The training forward's hidden states [B, H] of one block anchored right after `context` [C, K*H]."""
-    c = context.shape[0]
-    layout = BlockLayout.build(torch.tensor([0, c]), torch.zeros(1, dtype=torch.long), torch.tensor([c]),
-                               block_embeds.shape[0])  # fmt: skip
-    with torch.no_grad():
-        return model(block_embeds, context, layout)
-
-
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("name,types", [("dflash", [S, F]), ("dspark", [F, S]), ("dflash", [S, S])])
 def test_the_reference_code_serves_what_was_trained(tmp_path, name, types):
@@ -278,11 +270,11 @@ def test_the_reference_code_serves_what_was_trained(tmp_path, name, types):
         cache.crop(-B)  # the first block's keys off, its context's kept
         got2 = theirs(position_ids=torch.arange(c1, c2 + B)[None], noise_embedding=second[None],
                       target_hidden=ctx[None, c1:], past_key_values=cache, use_cache=True)  # fmt: skip
-    want = trained_block(model, ctx, second)
+    want = one_block(model, ctx, second)
     torch.testing.assert_close(whole[0], want, **tol)
-    torch.testing.assert_close(got1[0], trained_block(model, ctx[:c1], first), **tol)
+    torch.testing.assert_close(got1[0], one_block(model, ctx[:c1], first), **tol)
     torch.testing.assert_close(got2[0], want, **tol)
-    full = trained_block(same_weights(model, dataclasses.replace(cfg, sliding_window=None, layer_types=None)), ctx,
+    full = one_block(same_weights(model, dataclasses.replace(cfg, sliding_window=None, layer_types=None)), ctx,
                          second)  # fmt: skip
     assert (full - want).abs().max() > 1e-3
 
@@ -330,7 +322,7 @@ def test_block_proposer_serves_what_was_trained(name, types):
     want = []
     for a, t in zip(anchors, last.tolist(), strict=True):
         block = family.block_input(torch.tensor([t]), cfg.block_size, cfg.mask_token_id)
-        hidden = trained_block(model, ctx[:a], embed[block[0]])
+        hidden = one_block(model, ctx[:a], embed[block[0]])
         recorder = Recorder()
         with torch.no_grad():
             family.draft(model, hidden[None], block, head, recorder)
