@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import os
 import warnings
 from pathlib import Path
@@ -180,6 +181,31 @@ class LayerTaps:
         self.remove()
 
 
+class Carry:
+    """What one sample's forwards pass on to the next (`TappedTarget(ids, carry)`): the target's
+    key/value cache, made by the target on the first forward (it knows its layers' kinds: full,
+    sliding, linear attention). Dropping the carry frees the cache."""
+
+    def __init__(self) -> None:
+        self.cache = None
+
+
+def cache_kwarg(model: nn.Module) -> str:
+    """transformers 5 calls the cache argument `cache` (5.40 onwards; `past_key_values` before)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def new_cache(model: nn.Module):
+    """An empty transformers DynamicCache for `model`, with a layer of the right kind for each of
+    its layers (a sliding layer keeps only its window, a linear-attention layer its state)."""
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:  # older transformers: no config argument
+        return DynamicCache()
+
+
 class TappedTarget:
     """The target's base model cut after its last tapped layer, with `LayerTaps` on the tapped layers;
     with `final`, the whole base model (every layer and the final norm; the LM head is not part of it)."""
@@ -197,15 +223,24 @@ class TappedTarget:
         self.taps = LayerTaps(getattr(owner, attr), layer_ids)
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, input_ids: torch.Tensor, carry: Carry | None = None) -> list[torch.Tensor]:
         """Hidden states [b, T, H] of each tapped layer for right-padded `input_ids` [b, T], and
         with `final` the final-normed last hidden state after them.
 
         Right padding needs no attention mask: under the causal mask a real token never sees
         the padding after it, so its hidden states are those of the unpadded sequence.
+
+        With `carry` (one sample, extract/prefill.py) the tokens continue those of the earlier
+        calls with the same carry: they attend to them through the key/value cache it holds, at
+        the positions after them. Only the layers that run (up to the last tapped one) fill it.
         """
+        cache = {"use_cache": False}
+        if carry is not None:
+            if carry.cache is None:
+                carry.cache = new_cache(self.base)
+            cache = {"use_cache": True, cache_kwarg(self.base): carry.cache}
         with sdpa_kernel(SDPA_BACKENDS):
-            out = self.base(input_ids=input_ids, use_cache=False)
+            out = self.base(input_ids=input_ids, **cache)
         taps = self.taps.take()
         return [*taps, whole(out.last_hidden_state)] if self.final else taps
 

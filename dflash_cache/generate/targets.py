@@ -19,14 +19,13 @@ hidden states (layer id l = output of decoder layer l, `extract.target.LayerTaps
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_cache.extract.target import LayerTaps, has_recurrent_layers, text_config
+from dflash_cache.extract.target import LayerTaps, cache_kwarg, has_recurrent_layers, new_cache, text_config
 from dflash_cache.generate.decoder import Decoder
 from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from dflash_cache.generate.slots import SlotCache, SlotStep
@@ -116,20 +115,6 @@ class SlotTarget:
         """Nothing to undo: a row's entries past its length are invisible and get overwritten."""
 
 
-def _cache_kwarg(model: nn.Module) -> str:
-    """transformers 5 calls the cache argument `cache` (5.40 onwards; `past_key_values` before)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _new_cache(model: nn.Module):
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers: no config argument
-        return DynamicCache()
-
-
 class CachedTarget:
     """Any causal LM through its own transformers cache, one row (see the module docstring)."""
 
@@ -142,7 +127,7 @@ class CachedTarget:
         self.model, self.length, self.layer_ids = model, length, list(layer_ids or [])
         self.taps = LayerTaps.of(model, self.layer_ids) if self.layer_ids else None
         self.device = model.get_input_embeddings().weight.device
-        self.kwarg = _cache_kwarg(model)
+        self.kwarg = cache_kwarg(model)
         self.recurrent = has_recurrent_layers(model)
         self.cache = None
         self._before = None  # (cache copy, its length, the step's ids) while a step may be undone
@@ -156,7 +141,7 @@ class CachedTarget:
     def prefill(self, rows: list[int], prompts: list[tuple[int, ...]]) -> tuple[Tensor, Tensor | None]:
         if rows != [0] or len(prompts) != 1:
             raise ValueError("CachedTarget holds one row")
-        self.cache, self._before = _new_cache(self.model), None
+        self.cache, self._before = new_cache(self.model), None
         logits, states = self._forward(torch.tensor([prompts[0]], device=self.device))
         return logits[:, -1], states
 
