@@ -10,7 +10,7 @@ nodes, and stored before cache.json names its digest.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -43,20 +43,19 @@ def fit_sample(plan: Plan, tokens: int) -> list[tuple[Unit, Batch]]:
     return picked
 
 
-def fit_basis(target: Callable[[torch.Tensor], list[torch.Tensor]],
-              batches: Iterable[tuple[torch.Tensor, torch.Tensor]], spec: CacheSpec,
+def fit_basis(features: Iterable[tuple[list[torch.Tensor], torch.Tensor]], spec: CacheSpec,
               device: torch.device) -> tuple[Basis, CacheSpec]:  # fmt: skip
-    """Fit the basis `spec.projection` asks for on the target's own features over `batches`
-    (padded input ids and the flat indices of their real tokens, as the stage feeds the target);
-    returns it and the spec completed with what the fit measured (its digest is filled in when the
-    basis is saved)."""
+    """Fit the basis `spec.projection` asks for on the target's own features: each of `features`
+    is a forward's outputs (padded [b, T, H] each) and the flat indices of their real tokens, as
+    the stage runs the target (stage.fit_projection); returns the basis and the spec completed with
+    what the fit measured (its digest is filled in when the basis is saved)."""
     proj = spec.projection
     assert proj is not None
     k, h = len(spec.layers.ids), spec.target.hidden_size
     moments = Moments(k, h, device)
     with torch.inference_mode():
-        for inp, rows in batches:
-            taps = target(inp)[:k]
+        for outputs, rows in features:
+            taps = outputs[:k]
             moments.add([t.reshape(-1, h).index_select(0, rows) for t in taps])
         basis, kept = fit(moments, proj, k)
     done = dataclasses.replace(proj, fitted_tokens=moments.tokens, retained_energy=kept)

@@ -74,10 +74,17 @@ from dflash_cache.core.paths import output_dir
 from dflash_cache.core.progress import ProgressSink, Reporter
 from dflash_cache.extract.basis import energy_note, fit_basis, fit_sample
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
-from dflash_cache.extract.config import ExtractConfig, resolve_rank, resolve_storage, resolve_token_budget
+from dflash_cache.extract.config import (
+    ExtractConfig,
+    resolve_prefill_chunk,
+    resolve_rank,
+    resolve_storage,
+    resolve_token_budget,
+)
 from dflash_cache.extract.mask import AUTO, choose_mask_token, data_token_ids
 from dflash_cache.extract.parallel import layout, load_copy
 from dflash_cache.extract.plan import Batch, Plan, Unit, make_plan
+from dflash_cache.extract.prefill import Target, forwards
 from dflash_cache.extract.target import (
     compute_dtype_for,
     frozen_weights,
@@ -342,19 +349,22 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
             if group.first_lead:
                 write_frozen(cfg.out, *frozen)
         del model  # the upper layers and the LM head stay on the CPU only until here
+        chunk = resolve_prefill_chunk(cfg.prefill_chunk, plan.token_budget)
         if spec.projection is not None:
-            spec, basis = _basis(group, fits_basis, target, cfg.out, spec, plan, dataset, w.device, channel.put)
+            spec, basis = _basis(group, fits_basis, target, cfg.out, spec, plan, dataset, w.device, channel.put,
+                                 chunk)  # fmt: skip
             if group.lead:
                 target = projecting(target, basis, len(spec.layers.ids))
         if group.lead:
-            extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put, writers=cfg.writers)
+            extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put, writers=cfg.writers,
+                          chunk=chunk)  # fmt: skip
         else:
-            follow_units(target, todo, dataset, spec, w.device)
+            follow_units(target, todo, dataset, spec, w.device, chunk)
 
 
-def _basis(group: Group, fit: bool, target: Callable[[torch.Tensor], list[torch.Tensor]], out: Path,
-           spec: CacheSpec, plan: Plan, dataset, device: torch.device,
-           report: Callable[[dict], None]) -> tuple[CacheSpec, Basis]:  # fmt: skip
+def _basis(group: Group, fit: bool, target: Target, out: Path, spec: CacheSpec, plan: Plan, dataset,
+           device: torch.device, report: Callable[[dict], None],
+           chunk: int | None) -> tuple[CacheSpec, Basis]:  # fmt: skip
     """A projected cache's basis, and its spec as cache.json holds it: the first copy's ranks fit
     the basis on the plan's own batches (`fit`: its forwards are collective under --tp), its lead
     saves it and writes cache.json with its digest; every other worker (other copies, GPUs,
@@ -364,7 +374,7 @@ def _basis(group: Group, fit: bool, target: Callable[[torch.Tensor], list[torch.
         say({"info": f"fitting the projection basis ({spec.projection.basis}, {spec.projection.rank} values a "
                      "token)"})  # fmt: skip
         started = time.perf_counter()
-        basis, spec = fit_projection(target, spec, plan, dataset, device)
+        basis, spec = fit_projection(target, spec, plan, dataset, device, chunk)
         if group.first_lead:
             spec = dataclasses.replace(spec, projection=dataclasses.replace(spec.projection, digest=basis.save(out)))
             write_spec(out, spec)
@@ -376,37 +386,38 @@ def _basis(group: Group, fit: bool, target: Callable[[torch.Tensor], list[torch.
     return spec, Basis.load(out, spec)
 
 
-def fit_projection(target: Callable[[torch.Tensor], list[torch.Tensor]], spec: CacheSpec, plan: Plan, dataset,
-                   device: torch.device) -> tuple[Basis, CacheSpec]:  # fmt: skip
-    """Fit the basis `spec.projection` asks for (extract/basis.py) on the plan's fit sample, batched
-    as the stage batches its units; the spec it returns has what the fit measured, not yet a digest."""
+def fit_projection(target: Target, spec: CacheSpec, plan: Plan, dataset, device: torch.device,
+                   chunk: int | None = None) -> tuple[Basis, CacheSpec]:  # fmt: skip
+    """Fit the basis `spec.projection` asks for (extract/basis.py) on the plan's fit sample, run
+    as the stage runs its units (batched, long samples in chunks); the spec it returns has what the
+    fit measured, not yet a digest."""
     pad_id = spec.tokenizer.pad_token_id or 0
 
-    def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def features() -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
         for _, picked in itertools.groupby(fit_sample(plan, spec.projection.fit_tokens), key=lambda ub: ub[0].id):
             chosen = list(picked)  # one unit's batches, in plan order
             unit = chosen[0][0]
             ids = unit_tokens(dataset, unit)[0]
-            for *_, inp, rows in unit_batches(unit, ids, pad_id, device, [b for _, b in chosen]):
-                yield inp, rows
+            for _, _, lengths, _, inp, rows in unit_batches(unit, ids, pad_id, device, [b for _, b in chosen]):
+                for *_, outputs, index in forwards(target, inp, rows, lengths, chunk):
+                    yield outputs, index
 
-    return fit_basis(target, batches(), spec, device)
+    return fit_basis(features(), spec, device)
 
 
-def projecting(target: Callable[[torch.Tensor], list[torch.Tensor]], basis: Basis, num_layers: int
-                ) -> Callable[[torch.Tensor], list[torch.Tensor]]:  # fmt: skip
+def projecting(target: Target, basis: Basis, num_layers: int) -> Target:
     """`target` whose tapped layers come out projected: one output per group of the basis, then the
     final hidden state as it is, when the cache holds it."""
 
-    def projected(inp: torch.Tensor) -> list[torch.Tensor]:
-        outputs = target(inp)
+    def projected(inp: torch.Tensor, **kwargs) -> list[torch.Tensor]:
+        outputs = target(inp, **kwargs)
         return basis.project(outputs[:num_layers]) + outputs[num_layers:]
 
     return projected
 
 
 def extract_units(
-    target: Callable[[torch.Tensor], list[torch.Tensor]],
+    target: Target,
     units: list[Unit],
     dataset,
     spec: CacheSpec,
@@ -415,13 +426,16 @@ def extract_units(
     report: Callable[[dict], None],
     *,
     writers: int | None = None,
+    chunk: int | None = None,
 ) -> None:
     """The per-process pipeline: forward, unpad, copy out on a side stream into a shared unit
     buffer, commit in writer processes (commit.py).
 
     `target` maps right-padded input ids [b, T] to the tapped layers' hidden states (and the final
     hidden state after them when the cache holds it); the benchmark passes a random model of real
-    shape here, the CLI the loaded target.
+    shape here, the CLI the loaded target. A batch longer than `chunk` tokens runs sample by sample
+    in chunks (prefill.py), each chunk's rows copied out as it comes, into the same unit buffer
+    rows one forward would fill.
     """
     if not units:
         return
@@ -443,14 +457,15 @@ def extract_units(
         for unit in units:
             ids, mask, sample_index = unit_tokens(dataset, unit)
             index = None
-            for r0, r1, lengths, batch, inp, rows in unit_batches(unit, ids, pad_id, device):
-                encoded = encode_rows(target(inp), rows, row)
-                if index is None:  # taken this late, a wait for a free buffer overlaps the forward
-                    index = committer.take()
-                copy_out(copy_stream, buffers[index], r0, r1, encoded)
-                throttle.mark()
-                rate.add(r1 - r0)
-                report({"tokens": r1 - r0, "padded": len(lengths) * batch.max_len})
+            for r0, _, lengths, _, inp, rows in unit_batches(unit, ids, pad_id, device):
+                for a, b, outputs, where in forwards(target, inp, rows, lengths, chunk):
+                    encoded = encode_rows(outputs, where, row)
+                    if index is None:  # taken this late, a wait for a free buffer overlaps the forward
+                        index = committer.take()
+                    copy_out(copy_stream, buffers[index], r0 + a, r0 + b, encoded)
+                    throttle.mark()
+                    rate.add(b - a)
+                    report({"tokens": b - a, "padded": outputs[0].shape[0] * outputs[0].shape[1]})
             ready = torch.cuda.Event() if cuda else None
             if ready is not None:
                 ready.record(copy_stream)
@@ -467,15 +482,17 @@ def extract_units(
             pinner.unpin()
 
 
-def follow_units(target: Callable[[torch.Tensor], list[torch.Tensor]], units: list[Unit], dataset, spec: CacheSpec,
-                 device: torch.device) -> None:  # fmt: skip
-    """A sharded copy's other ranks: the lead's forwards, batch for batch (each forward exchanges
-    partial results between the ranks of the copy), with nothing kept; the lead commits."""
+def follow_units(target: Target, units: list[Unit], dataset, spec: CacheSpec, device: torch.device,
+                 chunk: int | None = None) -> None:  # fmt: skip
+    """A sharded copy's other ranks: the lead's forwards, batch for batch and chunk for chunk
+    (each forward exchanges partial results between the ranks of the copy), with nothing kept;
+    the lead commits."""
     pad_id = spec.tokenizer.pad_token_id or 0
     for unit in units:
         ids = unit_tokens(dataset, unit)[0]
-        for *_, inp, _rows in unit_batches(unit, ids, pad_id, device):
-            target(inp)
+        for _, _, lengths, _, inp, rows in unit_batches(unit, ids, pad_id, device):
+            for _ in forwards(target, inp, rows, lengths, chunk):
+                pass
 
 
 def unit_batches(unit: Unit, ids: np.ndarray, pad_id: int, device: torch.device,

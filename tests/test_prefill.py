@@ -1,0 +1,140 @@
+"""Chunked prefill (extract/prefill.py) against independent computations: `output_hidden_states` of
+one plain forward of the whole model over the whole sample, for full-attention, sliding-window and
+hybrid (gated delta-net) targets; and a cache made with chunks against one made without."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY_TARGET, extract_config, read_cache
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dflash_cache.extract.config import ExtractConfig, resolve_prefill_chunk
+from dflash_cache.extract.prefill import forwards
+from dflash_cache.extract.stage import batch_inputs, run
+from dflash_cache.extract.target import TappedTarget
+
+LAYERS = [1, 3, 5]
+
+
+def random_qwen3(**fields) -> torch.nn.Module:
+    """A random-initialised Qwen3 of the tiny target's shape, float32."""
+    config = AutoConfig.from_pretrained(TINY_TARGET)
+    for k, v in fields.items():
+        setattr(config, k, v)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def whole_forward(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    with torch.no_grad():
+        return model(input_ids=ids, output_hidden_states=True).hidden_states
+
+
+def chunked(target: TappedTarget, ids: list[torch.Tensor], chunk: int) -> list[list[torch.Tensor]]:
+    """Each sample's outputs [n, H] per output, run as one right-padded batch through `forwards`."""
+    lengths = np.array([len(x) for x in ids])
+    inp, rows = batch_inputs(torch.cat(ids).numpy(), lengths, int(lengths.max()), 0, torch.device("cpu"))
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    packed: list[list[torch.Tensor]] = []
+    spans = []
+    for a, b, outputs, where in forwards(target, inp, rows, lengths, chunk):
+        assert outputs[0].shape[:2] == (1, b - a) and torch.equal(where, torch.arange(b - a))  # one sample, one chunk
+        spans.append((a, b))
+        packed.append([o.reshape(-1, o.shape[-1]).index_select(0, where) for o in outputs])
+    # the chunks are the samples' rows in order, each no longer than the chunk
+    assert [a for a, _ in spans] == [0, *[b for _, b in spans[:-1]]] and spans[-1][1] == offsets[-1]
+    assert all(b - a <= chunk for a, b in spans) and set(offsets[:-1]) <= {a for a, _ in spans}
+    per_output = [torch.cat([p[k] for p in packed]) for k in range(len(packed[0]))]
+    return [[t[offsets[i] : offsets[i + 1]] for t in per_output] for i in range(len(ids))]
+
+
+def target_model(name: str, hybrid_targets) -> torch.nn.Module:
+    if name == "hybrid":  # three gated delta-net layers to one full-attention layer (Qwen3.5's text model)
+        return AutoModelForCausalLM.from_pretrained(hybrid_targets["qwen3_5"], dtype=torch.float32).eval()
+    return {
+        "tiny-target": lambda: AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval(),
+        "random-qwen3": random_qwen3,
+        # a sliding window of 40 tokens on every other layer: shorter than a chunk, so the cache's sliding
+        # layers keep only the window while the chunk attends across its edge
+        "sliding": lambda: random_qwen3(use_sliding_window=True, sliding_window=40,
+                                        layer_types=["sliding_attention", "full_attention"] * 4),  # fmt: skip
+    }[name]()
+
+
+@pytest.mark.parametrize("name", ["tiny-target", "random-qwen3", "sliding", "hybrid"])
+def test_chunks_equal_one_forward(hybrid_targets, name):
+    """300- and 260-token samples in chunks of 64, 70 and 75 tokens (75 divides 300, the others
+    divide neither) give every tapped layer's output, and the final hidden state, of one forward
+    of the uncut model over each whole sample, as float32 allows."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the hybrid's torch path is many small ops
+    try:
+        model = target_model(name, hybrid_targets)
+        g = torch.Generator().manual_seed(1)
+        ids = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (300, 260)]
+        want = [whole_forward(model, x[None]) for x in ids]
+        num_layers = model.config.num_hidden_layers
+        target = TappedTarget(model, LAYERS, num_layers, final=True)
+        for chunk in (64, 70, 75):
+            got = chunked(target, ids, chunk)
+            for i, sample in enumerate(got):
+                for k, layer in enumerate(LAYERS):
+                    torch.testing.assert_close(sample[k], want[i][layer + 1][0], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(sample[-1], want[i][-1][0], rtol=1e-5, atol=1e-5)  # after the final norm
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_batch_that_fits_is_one_forward():
+    """A batch no longer than the chunk is today's one forward, its outputs bit for bit."""
+    target = TappedTarget(random_qwen3(), LAYERS, 8)
+    lengths = np.array([60, 50, 20])
+    ids = np.random.default_rng(0).integers(0, 1000, int(lengths.sum()))
+    inp, rows = batch_inputs(ids, lengths, 60, 0, torch.device("cpu"))
+    for chunk in (None, 60, 4096):
+        (a, b, outputs, where), *more = forwards(target, inp, rows, lengths, chunk)
+        assert not more and (a, b) == (0, 130) and where is rows
+        assert all(torch.equal(o, r) for o, r in zip(outputs, target(inp), strict=True))
+
+
+def test_chunk_defaults_to_the_token_budget():
+    assert ExtractConfig.prefill_chunk is None
+    assert resolve_prefill_chunk(None, 4096) == 4096 and resolve_prefill_chunk(512, 4096) == 512
+
+
+def test_chunked_cache_equals_unchunked(tmp_path):
+    """A cache extracted with --prefill-chunk 64 holds what one without it holds: every batch no
+    longer than 64 tokens bit for bit, the longer samples (run alone, in chunks) up to the bf16
+    rounding of float32 differences."""
+    plain = run(extract_config(tmp_path / "plain", max_samples=48, token_budget=1024))
+    chunk = run(extract_config(tmp_path / "chunked", max_samples=48, token_budget=1024, prefill_chunk=64))
+    assert (plain["samples"], plain["tokens"], plain["units"]) == (chunk["samples"], chunk["tokens"], chunk["units"])
+    a, b = read_cache(tmp_path / "plain"), read_cache(tmp_path / "chunked")
+    assert a.keys() == b.keys()
+    lengths = {s: len(v[1]) for s, v in a.items()}
+    # batches never cross a bucket edge and the first edge is 64: a sample of up to 64 tokens is in a
+    # batch that fits a chunk, a longer one is not
+    fits = {s for s in a if lengths[s] <= 64}
+    long = [s for s in a if lengths[s] > 64]
+    assert fits and long  # both kinds are in the data
+    for s in a:
+        bits_a, ids_a, mask_a, _ = a[s]
+        bits_b, ids_b, mask_b, _ = b[s]
+        assert np.array_equal(ids_a, ids_b) and np.array_equal(mask_a, mask_b)
+        if s in fits:
+            assert np.array_equal(bits_a, bits_b), s
+        else:
+            x, y = (torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).float() for v in (bits_a, bits_b))
+            torch.testing.assert_close(y, x, rtol=2**-7, atol=1e-5)
+
+
+def test_the_window_is_in_force():
+    """The sliding model above is the random Qwen3 with windows: the same weights, other outputs
+    past its 40th token (so the chunks above cross windows that matter)."""
+    full, sliding = random_qwen3(), target_model("sliding", None)
+    assert all(torch.equal(p, q) for p, q in zip(full.parameters(), sliding.parameters(), strict=True))
+    ids = torch.randint(0, 1000, (1, 120), generator=torch.Generator().manual_seed(2))
+    a, b = whole_forward(full, ids)[2][0], whole_forward(sliding, ids)[2][0]
+    assert torch.equal(a[:40], b[:40]) and (a[40:] - b[40:]).abs().max() > 1e-3
