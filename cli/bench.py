@@ -73,13 +73,16 @@ def commit(
 def extract(cfg: ExtractBenchConfig, *, as_json: bool) -> None:
     """Full extract path vs the bare truncated forward of a random target of a real shape (Qwen3-8B by default)."""
     from dflash_cache.bench import extract as bench
-    from dflash_cache.bench.shapes import shape_config, shape_of
+    from dflash_cache.bench.shapes import BenchError, shape_config, shape_of
 
     check_paths(("output_dir", cfg.out, "--out"))
+    if cfg.length is not None and (cfg.long or cfg.peer):
+        raise BenchError("--length sets every sample's length: it does not go with --long, and --peer measures "
+                         "the chat mix")  # fmt: skip
     config = shape_of(cfg.like) if cfg.like else shape_config(cfg.shape)
     result = bench.extract(cfg.out, config=config, num_tokens=cfg.tokens, storage=cfg.storage,
-                           token_budget=cfg.token_budget, writers=cfg.writers, long=cfg.long,
-                           final_hidden=cfg.final_hidden, project=cfg.project,
+                           token_budget=cfg.token_budget, writers=cfg.writers, long=cfg.long, length=cfg.length,
+                           prefill_chunk=cfg.prefill_chunk, final_hidden=cfg.final_hidden, project=cfg.project,
                            project_basis=cfg.project_basis)  # fmt: skip
     bench.write_random_frozen(cfg.out, config)
     if cfg.peer:
@@ -96,11 +99,14 @@ def extract(cfg: ExtractBenchConfig, *, as_json: bool) -> None:
 def train(cfg: TrainBenchConfig, *, as_json: bool) -> None:
     """Drafter steps with the real loader vs the same steps on batches already on the GPU, with the
     useful TFLOP/s and MFU of the step."""
+    from dflash_cache.bench.shapes import shape_config, shape_of
     from dflash_cache.bench.train import train as measure
 
     print_json(measure(cfg.cache, steps=cfg.steps, token_budget=cfg.token_budget, max_anchors=cfg.max_anchors,
                        block_size=cfg.block_size, draft_layers=cfg.draft_layers, readers=cfg.readers, cold=cfg.cold,
-                       drafter=cfg.drafter))  # fmt: skip
+                       drafter=cfg.drafter, length=cfg.length,
+                       config=shape_of(cfg.like) if cfg.like else shape_config(cfg.shape),
+                       storage=cfg.storage))  # fmt: skip
 
 
 @bench_app.command("ranks")

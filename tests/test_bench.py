@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from helpers import read_cache
+from helpers import TINY_TARGET, read_cache
 
 from dflash_cache.bench.extract import extract as bench_extract
 from dflash_cache.bench.extract import write_random_frozen
@@ -215,3 +215,37 @@ def test_smollm2_shape_is_the_real_models(smollm2):
     assert real and set(want) - set(real) == {"lm_head.weight"}
     assert {k: want[k] for k in real} == real
 
+
+
+def test_fixed_length_benchmarks(tmp_path):
+    """`bench extract --length N` and `bench train --length N` through the CLI: every sample N tokens,
+    the extract run in chunks where N passes --prefill-chunk (its bare forward too), and each reports
+    what it reports without --length."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    runner = CliRunner()
+    out = tmp_path / "bx"
+    r = runner.invoke(app, ["bench", "extract", "--out", str(out), "--like", str(TINY_TARGET), "--length", "300",
+                            "--tokens", "900", "--prefill-chunk", "128", "--writers", "1", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    x = json.loads(r.stdout)
+    assert (x["samples"], x["tokens"], x["longest"], x["prefill_chunk"], x["chunked_samples"]) == (3, 900, 300, 128, 3)
+    assert all(x[k] > 0 for k in ("ratio", "steady_ratio", "staged_ratio", "bare_tok_s", "full_tok_s"))
+    assert x["ratio"] == pytest.approx(x["full_tok_s"] / x["bare_tok_s"], rel=1e-3)  # printed to 4 places
+    assert verify(out) == {} and sorted(len(ids) for _, ids, _, _ in read_cache(out).values()) == [300] * 3
+    r = runner.invoke(app, ["bench", "extract", "--out", str(tmp_path / "no"), "--length", "300", "--long"])
+    assert r.exit_code == 1 and "error: --length sets every sample's length" in r.output
+
+    cache = tmp_path / "tx"
+    r = runner.invoke(app, ["bench", "train", "--cache", str(cache), "--like", str(TINY_TARGET), "--length", "300",
+                            "--steps", "2", "--token-budget", "512", "--max-anchors", "4", "--draft-layers", "1",
+                            "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    t = json.loads(r.stdout)
+    assert (t["length"], t["samples"], t["steps"], t["token_budget"], t["drafter_hidden"]) == (300, 5, 2, 512, 64)
+    assert t["ratio"] == pytest.approx(t["loader_steps_s"] / t["memory_steps_s"], rel=1e-3) and t["memory_tflops"] > 0
+    assert verify(cache) == {} and sorted(len(ids) for _, ids, _, _ in read_cache(cache).values()) == [300] * 5
+    r = runner.invoke(app, ["bench", "train", "--cache", str(cache), "--length", "300"])  # the cache exists now
+    assert r.exit_code == 1 and "with --length the benchmark writes a new cache there" in r.output

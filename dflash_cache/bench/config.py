@@ -43,6 +43,9 @@ class ExtractBenchConfig:
     writers: int = setting(6, "Unit writer processes (dflash extract's default with --gpus, here on a CPU too).")
     peer: bool = setting(False, "Also run the one-torch.save-per-sample baseline and both loaders.")
     long: bool = setting(False, "Samples of 16K to 32K tokens instead of the chat mix.")
+    length: int | None = setting(None, "Every sample this many tokens instead of the chat mix: as many as --tokens "
+                                 "holds, at least one.", min=1)  # fmt: skip
+    prefill_chunk: int | None = same_as(ExtractConfig, "prefill_chunk")
     shape: str = setting("qwen3-8b", "The random target's shape: qwen3-8b, or the hybrid (linear attention) "
                          "qwen3.5-9b or qwen3.5-27b.")  # fmt: skip
     like: str | None = setting(None, "A target (model directory) whose shape the random target takes instead of "
@@ -66,6 +69,14 @@ class TrainBenchConfig:
     drafter: str = same_as(TrainConfig, "drafter")
     block_size: int | None = same_as(TrainConfig, "block_size")
     draft_layers: int = same_as(TrainConfig, "draft_layers", "(dflash recipe trains 2.)")
+    length: int | None = setting(None, "Write a cache of samples of this many tokens to --cache first (random "
+                                 "hidden states at --shape's width, through the extract stage's own path: a "
+                                 "drafter's step costs the same whatever their values), as many as the warm-up and "
+                                 "measured steps take, and measure on it.", min=1)  # fmt: skip
+    shape: str = same_as(ExtractBenchConfig, "shape", "(With --length.)")
+    like: str | None = same_as(ExtractBenchConfig, "like", "(With --length.)")
+    storage: Literal["auto", "bf16", "fp8"] = same_as(ExtractConfig, "storage", "(With --length; auto is bf16 "
+                                                      "here: the layers as they are.)")  # fmt: skip
 
 
 @dataclass

@@ -6,6 +6,7 @@ streaming loader's rate on the cache it wrote."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,8 @@ import torch
 
 from dflash_cache.bench.config import ExtractBenchConfig
 from dflash_cache.bench.measure import PeakRSS, sync, timer
-from dflash_cache.bench.shapes import LONG_MAX, QWEN3_8B, lognormal_lengths, long_lengths
+from dflash_cache.bench.shapes import LONG_MAX, QWEN3_8B, fixed_lengths, lognormal_lengths, long_lengths
+from dflash_cache.extract.config import resolve_prefill_chunk
 from dflash_cache.extract.config import resolve_token_budget as extract_budget
 
 
@@ -84,39 +86,42 @@ def bench_spec(config: dict, layer_ids: list[int], plan, storage: str, chunk_tok
     )  # fmt: skip
 
 
-def _plan_batches(plan, dataset, device: torch.device):
-    """(unit, batch, padded input ids, real-token index) for every forward batch of a plan."""
-    from dflash_cache.extract.stage import batch_inputs, unit_tokens
+def _plan_forwards(target, plan, dataset, device: torch.device, chunk: int):
+    """(first row in its unit, outputs, real-token index) for every forward of a plan, as the stage
+    runs them: a batch that fits `chunk` tokens as one forward, a longer one sample by sample in
+    chunks (extract/prefill.py)."""
+    from dflash_cache.extract.prefill import forwards
+    from dflash_cache.extract.stage import unit_batches, unit_tokens
 
     for unit in plan.units:
         ids, *_ = unit_tokens(dataset, unit)
-        for b in unit.batches:
-            r0, r1 = int(unit.offsets[b.start]), int(unit.offsets[b.stop])
-            inp, index = batch_inputs(ids[r0:r1], unit.lengths[b.start : b.stop], b.max_len, 0, device)
-            yield unit, b, inp, index
+        for r0, _, lengths, _, inp, rows in unit_batches(unit, ids, 0, device):
+            for a, _, outputs, index in forwards(target, inp, rows, lengths, chunk):
+                yield r0 + a, outputs, index
 
 
 def _steady_rate(plan, marks: dict) -> float:
-    """Tokens/s between the first and the last batch launch (the first batch's tokens excluded)."""
-    first = plan.units[0]
-    b = first.batches[0]
-    tokens = plan.num_tokens - int(first.offsets[b.stop] - first.offsets[b.start])
-    return tokens / max(marks["last"] - marks["first"], 1e-9)
+    """Tokens/s between the first and the last forward's report (the first forward's tokens, a
+    batch's or a chunk's, excluded)."""
+    return (plan.num_tokens - marks["first_tokens"]) / max(marks["last"] - marks["first"], 1e-9)
 
 
 def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenchConfig.tokens,
             token_budget: int | None = None, storage: str = "auto", unit_mb: int = 512,
             writers: int = ExtractBenchConfig.writers,
             device: torch.device | None = None, target=None, long: bool = False,
-            lengths: np.ndarray | None = None, final_hidden: bool = False,
-            project: int | None = None, project_basis: str = "joint") -> dict[str, Any]:  # fmt: skip
-    """Full extract path vs the bare truncated forward, same model, same batches, one process.
-    `long`: samples of 16K to 32K tokens instead of the chat mix; `lengths`: these samples instead
-    (e.g. a cache's, from `cache_lengths`). `final_hidden`: the cache also holds the final hidden
-    state (what DSpark trains on); the bare forward then runs every layer. `project`: the cache
-    holds that many projected values a token (the stage's fit, timed apart as fit_s, on the
-    random target's own features); the bare forward stays the target's alone, so the ratio
-    carries the projection's product."""
+            lengths: np.ndarray | None = None, length: int | None = None, prefill_chunk: int | None = None,
+            final_hidden: bool = False, project: int | None = None,
+            project_basis: str = "joint") -> dict[str, Any]:  # fmt: skip
+    """Full extract path vs the bare truncated forward, same model, same batches and chunks, one
+    process. `long`: samples of 16K to 32K tokens instead of the chat mix; `length`: every sample
+    that many tokens, as many as `num_tokens` holds; `lengths`: these samples instead (e.g. a
+    cache's, from `cache_lengths`). A sample longer than `prefill_chunk` (default: the stage's,
+    the token budget) runs in chunks, as the stage runs it, in the bare forward too.
+    `final_hidden`: the cache also holds the final hidden state (what DSpark trains on); the bare
+    forward then runs every layer. `project`: the cache holds that many projected values a token
+    (the stage's fit, timed apart as fit_s, on the random target's own features); the bare forward
+    stays the target's alone, so the ratio carries the projection's product."""
     from dflash_cache.cache.format import RowFormat, chunk_tokens_for, encode_rows, host_rows
     from dflash_cache.cache.spec import ProjectionInfo, default_bucket_edges, default_layer_ids, write_spec
     from dflash_cache.cache.store import committed_units
@@ -126,8 +131,11 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
+    chunk = resolve_prefill_chunk(prefill_chunk, token_budget)
     layer_ids = default_layer_ids(config["num_hidden_layers"])
     target = target or RandomTarget(config, layer_ids, device, final_hidden).build()
+    if lengths is None and length is not None:
+        lengths = fixed_lengths(length, num_tokens)
     if lengths is None:
         lengths = long_lengths(max(2, num_tokens // 24576)) if long else lognormal_lengths(max(8, num_tokens // 700))
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -138,7 +146,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     storage = resolve_storage(storage, projection is not None)
     row = RowFormat.planned(storage, len(layer_ids), config["hidden_size"], projection, final=final_hidden)
     row_bytes = row.hidden_bytes
-    plan = make_plan(lengths, bucket_edges=default_bucket_edges(LONG_MAX if long else 3072),
+    plan = make_plan(lengths, bucket_edges=default_bucket_edges(max(LONG_MAX if long else 3072, int(lengths.max()))),
                      token_budget=max(token_budget, int(lengths.max())),
                      unit_tokens=(unit_mb << 20) // row_bytes)  # fmt: skip
     spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row_bytes), final_hidden, projection)
@@ -146,14 +154,16 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     bare_target, fit_s = target, 0.0
     if projection is not None:
         t = time.perf_counter()
-        basis, spec = fit_projection(target, spec, plan, dataset, device)
+        basis, spec = fit_projection(target, spec, plan, dataset, device, chunk)
         sync(device)
         fit_s = time.perf_counter() - t
         spec = dataclasses.replace(spec, projection=dataclasses.replace(spec.projection, digest=basis.save(out)))
         target = projecting(target, basis, len(layer_ids))
     write_spec(out, spec)
-    # warm up kernels on the largest batch, outside the timings
-    target(next(_plan_batches(plan, dataset, device))[2])
+    # warm up kernels on the largest batch (its first two chunks when it runs in chunks: the first
+    # without a cache, the second with one), outside the timings
+    for _ in itertools.islice(_plan_forwards(target, plan, dataset, device, chunk), 2):
+        pass
     # The full path runs first, so any first-use cost of a batch shape is charged to it, not
     # to the bare forward it is compared with. "steady" runs from the first batch to the last,
     # leaving out two one-time costs a long job amortises: pinning the unit buffers (about a
@@ -161,30 +171,30 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     # (drain_s). Back-pressure from slow writers still lands inside it: the forward loop waits
     # for a free buffer.
     times: dict[str, float] = {}
-    written = {"bytes": 0, "first": 0.0, "last": 0.0, "wait": 0.0}
+    written = {"bytes": 0, "first": 0.0, "last": 0.0, "wait": 0.0, "first_tokens": 0}
 
     def report(d: dict) -> None:
         written["bytes"] += d.get("bytes", 0)
         written["wait"] += d.get("buffer_wait_s", 0)
         if "tokens" in d:
             written["last"] = time.perf_counter()
-            written["first"] = written["first"] or written["last"]
+            if not written["first"]:
+                written["first"], written["first_tokens"] = written["last"], d["tokens"]
 
     with PeakRSS() as rss, timer(device, times, "full"):
         t0 = time.perf_counter()
-        extract_units(target, list(plan.units), dataset, spec, out, device, report, writers=writers)
+        extract_units(target, list(plan.units), dataset, spec, out, device, report, writers=writers, chunk=chunk)
     times["setup"], times["drain"] = written["first"] - t0, t0 + times["full"] - written["last"]
     with timer(device, times, "bare"):
-        for *_, inp, _index in _plan_batches(plan, dataset, device):
-            bare_target(inp)
+        for _ in _plan_forwards(bare_target, plan, dataset, device, chunk):
+            pass
     # Forward, unpad and the device-to-host copy into one pinned buffer, without compression or
     # disk: separates what the copy-out costs from what the writers cost.
     buf = host_rows(max(u.num_tokens for u in plan.units), row, pin=device.type == "cuda")
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     with timer(device, times, "staged"):
-        for unit, b, inp, index in _plan_batches(plan, dataset, device):
-            copy_out(stream, buf, int(unit.offsets[b.start]), int(unit.offsets[b.stop]),
-                     encode_rows(target(inp), index, row))
+        for r0, outputs, index in _plan_forwards(target, plan, dataset, device, chunk):
+            copy_out(stream, buf, r0, r0 + len(index), encode_rows(outputs, index, row))
     assert len(committed_units(out)) == len(plan.units)
     from dflash_cache.extract.target import linear_attention_kernels
 
@@ -193,6 +203,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
         "model_type": config["model_type"],
         **({f"kernel_{k}": v for k, v in linear_attention_kernels().items()} if hybrid else {}),
         "tokens": plan.num_tokens, "samples": plan.num_samples, "units": len(plan.units),
+        "longest": int(lengths.max()), "prefill_chunk": chunk, "chunked_samples": int((lengths > chunk).sum()),
         "padding": plan.padding_ratio, "storage": storage, "project": project, "fit_s": fit_s,
         "raw_bf16_bytes_per_token": spec.raw_bf16_bytes_per_token,
         "bare_tok_s": plan.num_tokens / times["bare"], "full_tok_s": plan.num_tokens / times["full"],
@@ -282,3 +293,49 @@ def write_random_frozen(cache: Path, config: dict) -> None:
     shape = (config["vocab_size"], config["hidden_size"])
     write_frozen(cache, torch.randn(shape, generator=g).mul_(0.02).bfloat16(),
                  torch.randn(shape, generator=g).mul_(0.02).bfloat16())  # fmt: skip
+
+
+class RandomStates:
+    """A stand-in target whose tapped layers give random hidden states of a shape's width (and the
+    final hidden state too with `final`): what a cache for a drafter's step needs, without the
+    cost of a target's forward."""
+
+    def __init__(self, layers: int, hidden_size: int, device: torch.device, final: bool = False, seed: int = 0):
+        self.outputs, self.hidden_size, self.device = layers + final, hidden_size, device
+        self.generator = torch.Generator(device).manual_seed(seed)
+
+    def __call__(self, input_ids: torch.Tensor, carry=None) -> list[torch.Tensor]:
+        shape = (*input_ids.shape, self.hidden_size)
+        return [torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.bfloat16)
+                for _ in range(self.outputs)]  # fmt: skip
+
+
+def random_cache(out: Path, config: dict, lengths: np.ndarray, *, storage: str = "auto", final_hidden: bool = False,
+                 device: torch.device | None = None, writers: int = 2) -> dict[str, Any]:  # fmt: skip
+    """A cache of samples of `lengths` tokens at `config`'s shape (its default taps, and the final
+    hidden state with `final_hidden`) holding random hidden states, with a random embedding and LM
+    head, written through the extract stage's own path (in chunks of the stage's token budget):
+    what `bench train --length` measures on. Returns its samples and tokens."""
+    from dflash_cache.cache.format import RowFormat, chunk_tokens_for
+    from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids, write_spec
+    from dflash_cache.extract.config import resolve_storage
+    from dflash_cache.extract.plan import make_plan
+    from dflash_cache.extract.stage import extract_units
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    layer_ids = default_layer_ids(config["num_hidden_layers"])
+    storage = resolve_storage(storage, False)
+    row = RowFormat.planned(storage, len(layer_ids), config["hidden_size"], None, final=final_hidden)
+    budget = extract_budget(None, device.type == "cuda")
+    longest = int(lengths.max())
+    plan = make_plan(lengths, bucket_edges=default_bucket_edges(max(3072, longest)),
+                     token_budget=max(budget, longest), unit_tokens=(512 << 20) // row.hidden_bytes)  # fmt: skip
+    spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row.hidden_bytes), final_hidden)
+    out.mkdir(parents=True, exist_ok=True)
+    write_spec(out, spec)
+    target = RandomStates(len(layer_ids), config["hidden_size"], device, final_hidden)
+    extract_units(target, list(plan.units), synthetic_dataset(lengths, config["vocab_size"]), spec, out, device,
+                  lambda _: None, writers=writers, chunk=budget)  # fmt: skip
+    write_random_frozen(out, config)
+    return {"samples": plan.num_samples, "tokens": plan.num_tokens}

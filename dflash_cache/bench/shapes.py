@@ -67,6 +67,12 @@ def long_lengths(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(LONG_MAX // 2, LONG_MAX, size=n)
 
 
+def fixed_lengths(length: int, num_tokens: int) -> np.ndarray:
+    """Samples of `length` tokens each, as many as `num_tokens` holds (at least one): a figure at
+    one context length (64K, 128K, 256K) rather than over a mix."""
+    return np.full(max(1, num_tokens // length), length, dtype=np.int64)
+
+
 def lognormal_lengths(n: int, lo: int = 64, hi: int = 3072, seed: int = 0) -> np.ndarray:
     """A realistic chat length mix: log-normal, median about 600 tokens, clipped to [lo, hi]."""
     rng = np.random.default_rng(seed)

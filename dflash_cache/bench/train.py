@@ -7,11 +7,13 @@ import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from dflash_cache.bench.config import TrainBenchConfig
 from dflash_cache.bench.io import drop_page_cache
 from dflash_cache.bench.measure import PeakRSS, timer
+from dflash_cache.bench.shapes import QWEN3_8B, BenchError
 from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.cost import run_token_budget
 
@@ -22,7 +24,8 @@ if TYPE_CHECKING:
 def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, token_budget: int | None = None,
           max_anchors: int = TrainConfig.max_anchors, block_size: int | None = TrainConfig.block_size,
           draft_layers: int = TrainConfig.draft_layers, readers: int | None = None, cold: bool = False,
-          device: torch.device | None = None, drafter: str = TrainConfig.drafter) -> dict[str, Any]:  # fmt: skip
+          device: torch.device | None = None, drafter: str = TrainConfig.drafter, length: int | None = None,
+          config: dict = QWEN3_8B, storage: str = "auto") -> dict[str, Any]:  # fmt: skip
     """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
     the device. Both phases run the same batches (the first `steps` of epoch 0 after `warmup`),
     after every one of them has run once untimed, so neither phase pays for compiling.
@@ -32,10 +35,18 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
 
     `cold` evicts the cache's files from the page cache first, so the loader reads the disk.
     `loader_GBps` (bytes on disk read per second by the loader) and `step_GBps` (what the
-    in-memory step would consume) set the loader against `bench disk`'s bandwidth."""
+    in-memory step would consume) set the loader against `bench disk`'s bandwidth.
+
+    `length`: `cache` is written first (it must not exist or be empty), holding samples of that
+    many tokens at `config`'s shape (`extract.random_cache`, in `storage`), as many as the
+    warm-up and measured steps take at `token_budget` (one a step without it)."""
     from dflash_cache.train.metrics import peak_flops
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    written = {}
+    if length is not None:
+        written = {"length": length, "samples": (steps + warmup) * max(1, (token_budget or 0) // length)}
+        _write_cache(cache, length, written["samples"], config, storage, drafter, device)
     cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
                       block_size=block_size, draft_layers=draft_layers, drafter=drafter,
                       **({"readers": readers} if readers else {}))  # fmt: skip
@@ -65,6 +76,7 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
     peak = peak_flops(device)
     loader.close()
     return {
+        **written,
         "drafter": s.family.name, "block_size": s.dcfg.block_size,
         "steps": measured, "token_budget": cfg.token_budget, "max_anchors": max_anchors,
         "drafter_hidden": s.dcfg.hidden_size, "drafter_layers": s.dcfg.num_hidden_layers,
@@ -128,3 +140,17 @@ def _loader_phase(steps_of: _BenchSteps, warmup: int, n: int, times: dict[str, f
     wait = loader.wait_seconds - wait0
     peak_gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return wait, peak_gpu, rss.peak
+
+
+def _write_cache(cache: Path, length: int, samples: int, config: dict, storage: str, drafter: str,
+                 device: torch.device) -> None:  # fmt: skip
+    """`bench train --length`'s cache: `samples` samples of `length` tokens, random hidden states (and
+    the final hidden state for a family that trains on it)."""
+    from dflash_cache.bench.extract import random_cache
+    from dflash_cache.drafters import family
+
+    if cache.exists() and (not cache.is_dir() or any(cache.iterdir())):
+        raise BenchError(f"--cache {cache}: with --length the benchmark writes a new cache there; give a path that "
+                         "does not exist yet")  # fmt: skip
+    random_cache(cache, config, np.full(samples, length), storage=storage,
+                 final_hidden=family(drafter).needs_final_hidden, device=device)  # fmt: skip
