@@ -84,9 +84,9 @@ class ExtractConfig:
     zstd_level: int = setting(3, "zstd level for the shards.", tuning=True)
     token_budget: int | None = setting(None, "Padded tokens per forward (default 16384 GPU, 4096 CPU).", min=1)
     prefill_chunk: int | None = setting(
-        None, "Tokens a forward of a sample longer than this: it runs alone, in chunks of this many tokens that "
-        "attend to its earlier ones through the target's key/value cache (a sample of 256K tokens fits a GPU that "
-        "way; the cache is the same up to rounding). Default: the token budget.", min=1)  # fmt: skip
+        None, "A sample longer than this many tokens runs alone, in chunks of this many tokens that attend to its "
+        "earlier ones through the target's key/value cache: a 256K-token sample of an 8B target fits an 80 GB GPU "
+        "that way, and the cache is the same up to rounding. Default: the token budget.", min=1)  # fmt: skip
     unit_mb: int = setting(512, "Hidden-state MiB per work unit.", min=1)
     gpus: list[int] | None = setting(None, GPUS_HELP, expects=GPU_IDS)
     procs: int = setting(1, "CPU processes when no --gpus.", min=1)
