@@ -226,6 +226,46 @@ app()
     assert time.monotonic() - start < 30
 
 
+def test_ctrl_c_during_reports_never_hangs_the_reporter():
+    """A worker that runs in the process the user started (one CPU process) reports from the
+    thread Ctrl-C interrupts: a thousand Ctrl-Cs land while it reports, some inside the queue's
+    put, and the Reporter still stops. A KeyboardInterrupt raised inside a bare Queue.put could
+    leave the queue's lock taken, and the stop's own put then waited forever (a regen on CPU hung
+    after its Ctrl-C that way, about once in 40 runs on a loaded machine)."""
+    script = """
+import os, random, signal, threading
+from dflash_cache.core.progress import Reporter
+
+reporter = Reporter(None)
+reporter.start(1)
+ready, done = threading.Event(), threading.Event()
+
+def ctrl_c() -> None:  # one Ctrl-C at a time, at a random moment of the reporting loop
+    while not done.is_set():
+        if ready.wait(0.1):
+            ready.clear()
+            threading.Event().wait(random.random() * 2e-4)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+threading.Thread(target=ctrl_c, daemon=True).start()
+interrupts = 0
+while interrupts < 1000:
+    try:
+        ready.set()
+        while True:
+            reporter.channel.put({"rows": 1})
+    except KeyboardInterrupt:
+        interrupts += 1
+done.set()
+stopped = threading.Event()
+threading.Thread(target=lambda: (reporter.stop(), stopped.set()), daemon=True).start()
+print("stopped" if stopped.wait(20) else "hung", reporter.totals.get("rows", 0) > 0, flush=True)
+os._exit(0)
+"""
+    p = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.stdout.split() == ["stopped", "True"], p.stdout + p.stderr[-3000:]
+
+
 @pytest.mark.slow  # two CLI extracts
 def test_ctrl_c_after_the_work_is_done(tmp_path):
     """A Ctrl-C once every unit is committed, while the process reports and exits: it ends with

@@ -7,6 +7,7 @@ process sums them and hands each update to a sink (the CLI's progress bar, or no
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.queues
 import threading
 import time
 from typing import Any, Protocol
@@ -20,12 +21,27 @@ class ProgressSink(Protocol):
     def close(self) -> None: ...
 
 
+class Channel(multiprocessing.queues.Queue):
+    """The queue workers report to, whose `put` a Ctrl-C never cuts halfway (`held`).
+
+    A single CPU worker runs in the process the user started, so its reports are put from the
+    thread that Ctrl-C interrupts. A KeyboardInterrupt raised inside `Queue.put` can leave the
+    queue's lock taken; the next put, the Reporter's own at `stop`, then waits for it forever."""
+
+    def __init__(self) -> None:
+        super().__init__(ctx=mp.get_context("spawn"))
+
+    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+        with held():
+            super().put(obj, block, timeout)
+
+
 class Reporter:
     """Owns the queue the workers report to and the thread that drains it."""
 
     def __init__(self, sink: ProgressSink | None):
         self.sink = sink
-        self.channel = mp.get_context("spawn").Queue()
+        self.channel = Channel()
         self.totals: dict[str, Any] = {}
         self.first_at: float | None = None  # when the first work arrived: start-up ends there
         self._thread: threading.Thread | None = None
