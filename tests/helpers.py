@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +218,76 @@ def as_from_a_terminal(cmd: list[str], **popen: Any) -> subprocess.Popen:
     finally:
         if ignored:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+# Imported at start-up by every Python process of a command started with `UnitStop.env` (the CLI,
+# its workers and unit writer processes), through PYTHONPATH. Writers commit one unit at a time
+# under a lock file; the commit that brings the cache to `units` committed units is followed, once,
+# by SIGSTOP to the command's process group, sent while the lock is held, so no other unit commits
+# between the count and the stop.
+_UNIT_STOP_HOOK = """
+import os
+
+if os.environ.get("DFLASH_TEST_STOP_AT_UNITS"):
+    import fcntl
+    import json
+    import signal
+
+    import dflash_cache.cache.store as _store
+
+    _cfg, _real = json.loads(os.environ["DFLASH_TEST_STOP_AT_UNITS"]), _store.write_unit
+
+    def _write_unit(cache_dir, *args, **kwargs):
+        with open(_cfg["lock"], "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            written = _real(cache_dir, *args, **kwargs)
+            if len(_store.committed_units(cache_dir)) >= _cfg["units"]:
+                try:
+                    os.close(os.open(_cfg["stopped"], os.O_CREAT | os.O_EXCL))
+                except FileExistsError:
+                    return written  # stopped once already
+                os.killpg(os.getpgrp(), signal.SIGSTOP)
+        return written
+
+    _store.write_unit = _write_unit
+"""
+
+
+class UnitStop:
+    """An extract that freezes itself (SIGSTOP to its process group, as Ctrl-Z does) once `units`
+    units are committed, so a test pauses, interrupts or kills it at a point it chose: a signal
+    sent from outside when the test sees the count lands wherever the run has got to by then,
+    possibly past its last unit on a loaded machine. The command must run in a process group of
+    its own (`start_new_session`); SIGCONT to the group resumes it. Each command started with
+    `env()` stops once."""
+
+    def __init__(self, tmp: Path, units: int) -> None:
+        self.dir = Path(tmp) / f"unit-stop-{units}"
+        self.dir.mkdir(exist_ok=True)
+        (self.dir / "sitecustomize.py").write_text(_UNIT_STOP_HOOK)
+        self.stopped = self.dir / "stopped"
+        self.units = units
+
+    def env(self, base: dict[str, str]) -> dict[str, str]:
+        """`base` with the hook on PYTHONPATH (first) and its settings, for one command."""
+        self.stopped.unlink(missing_ok=True)
+        settings = {"units": self.units, "lock": str(self.dir / "lock"), "stopped": str(self.stopped)}
+        path = os.pathsep.join(p for p in (str(self.dir), base.get("PYTHONPATH", "")) if p)
+        return {**base, "PYTHONPATH": path, "DFLASH_TEST_STOP_AT_UNITS": json.dumps(settings)}
+
+    def wait(self, proc: subprocess.Popen, timeout: float = 180) -> None:
+        """Wait until `proc`'s run has stopped itself (its group leader is stopped)."""
+        deadline = time.monotonic() + timeout
+        while not (self.stopped.exists() and _state(proc.pid) == "T"):
+            assert proc.poll() is None, f"the run ended before it stopped at {self.units} units (rc {proc.returncode})"
+            assert time.monotonic() < deadline, f"the run did not stop at {self.units} units in {timeout:.0f} s"
+            time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (/proc/PID/stat): "T" when stopped by a signal."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return ""

@@ -3,7 +3,8 @@ real processes at once (as a user starts them on one node).
 
 Coverage is read from the trainer's per-rank sample log (`--trace`), compared with the samples
 the finished cache holds; the trainer's waiting is observed from outside (its log stops growing
-while the extraction is paused, then grows again).
+while the extraction is paused, then grows again). An extraction is paused or killed at a unit
+the test chooses (`helpers.UnitStop`: it stops itself there), never by a signal raced against it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import CHAT, ROOT, TINY_TARGET, as_from_a_terminal, jsonl_head, jsonl_rows
+from helpers import CHAT, ROOT, TINY_TARGET, UnitStop, as_from_a_terminal, jsonl_head, jsonl_rows
 
 from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.heartbeat import HEARTBEAT, STALE
@@ -38,30 +39,33 @@ def _data(tmp: Path) -> Path:
     return path
 
 
-def _start(*args: str) -> subprocess.Popen:
-    """A CLI command in its own process group, so signals reach its worker processes too."""
-    return subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=ENV, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+def _start(log: Path, *args: str, env: dict[str, str] = ENV) -> subprocess.Popen:
+    """A CLI command in its own process group, so signals reach its worker processes too; its
+    output goes to `log` (a file: the test reads it while the command runs, and never blocks it)."""
+    with open(log, "a") as out:
+        return subprocess.Popen([sys.executable, "-m", "cli.main", *args], env=env, start_new_session=True,
+                                stdout=out, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
 
-def _extract(data: Path, cache: Path, project: str = "none") -> subprocess.Popen:
-    return _start("extract", "--target", str(TINY_TARGET), "--data", str(data), "--out", str(cache),
-                  "--max-length", "512", "--unit-mb", "1", "--token-budget", "512", "--project", project)  # fmt: skip
+def _extract(data: Path, cache: Path, project: str = "none", env: dict[str, str] = ENV) -> subprocess.Popen:
+    return _start(cache.parent / "extract.log", "extract", "--target", str(TINY_TARGET), "--data", str(data),
+                  "--out", str(cache), "--max-length", "512", "--unit-mb", "1", "--token-budget", "512",
+                  "--project", project, env=env)  # fmt: skip
 
 
-def _extract_started(data: Path, cache: Path, project: str = "none") -> subprocess.Popen:
+def _extract_started(data: Path, cache: Path, env: dict[str, str] = ENV) -> subprocess.Popen:
     """The extraction, once it holds the cache directory: train refuses a --cache that does not
     exist (a typo must not wait), and waits for one that an extract is preparing."""
-    proc = _extract(data, cache, project)
+    proc = _extract(data, cache, env=env)
     _wait_for(lambda: extract_running(cache) or (cache / "cache.json").exists() or proc.poll() is not None,
               what="the extraction to start")  # fmt: skip
     return proc
 
 
 def _train(cache: Path, run: Path, *extra: str) -> subprocess.Popen:
-    return _start("train", "--cache", str(cache), "--out", str(run), "--token-budget", "512", "--max-anchors", "4",
-                  "--draft-layers", "1", "--block-size", "4", "--log-every", "1", "--save-every", "2", "--trace",
-                  *extra)  # fmt: skip
+    return _start(run.parent / "train.log", "train", "--cache", str(cache), "--out", str(run), "--token-budget",
+                  "512", "--max-anchors", "4", "--draft-layers", "1", "--block-size", "4", "--log-every", "1",
+                  "--save-every", "2", "--trace", *extra)  # fmt: skip
 
 
 def _signal(proc: subprocess.Popen, sig: int) -> None:
@@ -79,9 +83,10 @@ def _wait_or_dump(proc: subprocess.Popen, log: Path, timeout: float = 120) -> No
         pytest.fail(f"still running {timeout:.0f} s after it was stopped; its threads:\n{log.read_text()[-12000:]}")
 
 
-def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out
+def _finish(proc: subprocess.Popen, log: Path, timeout: float = 240) -> str:
+    proc.wait(timeout=timeout)
+    out = log.read_text()
+    assert proc.returncode == 0, out[-5000:]
     return out
 
 
@@ -113,17 +118,23 @@ def _epoch_ends(run: Path) -> dict[int, dict]:
 @pytest.mark.slow  # a CLI extract and train side by side
 def test_train_follows_a_paused_and_resumed_extraction(tmp_path):
     cache, run = tmp_path / "cache", tmp_path / "run"
+    log = tmp_path / "train.log"
     # Started first, with --follow: it waits for the extract to create the directory, then for
     # cache.json while the extract holds the lock (a projected cache writes it once its basis is
     # fitted), and says what it waits for while paused.
     trainer = _train(cache, run, "--epochs", "2", "--follow", "--wait-report", "1")
-    extract = _extract(_data(tmp_path), cache, "auto")  # a projected cache: the default
+    extract = None
     try:
-        _wait_for(lambda: len(committed_units(cache)) >= 1, what="a first unit")
-        _signal(extract, signal.SIGSTOP)
-        planned = read_spec(cache).plan.num_units
+        _wait_for(lambda: "waiting up to 120s for `dflash extract` to create" in log.read_text()
+                  or trainer.poll() is not None, what="the trainer to wait for the cache directory")  # fmt: skip
+        assert trainer.poll() is None, log.read_text()
+        # A projected cache (the default) of 2 units; the extraction pauses itself (SIGSTOP to its
+        # process group) once the first is committed.
+        pause = UnitStop(tmp_path, units=1)
+        extract = _extract(_data(tmp_path), cache, "auto", env=pause.env(ENV))
+        pause.wait(extract)
         stopped_at = len(committed_units(cache))
-        assert stopped_at < planned, "the extraction finished before it could be paused"
+        assert stopped_at == 1 < read_spec(cache).plan.num_units
 
         # The trainer consumes what is committed, then waits: its log stops growing.
         have = _committed_samples(cache)
@@ -131,14 +142,15 @@ def test_train_follows_a_paused_and_resumed_extraction(tmp_path):
         seen = len(_trace(run))
         time.sleep(2.0)
         assert trainer.poll() is None and len(_trace(run)) == seen, "the trainer moved on without new units"
+        _wait_for(lambda: "waiting for units: " in log.read_text(), what="the trainer to say what it waits for")
         assert len(committed_units(cache)) == stopped_at
 
         _signal(extract, signal.SIGCONT)
-        _finish(extract)
-        out = _finish(trainer)
+        _finish(extract, tmp_path / "extract.log")
+        out = _finish(trainer, log)
     finally:
         for p in (extract, trainer):
-            if p.poll() is None:
+            if p is not None and p.poll() is None:
                 _signal(p, signal.SIGCONT)
                 _signal(p, signal.SIGKILL)
     assert "units" in out and "committed" in out  # the follow status line was shown
@@ -163,14 +175,16 @@ def test_two_ranks_follow_through_extract_and_trainer_restarts(tmp_path):
     cache, run = tmp_path / "cache", tmp_path / "run"
     data = _data(tmp_path)
     args = ("--epochs", "1", "--procs", "2")
-    extract = _extract_started(data, cache)
+    stop = UnitStop(tmp_path, units=2)
+    extract = _extract_started(data, cache, env=stop.env(ENV))
     trainer = _train(cache, run, *args)
     try:
-        # The extraction dies part way; the trainer keeps following (and checkpoints meanwhile).
-        _wait_for(lambda: len(committed_units(cache)) >= 2, what="two units")
+        # The extraction dies part way (stopped at its second unit, then killed); the trainer
+        # keeps following (and checkpoints meanwhile).
+        stop.wait(extract)
         _signal(extract, signal.SIGKILL)
         extract.wait()
-        assert len(committed_units(cache)) < read_spec(cache).plan.num_units
+        assert len(committed_units(cache)) == 2 < read_spec(cache).plan.num_units
         _wait_for(lambda: Checkpointer(run).latest() is not None, what="a checkpoint")
         # Then the trainer dies too, mid-follow, and both are rerun with the same commands.
         _signal(trainer, signal.SIGKILL)
@@ -181,8 +195,8 @@ def test_two_ranks_follow_through_extract_and_trainer_restarts(tmp_path):
         extract = _extract(data, cache)
         _wait_for(lambda: extract_running(cache) or extract.poll() is not None, what="the rerun extract's lock")
         trainer = _train(cache, run, *args)
-        _finish(extract)
-        _finish(trainer)
+        _finish(extract, tmp_path / "extract.log")
+        _finish(trainer, tmp_path / "train.log")
     finally:
         for p in (extract, trainer):
             if p.poll() is None:
