@@ -41,6 +41,7 @@ from helpers import (
     CHAT,
     ROOT,
     TINY_TARGET,
+    UnitStop,
     as_from_a_terminal,
     assert_same_cache,
     extract_cmd,
@@ -130,23 +131,32 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _as_from_a_terminal(cmd) -> subprocess.Popen:
-    return as_from_a_terminal(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _as_from_a_terminal(cmd, env=ENV) -> subprocess.Popen:
+    return as_from_a_terminal(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def ctrl_c(cmd, ready, left, reset, attempts=6, timeout=180):
+def ctrl_c(cmd, ready, left, reset, attempts=6, timeout=180, stop=None):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) at a moment the test
     sees: once `ready()` holds, the run is frozen (SIGSTOP to its group), and if `left()` says
     work remains, SIGINT is sent before it goes on (SIGCONT); returns (return code, stderr).
     Frozen, the run cannot finish between the look and the signal. A run that got past its last
-    piece of work before it could be frozen is let finish, `reset()`, and started again."""
+    piece of work before it could be frozen (or that ended before the test saw `ready()`) is let
+    finish, `reset()`, and started again. With `stop` (helpers.UnitStop), an extract freezes
+    itself at the unit count it names instead, so work is always left: no attempt is lost."""
     for _ in range(attempts):
-        p = _as_from_a_terminal(cmd)
-        deadline = time.monotonic() + timeout
-        while p.poll() is None and not ready(p) and time.monotonic() < deadline:
-            time.sleep(0.002)
-        assert p.poll() is None, f"the run ended before the moment to interrupt it: {p.communicate()[1][-2000:]}"
-        os.killpg(p.pid, signal.SIGSTOP)
+        p = _as_from_a_terminal(cmd, env=ENV if stop is None else stop.env(ENV))
+        if stop is not None:
+            stop.wait(p, timeout)
+        else:
+            deadline = time.monotonic() + timeout
+            while p.poll() is None and not ready(p) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            if p.poll() is not None:  # it ended while the test was not looking (a loaded machine)
+                _, err = p.communicate()
+                assert p.returncode == 0, err
+                reset()
+                continue
+            os.killpg(p.pid, signal.SIGSTOP)
         mid_run = left()
         if mid_run:
             os.killpg(p.pid, signal.SIGINT)
@@ -180,8 +190,8 @@ def test_ctrl_c_ends_extract_with_one_line_and_resumes(tmp_path, when):
     cmd = extract_cmd(data, out)
     total = 5
     need = 1 if when == "after the first unit" else total - 1
-    rc, err = ctrl_c(cmd, lambda p: len(committed_units(out)) >= need, lambda: len(committed_units(out)) < total,
-                     lambda: shutil.rmtree(out))  # fmt: skip
+    rc, err = ctrl_c(cmd, None, lambda: len(committed_units(out)) < total, lambda: shutil.rmtree(out),
+                     stop=UnitStop(tmp_path, need))  # fmt: skip
     _one_line(rc, err, "extract")
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
@@ -293,17 +303,17 @@ def test_sharded_extract_answers_ctrl_c_and_a_lost_rank(tmp_path):
     out = tmp_path / "cache"
     cmd = [*extract_cmd(data, out), "--procs", "2", "--tp", "2"]
     total = 5
-    rc, err = ctrl_c(cmd, lambda p: len(committed_units(out)) >= 1, lambda: len(committed_units(out)) < total,
-                     lambda: shutil.rmtree(out))  # fmt: skip
+    rc, err = ctrl_c(cmd, None, lambda: len(committed_units(out)) < total, lambda: shutil.rmtree(out),
+                     stop=UnitStop(tmp_path, 1))  # fmt: skip
     _one_line(rc, err, "extract")
     for unit in list(committed_units(out).values())[1:]:
         shutil.rmtree(unit)  # work left for the next run, whatever Ctrl-C left
-    p = _as_from_a_terminal(cmd)
-    deadline = time.monotonic() + 180
-    while len(_workers(p.pid)) < 2 or len(committed_units(out)) < 2:
-        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-2000:]
-        time.sleep(0.01)
+    stop = UnitStop(tmp_path, 2)  # the run freezes itself at its second unit, with units left to forward
+    p = _as_from_a_terminal(cmd, env=stop.env(ENV))
+    stop.wait(p)
+    assert len(_workers(p.pid)) == 2 and len(committed_units(out)) == 2
     os.kill(_workers(p.pid)[1], signal.SIGKILL)  # the copy's second rank, which the lead's forwards wait for
+    os.killpg(p.pid, signal.SIGCONT)
     _, err = p.communicate(timeout=120)
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("extract ")]
     assert p.returncode == 1 and len(lines) == 1 and lines[0].startswith("error"), err
