@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -276,16 +277,24 @@ class UnitStop:
         return {**base, "PYTHONPATH": path, "DFLASH_TEST_STOP_AT_UNITS": json.dumps(settings)}
 
     def wait(self, proc: subprocess.Popen, timeout: float = 180) -> None:
-        """Wait until `proc`'s run has stopped itself (its group leader is stopped)."""
-        deadline = time.monotonic() + timeout
-        while not (self.stopped.exists() and _state(proc.pid) == "T"):
-            assert proc.poll() is None, f"the run ended before it stopped at {self.units} units (rc {proc.returncode})"
-            assert time.monotonic() < deadline, f"the run did not stop at {self.units} units in {timeout:.0f} s"
-            time.sleep(0.01)
+        """Wait until `proc`'s run has stopped itself."""
+        wait_stopped(proc, timeout, lambda: self.stopped.exists(), f"stop at {self.units} units")
+
+
+def wait_stopped(proc: subprocess.Popen, timeout: float = 180, ready: Callable[[], bool] = lambda: True,
+                 what: str = "stop") -> None:  # fmt: skip
+    """Wait until `proc` is stopped by a signal (SIGSTOP; /proc/PID/stat says "T") and `ready()`
+    holds; fail if it ends first: a test that stops a run at a point of its choosing, not one that
+    a signal sent from outside happened to hit."""
+    deadline = time.monotonic() + timeout
+    while not (ready() and _state(proc.pid) == "T"):
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before it would {what}"
+        assert time.monotonic() < deadline, f"the run did not {what} in {timeout:.0f} s"
+        time.sleep(0.01)
 
 
 def _state(pid: int) -> str:
-    """A process's state letter (/proc/PID/stat): "T" when stopped by a signal."""
+    """A process's state letter (/proc/PID/stat)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]

@@ -11,12 +11,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import CHAT, ROOT, TINY_TARGET, jsonl_head
+from helpers import CHAT, ROOT, TINY_TARGET, UnitStop, jsonl_head
 from test_extract import read_cache
 
 from dflash_cache.cache.store import committed_units
@@ -48,22 +47,6 @@ def extract_cmd(data: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "cli.main", "extract", "--data", str(data), "--out", str(out), *EXTRACT_ARGS]
 
 
-def wait_running(proc: subprocess.Popen, out: Path, timeout: float = 120) -> None:
-    """Until the extract holds the lock (its pid written in .lock) or has committed a unit."""
-    deadline = time.time() + timeout
-    lock = out / ".lock"
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if lock.read_text().strip() == str(proc.pid):
-                return
-        except FileNotFoundError:
-            pass
-        if (out / "units").is_dir() and committed_units(out):
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"extract did not start (exit {proc.poll()})")
-
-
 def assert_same_cache(a: Path, b: Path) -> None:
     x, y = read_cache(a), read_cache(b)  # read_cache asserts no sample is cached twice
     assert sorted(x) == sorted(y)
@@ -76,19 +59,19 @@ def assert_same_cache(a: Path, b: Path) -> None:
 def test_second_extract_refused_and_dead_holder_recovered(tmp_path):
     data = rows(tmp_path, 100)
     first_out = tmp_path / "cache"
-    first = subprocess.Popen(extract_cmd(data, first_out), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+    # On an idle machine the first finishes in about the time the second takes to import torch: it
+    # stops itself (alive, lock held) at its first unit while the second starts, then goes on.
+    hold = UnitStop(tmp_path, units=1)
+    first = subprocess.Popen(extract_cmd(data, first_out), env=hold.env(ENV), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     try:
-        wait_running(first, first_out)
-        # On an idle machine the first finishes in about the time the second takes to import torch,
-        # so hold it (alive, lock held) while the second starts, then let it go on.
-        first.send_signal(signal.SIGSTOP)
+        hold.wait(first)
         try:
             second = subprocess.run(extract_cmd(data, first_out), env=ENV, capture_output=True, text=True,
-                                    timeout=300)
+                                    timeout=300)  # fmt: skip
             assert first.poll() is None
         finally:
-            first.send_signal(signal.SIGCONT)
+            os.killpg(first.pid, signal.SIGCONT)
     finally:
         out_text, err_text = first.communicate(timeout=600)
     assert second.returncode == 1, second.stdout + second.stderr
@@ -105,15 +88,14 @@ def test_second_extract_refused_and_dead_holder_recovered(tmp_path):
 
     # a SIGKILLed holder: its lock goes with it, and the rerun completes the cache
     out = tmp_path / "killed"
-    proc = subprocess.Popen(extract_cmd(data, out), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_running(proc, out)
-    deadline = time.time() + 120
-    while not committed_units(out) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
+    stop = UnitStop(tmp_path, units=1)  # it stops itself at its first unit, and is killed there
+    proc = subprocess.Popen(extract_cmd(data, out), env=stop.env(ENV), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    stop.wait(proc)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the kill should land mid-run"
-    assert 0 < len(committed_units(out)) < len(committed_units(first_out)), "the kill should land mid-run"
+    assert proc.returncode == -signal.SIGKILL
+    assert len(committed_units(out)) == 1 < len(committed_units(first_out))
     assert (out / ".lock").read_text().strip() == str(proc.pid)  # the stale pid is still written there
     done = subprocess.run(extract_cmd(data, out), env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
