@@ -4,16 +4,14 @@ the source prompts, and an uninterrupted run; for the bundled target and Qwen3- 
 import functools
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import family_targets as fam
 import pytest
 import torch
-from helpers import CHAT, ROOT, TINY_TARGET, RecordingSink, jsonl_rows
+from helpers import CHAT, ROOT, TINY_TARGET, RecordingSink, jsonl_rows, wait_stopped
 from tokenizers import AddedToken
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -163,29 +161,44 @@ def test_out_that_is_a_directory_is_refused(tmp_path):
     assert not any((tmp_path / "out.jsonl").iterdir())
 
 
+# Put before a regen script: once `n` parts are committed, the run stops itself (SIGSTOP), so that
+# a test kills it at that point rather than wherever a signal sent on seeing the parts would land.
+_STOP_AFTER_PARTS = """
+import os, signal
+import dflash_cache.pipelines.regen as _regen
+_write_part = _regen._write_part
+
+def _write_and_stop(part, cfg, *args):
+    _write_part(part, cfg, *args)
+    if len(list(_regen.parts_dir(cfg.out).glob("part-*.jsonl"))) == {n}:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+_regen._write_part = _write_and_stop
+"""
+
+
 @pytest.mark.slow  # three regens in processes of their own
 def test_killed_regen_resumes_to_the_same_output(tmp_path):
     data = tmp_path / "in.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in _source(24)))
 
-    def cmd(out: Path):
+    def cmd(out: Path, stop_after: int = 0):
         code = ("from pathlib import Path; from dflash_cache.pipelines.regen import RegenConfig, run; "
                 f"run(RegenConfig(target={str(TINY_TARGET)!r}, data={str(data)!r}, out=Path({str(out)!r}), "
                 "max_new_tokens=24, part_rows=4, batch_size=4, temperature=0.8, seed=3))")  # fmt: skip
-        return [sys.executable, "-c", code]
+        return [sys.executable, "-c", (_STOP_AFTER_PARTS.format(n=stop_after) if stop_after else "") + code]
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # the same threads, the same sums
     ref = tmp_path / "ref.jsonl"
     subprocess.run(cmd(ref), env=env, check=True, capture_output=True)
     out = tmp_path / "out.jsonl"
-    proc = subprocess.Popen(cmd(out), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while len(list(parts_dir(out).glob("part-*.jsonl"))) < 2 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    committed = len(list(parts_dir(out).glob("part-*.jsonl")))
-    assert 0 < committed < 6 and not out.exists(), "the kill should land mid-run"
+    proc = subprocess.Popen(cmd(out, stop_after=2), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_stopped(proc)  # at its second of 6 parts
+    finally:
+        proc.kill()
+        proc.wait()
+    assert len(list(parts_dir(out).glob("part-*.jsonl"))) == 2 and not out.exists()
     subprocess.run(cmd(out), env=env, check=True, capture_output=True)
     assert out.read_text() == ref.read_text()
     assert not parts_dir(out).exists()

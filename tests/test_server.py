@@ -26,6 +26,7 @@ import pytest
 from helpers import ROOT, jsonl_rows, require_llama_cpp
 
 from dflash_cache.core.errors import UserError
+from dflash_cache.pipelines import regen
 from dflash_cache.pipelines.config import RegenConfig
 from dflash_cache.pipelines.regen import parts_dir, run
 
@@ -212,8 +213,8 @@ def test_5xx_is_retried_then_its_part_is_left_for_a_rerun(server, target, tmp_pa
     assert out.read_text() == ref.read_text()
 
 
-def test_a_server_that_dies_mid_run_stops_it_and_a_rerun_resumes(target, tmp_path):
-    """A real outage: the server is stopped after the first parts; the run stops with one error
+def test_a_server_that_dies_mid_run_stops_it_and_a_rerun_resumes(target, tmp_path, monkeypatch):
+    """A real outage: the server is stopped after the first part; the run stops with one error
     (not a retry storm over every remaining row), keeping what it committed; once the server is
     back, the same command finishes the output as an uninterrupted run would."""
     down = Server(tmp_path / "server.log").start()
@@ -226,11 +227,19 @@ def test_a_server_that_dies_mid_run_stops_it_and_a_rerun_resumes(target, tmp_pat
     ref = tmp_path / "ref.jsonl"
     run(cfg(ref))
     out = tmp_path / "out.jsonl"
-    killer = threading.Thread(target=lambda: (_wait_for_parts(out, 1), down.stop()))
-    killer.start()
+    write_part = regen._write_part
+
+    def write_and_stop_the_server(*args) -> None:
+        """The outage comes as the first part is committed (stopped by a thread that watched for
+        the part, the server could answer the other parts first)."""
+        write_part(*args)
+        if down.proc is not None:
+            down.stop()
+
+    monkeypatch.setattr(regen, "_write_part", write_and_stop_the_server)
     with pytest.raises(UserError, match="requests in a row failed|were not written"):
         run(cfg(out))
-    killer.join()
+    monkeypatch.undo()
     committed = sorted(p.name for p in parts_dir(out).glob("part-*"))
     assert 1 <= len(committed) < 3 and not out.exists()
     down.start()
@@ -240,8 +249,3 @@ def test_a_server_that_dies_mid_run_stops_it_and_a_rerun_resumes(target, tmp_pat
         down.stop()
     assert out.read_text() == ref.read_text()
 
-
-def _wait_for_parts(out: Path, n: int) -> None:
-    deadline = time.time() + 120
-    while len(list(parts_dir(out).glob("part-*.jsonl"))) < n and time.time() < deadline:
-        time.sleep(0.02)
