@@ -141,10 +141,13 @@ def test_heartbeat_is_fresh_while_it_beats_and_gone_after(tmp_path):
 
     with beating(tmp_path, interval=0.05):
         first = written()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        while (second := written()) <= first:  # rewritten, however long a loaded disk takes to sync it
+            assert time.monotonic() < deadline, "the heartbeat was not rewritten"
+            time.sleep(0.05)
         beat = live_beat(tmp_path)
         assert beat is not None and (beat.host, beat.pid) == (socket.gethostname(), os.getpid())
-        assert beat.age < 0.3 and written() > first  # rewritten meanwhile
+        assert 0 <= beat.age <= time.time() - second  # the age of the latest beat, not of the first
     assert not (tmp_path / HEARTBEAT).exists() and live_beat(tmp_path) is None  # an ended extract is no writer
 
     def write(host: str, pid: int, age: float) -> None:
