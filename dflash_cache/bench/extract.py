@@ -18,7 +18,6 @@ import torch
 from dflash_cache.bench.config import ExtractBenchConfig
 from dflash_cache.bench.measure import PeakRSS, sync, timer
 from dflash_cache.bench.shapes import LONG_MAX, QWEN3_8B, fixed_lengths, lognormal_lengths, long_lengths
-from dflash_cache.extract.config import resolve_prefill_chunk
 from dflash_cache.extract.config import resolve_token_budget as extract_budget
 
 
@@ -116,8 +115,8 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     """Full extract path vs the bare truncated forward, same model, same batches and chunks, one
     process. `long`: samples of 16K to 32K tokens instead of the chat mix; `length`: every sample
     that many tokens, as many as `num_tokens` holds; `lengths`: these samples instead (e.g. a
-    cache's, from `cache_lengths`). A sample longer than `prefill_chunk` (default: the stage's,
-    the token budget) runs in chunks, as the stage runs it, in the bare forward too.
+    cache's, from `cache_lengths`). A sample longer than `prefill_chunk` (default: none, as the
+    stage's) runs in chunks, as the stage runs it, in the bare forward too.
     `final_hidden`: the cache also holds the final hidden state (what DSpark trains on); the bare
     forward then runs every layer. `project`: the cache holds that many projected values a token
     (the stage's fit, timed apart as fit_s, on the random target's own features); the bare forward
@@ -131,7 +130,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
-    chunk = resolve_prefill_chunk(prefill_chunk, token_budget)
+    chunk = prefill_chunk
     layer_ids = default_layer_ids(config["num_hidden_layers"])
     target = target or RandomTarget(config, layer_ids, device, final_hidden).build()
     if lengths is None and length is not None:
@@ -203,7 +202,8 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
         "model_type": config["model_type"],
         **({f"kernel_{k}": v for k, v in linear_attention_kernels().items()} if hybrid else {}),
         "tokens": plan.num_tokens, "samples": plan.num_samples, "units": len(plan.units),
-        "longest": int(lengths.max()), "prefill_chunk": chunk, "chunked_samples": int((lengths > chunk).sum()),
+        "longest": int(lengths.max()), "prefill_chunk": chunk,
+        "chunked_samples": int((lengths > chunk).sum()) if chunk else 0,
         "padding": plan.padding_ratio, "storage": storage, "project": project, "fit_s": fit_s,
         "raw_bf16_bytes_per_token": spec.raw_bf16_bytes_per_token,
         "bare_tok_s": plan.num_tokens / times["bare"], "full_tok_s": plan.num_tokens / times["full"],

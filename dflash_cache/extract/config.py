@@ -45,13 +45,6 @@ def resolve_token_budget(token_budget: int | None, cuda: bool) -> int:
     return token_budget or (16384 if cuda else 4096)
 
 
-def resolve_prefill_chunk(prefill_chunk: int | None, token_budget: int) -> int:
-    """Tokens a forward of one long sample: the setting, else the token budget. The budget is
-    already what one forward is sized to, so every sample that fits a batch's forward runs as
-    before, and only a sample the plan would give a forward longer than the budget is chunked."""
-    return prefill_chunk or token_budget
-
-
 @dataclass
 class ExtractConfig:
     target: str = setting(help=TARGET_HELP)
@@ -85,8 +78,8 @@ class ExtractConfig:
     token_budget: int | None = setting(None, "Padded tokens per forward (default 16384 GPU, 4096 CPU).", min=1)
     prefill_chunk: int | None = setting(
         None, "A sample longer than this many tokens runs alone, in chunks of this many tokens that attend to its "
-        "earlier ones through the target's key/value cache: a 256K-token sample of an 8B target fits an 80 GB GPU "
-        "that way, and the cache is the same up to rounding. Default: the token budget.", min=1)  # fmt: skip
+        "earlier ones through the target's key/value cache, for samples one forward cannot hold in GPU memory; the "
+        "cache is the same up to rounding. Default: none, one forward a batch.", min=1)  # fmt: skip
     unit_mb: int = setting(512, "Hidden-state MiB per work unit.", min=1)
     gpus: list[int] | None = setting(None, GPUS_HELP, expects=GPU_IDS)
     procs: int = setting(1, "CPU processes when no --gpus.", min=1)

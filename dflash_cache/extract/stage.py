@@ -76,7 +76,6 @@ from dflash_cache.extract.basis import energy_note, fit_basis, fit_sample
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 from dflash_cache.extract.config import (
     ExtractConfig,
-    resolve_prefill_chunk,
     resolve_rank,
     resolve_storage,
     resolve_token_budget,
@@ -349,7 +348,7 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
             if group.first_lead:
                 write_frozen(cfg.out, *frozen)
         del model  # the upper layers and the LM head stay on the CPU only until here
-        chunk = resolve_prefill_chunk(cfg.prefill_chunk, plan.token_budget)
+        chunk = cfg.prefill_chunk
         if spec.projection is not None:
             spec, basis = _basis(group, fits_basis, target, cfg.out, spec, plan, dataset, w.device, channel.put,
                                  chunk)  # fmt: skip
