@@ -104,8 +104,8 @@ def test_resume_parts_only_on_another_world_size():
 # ---------------------------------------------------------------------------------- processes
 
 
-def _train(cache: Path, run: Path, procs: int) -> subprocess.Popen:
-    return _start("train", "--cache", str(cache), "--out", str(run), "--procs", str(procs), "--epochs", "2",
+def _train(cache: Path, run: Path, procs: int, log: Path) -> subprocess.Popen:
+    return _start(log, "train", "--cache", str(cache), "--out", str(run), "--procs", str(procs), "--epochs", "2",
                   "--token-budget", "512", "--max-anchors", "4", "--draft-layers", "1", "--block-size", "4",
                   "--log-every", "1", "--save-every", "2", "--trace")  # fmt: skip
 
@@ -133,7 +133,7 @@ def test_followed_run_killed_on_two_processes_finishes_on_three(tmp_path):
 
     # the extract's heartbeat, as one on another node keeps it: a trainer follows only a cache being written
     with beating(cache, interval=1.0):
-        trainer = _train(cache, run, 2)
+        trainer = _train(cache, run, 2, tmp_path / "killed.log")
         try:
             _wait_for(lambda: (p := Checkpointer(run).latest()) is not None and p.name >= "step_00000002",
                       timeout=180, what="a checkpoint mid-follow")  # fmt: skip
@@ -146,14 +146,16 @@ def test_followed_run_killed_on_two_processes_finishes_on_three(tmp_path):
         assert state["epoch"] == 0 and state["batch"] > 0 and state["world_size"] == 2 and state["follow"]["windows"]
         killed_at = state["step"]
 
-        refused = _train(cache, run, 3)
-        out, _ = refused.communicate(timeout=120)
+        refused = _train(cache, run, 3, tmp_path / "refused.log")
+        refused.wait(timeout=120)
+        out = (tmp_path / "refused.log").read_text()
         assert refused.returncode != 0 and "error: the checkpoint is" in out and "until the extraction ends" in out, out
 
         for path in held.iterdir():  # the extraction ends: every unit committed
             shutil.move(path, cache / UNITS / path.name)
-    resumed = _train(cache, run, 3)
-    out, _ = resumed.communicate(timeout=300)
+    resumed = _train(cache, run, 3, tmp_path / "resumed.log")
+    resumed.wait(timeout=300)
+    out = (tmp_path / "resumed.log").read_text()
     assert resumed.returncode == 0, out
 
     traces = [_trace(run, r) for r in range(3)]
