@@ -138,7 +138,8 @@ def _prompts(cfg: RecipeConfig, target: str) -> Path:
 def _taken(cfg: RecipeConfig) -> dict[str, int]:
     """The rows OUT/sets/train.jsonl holds of each kind (fewer code or long prompts than asked
     where the sources hold fewer)."""
-    made = read_json(code_prompts.manifest_path(cfg.out / "sets" / "train.jsonl"), "")
+    sets = cfg.out / "sets"
+    made = read_json(code_prompts.manifest_path(sets / "train.jsonl"), f"delete {sets} to make the training rows again")
     return made.get("taken") or {"rows": cfg.rows, "code_rows": cfg.code_rows, "long_rows": cfg.long_rows}
 
 
