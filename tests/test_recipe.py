@@ -26,7 +26,7 @@ from dflash_cache.eval.benchsets import set_rows, training_rows, write_rows
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.decode import evaluate
 from dflash_cache.pipelines.config import RecipeConfig, RecipeError
-from dflash_cache.pipelines.recipe import _prompts, _taken
+from dflash_cache.pipelines.recipe import _prompts
 from dflash_cache.rows.chat import DataWarning
 
 
@@ -145,10 +145,11 @@ def test_fewer_code_prompts_than_asked_are_all_taken_with_a_warning(tmp_path):
                        code_roots=[str(ROOT / "dflash_cache" / "generate")])  # fmt: skip
     write_rows(sharegpt, cfg.out / "sets" / "sharegpt-train.jsonl")
     with pytest.warns(DataWarning, match="fewer than the 1,000,000 asked for: the recipe takes all"):
-        rows = jsonl_rows(_prompts(cfg, str(TINY_TARGET)))
-    code = jsonl_rows(cfg.out / "sets" / "code-train.jsonl")
+        train, taken = _prompts(cfg, str(TINY_TARGET))
+    rows, code = jsonl_rows(train), jsonl_rows(cfg.out / "sets" / "code-train.jsonl")
     assert 0 < len(code) < 1_000_000 and len(rows) == 3 + len(code)
-    assert _taken(cfg) == {"rows": 3, "code_rows": len(code), "long_rows": 0}
+    assert taken == {"rows": 3, "code_rows": len(code), "long_rows": 0}
+    assert _prompts(cfg, str(TINY_TARGET)) == (train, taken)  # a rerun takes the rows it made
 
     strict = RecipeConfig(target=str(TINY_TARGET), out=tmp_path / "b", rows=4, code_rows=0)
     write_rows(sharegpt, strict.out / "sets" / "sharegpt-train.jsonl")

@@ -104,9 +104,11 @@ def _target(cfg: RecipeConfig) -> str:
     return convert(path, cfg.out / "target")["out"]
 
 
-def _prompts(cfg: RecipeConfig, target: str) -> Path:
+def _prompts(cfg: RecipeConfig, target: str) -> tuple[Path, dict[str, int]]:
     """OUT/sets/train.jsonl: the first rows of ShareGPT's training side, of the code prompts and the
-    long prompts, in turn (each kept whole in OUT/sets); made once, and refused if the counts change."""
+    long prompts, in turn (each kept whole in OUT/sets); made once, and refused if the counts change.
+    With it, the rows it holds of each kind (fewer code or long prompts than asked where the
+    sources hold fewer)."""
     sets = cfg.out / "sets"
     sharegpt, code, train = sets / "sharegpt-train.jsonl", sets / "code-train.jsonl", sets / "train.jsonl"
     if not sharegpt.is_file():
@@ -122,7 +124,7 @@ def _prompts(cfg: RecipeConfig, target: str) -> Path:
         if {k: made.get(k, 0) for k in counts} != counts:  # an older record has no long rows
             raise RecipeError(f"{cfg.out} was made with --rows {made['rows']} --code-rows {made['code_rows']} "
                               f"--long-rows {made.get('long_rows', 0)}: rerun with those, or choose another --out")
-        return train
+        return train, made.get("taken") or counts  # an older record took what it asked for
     # The code and long prompts come from this interpreter's own sources, whose size depends on the
     # Python version: fewer than asked is a warning, not a stop.
     picked = [_first(sharegpt, cfg.rows, "ShareGPT's training side"),
@@ -132,15 +134,7 @@ def _prompts(cfg: RecipeConfig, target: str) -> Path:
     digest = benchsets.write_rows(mixed, train)
     taken = dict(zip(counts, map(len, picked), strict=True))
     made_path.write_text(json.dumps({**counts, "taken": taken, "sha256": digest}) + "\n")
-    return train
-
-
-def _taken(cfg: RecipeConfig) -> dict[str, int]:
-    """The rows OUT/sets/train.jsonl holds of each kind (fewer code or long prompts than asked
-    where the sources hold fewer)."""
-    sets = cfg.out / "sets"
-    made = read_json(code_prompts.manifest_path(sets / "train.jsonl"), f"delete {sets} to make the training rows again")
-    return made.get("taken") or {"rows": cfg.rows, "code_rows": cfg.code_rows, "long_rows": cfg.long_rows}
+    return train, taken
 
 
 def _long(cfg: RecipeConfig) -> Path:
@@ -208,8 +202,7 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     say(f"[1/6] target: {cfg.target}")
     target = record.stage("target", lambda: _target(cfg))
     say("[2/6] prompts: ShareGPT's training side and code, decontaminated")
-    prompts = record.stage("prompts", lambda: _prompts(cfg, target))
-    taken = _taken(cfg)
+    prompts, taken = record.stage("prompts", lambda: _prompts(cfg, target))
     say(f"[3/6] regen: the target answers {taken['rows']:,} ShareGPT rows, turn by turn, {taken['code_rows']:,} code "
         f"prompts and {taken['long_rows']:,} long prompts")  # fmt: skip
     regen_out = cfg.out / "regen.jsonl"
