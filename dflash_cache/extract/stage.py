@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -226,7 +226,7 @@ def _describe(cfg: ExtractConfig, config: dict, layer_ids: list[int], tokenizer,
         ),
         projection=projection,
         tool_version=_tool_version(),
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
 
 
