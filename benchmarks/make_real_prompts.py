@@ -1,4 +1,4 @@
-"""Real prompts that nobody here wrote, for the real-model study (``data/real_model_study.py``) and
+"""Real prompts that nobody here wrote, for the real-model study (``benchmarks/real_model_study.py``) and
 docs/guides/gguf-smollm2.md, read from the running interpreter, offline:
 
 - ``train``: "complete this function" prompts from the standard library's and site-packages'
@@ -8,8 +8,8 @@ docs/guides/gguf-smollm2.md, read from the running interpreter, offline:
 
 Usage::
 
-    python data/make_real_prompts.py train --out prompts.jsonl [--roots stdlib,site-packages] [--procs 8]
-    python data/make_real_prompts.py humaneval --out humaneval.jsonl
+    python benchmarks/make_real_prompts.py train --out prompts.jsonl [--roots stdlib,site-packages] [--procs 8]
+    python benchmarks/make_real_prompts.py humaneval --out humaneval.jsonl
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@
 
 The weights are initialised on the GPU when there is one (an 8B model on a CPU takes minutes).
 
-Usage: ``python data/make_bench_inputs.py TARGET_DIR DATA.jsonl [--rows 1800] [--tokenizer tiny|qwen3]``
+Usage: ``python benchmarks/make_bench_inputs.py TARGET_DIR DATA.jsonl [--rows 1800] [--tokenizer tiny|qwen3]``
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_cache.bench.shapes import QWEN3_8B, lognormal_lengths
 
-TINY = Path(__file__).resolve().parent / "tiny-target"
+TINY = Path(__file__).resolve().parents[1] / "data" / "tiny-target"
 WORDS = (
     "the of and to in is was for on are with as at be this have from or had by word but what some we can out "
     "other were all there when up use your how said an each she which do their time if will way about many "

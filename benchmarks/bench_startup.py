@@ -7,9 +7,9 @@ included) would take hours, so a few template units are written with it and the 
 of them, each with its own unit id and sample_index (the chunk re-encoded with the cache's own
 zstd settings, the manifest updated to match); a sample of the copies is read back and checked.
 
-    python data/bench_startup.py build /tmp/c100k --units 100000 [--legacy]   # --legacy: no manifest index
-    python data/bench_startup.py time /tmp/c100k                                # JSON line of timings
-    PYTHONPATH=/tmp/before python data/bench_startup.py time /tmp/c100k        # an older dflash_cache
+    python benchmarks/bench_startup.py build /tmp/c100k --units 100000 [--legacy]   # --legacy: no manifest index
+    python benchmarks/bench_startup.py time /tmp/c100k                                # JSON line of timings
+    PYTHONPATH=/tmp/before python benchmarks/bench_startup.py time /tmp/c100k        # an older dflash_cache
 
 `time` imports whichever `dflash_cache` is first on PYTHONPATH, so one cache times two versions.
 """

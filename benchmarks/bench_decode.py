@@ -1,9 +1,9 @@
 """Batch-1 decoding on a GPU beside its bound: what one stream of a target decodes per second, and
 what a speculative step costs against a plain one.
 
-    python data/bench_decode.py --shape smollm2-135m --out decode.json
-    python data/bench_decode.py --families dspark --draft-layers 1,2,5 --skip graphs,steps,profile,eager
-    python data/bench_decode.py --variants "products.stages=3;attention.block_n=64" --set products.slice_k=512
+    python benchmarks/bench_decode.py --shape smollm2-135m --out decode.json
+    python benchmarks/bench_decode.py --families dspark --draft-layers 1,2,5 --skip graphs,steps,profile,eager
+    python benchmarks/bench_decode.py --variants "products.stages=3;attention.block_n=64" --set products.slice_k=512
 
 For a random-weight target of a named shape (`dflash_cache.bench.shapes.SHAPES`, which never says its stop
 token, so every prompt decodes to --max-new-tokens), one row at a time:

@@ -9,8 +9,8 @@ the target's hidden size H (`0.5h`) or of every tapped value (`all`).
 
 Usage::
 
-    python data/projection_study.py --size cpu --seeds 0,1 --jobs 4          # data/code-target
-    python data/projection_study.py --size gpu --target code-target-gpu --jobs 6 --recipe default
+    python benchmarks/projection_study.py --size cpu --seeds 0,1 --jobs 4          # data/code-target
+    python benchmarks/projection_study.py --size gpu --target code-target-gpu --jobs 6 --recipe default
 
 Every variant is a process of its own (`--jobs` at a time); its seeds run one after another on
 its cache. Everything goes to `--out` (default `projection-SIZE`): `study.json` holds every figure
@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "data"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # name: (family, rank as a fraction of H or "all", basis, scaling, storage)
 VARIANTS = {

@@ -6,7 +6,7 @@ heads (32 query heads, 8 key/value heads, head dimension 128), bf16; compiled fl
 each rule's BlockMask (`drafters/attention.py`). Prints the median milliseconds of each and its ratio
 to full attention.
 
-    python data/bench_window.py --length 65536 --windows 2048,8192
+    python benchmarks/bench_window.py --length 65536 --windows 2048,8192
 """
 
 from __future__ import annotations

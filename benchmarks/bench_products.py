@@ -1,7 +1,7 @@
 """A batch-1 step's products on a GPU: the product kernel (generate/product_kernel.py) with and
 without programmatic dependent launch, against cuBLAS, in the whole step and alone.
 
-    python data/bench_products.py --shape smollm2-135m --out products.json
+    python benchmarks/bench_products.py --shape smollm2-135m --out products.json
 
 For a random-weight target of a named shape (`dflash_cache.bench.shapes.SHAPES`), each a replayed CUDA
 graph:

@@ -1,7 +1,7 @@
 """What a new prompt costs before its first step, at batch 1 on a GPU: the prefill's attention
 across prompt lengths, and `dflash eval`'s prefills against its steps on a real target.
 
-    python data/bench_prefill.py --target MODEL_DIR --data humaneval.jsonl --limit 30 --out prefill.json
+    python benchmarks/bench_prefill.py --target MODEL_DIR --data humaneval.jsonl --limit 30 --out prefill.json
 
 1. **Attention of a new length.** torch's SDPA, causal, bf16, at the target's head geometry, once
    a layer for as many layers as the target has, for 20 prompt lengths not seen before: the

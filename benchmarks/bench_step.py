@@ -5,10 +5,10 @@ budget from a length mix, so only the step is timed: `dflash bench train` measur
 against this in-memory rate on a real cache. It imports whichever `dflash_cache` is first on
 PYTHONPATH, so the same script times two versions of the code side by side (BENCHMARKS.md).
 
-    python data/bench_step.py --mix default --token-budget 4096 --steps 20 [--profile]
-    python data/bench_step.py --mix long --token-budget 32768
-    python data/bench_step.py --mix short --token-budget 8192   # the most blocks a batch can hold
-    python data/bench_step.py --like smollm2-hf --token-budget 65536   # the drafter of another target's shape
+    python benchmarks/bench_step.py --mix default --token-budget 4096 --steps 20 [--profile]
+    python benchmarks/bench_step.py --mix long --token-budget 32768
+    python benchmarks/bench_step.py --mix short --token-budget 8192   # the most blocks a batch can hold
+    python benchmarks/bench_step.py --like smollm2-hf --token-budget 65536   # the drafter of another target's shape
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ folder on PYTHONPATH (sglang, wandb, yunchang, ... are not needed: the modules u
 torch and transformers, so no stub module is inserted):
 
     pip install --no-deps --target /tmp/sf/site specforge==0.2.0   # or its wheel file
-    PYTHONPATH=/tmp/sf/site python data/bench_specforge.py --shape smollm2-135m --out sf_smollm2.json
-    PYTHONPATH=/tmp/sf/site python data/bench_specforge.py --shape qwen3-8b --steps 10 --out sf_qwen3.json
-    PYTHONPATH=/tmp/sf/site python data/bench_specforge.py --device cpu --shape tiny --batch 1 --seq 256 \\
+    PYTHONPATH=/tmp/sf/site python benchmarks/bench_specforge.py --shape smollm2-135m --out sf_smollm2.json
+    PYTHONPATH=/tmp/sf/site python benchmarks/bench_specforge.py --shape qwen3-8b --steps 10 --out sf_qwen3.json
+    PYTHONPATH=/tmp/sf/site python benchmarks/bench_specforge.py --device cpu --shape tiny --batch 1 --seq 256 \\
         --steps 1 --warmup 1 --sf-attention sdpa   # the plumbing alone, on a CPU
 
 The batch: BSZ sequences of SEQ tokens (random ids, the first fifth unsupervised), context hidden
@@ -16,7 +16,7 @@ states random [BSZ*SEQ, K*H] bf16 on the GPU, the target's embedding and LM head
 [V, H], frozen and shared. Ours takes it packed (offsets every SEQ tokens), SpecForge padded
 [BSZ, SEQ, ...]: the same memory, viewed.
 
-- Ours: `FAMILY.bind(...)` + `train_step` (as data/bench_step.py), fp32 weights under bf16 autocast,
+- Ours: `FAMILY.bind(...)` + `train_step` (as benchmarks/bench_step.py), fp32 weights under bf16 autocast,
   clip_grad_norm_ and a fused AdamW.
 - SpecForge: its `DFlashDraftModel` (Qwen3Config, 5 layers, block 16, our target_layer_ids and mask
   token) inside its `OnlineDFlashModel` (the `dflash` loss, 512 anchors, objective chunks of 128

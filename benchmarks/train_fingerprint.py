@@ -7,7 +7,7 @@ the metrics that depend only on the math (loss, per-slot accuracy, acceptance; n
 of each file of the serving export.
 Run it before and after a change and compare the two lines (QUALITY.md, "DFlash bitwise").
 
-    python data/train_fingerprint.py --out /tmp/fp [--drafter dflash]
+    python benchmarks/train_fingerprint.py --out /tmp/fp [--drafter dflash]
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One command runs the real pipeline on a target made by ``data/make_code_target.p
 
 1. ``regen``: the target's greedy continuations of code prefixes from its training modules;
 2. ``extract`` with ``--storage bf16``, and again with ``fp8`` (each with the default projection,
-   ``--project auto``; ``data/projection_study.py`` sets projections against each other);
+   ``--project auto``; ``benchmarks/projection_study.py`` sets projections against each other);
 3. ``train`` on each cache (the default recipe: 5 draft layers, 6 epochs, lr 6e-4, 512 anchors);
 4. ``eval`` (greedy, B = 16) on prefixes of the held-out modules, for an untrained drafter of the
    same shape, the bf16 drafter and the fp8 drafter, with acceptance histograms;
@@ -18,9 +18,9 @@ same way; the report sets its tau against DFlash's. ``--block-size`` sets both f
 
 Usage::
 
-    python data/quality.py --size cpu                 # data/code-target, data/code_*.jsonl
+    python benchmarks/quality.py --size cpu                 # data/code-target, data/code_*.jsonl
     python data/make_code_target.py --size gpu --out code-target-gpu
-    python data/quality.py --size gpu --target code-target-gpu --jobs 3
+    python benchmarks/quality.py --size gpu --target code-target-gpu --jobs 3
 
 ``--jobs 3`` runs the three parts at once as processes (bf16: extract, train, eval; fp8: the
 same; untrained: eval), which a GPU leaves room for at these sizes. Everything goes to ``--out``
