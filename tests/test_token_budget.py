@@ -16,7 +16,7 @@ from dflash_cache.train.cost import (
     MEMORY_USE,
     QWEN3_8B,
     StepCost,
-    resolve_token_budget,
+    resolve_batch_token_budget,
 )
 from dflash_cache.train.drafter import DrafterConfig
 from dflash_cache.train.loader import CacheLoader
@@ -35,15 +35,15 @@ def drafter(target: dict, **kw) -> DrafterConfig:
 
 
 def budget(target: dict, memory: float = H200, run_tokens: int | None = None, **kw) -> int:
-    return resolve_token_budget(None, True, drafter(target, **kw), memory_bytes=memory, run_tokens=run_tokens)
+    return resolve_batch_token_budget(None, True, drafter(target, **kw), memory_bytes=memory, run_tokens=run_tokens)
 
 
 def test_the_8b_shaped_default_is_unchanged_on_an_h200():
     assert budget(QWEN3_8B) == 8192
     assert budget(QWEN3_8B, run_tokens=10_000) == budget(QWEN3_8B, run_tokens=10**10) == 8192
-    assert resolve_token_budget(None, True) == 8192  # without the geometry or the memory, as before
-    assert resolve_token_budget(None, False, drafter(QWEN3_8B), memory_bytes=H200) == 2048  # CPU
-    assert resolve_token_budget(4096, True, drafter(SMOLLM2), memory_bytes=H200) == 4096  # the setting wins
+    assert resolve_batch_token_budget(None, True) == 8192  # without the geometry or the memory, as before
+    assert resolve_batch_token_budget(None, False, drafter(QWEN3_8B), memory_bytes=H200) == 2048  # CPU
+    assert resolve_batch_token_budget(4096, True, drafter(SMOLLM2), memory_bytes=H200) == 4096  # the setting wins
 
 
 def test_the_memory_model_matches_the_8b_measurement():

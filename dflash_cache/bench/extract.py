@@ -18,7 +18,7 @@ import torch
 from dflash_cache.bench.config import ExtractBenchConfig
 from dflash_cache.bench.measure import PeakRSS, sync, timer
 from dflash_cache.bench.shapes import LONG_MAX, QWEN3_8B, fixed_lengths, lognormal_lengths, long_lengths
-from dflash_cache.extract.config import resolve_token_budget as extract_budget
+from dflash_cache.extract.config import resolve_forward_token_budget
 
 
 @dataclass
@@ -129,7 +129,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     from dflash_cache.extract.stage import copy_out, extract_units, fit_projection, projecting
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
+    token_budget = resolve_forward_token_budget(token_budget, device.type == "cuda")  # the stage's default
     chunk = prefill_chunk
     layer_ids = default_layer_ids(config["num_hidden_layers"])
     target = target or RandomTarget(config, layer_ids, device, final_hidden).build()
@@ -228,7 +228,7 @@ def peer_baseline(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = Extra
     from dflash_cache.extract.stage import batch_inputs
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
+    token_budget = resolve_forward_token_budget(token_budget, device.type == "cuda")  # the stage's default
     layer_ids = default_layer_ids(config["num_hidden_layers"])
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=torch.bfloat16).eval()
@@ -272,7 +272,7 @@ def loader_rate(cache: Path, *, token_budget: int | None = None, device: torch.d
     from dflash_cache.train.loader import CacheLoader
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    token_budget = extract_budget(token_budget, device.type == "cuda")  # the stage's default
+    token_budget = resolve_forward_token_budget(token_budget, device.type == "cuda")  # the stage's default
     loader = CacheLoader(cache, token_budget=token_budget, device=device)
     times: dict[str, float] = {}
     tokens = 0
@@ -327,7 +327,7 @@ def random_cache(out: Path, config: dict, lengths: np.ndarray, *, storage: str =
     layer_ids = default_layer_ids(config["num_hidden_layers"])
     storage = resolve_storage(storage, False)
     row = RowFormat.planned(storage, len(layer_ids), config["hidden_size"], None, final=final_hidden)
-    budget = extract_budget(None, device.type == "cuda")
+    budget = resolve_forward_token_budget(None, device.type == "cuda")
     longest = int(lengths.max())
     plan = make_plan(lengths, bucket_edges=default_bucket_edges(max(3072, longest)),
                      token_budget=max(budget, longest), unit_tokens=(512 << 20) // row.hidden_bytes)  # fmt: skip

@@ -40,7 +40,7 @@ def resolve_storage(storage: str, projected: bool) -> str:
     return "fp8" if projected else "bf16"
 
 
-def resolve_token_budget(token_budget: int | None, cuda: bool) -> int:
+def resolve_forward_token_budget(token_budget: int | None, cuda: bool) -> int:
     """Padded tokens per forward: the setting, else 16384 on a GPU and 4096 on a CPU."""
     return token_budget or (16384 if cuda else 4096)
 

@@ -76,9 +76,9 @@ from dflash_cache.extract.basis import energy_note, fit_basis, fit_sample
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 from dflash_cache.extract.config import (
     ExtractConfig,
+    resolve_forward_token_budget,
     resolve_rank,
     resolve_storage,
-    resolve_token_budget,
 )
 from dflash_cache.extract.mask import AUTO, choose_mask_token, data_token_ids
 from dflash_cache.extract.parallel import layout, load_copy
@@ -154,7 +154,7 @@ def prepare(cfg: ExtractConfig, *, write: bool = True) -> Prepared:
     plan = make_plan(
         np.asarray(tokens.dataset["length"], dtype=np.int64),
         bucket_edges=default_bucket_edges(cfg.max_length),
-        token_budget=resolve_token_budget(cfg.token_budget, device.type == "cuda"),
+        token_budget=resolve_forward_token_budget(cfg.token_budget, device.type == "cuda"),
         unit_tokens=max(1, (cfg.unit_mb << 20) // row_bytes),
     )
     spec = _describe(cfg, config, layer_ids, tokenizer, tokens, mask_choice, plan, template_kwargs, device, row_bytes,

@@ -75,7 +75,7 @@ def _reference_cost() -> StepCost:
     return StepCost.of(SimpleNamespace(**default))
 
 
-def resolve_token_budget(token_budget: int | None, cuda: bool, geometry: Any = None, *,
+def resolve_batch_token_budget(token_budget: int | None, cuda: bool, geometry: Any = None, *,
                          memory_bytes: float | None = None, run_tokens: int | None = None) -> int:  # fmt: skip
     """Context tokens per batch per rank: the setting; else 2048 on a CPU; on a GPU, from the
     drafter's geometry and the GPU's memory (both given), a pure function:
@@ -106,7 +106,7 @@ def resolve_token_budget(token_budget: int | None, cuda: bool, geometry: Any = N
 
 def run_token_budget(cfg: TrainConfig, dcfg: Any, spec: CacheSpec, device: Any, *,
                      few_steps_cap: bool = True) -> int:  # fmt: skip
-    """The token budget of a run: `resolve_token_budget` with the drafter, the total memory of the
+    """The token budget of a run: `resolve_batch_token_budget` with the drafter, the total memory of the
     device (the same on every rank and every resume on that GPU model, unlike the free memory) and
     the run's tokens (`few_steps_cap=False`: as if the cache were large, for `dflash bench train`)."""
     cuda = getattr(device, "type", str(device)) == "cuda"
@@ -116,7 +116,7 @@ def run_token_budget(cfg: TrainConfig, dcfg: Any, spec: CacheSpec, device: Any, 
 
         memory = torch.cuda.get_device_properties(device).total_memory
     run_tokens = cfg.epochs * spec.plan.num_tokens if few_steps_cap else None
-    return resolve_token_budget(cfg.token_budget, cuda, dcfg, memory_bytes=memory, run_tokens=run_tokens)
+    return resolve_batch_token_budget(cfg.token_budget, cuda, dcfg, memory_bytes=memory, run_tokens=run_tokens)
 
 
 def drafter_cost(lengths: np.ndarray, block_size: int, max_anchors: int) -> float:
