@@ -476,7 +476,7 @@ def test_drafter_for_another_target_is_refused():
     cfg = json.loads((TINY_TARGET / "config.json").read_text())
     dcfg = DrafterConfig.from_target({**cfg, "hidden_size": 32}, target_layer_ids=None, mask_token_id=MASK_ID)
     with pytest.raises(ev.EvalError, match="hidden_size"):
-        ev.check_fits(dcfg, cfg)
+        ev.check_drafter_matches_target(dcfg, cfg)
 
 
 @pytest.mark.slow  # three CLI evals

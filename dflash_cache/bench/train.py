@@ -18,7 +18,7 @@ from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.cost import run_token_budget
 
 if TYPE_CHECKING:
-    from dflash_cache.train.loader import Batch
+    from dflash_cache.train.loader import PackedBatch
 
 
 def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, token_budget: int | None = None,
@@ -107,7 +107,7 @@ class _BenchSteps:
         self.flops = self.setup.family.flops(self.setup.model)
         self.useful: list[tuple] = []  # (blocks, context tokens, context keys attended, scored slots) a step
 
-    def step(self, batch: Batch) -> None:
+    def step(self, batch: PackedBatch) -> None:
         from dflash_cache.train.stage import train_step
 
         s = self.setup

@@ -102,7 +102,7 @@ from dflash_cache.generate.dialogue import (
 from dflash_cache.generate.proposer import proposer_slot_bytes
 from dflash_cache.rows.chat import DataError, RowRejected, check_template_kwargs
 
-__all__ = ["EvalError", "check_config", "check_fits", "evaluate", "load_drafter"]
+__all__ = ["EvalError", "check_config", "check_drafter_matches_target", "evaluate", "load_drafter"]
 
 ANSWER_SLACK = 8  # positions an answer may take beyond its tokens once decoded and rendered again
 
@@ -115,7 +115,7 @@ class EvalError(TargetError):
 # ----------------------------------------------------------------------------- prompts, loading
 
 
-def check_fits(dcfg, target_config: dict) -> None:
+def check_drafter_matches_target(dcfg, target_config: dict) -> None:
     """Refuse a drafter built for another target, naming the field that differs."""
     tc = text_config(target_config)
     for name, want in (
@@ -265,7 +265,7 @@ def load_drafter(cfg: EvalConfig, model: nn.Module, device: torch.device) -> tup
     except (KeyError, ValueError, RuntimeError) as e:
         raise EvalError(f"--drafter {cfg.drafter}: cannot load it ({first_line(e)})") from None
     drafter.eval().requires_grad_(False)
-    check_fits(dcfg, model.config.to_dict())
+    check_drafter_matches_target(dcfg, model.config.to_dict())
     return drafter, dcfg, family
 
 

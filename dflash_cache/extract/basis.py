@@ -17,7 +17,7 @@ import torch
 
 from dflash_cache.cache.projection import Basis, Moments, fit
 from dflash_cache.cache.spec import CacheSpec
-from dflash_cache.extract.plan import Batch, Plan, Unit
+from dflash_cache.extract.plan import ForwardBatch, Plan, Unit
 
 # The share of a tapped layer's energy under which a basis has been seen to cost tau: on the real
 # SmolLM2, H/2 kept 94-95% of three taps and its drafters lost 1-3% per prompt, H kept 97.4-97.5%
@@ -25,7 +25,7 @@ from dflash_cache.extract.plan import Batch, Plan, Unit
 LOW_ENERGY = 0.97
 
 
-def fit_sample(plan: Plan, tokens: int) -> list[tuple[Unit, Batch]]:
+def fit_sample(plan: Plan, tokens: int) -> list[tuple[Unit, ForwardBatch]]:
     """Batches of the plan holding about `tokens` real tokens (all of them when the plan holds
     fewer), evenly spaced over the plan's order."""
     batches = [(u, b) for u in plan.units for b in u.batches]

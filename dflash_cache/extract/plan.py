@@ -12,7 +12,7 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Batch:
+class ForwardBatch:
     """Samples `start:stop` of a unit, run through the target padded to `max_len`."""
 
     start: int
@@ -27,7 +27,7 @@ class Unit:
     id: int
     rows: np.ndarray  # int64 positions in the tokenized dataset
     lengths: np.ndarray  # int64 token counts, aligned with rows
-    batches: tuple[Batch, ...]
+    batches: tuple[ForwardBatch, ...]
 
     @property
     def num_tokens(self) -> int:
@@ -118,5 +118,5 @@ def make_plan(
 def _unit(uid: int, group: list[tuple[int, int, int]], order: np.ndarray, sorted_len: np.ndarray) -> Unit:
     first = group[0][0]
     last = group[-1][1]
-    batches = tuple(Batch(s - first, e - first, m) for s, e, m in group)
+    batches = tuple(ForwardBatch(s - first, e - first, m) for s, e, m in group)
     return Unit(uid, order[first:last].astype(np.int64), sorted_len[first:last].copy(), batches)

@@ -82,7 +82,7 @@ from dflash_cache.extract.config import (
 )
 from dflash_cache.extract.mask import AUTO, choose_mask_token, data_token_ids
 from dflash_cache.extract.parallel import layout, load_copy
-from dflash_cache.extract.plan import Batch, Plan, Unit, make_plan
+from dflash_cache.extract.plan import ForwardBatch, Plan, Unit, make_plan
 from dflash_cache.extract.prefill import Target, forwards
 from dflash_cache.extract.target import (
     compute_dtype_for,
@@ -495,7 +495,7 @@ def follow_units(target: Target, units: list[Unit], dataset, spec: CacheSpec, de
 
 
 def unit_batches(unit: Unit, ids: np.ndarray, pad_id: int, device: torch.device,
-                 batches: Iterable[Batch] | None = None) -> Iterator[tuple]:  # fmt: skip
+                 batches: Iterable[ForwardBatch] | None = None) -> Iterator[tuple]:  # fmt: skip
     """A unit's forwards (or those of its `batches`): per batch its rows r0:r1 of the unit, its
     lengths, the batch, the padded inputs and the flat indices of their real tokens (`batch_inputs`)."""
     for batch in unit.batches if batches is None else batches:

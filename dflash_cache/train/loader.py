@@ -52,7 +52,7 @@ PIECE_CHUNKS = 8  # chunks per reader task: about 32 MiB of hidden states
 
 
 @dataclass
-class Batch:
+class PackedBatch:
     """One packed batch, already on the target device (sample_index stays on the CPU)."""
 
     context: torch.Tensor  # [N, K'*H] bf16 (bf16 storage) or float32 dequantised (fp8 storage)
@@ -116,7 +116,7 @@ class _Pending:
 class _Staged:
     """A batch whose copy to the device has been issued; `event` marks the copy's end on CUDA."""
 
-    batch: Batch
+    batch: PackedBatch
     slot: _Slot
     event: torch.cuda.Event | None
 
@@ -157,7 +157,7 @@ class BatchStream:
         self.piece_rows = piece_rows
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="dflash-reader")
 
-    def run(self, source: _Source, epoch: int, start: int) -> Iterator[Batch]:
+    def run(self, source: _Source, epoch: int, start: int) -> Iterator[PackedBatch]:
         """The source's batches on the device, in order; the first is batch `start` of `epoch`."""
         flight = _InFlight(self, source)
         try:
@@ -229,7 +229,7 @@ class BatchStream:
             if self._cuda:
                 event = torch.cuda.Event()
                 event.record(self._stream)
-        batch = Batch(
+        batch = PackedBatch(
             context=context,
             input_ids=input_ids,
             loss_mask=loss_mask,
@@ -249,7 +249,7 @@ class BatchStream:
         """Storage bits on the device -> [n, K'*H] of the selected layers."""
         return decode_hidden(hidden, scale, self._num_layers, None if self._all_layers else self._layer_index)
 
-    def _hand_over(self, staged: _Staged, epoch: int, index: int) -> Batch:
+    def _hand_over(self, staged: _Staged, epoch: int, index: int) -> PackedBatch:
         """Make the consumer's stream (not the host) wait for the copy, and tell the caching
         allocator that the consumer's stream uses tensors allocated on the side stream."""
         batch = staged.batch
@@ -359,7 +359,7 @@ class CacheLoader:
     position; later epochs shuffle over the whole cache. While it waits and no unit commits,
     `on_wait` hears every `report_every` seconds what it waits for.
 
-    `final_hidden`: also hand over the target's final hidden state (`Batch.final`); the cache must
+    `final_hidden`: also hand over the target's final hidden state (`PackedBatch.final`); the cache must
     hold it (`dflash extract --final-hidden`). `spec`: the cache's cache.json, when the caller has
     read it already.
     """
@@ -406,7 +406,7 @@ class CacheLoader:
         self.stream = BatchStream(self.units.readers, row=row, slot_rows=self.slot_rows,
                                   device=self.device, layer_index=positions, prefetch=prefetch, threads=readers,
                                   piece_rows=self.spec.storage.chunk_tokens * PIECE_CHUNKS)  # fmt: skip
-        self._active: Iterator[Batch] | None = None
+        self._active: Iterator[PackedBatch] | None = None
 
     table = property(lambda self: self.units.table)
     complete = property(lambda self: self.units.complete)
@@ -423,7 +423,7 @@ class CacheLoader:
 
     # -- position -----------------------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[PackedBatch]:
         """This rank's batches from the position to the end of its epoch. The position moves past
         each batch as it is handed out, so a checkpoint taken after training on it resumes after it."""
         p = self.position
@@ -486,7 +486,7 @@ class CacheLoader:
     # -- streaming ----------------------------------------------------------------------------
 
     def epoch(self, epoch: int, start_batch: int = 0, follow_state: dict | None = None,
-              parts: list[list[int]] = ()) -> Iterator[Batch]:  # fmt: skip
+              parts: list[list[int]] = ()) -> Iterator[PackedBatch]:  # fmt: skip
         """This rank's batches of `epoch`, from `start_batch` on (a resumed run passes the number
         of batches it already trained, and gets exactly the rest: none repeated or skipped).
         A followed epoch resumes from the checkpoint's `follow_state` as well. `parts`: the

@@ -47,7 +47,7 @@ from dflash_cache.train.config import CACHE_APPEAR_S, TrainConfig, TrainError, d
 from dflash_cache.train.cost import FEW_STEPS, drafter_cost, run_token_budget
 from dflash_cache.train.fold import folded_config, save_export
 from dflash_cache.train.follow import is_complete, progress_line, refuse_unwritten, wait_for_cache
-from dflash_cache.train.loader import Batch, CacheLoader
+from dflash_cache.train.loader import CacheLoader, PackedBatch
 from dflash_cache.train.metrics import MetricsLog, StepWindow, Trace, clock
 from dflash_cache.train.schedule import Schedule
 from dflash_cache.train.tracking import check_available, open_trackers, parse_report_to
@@ -57,8 +57,8 @@ RUN_JSON = "train.json"
 EXPORT = "export"  # the best drafter by validation acceptance; without validation, the last (EXPORT_LAST)
 
 
-def train_step(objective: Objective, model: torch.nn.Module, embed: torch.Tensor, head: torch.Tensor, batch: Batch,
-               generator: torch.Generator, grad_accum: int = 1) -> Output:  # fmt: skip
+def train_step(objective: Objective, model: torch.nn.Module, embed: torch.Tensor, head: torch.Tensor,
+               batch: PackedBatch, generator: torch.Generator, grad_accum: int = 1) -> Output:  # fmt: skip
     """One forward of the drafter family's objective (`Family.bind`, with `reduce`: DFlash: blocks
     from anchors, frozen embedding, drafter, chunked decayed loss) and its backward, scaled for
     `grad_accum` batches a step. Returns the objective's output: the loss, its named terms, which
@@ -207,7 +207,7 @@ class Setup:
         cfg = self.cfg
         return self.loader.position.epoch >= cfg.epochs or bool(cfg.max_steps and self.schedule.step >= cfg.max_steps)
 
-    def anchors(self, batch: Batch) -> torch.Generator:
+    def anchors(self, batch: PackedBatch) -> torch.Generator:
         return anchor_generator(self.cfg.seed, batch.epoch, batch.index, self.worker.rank)
 
 

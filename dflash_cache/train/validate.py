@@ -49,7 +49,7 @@ import torch
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, read_spec
 from dflash_cache.cache.store import committed_units
 from dflash_cache.drafters import Objective
-from dflash_cache.train.loader import Batch, CacheLoader
+from dflash_cache.train.loader import CacheLoader, PackedBatch
 from dflash_cache.train.metrics import all_reduce_sums, block_metrics, summarize_metrics
 
 if TYPE_CHECKING:
@@ -179,7 +179,7 @@ class Validator:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    def _batches(self) -> Iterable[Batch]:
+    def _batches(self) -> Iterable[PackedBatch]:
         units = self.vset.committed()
         if self.loader is None or units != self.units:
             self.close()
