@@ -50,7 +50,7 @@ def demo_config(args: argparse.Namespace):
     """The pipeline's settings: the demo's steps, the default training recipe unless --recipe demo."""
     import torch
 
-    from dflash_cache.pipelines.demo import DemoConfig
+    from dflash_cache.pipelines.config import DemoConfig
 
     target = Path(args.target or (ROOT / "data" / "code-target" if args.size == "cpu" else "code-target-gpu"))
     data_dir = ROOT / "data" if args.size == "cpu" and args.target is None else target

@@ -63,7 +63,7 @@ def study_config(args: argparse.Namespace, size: int | None):
     """The DemoConfig of one size (its own directory; `size` None: the untrained part's)."""
     import torch
 
-    from dflash_cache.pipelines.demo import DemoConfig
+    from dflash_cache.pipelines.config import DemoConfig
 
     cuda = torch.cuda.is_available()
     out = args.out / (f"n{size}" if size else "untrained")

@@ -304,7 +304,8 @@ def demo(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """regen -> extract -> train -> eval on the bundled code target; tau trained vs untrained."""
-    from dflash_cache.pipelines.demo import DemoConfig, run
+    from dflash_cache.pipelines.config import DemoConfig
+    from dflash_cache.pipelines.demo import run
 
     check_paths(("output_dir", out, "--out"))
     cfg = DemoConfig(out=out, eval_prompts=eval_prompts, **({} if epochs is None else {"epochs": epochs}))

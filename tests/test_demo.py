@@ -13,7 +13,8 @@ import torch
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.decode import evaluate
 from dflash_cache.eval.replay import replayed
-from dflash_cache.pipelines.demo import DemoConfig, run
+from dflash_cache.pipelines.config import DemoConfig
+from dflash_cache.pipelines.demo import run
 
 
 @pytest.mark.slow  # the whole demo: a few minutes

@@ -32,7 +32,8 @@ DEMO_DATA = ["code_train.jsonl", "code_prompts.jsonl", *(f"code-target/{name}" f
     "chat_template.jinja"))]  # fmt: skip
 # where the venv's demo comes from, where its target is, whether a top-level `cli` or the command line is loaded
 WHERE = """import importlib.util, sys, dflash_cache.pipelines.demo as demo
-print(demo.__file__, demo.DemoConfig().target, importlib.util.find_spec("cli"), sep="\\n")
+from dflash_cache.pipelines.config import DemoConfig
+print(demo.__file__, DemoConfig().target, importlib.util.find_spec("cli"), sep="\\n")
 print(sorted(m for m in sys.modules if m.startswith("dflash_cache.cli")))"""
 NOT_SOURCES = {".git", "build", "dist", ".whl", ".benchmarks", ".ruff_cache", ".pytest_cache", "demo", "runs"}
 

@@ -1,8 +1,9 @@
 """The settings of the pipelines, `dflash regen` and `dflash recipe`: dataclasses whose defaults and
-help texts are the CLI's and the config files' (see dflash_cache/core/settings.py).
+help texts are the CLI's and the config files' (see dflash_cache/core/settings.py); and `dflash
+demo`'s fixed settings (DemoConfig).
 
-They live apart from regen.py and recipe.py so that reading them loads no torch: the CLI builds
-every command's options from them at start-up.
+They live apart from regen.py, recipe.py and demo.py so that reading them loads no torch: the CLI
+builds every command's options from them at start-up.
 """
 
 from __future__ import annotations
@@ -179,3 +180,34 @@ class RecipeConfig:
         grid = itertools.product(self.project, self.families, self.draft_layers, self.epochs)
         return {f"{family}-l{layers}-e{epochs}{self._named_for(project)}": (family, layers, epochs, project)
                 for project, family, layers, epochs in grid}  # fmt: skip
+
+
+def bundled(name: str) -> Path:
+    """A file of the demo's package data by its real path: a checkout's links resolve to data/, the
+    path the stages record."""
+    return (Path(__file__).resolve().parents[1] / "demo_data" / name).resolve()
+
+
+@dataclass
+class DemoConfig:
+    """`dflash demo`'s settings: the bundled code target and data, and the demo's recipe."""
+
+    out: Path = Path("demo")
+    target: Path = bundled("code-target")
+    data: Path = bundled("code_train.jsonl")  # training-module prefixes; regen writes the target's continuations
+    prompts: Path = bundled("code_prompts.jsonl")  # held-out-module prefixes
+    rows: int | None = None  # regenerate (and train on) only the first N rows of `data`
+    regen_tokens: int = 96  # longest regenerated continuation
+    regen_batch: int = 64  # prompts per generate call (and per resumable part)
+    # Many small steps: on 400 samples the optimizer step count decides tau more than anchors or
+    # data do (QUALITY.md: 4 epochs of 2048-token batches with 64 anchors give 1.5, this 3.3).
+    epochs: int = 8
+    draft_layers: int = 2  # a tiny target wants a tiny drafter: 2 layers against its 8
+    lr: float = 3e-3
+    max_anchors: int = 16
+    token_budget: int | None = 512
+    max_new_tokens: int = 64
+    eval_prompts: int = 10
+    seed: int = 0
+    gpus: list[int] | None = None
+    baseline: bool = True  # time target-only decoding too (speedup); False: tau only, half the eval time

@@ -17,7 +17,6 @@ recipes and storage formats, and the demo's test runs it at the demo's settings.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,38 +31,10 @@ from dflash_cache.eval.metrics import EvalResult
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.pipelines import regen
+from dflash_cache.pipelines.config import DemoConfig
 from dflash_cache.train import stage as train
 from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.fold import save_export
-
-
-def bundled(name: str) -> Path:
-    """A file of the demo's package data by its real path: a checkout's links resolve to data/, the
-    path the stages record."""
-    return (Path(__file__).resolve().parents[1] / "demo_data" / name).resolve()
-
-
-@dataclass
-class DemoConfig:
-    out: Path = Path("demo")
-    target: Path = bundled("code-target")
-    data: Path = bundled("code_train.jsonl")  # training-module prefixes; regen writes the target's continuations
-    prompts: Path = bundled("code_prompts.jsonl")  # held-out-module prefixes
-    rows: int | None = None  # regenerate (and train on) only the first N rows of `data`
-    regen_tokens: int = 96  # longest regenerated continuation
-    regen_batch: int = 64  # prompts per generate call (and per resumable part)
-    # Many small steps: on 400 samples the optimizer step count decides tau more than anchors or
-    # data do (QUALITY.md: 4 epochs of 2048-token batches with 64 anchors give 1.5, this 3.3).
-    epochs: int = 8
-    draft_layers: int = 2  # a tiny target wants a tiny drafter: 2 layers against its 8
-    lr: float = 3e-3
-    max_anchors: int = 16
-    token_budget: int | None = 512
-    max_new_tokens: int = 64
-    eval_prompts: int = 10
-    seed: int = 0
-    gpus: list[int] | None = None
-    baseline: bool = True  # time target-only decoding too (speedup); False: tau only, half the eval time
 
 
 def regenerate(cfg: DemoConfig, sink: ProgressSink | None = None) -> Path:
