@@ -12,12 +12,9 @@ from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 from dflash_cache.cache.spec import default_layer_ids
 from dflash_cache.drafters import attention
 from dflash_cache.drafters.attention import BlockLayout
-from dflash_cache.train.drafter import (
-    DFlashDrafter,
-    DrafterConfig,
-    load_serving,
-    save_serving,
-)
+from dflash_cache.drafters.dflash.config import DrafterConfig
+from dflash_cache.drafters.dflash.family import load_serving, save_serving
+from dflash_cache.drafters.dflash.model import DFlashDrafter
 
 B = 4
 LENGTHS = [13, 3, 29, 7]  # the 3-token sequence is shorter than a block: it gets no blocks

@@ -19,6 +19,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_cache.cache.spec import default_layer_ids
 from dflash_cache.drafters.attention import BlockLayout
+from dflash_cache.drafters.dflash.config import DrafterConfig
+from dflash_cache.drafters.dflash.family import load_serving, save_serving
+from dflash_cache.drafters.dflash.model import DFlashDrafter
 from dflash_cache.eval import decode as ev
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.metrics import first_difference, histogram, tau, tau_per_prompt
@@ -28,7 +31,6 @@ from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.generate.requests import Chooser, DraftChooser, speculative_accept
 from dflash_cache.generate.targets import CachedTarget, SlotTarget
 from dflash_cache.rows.chat import DataError
-from dflash_cache.train.drafter import DFlashDrafter, DrafterConfig, load_serving, save_serving
 
 PROMPTS = ROOT / "data" / "prompts.jsonl"
 MASK_ID = 1535

@@ -27,6 +27,8 @@ from dflash_cache.bench import shapes as bench
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import read_frozen
 from dflash_cache.drafters.attention import BlockLayout
+from dflash_cache.drafters.dflash.config import DrafterConfig
+from dflash_cache.drafters.dflash.family import load_serving
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.extract import stage as extract_stage
 from dflash_cache.extract.target import (
@@ -43,7 +45,6 @@ from dflash_cache.generate import Request
 from dflash_cache.pipelines.config import RegenConfig
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
-from dflash_cache.train.drafter import DrafterConfig, load_serving
 
 HYBRIDS = fam.HYBRIDS
 CPU = torch.device("cpu")

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import read_frozen
 from dflash_cache.core.errors import UserError
+from dflash_cache.drafters.dflash.family import load_serving
 from dflash_cache.eval import benchsets, code_prompts
 from dflash_cache.eval import decode as ev
 from dflash_cache.eval.config import EvalConfig
@@ -33,7 +34,6 @@ from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.pipelines.convert import RECORD, ConvertError, convert, find_gguf
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
-from dflash_cache.train.drafter import load_serving
 
 LAYERS = [1, 4, 7]  # shallow taps: extract runs 8 of the 30 layers, so the CPU tests stay fast
 MAX_NEW = 8  # tokens a prompt in the eval test

@@ -11,6 +11,7 @@ from dflash_cache.bench import extract as bench_extract
 from dflash_cache.bench import train as bench_train
 from dflash_cache.bench.shapes import shape_of
 from dflash_cache.cache.spec import SpecError, read_spec
+from dflash_cache.drafters.dflash.config import DrafterConfig
 from dflash_cache.train.cost import (
     DENSEST_BLOCKS,
     MEMORY_USE,
@@ -18,7 +19,6 @@ from dflash_cache.train.cost import (
     StepCost,
     resolve_batch_token_budget,
 )
-from dflash_cache.train.drafter import DrafterConfig
 from dflash_cache.train.loader import CacheLoader
 
 GiB = 1 << 30

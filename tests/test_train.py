@@ -11,9 +11,9 @@ from helpers import RecordingSink, jsonl_rows
 
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.core.devices import Worker, flush_denormals, launch, process_group, worker_threads
+from dflash_cache.drafters.dflash.family import load_serving
 from dflash_cache.train.checkpoint import Checkpointer
 from dflash_cache.train.config import TrainConfig, TrainError
-from dflash_cache.train.drafter import load_serving
 from dflash_cache.train.stage import _data_parallel, export, run
 
 

@@ -16,9 +16,9 @@ from dflash_cache.cache.spec import SpecError, read_spec
 from dflash_cache.cache.store import read_frozen
 from dflash_cache.drafters import Output
 from dflash_cache.drafters.blocks import make_blocks
-from dflash_cache.drafters.dflash.family import forward_blocks
+from dflash_cache.drafters.dflash.family import forward_blocks, load_serving, save_serving
+from dflash_cache.drafters.dflash.model import DFlashDrafter
 from dflash_cache.train.config import TrainConfig, drafter_config
-from dflash_cache.train.drafter import DFlashDrafter, load_serving, save_serving
 from dflash_cache.train.loader import CacheLoader
 from dflash_cache.train.validate import (
     BestExport,
