@@ -37,7 +37,8 @@ from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
 from dflash_cache.eval.config import EvalConfig  # noqa: E402
 from dflash_cache.eval.decode import evaluate  # noqa: E402
-from dflash_cache.extract.target import SDPA_BACKENDS, text_config  # noqa: E402
+from dflash_cache.target.config import text_config  # noqa: E402
+from dflash_cache.target.taps import SDPA_BACKENDS  # noqa: E402
 
 
 def attention_ms(tc: dict, lengths: range, backends: list | None) -> float:

@@ -159,9 +159,9 @@ def last_metrics(path: Path) -> dict:
 def lookup_result(cfg, outputs: list[list[int]], block_size: int) -> dict:
     """The prompt-lookup drafter's acceptance on the same prompts and greedy outputs."""
     from dflash_cache.eval import metrics
-    from dflash_cache.extract.target import load_tokenizer
     from dflash_cache.generate import lookup
     from dflash_cache.generate.dialogue import load_prompts
+    from dflash_cache.target.load import load_tokenizer
 
     prompts = load_prompts(cfg.prompts, load_tokenizer(str(cfg.target)), cfg.eval_prompts)
     per_prompt = [lookup.acceptance_lengths(p, o, block_size=block_size) for p, o in zip(prompts, outputs, strict=True)]

@@ -26,7 +26,7 @@ from dflash_cache.cache.audit import verify
 from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.spec import default_layer_ids, read_spec
 from dflash_cache.cache.store import committed_units
-from dflash_cache.extract.target import linear_attention_kernels
+from dflash_cache.target.hybrid import linear_attention_kernels
 
 TINY = dict(QWEN3_8B, num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)  # fmt: skip

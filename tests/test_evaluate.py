@@ -25,12 +25,12 @@ from dflash_cache.drafters.dflash.model import DFlashDrafter
 from dflash_cache.eval import decode as ev
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.metrics import first_difference, histogram, tau, tau_per_prompt
-from dflash_cache.extract.target import stop_token_ids
 from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, lookup
 from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.generate.requests import Chooser, DraftChooser, speculative_accept
 from dflash_cache.generate.targets import CachedTarget, SlotTarget
 from dflash_cache.rows.chat import DataError
+from dflash_cache.target.load import stop_token_ids
 
 PROMPTS = ROOT / "data" / "prompts.jsonl"
 MASK_ID = 1535

@@ -31,18 +31,11 @@ from dflash_cache.drafters.dflash.config import DrafterConfig
 from dflash_cache.drafters.dflash.family import load_serving
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.extract import stage as extract_stage
-from dflash_cache.extract.target import (
-    TargetError,
-    decoder_layers,
-    frozen_weights,
-    load_causal_lm,
-    load_config,
-    load_target,
-    target_info,
-    text_config,
-)
 from dflash_cache.generate import Request
 from dflash_cache.pipelines.config import RegenConfig
+from dflash_cache.target.config import text_config
+from dflash_cache.target.load import TargetError, frozen_weights, load_causal_lm, load_config, target_info
+from dflash_cache.target.taps import decoder_layers, load_target
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
 
@@ -291,8 +284,8 @@ def test_eval_on_hybrid_targets_equals_an_uncached_loop(pipeline, tmp_path, bloc
     target keeps a copy from before the verification and re-runs the accepted tokens): its outputs
     and acceptance equal an uncached speculative loop's, and greedy speculative equals the target."""
     from dflash_cache.eval.decode import evaluate
-    from dflash_cache.extract.target import stop_token_ids
     from dflash_cache.generate.dialogue import load_prompts
+    from dflash_cache.target.load import stop_token_ids
 
     drafter_dir = pipeline["run"] / "export"
     prompts = write_rows(tmp_path / "prompts.jsonl", [{"prompt": q} for q in fam.QUESTIONS[:2]])

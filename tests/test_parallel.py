@@ -27,9 +27,11 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from dflash_cache.cache.format import TOKEN_ARRAYS, UnitReader
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import committed_units
-from dflash_cache.extract.parallel import check_fits, layout, running_bytes
 from dflash_cache.extract.stage import run
-from dflash_cache.extract.target import TargetError, load_config, load_target, text_config
+from dflash_cache.target.config import text_config
+from dflash_cache.target.load import TargetError, load_config
+from dflash_cache.target.parallel import check_fits, layout, running_bytes
+from dflash_cache.target.taps import load_target
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
 # dense (Qwen3), and the MoE layouts that transformers shards by heads and by experts
@@ -190,8 +192,8 @@ MEASURE = """
 import json, sys, torch
 from pathlib import Path
 from dflash_cache.core.devices import Group, process_group, torchrun_worker
-from dflash_cache.extract.parallel import distributed_config, layout, local_bytes
-from dflash_cache.extract.target import load_causal_lm, load_config
+from dflash_cache.target.load import load_causal_lm, load_config
+from dflash_cache.target.parallel import distributed_config, layout, local_bytes
 
 w = torchrun_worker()
 out = {}

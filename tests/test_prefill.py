@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.prefill import forwards
 from dflash_cache.extract.stage import batch_inputs, run
-from dflash_cache.extract.target import TappedTarget
+from dflash_cache.target.taps import TappedTarget
 
 LAYERS = [1, 3, 5]
 

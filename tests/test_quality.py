@@ -12,10 +12,10 @@ from helpers import ROOT, TINY_TARGET, hf_greedy
 from test_evaluate import decode, scripted_engine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash_cache.extract.target import stop_token_ids
 from dflash_cache.generate import lookup
 from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.generate.lookup_mix import ngram_drafts
+from dflash_cache.target.load import stop_token_ids
 
 
 def test_propose_takes_the_longest_most_recent_ngram():

@@ -29,9 +29,9 @@ from dflash_cache.eval import decode as ev
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.stage import prepare, run
-from dflash_cache.extract.target import load_config, load_tokenizer, stop_token_ids
 from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.pipelines.convert import RECORD, ConvertError, convert, find_gguf
+from dflash_cache.target.load import load_config, load_tokenizer, stop_token_ids
 from dflash_cache.train import stage as train_stage
 from dflash_cache.train.config import TrainConfig
 

@@ -20,8 +20,8 @@ from dflash_cache.drafters.attention import BlockLayout
 from dflash_cache.drafters.dflash.config import AUTO_MAP, MODELING_FILE, DrafterConfig
 from dflash_cache.drafters.dflash.family import load_serving, save_serving
 from dflash_cache.drafters.dflash.model import DFlashDrafter
-from dflash_cache.extract.target import stop_token_ids
 from dflash_cache.generate.dialogue import load_prompts
+from dflash_cache.target.load import stop_token_ids
 
 B = 4
 CTX = 13  # context positions before the first block; the cached case continues to CTX2

@@ -33,7 +33,7 @@ class RandomTarget:
     def build(self):
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from dflash_cache.extract.target import TappedTarget
+        from dflash_cache.target.taps import TappedTarget
 
         cfg = AutoConfig.for_model(**self.config)
         if not self.final:  # the layers above the last tap never run
@@ -195,7 +195,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
         for r0, outputs, index in _plan_forwards(target, plan, dataset, device, chunk):
             copy_out(stream, buf, r0, r0 + len(index), encode_rows(outputs, index, row))
     assert len(committed_units(out)) == len(plan.units)
-    from dflash_cache.extract.target import linear_attention_kernels
+    from dflash_cache.target.hybrid import linear_attention_kernels
 
     hybrid = "linear_attention" in config.get("layer_types", ())
     return {

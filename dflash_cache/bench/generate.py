@@ -23,11 +23,11 @@ from torch import nn
 
 from dflash_cache.bench.config import RegenBenchConfig
 from dflash_cache.bench.shapes import shape_config
-from dflash_cache.extract.target import load_tokenizer, stop_token_ids
 from dflash_cache.generate import Engine, Request, StopRule, fit_slots, load_model, slot_bytes
 from dflash_cache.generate.bandwidth import copy_bandwidth, weight_bytes
 from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.generate.targets import SlotTarget
+from dflash_cache.target.load import load_tokenizer, stop_token_ids
 
 
 def random_model(shape: str, device: torch.device) -> nn.Module:

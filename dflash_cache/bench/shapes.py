@@ -52,7 +52,8 @@ def shape_config(name: str) -> dict:
 
 def shape_of(target: str | Path) -> dict[str, Any]:
     """A target's text config (its shape: layers, widths, vocabulary) for a random benchmark model."""
-    from dflash_cache.extract.target import load_config, text_config
+    from dflash_cache.target.config import text_config
+    from dflash_cache.target.load import load_config
 
     config = text_config(load_config(str(target)))
     keep = {k: v for k, v in config.items() if not k.startswith("_") and k not in ("transformers_version", "dtype")}

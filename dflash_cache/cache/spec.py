@@ -191,7 +191,7 @@ class CacheSpec:
     format_version: int = FORMAT_VERSION
     tool_version: str = ""
     created: str = ""
-    # how the run that created the cache sharded the target (`extract --tp`; extract/parallel.py), for
+    # how the run that created the cache sharded the target (`extract --tp`; target/parallel.py), for
     # information: a cache extracted at any --tp is the same cache, and each resumes the other
     parallel: dict[str, Any] = field(default_factory=dict)
 

@@ -69,15 +69,6 @@ from dflash_cache.eval.metrics import (
     tau_per_prompt,
     turn_figures,
 )
-from dflash_cache.extract.target import (
-    TargetError,
-    first_line,
-    load_config,
-    load_tokenizer,
-    max_positions,
-    stop_token_ids,
-    text_config,
-)
 from dflash_cache.generate import (
     ERROR,
     BlockProposer,
@@ -101,6 +92,8 @@ from dflash_cache.generate.dialogue import (
 )
 from dflash_cache.generate.proposer import proposer_slot_bytes
 from dflash_cache.rows.chat import DataError, RowRejected, check_template_kwargs
+from dflash_cache.target.config import max_positions, text_config
+from dflash_cache.target.load import TargetError, first_line, load_config, load_tokenizer, stop_token_ids
 
 __all__ = ["EvalError", "check_config", "check_drafter_matches_target", "evaluate", "load_drafter"]
 

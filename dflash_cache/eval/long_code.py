@@ -68,7 +68,7 @@ class Measure:
 
     @cached_property
     def _tokenizer(self):
-        from dflash_cache.extract.target import load_tokenizer
+        from dflash_cache.target.load import load_tokenizer
 
         return load_tokenizer(self.target)
 
@@ -77,7 +77,8 @@ class Measure:
         """The target's positions (None without a target, or where its config names none)."""
         if self.target is None:
             return None
-        from dflash_cache.extract.target import load_config, max_positions
+        from dflash_cache.target.config import max_positions
+        from dflash_cache.target.load import load_config
 
         return max_positions(load_config(self.target))
 

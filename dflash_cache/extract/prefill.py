@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from dflash_cache.extract.target import Carry
+from dflash_cache.target.taps import Carry
 
 Target = Callable[..., list[torch.Tensor]]  # input ids [b, T] (and a Carry) -> outputs [b, T, H] each
 

@@ -81,20 +81,14 @@ from dflash_cache.extract.config import (
     resolve_storage,
 )
 from dflash_cache.extract.mask import AUTO, choose_mask_token, data_token_ids
-from dflash_cache.extract.parallel import layout, load_copy
 from dflash_cache.extract.plan import ForwardBatch, Plan, Unit, make_plan
 from dflash_cache.extract.prefill import Target, forwards
-from dflash_cache.extract.target import (
-    compute_dtype_for,
-    frozen_weights,
-    load_config,
-    load_tokenizer,
-    target_info,
-    text_config,
-)
 from dflash_cache.rows.chat import check_template_kwargs
 from dflash_cache.rows.digest import chat_template_digest, source_fingerprint, tokenizer_digest
 from dflash_cache.rows.encode import Tokenized, tokenize
+from dflash_cache.target.config import text_config
+from dflash_cache.target.load import compute_dtype_for, frozen_weights, load_config, load_tokenizer, target_info
+from dflash_cache.target.parallel import layout, load_copy
 
 WORK = ".work"  # tokenized dataset, reused by reruns; safe to delete
 

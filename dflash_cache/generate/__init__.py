@@ -18,13 +18,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dflash_cache.extract.target import text_config
 from dflash_cache.generate.engine import Engine
 from dflash_cache.generate.lookup_mix import LookupMix
 from dflash_cache.generate.proposer import BlockProposer
 from dflash_cache.generate.requests import ERROR, LENGTH, STOP, Backend, Completion, Request, StopRule
 from dflash_cache.generate.slots import SlotCache
 from dflash_cache.generate.targets import CachedTarget, SlotTarget, Target, slot_support
+from dflash_cache.target.config import text_config
 
 __all__ = [
     "ERROR",
@@ -46,10 +46,10 @@ __all__ = [
 
 def load_model(path: str, device: torch.device, revision: str | None = None) -> nn.Module:
     """The target for generation: bf16 on a GPU, float32 on a CPU, frozen, in eval mode, with every
-    weight from the checkpoint (`extract.target.load_causal_lm`). It runs whole on one device: on a
+    weight from the checkpoint (`target.load.load_causal_lm`). It runs whole on one device: on a
     GPU a target whose weights do not fit is refused before loading."""
-    from dflash_cache.extract.parallel import check_fits, running_bytes
-    from dflash_cache.extract.target import compute_dtype_for, load_causal_lm
+    from dflash_cache.target.load import compute_dtype_for, load_causal_lm
+    from dflash_cache.target.parallel import check_fits, running_bytes
 
     if device.type == "cuda":
         need = running_bytes(path, revision, None, compute_dtype_for(device), head=True)

@@ -436,7 +436,7 @@ class Decoder:
     """The decoder of a loaded Llama-family causal LM, run over a `SlotCache` (module docstring).
 
     `forward` returns the final-normed hidden states and, for `layer_ids`, the tapped layers'
-    outputs concatenated (layer id l = output of decoder layer l, as `extract.target.LayerTaps`
+    outputs concatenated (layer id l = output of decoder layer l, as `target.taps.LayerTaps`
     taps it). `compiled` as `LayerStack.run` takes it; `kernels` as `LayerStack` does."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int] | None = None, *, compile: bool = True,

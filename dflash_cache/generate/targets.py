@@ -13,7 +13,7 @@ Two implementations behind one interface (`Target`):
   keeps a copy of the cache from before each verification and re-runs the accepted tokens on it.
 
 Both return the logits of every step position and, when asked for target layers, the tapped
-hidden states (layer id l = output of decoder layer l, `extract.target.LayerTaps`).
+hidden states (layer id l = output of decoder layer l, `target.taps.LayerTaps`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_cache.extract.target import LayerTaps, cache_kwarg, has_recurrent_layers, new_cache, text_config
 from dflash_cache.generate.decoder import Decoder
 from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from dflash_cache.generate.slots import SlotCache, SlotStep
+from dflash_cache.target.config import text_config
+from dflash_cache.target.hybrid import has_recurrent_layers
+from dflash_cache.target.kv_cache import cache_kwarg, new_cache
+from dflash_cache.target.taps import LayerTaps
 
 # Model types whose every layer is causal softmax attention over the cache with a standard RoPE,
 # checked token for token against transformers' own decoding in the tests.

@@ -5,7 +5,7 @@ DFlash code and the cache's weights fingerprint read a Hugging Face directory of
 GGUF file is converted to one once, rather than read by each stage: transformers dequantizes a
 GGUF on every load (about 30 s for the 135M SmolLM2 on 2 CPU cores, against under a second for
 its safetensors), and the cache fingerprints safetensors. A ``.gguf`` given as ``--target`` is
-refused with the command that converts it (``extract/target.py``).
+refused with the command that converts it (``target/load.py``).
 
 transformers reads the GGUF (``from_pretrained(dir, gguf_file=...)``, through the ``gguf``
 package, which needs ``accelerate``); the quantization config is dropped so that the directory

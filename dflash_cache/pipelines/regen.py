@@ -39,7 +39,6 @@ from dflash_cache.core.jsonl import dumps_line
 from dflash_cache.core.paths import output_dir, output_file
 from dflash_cache.core.progress import ProgressSink, Reporter
 from dflash_cache.core.settings import plain
-from dflash_cache.extract.target import load_config, load_tokenizer, stop_token_ids
 from dflash_cache.generate import (
     ERROR,
     LENGTH,
@@ -59,6 +58,7 @@ from dflash_cache.rows.chat import DataError, DataWarning, RowRejected, check_te
 from dflash_cache.rows.digest import source_fingerprint
 from dflash_cache.rows.forms import NO_ASSISTANT, conversation
 from dflash_cache.rows.sources import read_rows
+from dflash_cache.target.load import load_config, load_tokenizer, stop_token_ids
 
 REJECTED = "rejected.jsonl"
 

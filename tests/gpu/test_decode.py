@@ -11,10 +11,10 @@ from helpers import TINY_TARGET, hf_greedy
 from test_evaluate import export_random_drafter
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash_cache.extract.target import stop_token_ids
 from dflash_cache.generate import BlockProposer, Engine, LookupMix, Request, StopRule
 from dflash_cache.generate.slots import SlotStep
 from dflash_cache.generate.targets import SlotTarget
+from dflash_cache.target.load import stop_token_ids
 from gpu.common import CUDA, GPU, decode
 
 pytestmark = GPU

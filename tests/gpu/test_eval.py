@@ -17,10 +17,10 @@ from dflash_cache.cache.spec import read_spec
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.decode import evaluate
 from dflash_cache.eval.replay import replayed
-from dflash_cache.extract.target import stop_token_ids
 from dflash_cache.generate import Engine, StopRule
 from dflash_cache.generate.dialogue import load_prompts
 from dflash_cache.generate.targets import SlotTarget
+from dflash_cache.target.load import stop_token_ids
 from gpu.common import CUDA, GPU, decode
 
 pytestmark = GPU
@@ -59,7 +59,7 @@ def test_eval_on_cuda_is_the_targets_greedy_decode(family_run, drafter):
 def test_extract_on_cuda_caches_the_targets_hidden_states(family_run):
     """The GPU's cache against output_hidden_states of the float32 model on the CPU: bf16
     rounding of bf16 arithmetic (a few per cent), for the taps and the final hidden state."""
-    from dflash_cache.extract.target import load_causal_lm
+    from dflash_cache.target.load import load_causal_lm
 
     run = family_run
     spec = read_spec(run["cache"])

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from dflash_cache.cache.spec import CacheSpec
-from dflash_cache.extract.target import TappedTarget, TargetError, compute_dtype_for, load_target, local_snapshot
+from dflash_cache.target.load import TargetError, compute_dtype_for, local_snapshot
+from dflash_cache.target.taps import TappedTarget, load_target
 
 # The config fields that count a MoE layer's routed experts, by family (Qwen3-MoE and Qwen3.5-MoE,
 # DeepSeek-V3, GPT-OSS); expert parallelism deals them out evenly.
