@@ -21,7 +21,8 @@ from helpers import ROOT, TINY_TARGET, jsonl_rows
 from torch.utils.flop_counter import FlopCounterMode
 
 from dflash_cache import drafters
-from dflash_cache.core.devices import launch, process_group
+from dflash_cache.core.groups import process_group
+from dflash_cache.core.launch import launch
 from dflash_cache.drafters.attention import BlockLayout
 from dflash_cache.drafters.dflash.config import DrafterConfig
 from dflash_cache.drafters.dspark import family as dspark

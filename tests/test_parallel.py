@@ -191,7 +191,8 @@ def test_caches_of_any_layout_resume_each_other(tmp_path):
 MEASURE = """
 import json, sys, torch
 from pathlib import Path
-from dflash_cache.core.devices import Group, process_group, torchrun_worker
+from dflash_cache.core.groups import Group, process_group
+from dflash_cache.core.launch import torchrun_worker
 from dflash_cache.target.load import load_causal_lm, load_config
 from dflash_cache.target.parallel import distributed_config, layout, local_bytes
 

@@ -22,7 +22,9 @@ from helpers import CHAT, ROOT, TINY_TARGET, extract_config, jsonl_head, jsonl_r
 from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import committed_units
-from dflash_cache.core.devices import DeviceError, launch, torchrun_worker, worker_threads
+from dflash_cache.core.devices import DeviceError
+from dflash_cache.core.launch import launch, torchrun_worker
+from dflash_cache.core.threads import worker_threads
 from dflash_cache.extract.stage import run
 from dflash_cache.train import stage as train
 

@@ -10,7 +10,10 @@ import torch
 from helpers import RecordingSink, jsonl_rows
 
 from dflash_cache.cache.spec import read_spec
-from dflash_cache.core.devices import Worker, flush_denormals, launch, process_group, worker_threads
+from dflash_cache.core.devices import Worker, flush_denormals
+from dflash_cache.core.groups import process_group
+from dflash_cache.core.launch import launch
+from dflash_cache.core.threads import worker_threads
 from dflash_cache.drafters.dflash.family import load_serving
 from dflash_cache.train.checkpoint import Checkpointer
 from dflash_cache.train.config import TrainConfig, TrainError

@@ -56,8 +56,9 @@ from torch import nn
 
 from dflash_cache import drafters
 from dflash_cache.core.damage import DamagedFile
-from dflash_cache.core.devices import Worker, flush_denormals, worker_threads
+from dflash_cache.core.devices import Worker, flush_denormals
 from dflash_cache.core.progress import ProgressSink
+from dflash_cache.core.threads import worker_threads
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.metrics import (
     EvalResult,

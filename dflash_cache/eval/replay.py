@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dflash_cache.core.devices import Worker, flush_denormals, worker_threads
+from dflash_cache.core.devices import Worker, flush_denormals
+from dflash_cache.core.threads import worker_threads
 from dflash_cache.drafters import Family
 from dflash_cache.drafters.attention import BlockLayout
 from dflash_cache.eval.config import EvalConfig

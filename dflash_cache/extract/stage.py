@@ -56,22 +56,13 @@ from dflash_cache.cache.store import (
     write_rejected,
 )
 from dflash_cache.core.atomic import is_temporary
-from dflash_cache.core.devices import (
-    GpuThrottle,
-    Group,
-    Worker,
-    copies,
-    copy_interrupts,
-    launch,
-    lead_says,
-    process_group,
-    to_device,
-    torchrun_worker,
-    worker_threads,
-)
+from dflash_cache.core.devices import GpuThrottle, Worker, to_device
 from dflash_cache.core.errors import ExtractError
+from dflash_cache.core.groups import Group, copies, lead_says, process_group
+from dflash_cache.core.launch import copy_interrupts, launch, torchrun_worker
 from dflash_cache.core.paths import output_dir
 from dflash_cache.core.progress import ProgressSink, Reporter
+from dflash_cache.core.threads import worker_threads
 from dflash_cache.extract.basis import energy_note, fit_basis, fit_sample
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 from dflash_cache.extract.config import (
@@ -321,7 +312,7 @@ def _gib(n: int) -> str:
 
 
 def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset, channel) -> None:
-    """One rank: with --tp, one of the ranks of a copy of the target (devices.Group). The copy takes
+    """One rank: with --tp, one of the ranks of a copy of the target (groups.Group). The copy takes
     the units whose id mod the copy count is its index; all its ranks run the same forwards, and
     its lead alone commits them, as copy 0's lead alone writes the frozen weights (and, for a
     projected cache, the basis its ranks fit together, then cache.json)."""

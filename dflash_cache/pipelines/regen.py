@@ -34,11 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash_cache.core.damage import damaged, read_json, read_jsonl
-from dflash_cache.core.devices import Worker, flush_denormals, launch, worker_threads
+from dflash_cache.core.devices import Worker, flush_denormals
 from dflash_cache.core.jsonl import dumps_line
+from dflash_cache.core.launch import launch
 from dflash_cache.core.paths import output_dir, output_file
 from dflash_cache.core.progress import ProgressSink, Reporter
 from dflash_cache.core.settings import plain
+from dflash_cache.core.threads import worker_threads
 from dflash_cache.generate import (
     ERROR,
     LENGTH,

@@ -5,7 +5,7 @@ gives each rank its shard of every layer that the model's config plans (`base_mo
 and `base_model_ep_plan` for the experts of MoE layers), loading only that shard from the
 checkpoint. Each rank then runs the whole forward on the same batch, and the sharded layers
 exchange partial results, so every rank holds the full hidden states after each decoder layer.
-`devices.Group` says which ranks form one copy; this module says how a copy loads and how much a
+`core.groups.Group` says which ranks form one copy; this module says how a copy loads and how much a
 target needs.
 """
 

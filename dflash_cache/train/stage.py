@@ -39,8 +39,11 @@ from dflash_cache.cache.spec import CacheSpec, SpecError, read_spec
 from dflash_cache.cache.store import FROZEN, committed_units, read_frozen
 from dflash_cache.core.atomic import write_atomic
 from dflash_cache.core.damage import DamagedFile, read_json
-from dflash_cache.core.devices import GpuThrottle, Worker, launch, process_group, torchrun_worker, worker_threads
+from dflash_cache.core.devices import GpuThrottle, Worker
+from dflash_cache.core.groups import process_group
+from dflash_cache.core.launch import launch, torchrun_worker
 from dflash_cache.core.progress import ProgressSink, Reporter
+from dflash_cache.core.threads import worker_threads
 from dflash_cache.drafters import DrafterSettings, Family, Objective, Output
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
 from dflash_cache.train.config import CACHE_APPEAR_S, TrainConfig, TrainError, drafter_config
