@@ -11,7 +11,7 @@ token, so every prompt decodes to --max-new-tokens), one row at a time:
 - the target alone through the engine, side by side: the eager layers captured as a CUDA graph,
   the compiled layers captured (the default on a GPU) with cuBLAS's products, with torch's argmax
   for the greedy token, and as they ship, and under other kernel settings (`--variants`, fields of
-  `generate.kernel_settings.KernelSettings`); tokens/s with
+  `kernels.settings.KernelSettings`); tokens/s with
   the prompts' prefills timed and left out, against the weight-bandwidth bound (bandwidth / weight
   bytes: every decode step reads every weight once);
 - the cost of a verify step of B+1 tokens against a one-token step, each a replayed graph, at the
@@ -22,7 +22,7 @@ token, so every prompt decodes to --max-new-tokens), one row at a time:
   drafts are rejected, so every step commits one token): its cost over a plain step, which is what
   a drafter's tau must beat (speedup = tau x plain step / speculative step), and whether its output
   is the target alone's; DSpark's also with its greedy Markov step as tensor ops instead of the
-  fused kernel (`drafters/dspark/markov_kernel.py`), and with its draft (the Markov head, slot by
+  fused kernel (`kernels/markov.py`), and with its draft (the Markov head, slot by
   slot) left eager;
 - a profile of the plain and speculative steps: the kernels each launches and their summed time;
   and the floor of that many kernels: a chain of empty ones replayed, launched plainly and with
@@ -52,9 +52,9 @@ from dflash_cache.bench.generate import copy_bandwidth, random_model, weight_byt
 from dflash_cache.drafters.dflash.config import DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
 from dflash_cache.generate import BlockProposer, Engine, Request, StopRule  # noqa: E402
-from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings  # noqa: E402
-from dflash_cache.generate.product_kernel import rows_product  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
+from dflash_cache.kernels.products import rows_product  # noqa: E402
+from dflash_cache.kernels.settings import DEFAULT_KERNELS, KernelSettings  # noqa: E402
 
 CUDA = torch.device("cuda")
 

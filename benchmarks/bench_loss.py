@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_cache.drafters import loss_kernel, losses  # noqa: E402
+from dflash_cache.drafters import losses  # noqa: E402
+from dflash_cache.kernels import loss as loss_kernel  # noqa: E402
 from dflash_cache.train.metrics import peak_flops  # noqa: E402
 
 

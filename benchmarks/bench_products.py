@@ -1,4 +1,4 @@
-"""A batch-1 step's products on a GPU: the product kernel (generate/product_kernel.py) with and
+"""A batch-1 step's products on a GPU: the product kernel (kernels/products.py) with and
 without programmatic dependent launch, against cuBLAS, in the whole step and alone.
 
     python benchmarks/bench_products.py --shape smollm2-135m --out products.json
@@ -11,7 +11,7 @@ graph:
   the product kernel (`decoder.KernelProducts`, the default for up to `KernelSettings.kernel_rows`
   rows), by the kernels launched plainly (no early weight loads), the attention kernel alone
   launched plainly, the RoPE compiled apart from the q/k/v product, and with other settings of the
-  kernels (`--variants`, fields of `generate.kernel_settings.KernelSettings`: the product kernel's K
+  kernels (`--variants`, fields of `kernels.settings.KernelSettings`: the product kernel's K
   slices, columns and pipelining, the attention's key blocks and pieces);
 - each of those ways' products alone, each kind once a layer in a row (qkv, o, gate_up, down), at
   1 and 8 tokens: microseconds a product.
@@ -38,11 +38,11 @@ from bench_decode import replay_ms, with_settings  # noqa: E402
 
 from dflash_cache.bench.generate import random_model  # noqa: E402
 from dflash_cache.bench.shapes import shape_config  # noqa: E402
-from dflash_cache.drafters.dspark import markov_kernel  # noqa: E402
-from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings  # noqa: E402
-from dflash_cache.generate.product_kernel import ProductTiles, rows_product  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 from dflash_cache.kernels import argmax as argmax_kernel  # noqa: E402
+from dflash_cache.kernels import markov as markov_kernel  # noqa: E402
+from dflash_cache.kernels.products import ProductTiles, rows_product  # noqa: E402
+from dflash_cache.kernels.settings import DEFAULT_KERNELS, KernelSettings  # noqa: E402
 
 CUDA = torch.device("cuda")
 KINDS = ("qkv", "o", "gate_up", "down")

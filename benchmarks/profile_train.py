@@ -3,7 +3,7 @@
 The drafter, optimizer and loader are `dflash bench train`'s (the train stage's, on one rank); the
 first batches of epoch 0 are loaded once, stepped once to compile every shape, then timed and
 profiled already on the GPU. `--no-loss-kernel` steps with the loss's PyTorch expression instead of
-its Triton kernel (`drafters/loss_kernel.py`), to set the two side by side on one machine.
+its Triton kernel (`kernels/loss.py`), to set the two side by side on one machine.
 
     dflash bench extract --shape smollm2-135m --final-hidden --tokens 800000 --out /dev/shm/x
     python benchmarks/profile_train.py --cache /dev/shm/x --drafter dspark --draft-layers 2 --token-budget 32768
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import kernel_breakdown  # noqa: E402
 
 from dflash_cache.bench.train import _BenchSteps  # noqa: E402
-from dflash_cache.drafters import loss_kernel  # noqa: E402
+from dflash_cache.kernels import loss as loss_kernel  # noqa: E402
 from dflash_cache.train.config import TrainConfig  # noqa: E402
 from dflash_cache.train.metrics import peak_flops  # noqa: E402
 

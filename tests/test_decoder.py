@@ -126,7 +126,7 @@ def test_a_half_precision_step_the_kernel_does_not_serve_pads_its_tokens():
     one-token steps' bit for bit (the property the padding exists for on a GPU, where
     tests/gpu/test_decode.py checks it on Qwen3-8B's widths)."""
     from dflash_cache.generate import decoder
-    from dflash_cache.generate.kernel_settings import KernelSettings
+    from dflash_cache.kernels.settings import KernelSettings
 
     model = model_of("qwen3").bfloat16()
     prompt, ids, positions = tuple(range(5, 17)), torch.tensor([[7, 8, 9, 10, 11]]), torch.arange(12, 17)[None]

@@ -374,7 +374,7 @@ def markov_case(device: torch.device | str, lookup: bool = False) -> tuple[torch
     a vocabulary and a rank that are not multiples of the kernel's blocks; base logits as a strided
     slot of a block. `lookup`: the latents are rows of a table the kernel reads through a strided
     index (the vanilla head's W1[prev])."""
-    from dflash_cache.drafters.dspark.markov_kernel import BLOCK_R, BLOCK_V, markov_argmax
+    from dflash_cache.kernels.markov import BLOCK_R, BLOCK_V, markov_argmax
 
     g = torch.Generator().manual_seed(0)
     rows, vocab, rank, period = 3, 3 * BLOCK_V + 17, BLOCK_R + 32, BLOCK_V + 5
@@ -406,8 +406,8 @@ def test_a_greedy_half_precision_draft_takes_the_markov_kernel():
     """A bf16 DSpark drafter drafting greedily through the engine's chooser runs each slot's Markov
     step as the fused kernel, and drafts what the tensor ops' argmax drafts (integer Markov weights:
     the same sums in any order)."""
-    from dflash_cache.drafters.dspark import markov_kernel
     from dflash_cache.generate.requests import Chooser, DraftChooser
+    from dflash_cache.kernels import markov as markov_kernel
 
     torch.manual_seed(0)
     cfg = small_cfg("vanilla")

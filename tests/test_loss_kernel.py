@@ -1,4 +1,4 @@
-"""The loss's Triton kernel (drafters/loss_kernel.py), run on the CPU by Triton's interpreter: one
+"""The loss's Triton kernel (kernels/loss.py), run on the CPU by Triton's interpreter: one
 chunk against `losses._tv_chunk`, and the whole chunked losses through it against plain autograd
 over full bf16 logits. The GPU suite checks it compiled (tests/test_gpu.py)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_cache.drafters import loss_kernel
 from dflash_cache.drafters.losses import _tv_chunk, chunked_loss, chunked_tv_loss
+from dflash_cache.kernels import loss as loss_kernel
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # conftest: the kernel on the CPU
 V = 5000  # not a multiple of the kernel's block: its last block is partial

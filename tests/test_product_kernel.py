@@ -1,4 +1,4 @@
-"""The product kernel (generate/product_kernel.py), run on the CPU by Triton's interpreter: each kind
+"""The product kernel (kernels/products.py), run on the CPU by Triton's interpreter: each kind
 of product against the tensor ops it replaces (`decoder.Products`, in float64), each token's bits
 the same in a step of any size, and a whole decoder step through the kernels: its logits against
 the step through the tensor ops, and a verify step's logits against one-token steps', bit for bit.
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_cache.generate.decoder import TENSOR_OPS, KernelProducts, Products
-from dflash_cache.generate.kernel_settings import KernelSettings
 from dflash_cache.generate.slots import SlotStep
 from dflash_cache.generate.targets import SlotTarget
+from dflash_cache.kernels.settings import KernelSettings
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # conftest: the kernels on the CPU
 

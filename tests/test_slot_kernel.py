@@ -1,4 +1,4 @@
-"""The slot attention kernels (generate/slot_kernel.py), run on the CPU by Triton's interpreter,
+"""The slot attention kernels (kernels/slot_attention.py), run on the CPU by Triton's interpreter,
 against the masked attention path and against themselves in other steps: a query's output must be
 the same bits in a decode step, a verify step, and a buffer cut in pieces or not. The GPU suite
 checks the same compiled, through the whole step (tests/gpu/)."""
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_cache.generate import slot_kernel
-from dflash_cache.generate.slot_kernel import AttentionTiles
 from dflash_cache.generate.slots import SlotStep, _masked, _rows_of
+from dflash_cache.kernels import slot_attention as slot_kernel
 from dflash_cache.kernels import triton_support
+from dflash_cache.kernels.slot_attention import AttentionTiles
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # conftest: the kernels on the CPU
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflash_cache.drafters import loss_kernel
 from dflash_cache.drafters.compile import compile_for_cuda
+from dflash_cache.kernels import loss as loss_kernel
 
 
 def _ce_chunk(logits: Tensor, labels: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:

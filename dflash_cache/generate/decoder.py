@@ -48,10 +48,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._inductor import config as inductor_config
 
-from dflash_cache.generate import product_kernel
-from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings
-from dflash_cache.generate.product_kernel import ProductTiles, rows_product, rows_qkv
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention, write_kv
+from dflash_cache.kernels import products as product_kernel
+from dflash_cache.kernels.products import ProductTiles, rows_product, rows_qkv
+from dflash_cache.kernels.settings import DEFAULT_KERNELS, KernelSettings
 
 Compiled = Literal["fixed", "dynamic"] | None  # which compiled pieces a forward runs
 

@@ -19,12 +19,12 @@ from torch import Tensor
 
 from dflash_cache.drafters.compile import compiled_or_eager
 from dflash_cache.generate.cuda_graph import Graph
-from dflash_cache.generate.kernel_settings import KernelSettings
 from dflash_cache.generate.lookup_mix import LookupMix
 from dflash_cache.generate.proposer import BlockProposer
 from dflash_cache.generate.requests import Chooser, DraftChooser
 from dflash_cache.generate.requests import speculative_accept as accept
 from dflash_cache.generate.targets import Target
+from dflash_cache.kernels.settings import KernelSettings
 
 
 def _advanced(last: Tensor, pos: Tensor, tokens: Tensor, accepted: Tensor | None, top: int) -> Tensor:

@@ -27,12 +27,12 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from dflash_cache.generate.device_step import DeviceStep, Pending
-from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from dflash_cache.generate.lookup_mix import LookupMix
 from dflash_cache.generate.proposer import BlockProposer
 from dflash_cache.generate.requests import ERROR, Completion, Request, StopRule
 from dflash_cache.generate.row_book import RowBook
 from dflash_cache.generate.targets import Target
+from dflash_cache.kernels.settings import DEFAULT_KERNELS, KernelSettings
 
 _END = object()
 

@@ -31,8 +31,8 @@ from dflash_cache import drafters
 from dflash_cache.drafters import Family
 from dflash_cache.drafters.compile import compiled_or_eager
 from dflash_cache.generate.decoder import LayerStack, activation
-from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from dflash_cache.generate.slots import SlotCache, SlotStep
+from dflash_cache.kernels.settings import DEFAULT_KERNELS, KernelSettings
 
 
 def proposer_slot_bytes(model: nn.Module, length: int) -> int:

@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import sdpa_kernel
 
-from dflash_cache.generate import slot_kernel
-from dflash_cache.generate.slot_kernel import AttentionTiles
+from dflash_cache.kernels import slot_attention as slot_kernel
 from dflash_cache.kernels import triton_support
+from dflash_cache.kernels.slot_attention import AttentionTiles
 from dflash_cache.target.taps import SDPA_BACKENDS
 
 

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflash_cache.generate.decoder import Decoder
-from dflash_cache.generate.kernel_settings import DEFAULT_KERNELS, KernelSettings
 from dflash_cache.generate.slots import SlotCache, SlotStep
+from dflash_cache.kernels.settings import DEFAULT_KERNELS, KernelSettings
 from dflash_cache.target.config import text_config
 from dflash_cache.target.hybrid import has_recurrent_layers
 from dflash_cache.target.kv_cache import cache_kwarg, new_cache

@@ -28,7 +28,7 @@ def fits(x: Tensor) -> bool:
 @functools.cache
 def kernels():
     """(block_maxima, _pick_last), compiled on first use."""
-    global tl, _pick_last  # module-level names: how kernels, here and in markov_kernel, find them
+    global tl, _pick_last  # module-level names: how kernels, here and in markov.py, find them
     import triton
     import triton.language as tl
 

@@ -136,7 +136,8 @@ def test_a_verify_step_gives_each_token_the_bits_of_a_plain_step(shape, context)
     (its keys cut in pieces of `AttentionTiles.split`, the verify step's queries on both sides of the
     cut at 1024); Qwen3-8B's widths (two layers), too wide for the kernel, through cuBLAS and
     inductor's norms with each row's tokens padded (`decoder.PaddedProducts`)."""
-    from dflash_cache.generate import decoder, slot_kernel
+    from dflash_cache.generate import decoder
+    from dflash_cache.kernels import slot_attention as slot_kernel
 
     split = slot_kernel.DEFAULT_TILES.split
     assert 1024 % split == 0 and split >= 256

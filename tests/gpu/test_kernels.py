@@ -56,8 +56,8 @@ def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces):
     may start while the compiled kernel that makes its query still runs. Replayed as one graph (the
     engine's), with a new query each time, it gives the bits of the same two kernels without PDL,
     over a buffer walked whole and one cut into pieces (merged by the last piece to finish)."""
-    from dflash_cache.generate import slot_kernel
-    from dflash_cache.generate.slot_kernel import AttentionTiles
+    from dflash_cache.kernels import slot_attention as slot_kernel
+    from dflash_cache.kernels.slot_attention import AttentionTiles
     from dflash_cache.kernels.triton_support import pdl_options
 
     g = torch.Generator(device=CUDA).manual_seed(0)
@@ -95,7 +95,7 @@ def test_product_kernel_equals_torchs_ops_and_keeps_each_tokens_bits():
     import torch.nn.functional as F
 
     from dflash_cache.generate.decoder import TENSOR_OPS, KernelProducts
-    from dflash_cache.generate.product_kernel import ProductTiles
+    from dflash_cache.kernels.products import ProductTiles
     from dflash_cache.kernels.triton_support import pdl_options
 
     randn = bf16_randn(0)
@@ -176,8 +176,8 @@ def test_qkv_product_with_rope_equals_torchs_ops_and_keeps_each_tokens_bits():
 def test_loss_kernel_equals_the_reference_chunk(with_target):
     """The loss's Triton kernel, compiled, against `losses._tv_chunk` eager over a vocabulary of
     SmolLM2's size (tests/test_loss_kernel.py runs it interpreted on small ones)."""
-    from dflash_cache.drafters import loss_kernel
     from dflash_cache.drafters.losses import _tv_chunk
+    from dflash_cache.kernels import loss as loss_kernel
 
     g = torch.Generator(device=CUDA).manual_seed(0)
     n, v = 64, 49152
@@ -214,7 +214,7 @@ def test_slot_kernel_pieces_merged_by_the_last_to_finish_are_the_attention(T):
     """The last piece of a row to finish merges the row's pieces (an atomic count a tile): over 64
     rows that see 1 to 4 pieces, the masked path's attention, the same bits 20 times over whichever
     program finishes last, and every count back at zero after."""
-    from dflash_cache.generate import slot_kernel
+    from dflash_cache.kernels import slot_attention as slot_kernel
     from dflash_cache.kernels import triton_support
 
     randn = bf16_randn(1)

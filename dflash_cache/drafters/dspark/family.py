@@ -16,7 +16,6 @@ from dflash_cache.drafters.dflash.config import MODELING_FILE as DFLASH_FILE
 from dflash_cache.drafters.dflash.config import MODELING_SOURCE as DFLASH_SOURCE
 from dflash_cache.drafters.dflash.family import StepFlops
 from dflash_cache.drafters.dflash.family import config as dflash_config
-from dflash_cache.drafters.dspark import markov_kernel
 from dflash_cache.drafters.dspark.config import (
     ARCHITECTURE,
     BLOCK_SIZE,
@@ -30,6 +29,7 @@ from dflash_cache.drafters.dspark.model import DSparkDrafter
 from dflash_cache.drafters.dspark.objective import objective
 from dflash_cache.drafters.dspark.settings import SETTINGS, DSparkSettings
 from dflash_cache.drafters.serving import bf16_state, load_export, read_config, write_export
+from dflash_cache.kernels import markov as markov_kernel
 
 
 def config(settings: DSparkSettings, spec: CacheSpec) -> DSparkConfig:

@@ -28,7 +28,7 @@ arithmetic depends only on its own row and position:
 kernel then visits only the pieces (and, uncut, the key blocks) from the one holding the row's
 lowest visible key on: its programs and its reads are O(W + T) a row, whatever the buffer holds.
 
-`slot_attention` checks the kernel's first call against the masked path, as it does flash's.
+`slots.slot_attention` checks the kernel's first call against the masked path, as it does flash's.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: T
     if window is not None and split:  # a row's window of W - 1 + T keys reaches at most this many pieces
         splits = min(splits, (window + T - 2) // split + 2)
     if split % block_n:
-        raise ValueError(f"slot_kernel: split ({tiles.split}) must be a multiple of block_n ({block_n})")
+        raise ValueError(f"slot attention kernel: split ({tiles.split}) must be a multiple of block_n ({block_n})")
     acc = stat = count = out
     if split:
         acc = torch.empty(b * kv_heads * row_tiles * splits * block_m * d, dtype=torch.float32, device=query.device)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dflash_cache.generate.product_kernel import ProductTiles
-from dflash_cache.generate.slot_kernel import AttentionTiles
+from dflash_cache.kernels.products import ProductTiles
+from dflash_cache.kernels.slot_attention import AttentionTiles
 
 
 @dataclass(frozen=True)
