@@ -52,9 +52,9 @@ KINDS = ("qkv", "o", "gate_up", "down")
 class AloneTiles:
     """The Markov and argmax kernels' tiles, as `--markov` sets them: `block_v=64,warps=4`."""
 
-    block_v: int = markov_kernel.BLOCK_V
-    block_r: int = markov_kernel.BLOCK_R
-    warps: int = markov_kernel.WARPS
+    block_v: int = markov_kernel.DEFAULT_TILES.block_v
+    block_r: int = markov_kernel.DEFAULT_TILES.block_r
+    warps: int = markov_kernel.DEFAULT_TILES.warps
     argmax_block_v: int = argmax_kernel.BLOCK_V
 
 
@@ -96,8 +96,9 @@ def markov_us(vocab: int, variants: list[str], rank: int = 256) -> dict:
     for name in ["default", *variants]:
         t = with_settings(AloneTiles(), "" if name == "default" else name)
         try:
-            us = 1e3 * replay_ms(lambda t=t: [markov_kernel.markov_argmax(base[:, k], z, w2, None, t.block_v, t.block_r,
-                                                                          t.warps) for k in range(7)], reps=100) / 7
+            tiles = markov_kernel.MarkovTiles(t.block_v, t.block_r, t.warps)
+            us = 1e3 * replay_ms(lambda tiles=tiles: [markov_kernel.markov_argmax(base[:, k], z, w2, None, tiles)
+                                                      for k in range(7)], reps=100) / 7  # fmt: skip
             argmax_us = 1e3 * replay_ms(lambda t=t: argmax_kernel.argmax(logits, t.argmax_block_v), reps=100)
             out[name] = {"markov_us": us, "markov_GBps": w2.numel() * 2 / us / 1e3, "argmax_8_rows_us": argmax_us}
         except Exception as e:  # noqa: BLE001 - a setting the GPU cannot build: say so, go on

@@ -1,6 +1,7 @@
 """Chunked losses over the frozen LM head: full logits (blocks x slots x a 150-250K vocabulary:
 several GB) never exist at once, and no chunk's logits are computed twice. On a GPU each chunk's
-walks over its logits are one Triton kernel (`loss_kernel`); elsewhere they are the functions below.
+walks over its logits are one Triton kernel (`kernels/loss.py`, cut by its `LossTiles`); elsewhere
+they are the functions below.
 
 `chunked_loss` is the weighted cross-entropy (DFlash); `chunked_tv_loss` adds the total-variation
 (L1) distance to the target's own distribution and a low-rank logit bias (DSpark).
@@ -14,6 +15,7 @@ from torch import Tensor
 
 from dflash_cache.drafters.compile import compile_for_cuda
 from dflash_cache.kernels import loss as loss_kernel
+from dflash_cache.kernels.loss import LossTiles
 
 
 def _ce_chunk(logits: Tensor, labels: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -41,11 +43,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
     FLOPs)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_size):  # noqa: ANN001 - autograd signature
+    def forward(ctx, hidden, weight, labels, weights, chunk_size, tiles):  # noqa: ANN001 - autograd signature
         scale = weights.float() / weights.float().sum().clamp_min(1e-12)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ce = _ce_chunk_cuda if hidden.is_cuda and _ce_chunk_cuda is not None else _ce_chunk
-        fused = loss_kernel.fits(weight)
+        fused = tiles is not None and loss_kernel.fits(weight)
         no_l1 = torch.zeros_like(scale) if fused else None  # the kernel's L1 weights: cross-entropy alone
         grad_h = torch.zeros_like(hidden) if need_h else None
         acc = torch.promote_types(weight.dtype, torch.float32)
@@ -56,7 +58,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             h = hidden[s : s + chunk_size].to(weight.dtype)
             logits, rows, w = F.linear(h, weight), labels[s : s + chunk_size], scale[s : s + chunk_size]
             if fused:
-                part, _, ok, _, g = loss_kernel.tv_chunk(logits, None, rows, w, no_l1[s : s + chunk_size])
+                part, _, ok, _, g = loss_kernel.tv_chunk(logits, None, rows, w, no_l1[s : s + chunk_size], tiles)
                 part = (part * w).sum()
             else:
                 part, ok, g = ce(logits, rows, w)
@@ -77,7 +79,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w = ctx.saved_tensors
         grad_h = None if grad_h is None else grad_h * grad_loss.to(grad_h.dtype)
         grad_w = None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None
+        return grad_h, grad_w, None, None, None, None
 
 
 def chunked_loss(
@@ -86,16 +88,18 @@ def chunked_loss(
     labels: Tensor,
     weights: Tensor,
     chunk_size: int = 4096,
+    kernel_tiles: LossTiles | None = loss_kernel.DEFAULT_TILES,
 ) -> tuple[Tensor, Tensor]:
     """Weighted cross-entropy sum(w*ce)/sum(w) over the vocabulary, chunk by chunk.
 
     Full logits (anchors x slots x 150-250K vocab: several GB) never exist at once, and no chunk's
     logits are computed twice (see _LinearCrossEntropy). Softmax runs in float32. Returns (loss,
-    correct [N] bool = argmax == label); loss is 0, with a graph, when sum(w) == 0.
+    correct [N] bool = argmax == label); loss is 0, with a graph, when sum(w) == 0. Where the loss
+    kernel runs, its programs are cut by `kernel_tiles` (None: the PyTorch expression instead).
     """
     if hidden.shape[0] == 0:
         return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    return _LinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights, chunk_size)
+    return _LinearCrossEntropy.apply(hidden, lm_head_weight, labels, weights, chunk_size, kernel_tiles)
 
 
 def _tv_chunk(logits: Tensor, target_logits: Tensor | None, labels: Tensor, ce_scale: Tensor, l1_scale: Tensor
@@ -130,7 +134,7 @@ class _TVLoss(torch.autograd.Function):
     low-rank bias `bias` [N, r] and its projection W2 [V, r] get gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, bias_weight, labels, ce_scale, l1_scale, target, chunk_size):  # noqa: ANN001
+    def forward(ctx, hidden, weight, bias, bias_weight, labels, ce_scale, l1_scale, target, chunk_size, tiles):  # noqa: ANN001
         need_h, need_b, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]
         chunk = _tv_chunk_cuda if hidden.is_cuda and _tv_chunk_cuda is not None else _tv_chunk
         acc = torch.promote_types(weight.dtype, torch.float32)
@@ -141,7 +145,7 @@ class _TVLoss(torch.autograd.Function):
         ce, l1 = torch.zeros(n, dtype=acc, device=hidden.device), torch.zeros(n, dtype=acc, device=hidden.device)
         hits = torch.zeros(n, dtype=torch.bool, device=hidden.device)
         accept = torch.zeros(n, dtype=acc, device=hidden.device)
-        fused = loss_kernel.fits(weight)
+        fused = tiles is not None and loss_kernel.fits(weight)
         # With the kernel, the bias rides in the head's product: [h; z] @ [W; W2]^T makes the logits
         # and g @ [W; W2] both input gradients, so no product reads the [chunk, V] logits twice.
         joint = torch.cat([weight, bias_weight.to(weight.dtype)], 1) if fused and bias is not None else None
@@ -156,8 +160,9 @@ class _TVLoss(torch.autograd.Function):
             else:
                 logits = F.linear(h, weight)
             tl = None if target is None else F.linear(target[s:e].to(weight.dtype), weight)
-            walk = loss_kernel.tv_chunk if fused else chunk
-            ce[s:e], l1[s:e], hits[s:e], accept[s:e], g = walk(logits, tl, labels[s:e], ce_scale[s:e], l1_scale[s:e])
+            args = (logits, tl, labels[s:e], ce_scale[s:e], l1_scale[s:e])
+            walked = loss_kernel.tv_chunk(*args, tiles) if fused else chunk(*args)
+            ce[s:e], l1[s:e], hits[s:e], accept[s:e], g = walked
             g = g.to(weight.dtype)
             if joint is not None and need_h and need_b:
                 both = g @ joint
@@ -181,7 +186,7 @@ class _TVLoss(torch.autograd.Function):
         grad_h = None if grad_h is None else grad_h * grad_total.to(grad_h.dtype)
         grad_b = None if grad_b is None else (grad_b * grad_total).to(ctx.dtypes[0])
         grad_w2 = None if grad_w2 is None else (grad_w2 * grad_total).to(ctx.dtypes[1])
-        return grad_h, None, grad_b, grad_w2, None, None, None, None, None
+        return grad_h, None, grad_b, grad_w2, None, None, None, None, None, None
 
 
 def chunked_tv_loss(
@@ -195,6 +200,7 @@ def chunked_tv_loss(
     bias_weight: Tensor | None = None,
     target: Tensor | None = None,
     chunk_size: int = 4096,
+    kernel_tiles: LossTiles | None = loss_kernel.DEFAULT_TILES,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Cross-entropy plus the total-variation (L1) distance to the target's own distribution, chunk
     by chunk over the vocabulary, as `chunked_loss` does for cross-entropy alone.
@@ -203,11 +209,13 @@ def chunked_tv_loss(
     logit bias, e.g. a Markov head's); `target[i]` is the target's hidden state whose LM-head
     softmax is the distribution matched (None: no L1 term). Returns (sum_i ce_scale_i * ce_i +
     l1_scale_i * L1_i, differentiable wrt hidden, bias and bias_weight; and per row, detached:
-    ce, L1, argmax == label, and the acceptance rate clamp(1 - L1 / 2, 0, 1))."""
+    ce, L1, argmax == label, and the acceptance rate clamp(1 - L1 / 2, 0, 1)). `kernel_tiles` as
+    `chunked_loss` takes them."""
     if hidden.shape[0] == 0:
         zero = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
         total = hidden.sum() * 0.0 + (0.0 if bias is None else bias.sum() * 0.0 + bias_weight.sum() * 0.0)
         return total, zero, zero, torch.zeros(0, dtype=torch.bool, device=hidden.device), zero
     if (bias is None) != (bias_weight is None):
         raise ValueError("bias and bias_weight come together")
-    return _TVLoss.apply(hidden, lm_head_weight, bias, bias_weight, labels, ce_scale, l1_scale, target, chunk_size)
+    return _TVLoss.apply(hidden, lm_head_weight, bias, bias_weight, labels, ce_scale, l1_scale, target, chunk_size,
+                         kernel_tiles)  # fmt: skip

@@ -16,14 +16,25 @@ through Triton's interpreter), up to the order of float32 sums.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dflash_cache.kernels.triton_support import available, on_device
 
-BLOCK = 2048  # logits a program reads at once, of its one row
-WARPS = 8  # warps a program runs (benchmarks/bench_loss.py --tiles times others)
+
+@dataclass(frozen=True)
+class LossTiles:
+    """How the kernel walks and launches a chunk's rows. The defaults are what ships; a benchmark
+    passes others (benchmarks/bench_loss.py --tiles). They differ in speed, and may change the loss's
+    last bits (the order of float32 sums)."""
+
+    block: int = 2048  # logits a program reads at once, of its one row
+    warps: int = 8  # warps a program runs
+
+
+DEFAULT_TILES = LossTiles()
 
 
 def fits(head: Tensor) -> bool:
@@ -112,11 +123,12 @@ def _kernel():
     return chunk
 
 
-def tv_chunk(logits: Tensor, target_logits: Tensor | None, labels: Tensor, ce_scale: Tensor, l1_scale: Tensor
-             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+def tv_chunk(logits: Tensor, target_logits: Tensor | None, labels: Tensor, ce_scale: Tensor, l1_scale: Tensor,
+             tiles: LossTiles = DEFAULT_TILES) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """`losses._tv_chunk` as one kernel: (ce, L1, argmax hits, acceptance rates, the gradient wrt
-    the logits). The gradient is written over `logits` (the caller's buffer, which it no longer
-    needs) in their dtype; the rest are float32 [rows] and bool [rows]."""
+    the logits), its programs walking and launched by `tiles`. The gradient is written over
+    `logits` (the caller's buffer, which it no longer needs) in their dtype; the rest are float32
+    [rows] and bool [rows]."""
     rows, vocab = logits.shape
     if not logits.is_contiguous():
         raise ValueError("the logits must be contiguous")
@@ -128,6 +140,6 @@ def tv_chunk(logits: Tensor, target_logits: Tensor | None, labels: Tensor, ce_sc
     if rows:
         _kernel()[(rows,)](logits, logits if target_logits is None else target_logits, labels.contiguous(),
                            ce_scale.float().contiguous(), l1_scale.float().contiguous(), ce, l1, hits, vocab,
-                           HAS_TARGET=target_logits is not None, BLOCK=BLOCK, num_warps=WARPS)  # fmt: skip
+                           HAS_TARGET=target_logits is not None, BLOCK=tiles.block, num_warps=tiles.warps)  # fmt: skip
     accept = (1 - 0.5 * l1).clamp(0, 1)
     return ce, l1, hits.bool(), accept, logits

@@ -4,10 +4,10 @@ writing the logits.
 Drafting a block, DSpark's Markov head runs slot by slot: each slot's rank-r latent z times W2
 [V, r] (25 MB at SmolLM2's vocabulary and rank 256), added to the slot's base logits, then the
 argmax over the vocabulary picks the token the next slot starts from. As tensor ops that is a
-product that writes V logits, and an argmax that reads them back. Here programs of BLOCK_V
-vocabulary rows each compute their logits, rounded as torch rounds them (the product in float32
-to the input dtype, the sum with the base to it again), and keep their maximum and its first
-index; the last program of a row to finish picks the first maximum of those
+product that writes V logits, and an argmax that reads them back. Here programs of a block of
+vocabulary rows each (`MarkovTiles`) compute their logits, rounded as torch rounds them (the
+product in float32 to the input dtype, the sum with the base to it again), and keep their maximum
+and its first index; the last program of a row to finish picks the first maximum of those
 (`argmax_kernel._pick_last`). The token is torch's argmax of the same logits (the first of equal
 maxima), up to the product's summation order.
 """
@@ -15,6 +15,7 @@ maxima), up to the product's summation order.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -22,10 +23,23 @@ from torch import Tensor
 from dflash_cache.kernels import argmax as argmax_kernel
 from dflash_cache.kernels.triton_support import available, on_device
 
-# The defaults of `markov_argmax`'s tiles (a benchmark passes others):
-BLOCK_V = 128  # vocabulary rows a program takes
-BLOCK_R = 64  # of the rank, summed at once
-WARPS = 8  # an H200 reads W2 at 3.6 TB/s with 8 warps a program, 2.6 with 4
+
+@dataclass(frozen=True)
+class MarkovTiles:
+    """How `markov_argmax` cuts and launches a slot's work. The defaults are what ships; a
+    benchmark passes others. They differ in speed, and may change a logit's last bits (the
+    product's summation order)."""
+
+    block_v: int = 128  # vocabulary rows a program takes
+    block_r: int = 64  # of the rank, summed at once
+    warps: int = 8  # an H200 reads W2 at 3.6 TB/s with 8 warps a program, 2.6 with 4
+
+    def args(self) -> tuple[int, int, int]:
+        """The tiles as the custom op takes them."""
+        return self.block_v, self.block_r, self.warps
+
+
+DEFAULT_TILES = MarkovTiles()
 
 
 def fits(base: Tensor, w2: Tensor) -> bool:
@@ -67,13 +81,20 @@ def _kernels():
     return block_maxima
 
 
-@torch.library.custom_op("dflash_cache::markov_argmax", mutates_args=())
-def markov_argmax(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None = None, block_v: int = BLOCK_V,
-                  block_r: int = BLOCK_R, warps: int = WARPS) -> Tensor:  # fmt: skip
+def markov_argmax(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None = None,
+                  tiles: MarkovTiles = DEFAULT_TILES) -> Tensor:  # fmt: skip
     """argmax(base + z @ w2.T) per row: base [b, V] (its last dimension contiguous), z [b, r], w2
     [V, r]; [b] int64. With `rows` [b], row i's latent is z[rows[i]] instead: the vanilla head's
-    W1[prev], read in place rather than gathered by a kernel of its own. A program takes `block_v`
-    vocabulary rows, `block_r` of the rank at once, with `warps` warps."""
+    W1[prev], read in place rather than gathered by a kernel of its own. The programs are cut and
+    launched by `tiles`."""
+    return _markov_argmax(base, z, w2, rows, *tiles.args())
+
+
+@torch.library.custom_op("dflash_cache::markov_argmax", mutates_args=())
+def _markov_argmax(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None, block_v: int, block_r: int,
+                   warps: int) -> Tensor:  # fmt: skip
+    """`markov_argmax` with its tiles as ints: a program takes `block_v` vocabulary rows, `block_r`
+    of the rank at once, with `warps` warps."""
     import triton
 
     b, V = base.shape
@@ -89,7 +110,7 @@ def markov_argmax(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None = Non
     return out
 
 
-@markov_argmax.register_fake
-def _(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None = None, block_v: int = BLOCK_V,
-      block_r: int = BLOCK_R, warps: int = WARPS) -> Tensor:  # fmt: skip
+@_markov_argmax.register_fake
+def _(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None, block_v: int, block_r: int, warps: int
+      ) -> Tensor:  # fmt: skip
     return base.new_empty(base.shape[0], dtype=torch.int64)

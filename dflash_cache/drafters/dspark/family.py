@@ -103,14 +103,16 @@ def block_input(anchor_tokens: Tensor, block_size: int, mask_token_id: int) -> T
     return mask_block(anchor_tokens, block_size, mask_token_id)
 
 
-def draft(model: DSparkDrafter, hidden: Tensor, block_ids: Tensor, head_weight: Tensor, choose: Choose
+def draft(model: DSparkDrafter, hidden: Tensor, block_ids: Tensor, head_weight: Tensor, choose: Choose,
+          markov_tiles: markov_kernel.MarkovTiles = markov_kernel.DEFAULT_TILES
           ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """B proposals from the block's hidden states [b, B, H]: slot k proposes the token at anchor + k +
     1. The base logits of every slot come from the LM head at once; the Markov head then runs slot by
     slot, its previous token the one just drafted (the anchor, block_ids[:, 0], for slot 0), as the
     reference's `sample_block_tokens` does. Greedy (`choose.greedy`) in half precision where Triton
     runs, each slot's token is `markov_kernel`'s: the argmax without the slot's logits written (and,
-    for the vanilla head, without its latent W1[prev] copied out first)."""
+    for the vanilla head, without its latent W1[prev] copied out first), cut and launched by
+    `markov_tiles`."""
     base = hidden @ head_weight.to(hidden.dtype).T  # [b, B, V]
     head = model.markov_head
     if head is None:
@@ -122,11 +124,11 @@ def draft(model: DSparkDrafter, hidden: Tensor, block_ids: Tensor, head_weight: 
     tokens, probs = [], []
     for k in range(hidden.shape[1]):
         if lookup:  # z = W1[prev], which the kernel reads in place
-            tok, p = markov_kernel.markov_argmax(base[:, k], w1, w2, prev), None
+            tok, p = markov_kernel.markov_argmax(base[:, k], w1, w2, prev, markov_tiles), None
         else:
             state, z = head.step(state, prev, hidden[:, k])
             if fused:  # the argmax without the logits (markov_kernel)
-                tok, p = markov_kernel.markov_argmax(base[:, k], z.to(hidden.dtype), w2), None
+                tok, p = markov_kernel.markov_argmax(base[:, k], z.to(hidden.dtype), w2, None, markov_tiles), None
             else:
                 tok, p = choose((base[:, k] + head.markov_w2(z.to(hidden.dtype))).float())
         tokens.append(tok)
