@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._inductor import config as inductor_config
 
+from dflash_cache.drafters.rope import rotate
 from dflash_cache.generate.slots import SlotCache, SlotStep, slot_attention, write_kv
 from dflash_cache.kernels import products as product_kernel
 from dflash_cache.kernels.products import ProductTiles, rows_product, rows_qkv
@@ -62,14 +63,6 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     h = x if x.dtype == torch.float64 else x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE on x [b, T, heads, d] with cos/sin [b, T, d] (transformers' rotate-half layout)."""
-    cos, sin = cos[:, :, None], sin[:, :, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def activation(name: str) -> Callable[[Tensor], Tensor]:

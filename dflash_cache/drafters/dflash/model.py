@@ -12,6 +12,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from dflash_cache.drafters.attention import BlockLayout, block_attention
 from dflash_cache.drafters.compile import compile_for_cuda
 from dflash_cache.drafters.dflash.config import INITIALIZER_RANGE, DrafterConfig
+from dflash_cache.drafters.rope import rotate
 
 
 class RMSNorm(nn.Module):
@@ -39,13 +40,6 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """RoPE (rotate-half convention) on x [N, heads, D] with cos/sin [N, D]."""
-    cos, sin = cos.to(x.dtype)[:, None], sin.to(x.dtype)[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Attention(nn.Module):
