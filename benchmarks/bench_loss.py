@@ -5,8 +5,8 @@ Random bf16 rows at SmolLM2's head (hidden 576, vocabulary 49,152) by default: D
 L1 to the target's softmax, a Markov bias of rank 256) and DFlash's cross-entropy. MFU counts the
 useful FLOPs (`DSparkFlops`' per-slot terms; 4 V H a row for cross-entropy) over the H200's peak.
 
-    python data/bench_loss.py --rows 32768
-    python data/bench_loss.py --tiles 2048x8,4096x8,1024x4,2048x16     # the kernel's LossTiles, block x warps
+    python benchmarks/bench_loss.py --rows 32768
+    python benchmarks/bench_loss.py --tiles 2048x8,4096x8,1024x4,2048x16     # the kernel's LossTiles, block x warps
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step import kernel_breakdown  # noqa: E402
 
 from dflash_cache.bench.train import _BenchSteps  # noqa: E402
-from dflash_cache.kernels import loss as loss_kernel  # noqa: E402
 from dflash_cache.train.config import TrainConfig  # noqa: E402
 from dflash_cache.train.metrics import peak_flops  # noqa: E402
 
@@ -41,13 +40,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-loss-kernel", action="store_true")
     a = ap.parse_args()
-    if a.no_loss_kernel:
-        loss_kernel.fits = lambda head: False
 
     dev = torch.device("cuda")
     cfg = TrainConfig(cache=a.cache, out=a.cache, drafter=a.drafter, draft_layers=a.draft_layers,
                       token_budget=a.token_budget)  # fmt: skip
     steps = _BenchSteps(cfg, dev)
+    if a.no_loss_kernel:  # the same objective, its loss the PyTorch expression instead of the kernel
+        s = steps.setup
+        s.objective = s.family.bind(s.dcfg, s.settings, reduce=True, loss_tiles=None)
     batches = list(itertools.islice(steps.setup.loader.epoch(0), a.warmup + a.steps))
     if len(batches) < a.warmup + a.steps:
         raise SystemExit(f"the cache holds {len(batches)} batches at this budget: fewer than --warmup + --steps")

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dflash_cache.drafters.settings import DrafterSettings
+from dflash_cache.kernels.loss import DEFAULT_TILES as DEFAULT_LOSS_TILES
+from dflash_cache.kernels.loss import LossTiles
 
 if TYPE_CHECKING:
     import torch
@@ -107,13 +109,16 @@ class Family:
     block_input: Callable[[Tensor, int, int], Tensor]
     draft: Callable[[nn.Module, Tensor, Tensor, Tensor, Choose], tuple[Tensor, Tensor | None]]
 
-    def bind(self, config: Any, settings: DrafterSettings, *, reduce: bool = False) -> Objective:
+    def bind(self, config: Any, settings: DrafterSettings, *, reduce: bool = False,
+             loss_tiles: LossTiles | None = DEFAULT_LOSS_TILES) -> Objective:  # fmt: skip
         """The objective with a run's config and settings bound, as the trainer and validation call it
-        for every batch; `reduce` as for `objective`."""
+        for every batch; `reduce` as for `objective`; `loss_tiles` cut the loss kernel's programs
+        (None: the loss's PyTorch expression, for a profile against the kernel)."""
 
         def objective(model: nn.Module, embed: Tensor, head: Tensor, batch: TrainingBatch,
                       generator: torch.Generator) -> Output:  # fmt: skip
-            return self.objective(model, embed, head, batch, config, settings, generator, reduce=reduce)
+            return self.objective(model, embed, head, batch, config, settings, generator, reduce=reduce,
+                                  loss_tiles=loss_tiles)  # fmt: skip
 
         return objective
 

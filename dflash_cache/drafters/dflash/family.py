@@ -29,6 +29,8 @@ from dflash_cache.drafters.dflash.settings import SETTINGS
 from dflash_cache.drafters.losses import chunked_loss
 from dflash_cache.drafters.serving import bf16_state, load_export, read_config, write_export
 from dflash_cache.drafters.settings import DrafterSettings
+from dflash_cache.kernels.loss import DEFAULT_TILES as DEFAULT_LOSS_TILES
+from dflash_cache.kernels.loss import LossTiles
 
 
 def config(settings: DrafterSettings, spec: CacheSpec) -> DrafterConfig:
@@ -50,7 +52,8 @@ def config(settings: DrafterSettings, spec: CacheSpec) -> DrafterConfig:
 
 def forward_blocks(model: nn.Module, embed: Tensor, head: Tensor, batch: TrainingBatch, *, block_size: int,
                    mask_token_id: int, max_anchors: int, gamma: float | None, loss_chunk: int,
-                   generator: torch.Generator) -> tuple[Tensor, Tensor, Blocks]:  # fmt: skip
+                   generator: torch.Generator,
+                   loss_tiles: LossTiles | None = DEFAULT_LOSS_TILES) -> tuple[Tensor, Tensor, Blocks]:  # fmt: skip
     """Blocks from anchors, frozen embedding, drafter, chunked decayed loss: the forward of a
     training step (the trainer adds the backward) and of validation. Returns the loss, which block
     tokens the argmax predicted right, and the blocks."""
@@ -65,19 +68,20 @@ def forward_blocks(model: nn.Module, embed: Tensor, head: Tensor, batch: Trainin
         block_embeds = F.embedding(blocks.input_ids.flatten(), embed)
         hidden = model(block_embeds, batch.context.to(embed.dtype), blocks.layout)
         loss, hits = chunked_loss(hidden[scored], head, blocks.labels.flatten()[scored],
-                                  blocks.weights.flatten()[scored], loss_chunk)  # fmt: skip
+                                  blocks.weights.flatten()[scored], loss_chunk, loss_tiles)  # fmt: skip
     correct = torch.zeros(blocks.labels.numel(), dtype=torch.bool, device=hits.device).index_copy_(0, scored, hits)
     return loss, correct.view_as(blocks.labels), blocks
 
 
 def objective(model: nn.Module, embed: Tensor, head: Tensor, batch: TrainingBatch, dcfg: DrafterConfig,
-              settings: DrafterSettings, generator: torch.Generator, reduce: bool = False) -> Output:  # fmt: skip
+              settings: DrafterSettings, generator: torch.Generator, reduce: bool = False,
+              loss_tiles: LossTiles | None = DEFAULT_LOSS_TILES) -> Output:  # fmt: skip
     """Blocks from anchors, frozen embedding, drafter, chunked slot-decayed cross-entropy
     (`forward_blocks`). The loss is each rank's own weighted mean (`reduce` unused)."""
     loss, correct, blocks = forward_blocks(model, embed, head, batch, block_size=dcfg.block_size,
                                            mask_token_id=dcfg.mask_token_id, max_anchors=settings.max_anchors,
                                            gamma=settings.gamma, loss_chunk=settings.loss_chunk,
-                                           generator=generator)  # fmt: skip
+                                           generator=generator, loss_tiles=loss_tiles)  # fmt: skip
     return Output(loss=loss, correct=correct, blocks=blocks)
 
 

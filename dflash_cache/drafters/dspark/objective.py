@@ -18,6 +18,8 @@ from dflash_cache.drafters.blocks import Blocks, anchors_by_sequence, pick_ancho
 from dflash_cache.drafters.dspark.config import GAMMA, DSparkConfig
 from dflash_cache.drafters.dspark.settings import DSparkSettings
 from dflash_cache.drafters.losses import chunked_tv_loss
+from dflash_cache.kernels.loss import DEFAULT_TILES as DEFAULT_LOSS_TILES
+from dflash_cache.kernels.loss import LossTiles
 
 DEN_EPS = 1e-6  # the reference's: each term is num / (den + 1e-6)
 
@@ -68,7 +70,8 @@ def make_dspark_blocks(input_ids: Tensor, loss_mask: Tensor, offsets: Tensor, *,
 
 
 def objective(model: nn.Module, embed: Tensor, head: Tensor, batch: TrainingBatch, dcfg: DSparkConfig,
-              settings: DSparkSettings, generator: torch.Generator, reduce: bool = False) -> Output:  # fmt: skip
+              settings: DSparkSettings, generator: torch.Generator, reduce: bool = False,
+              loss_tiles: LossTiles | None = DEFAULT_LOSS_TILES) -> Output:  # fmt: skip
     """DSpark's loss on one batch (the package's docstring). With `reduce` (training) the weights'
     denominator is summed over the data-parallel ranks and the loss multiplied by their number,
     so that DDP's mean of the gradients is the gradient of the global weighted mean."""
@@ -101,6 +104,7 @@ def objective(model: nn.Module, embed: Tensor, head: Tensor, batch: TrainingBatc
             hidden[scored], head, blocks.labels.flatten()[scored], w * dcfg.ce_alpha * scale,
             w * dcfg.l1_alpha * scale, bias=None if z is None else z[scored], bias_weight=w2,
             target=None if target is None else target.to(head.dtype), chunk_size=settings.loss_chunk,
+            kernel_tiles=loss_tiles,
         )  # fmt: skip
     loss = tv
     terms = {"ce": ((ce * w).sum(), den), "l1": ((l1 * w).sum(), den)} if dcfg.needs_target else {
