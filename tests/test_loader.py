@@ -21,7 +21,7 @@ from dflash_cache.cache.spec import (
     write_spec,
 )
 from dflash_cache.cache.store import committed_units, write_unit
-from dflash_cache.train import loader as loader_mod
+from dflash_cache.train import stream as stream_mod
 from dflash_cache.train.batching import SampleTable, epoch_batches
 from dflash_cache.train.index import open_units
 from dflash_cache.train.loader import CacheLoader
@@ -216,7 +216,7 @@ def test_long_samples_are_read_in_pieces_by_several_readers(cache, truth):
     """A sample is cut along chunk multiples into reader tasks, and the pieces put together equal
     the sample: the batches are those of an uncut read."""
     for start, stop, piece in ((0, 1, 4), (3, 40, 8), (8, 16, 8), (5, 6, 64), (0, 300, 64)):
-        pieces = loader_mod._pieces(start, stop, piece)
+        pieces = stream_mod._pieces(start, stop, piece)
         assert pieces[0][0] == start and pieces[-1][1] == stop
         assert all(a < b and b == c for (a, b), (c, _) in zip(pieces, pieces[1:], strict=False))
         assert all(b % piece == 0 for _, b in pieces[:-1])  # never a chunk split between two tasks

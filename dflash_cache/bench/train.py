@@ -18,7 +18,7 @@ from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.cost import run_token_budget
 
 if TYPE_CHECKING:
-    from dflash_cache.train.loader import PackedBatch
+    from dflash_cache.train.stream import PackedBatch
 
 
 def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, token_budget: int | None = None,

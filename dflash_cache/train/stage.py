@@ -50,9 +50,10 @@ from dflash_cache.train.config import CACHE_APPEAR_S, TrainConfig, TrainError, d
 from dflash_cache.train.cost import FEW_STEPS, drafter_cost, run_token_budget
 from dflash_cache.train.fold import folded_config, save_export
 from dflash_cache.train.follow import is_complete, progress_line, refuse_unwritten, wait_for_cache
-from dflash_cache.train.loader import CacheLoader, PackedBatch
+from dflash_cache.train.loader import CacheLoader
 from dflash_cache.train.metrics import MetricsLog, StepWindow, Trace, clock
 from dflash_cache.train.schedule import Schedule
+from dflash_cache.train.stream import PackedBatch
 from dflash_cache.train.tracking import check_available, open_trackers, parse_report_to
 from dflash_cache.train.validate import EXPORT_LAST, BestExport, Validator, ValSet
 

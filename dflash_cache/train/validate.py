@@ -49,8 +49,9 @@ import torch
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, read_spec
 from dflash_cache.cache.store import committed_units
 from dflash_cache.drafters import Objective
-from dflash_cache.train.loader import CacheLoader, PackedBatch
+from dflash_cache.train.loader import CacheLoader
 from dflash_cache.train.metrics import all_reduce_sums, block_metrics, summarize_metrics
+from dflash_cache.train.stream import PackedBatch
 
 if TYPE_CHECKING:
     from dflash_cache.train.config import TrainConfig
