@@ -125,7 +125,7 @@ def test_a_half_precision_step_the_kernel_does_not_serve_pads_its_tokens():
     its logits and tapped states are the tensor ops' unpadded ones, and a verify step's are the
     one-token steps' bit for bit (the property the padding exists for on a GPU, where
     tests/gpu/test_decode.py checks it on Qwen3-8B's widths)."""
-    from dflash_cache.generate import decoder
+    from dflash_cache.generate import layer_products
     from dflash_cache.kernels.settings import KernelSettings
 
     model = model_of("qwen3").bfloat16()
@@ -139,9 +139,9 @@ def test_a_half_precision_step_the_kernel_does_not_serve_pads_its_tokens():
         return torch.cat([s[0] for s in steps], 1), torch.cat([s[1] for s in steps], 1)
 
     step = SlotStep(positions, seen=positions[:, -1] + 1)
-    assert type(SlotTarget(model, 1, 64).decoder.layers._products(step, "fixed")) is decoder.PaddedProducts
+    assert type(SlotTarget(model, 1, 64).decoder.layers._products(step, "fixed")) is layer_products.PaddedProducts
     assert SlotTarget(model, 1, 64, kernels=KernelSettings(padded_tokens=0)).decoder.layers._products(
-        step, "fixed") is decoder.TENSOR_OPS
+        step, "fixed") is layer_products.TENSOR_OPS
     block = run()
     for got, want in zip(block, run(padded=False), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)

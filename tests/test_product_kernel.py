@@ -1,5 +1,5 @@
 """The product kernel (kernels/products.py), run on the CPU by Triton's interpreter: each kind
-of product against the tensor ops it replaces (`decoder.Products`, in float64), each token's bits
+of product against the tensor ops it replaces (`layer_products.Products`, in float64), each token's bits
 the same in a step of any size, and a whole decoder step through the kernels: its logits against
 the step through the tensor ops, and a verify step's logits against one-token steps', bit for bit.
 The GPU suite runs the same compiled (tests/gpu/test_kernels.py)."""
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from dflash_cache.generate.decoder import TENSOR_OPS, KernelProducts, Products
+from dflash_cache.generate.layer_products import TENSOR_OPS, KernelProducts, Products
 from dflash_cache.generate.slots import SlotStep
 from dflash_cache.generate.targets import SlotTarget
 from dflash_cache.kernels.settings import KernelSettings

@@ -20,7 +20,7 @@ class KernelSettings:
     """The defaults are what ships. Other values run other kernels or cut the work otherwise, which
     changes the speed and may change the logits' last bits (the summation order)."""
 
-    kernel_rows: int = 4  # a step of at most this many batch rows runs its products as `decoder.KernelProducts`
+    kernel_rows: int = 4  # a step of at most this many batch rows runs its products as `layer_products.KernelProducts`
     padded_tokens: int = 32  # or, where they do not serve, with each row's tokens padded to this many
     rope_in_product: bool = True  # KernelProducts' q/k/v projection rotates and writes the cache itself
     products: ProductTiles = field(default_factory=ProductTiles)  # the product kernel's tiles and launch

@@ -135,8 +135,8 @@ def test_a_verify_step_gives_each_token_the_bits_of_a_plain_step(shape, context)
     a context of 150 in a buffer of 512 (the queries see one piece) and of 1016 in a buffer of 2048
     (its keys cut in pieces of `AttentionTiles.split`, the verify step's queries on both sides of the
     cut at 1024); Qwen3-8B's widths (two layers), too wide for the kernel, through cuBLAS and
-    inductor's norms with each row's tokens padded (`decoder.PaddedProducts`)."""
-    from dflash_cache.generate import decoder
+    inductor's norms with each row's tokens padded (`layer_products.PaddedProducts`)."""
+    from dflash_cache.generate import layer_products
     from dflash_cache.kernels import slot_attention as slot_kernel
 
     split = slot_kernel.DEFAULT_TILES.split
@@ -158,7 +158,7 @@ def test_a_verify_step_gives_each_token_the_bits_of_a_plain_step(shape, context)
     target = fresh()
     steps = [target.step(ids[:, k : k + 1], positions[:, k : k + 1]) for k in range(17)]
     layers = target.decoder.layers
-    kind = decoder.KernelProducts if shape == "smollm2-135m" else decoder.PaddedProducts
+    kind = layer_products.KernelProducts if shape == "smollm2-135m" else layer_products.PaddedProducts
     assert type(layers._products(SlotStep(positions, seen=positions[:, -1] + 1), "fixed")) is kind
     assert layers.compiled["fixed" if shape == "smollm2-135m" else "padded"] is not layers.eager, "fell back to eager"
     assert torch.equal(torch.cat([s[0] for s in steps], 1), block)

@@ -94,7 +94,7 @@ def test_product_kernel_equals_torchs_ops_and_keeps_each_tokens_bits():
     kernel loads its weights before it waits for its input), bit for bit as launched plainly."""
     import torch.nn.functional as F
 
-    from dflash_cache.generate.decoder import TENSOR_OPS, KernelProducts
+    from dflash_cache.generate.layer_products import TENSOR_OPS, KernelProducts
     from dflash_cache.kernels.products import ProductTiles
     from dflash_cache.kernels.triton_support import pdl_options
 
@@ -142,7 +142,7 @@ def test_qkv_product_with_rope_equals_torchs_ops_and_keeps_each_tokens_bits():
     SmolLM2's attention shape (9 heads, 3 kv heads of 64, hidden 576), two rows in slots 2 and 0
     at positions past 1000: its queries, keys and values against torch's own bf16 ops; each token's
     the same bits when it is stepped alone."""
-    from dflash_cache.generate.decoder import TENSOR_OPS, KernelProducts
+    from dflash_cache.generate.layer_products import TENSOR_OPS, KernelProducts
 
     randn = bf16_randn(0)
     heads, kv_heads, d, H, T = 9, 3, 64, 576, 9
