@@ -38,8 +38,10 @@ def build(cache: Path, units: int, *, legacy: bool = False, seed: int = 0) -> di
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
     from test_loader import _spec, build_cache
 
-    from dflash_cache.cache import format, store
+    from dflash_cache.cache import store
     from dflash_cache.cache.spec import write_spec
+    from dflash_cache.cache.unit.manifest import MANIFEST
+    from dflash_cache.cache.unit.read import UnitReader
 
     t0 = time.perf_counter()
     if cache.exists():
@@ -50,11 +52,11 @@ def build(cache: Path, units: int, *, legacy: bool = False, seed: int = 0) -> di
     spec = json.loads((cache / "cache.json").read_text())
     codec = Zstd(level=spec["storage"]["codec"]["level"], checksum=spec["storage"]["codec"]["checksum"])
     templates = [cache / store.UNITS / store.unit_name(t) for t in range(n_templates)]
-    metas = [json.loads((t / format.MANIFEST).read_text()) for t in templates]
+    metas = [json.loads((t / MANIFEST).read_text()) for t in templates]
     # Source rows: the templates keep build_cache's (below 3 * their samples); the copies' follow, shuffled.
     rows = np.random.default_rng(seed).permutation(units * PER_UNIT * 2).astype(np.int64) + 3 * PER_UNIT * n_templates
     rows = rows[: units * PER_UNIT].reshape(units, PER_UNIT)
-    rows[:n_templates] = [format.UnitReader(t).sample_index for t in templates]
+    rows[:n_templates] = [UnitReader(t).sample_index for t in templates]
     for u in range(units):
         src, meta = templates[u % n_templates], metas[u % n_templates]
         dst = cache / store.UNITS / store.unit_name(u)
@@ -84,7 +86,7 @@ def _copy_unit(src: Path, dst: Path, meta: dict, unit_id: int, sample_index: np.
     if legacy:
         manifest.pop("index", None)
     elif "index" in manifest:
-        from dflash_cache.cache.format import index_crc
+        from dflash_cache.cache.unit.manifest import index_crc
 
         offsets = np.asarray(manifest["index"]["offsets"], dtype=np.int64)
         manifest["index"].update(sample_index=sample_index.tolist(), crc32=index_crc(offsets, sample_index))
@@ -101,8 +103,10 @@ def _drop_index(unit: Path) -> None:
 
 def _check_copies(cache: Path, rows: np.ndarray, units: int) -> None:
     """Some copies, read back through Zarr, hold the samples they should, and verify clean."""
-    from dflash_cache.cache.format import RowFormat, UnitReader, verify_unit
     from dflash_cache.cache.store import committed_units
+    from dflash_cache.cache.unit.layout import RowFormat
+    from dflash_cache.cache.unit.read import UnitReader
+    from dflash_cache.cache.unit.verify import verify_unit
 
     paths = committed_units(cache)
     assert len(paths) == units

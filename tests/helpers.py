@@ -69,8 +69,8 @@ def extract_cmd(data: Path, out: Path, *extra: str, target: Path = TINY_TARGET, 
 def read_cache(cache: Path) -> dict[int, tuple]:
     """sample_index -> (hidden bits, input_ids, loss_mask, hidden_scale or None) of every committed
     sample, decoded through the unit reader; a sample cached twice fails."""
-    from dflash_cache.cache.format import UnitReader
     from dflash_cache.cache.store import committed_units
+    from dflash_cache.cache.unit.read import UnitReader
 
     out: dict[int, tuple] = {}
     for path in committed_units(cache).values():

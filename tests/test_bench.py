@@ -23,9 +23,9 @@ from dflash_cache.bench.ranks import cache_lengths, rank_balance
 from dflash_cache.bench.shapes import LONG_MAX, QWEN3_5_9B, QWEN3_8B, SMOLLM2_135M, shape_config
 from dflash_cache.bench.train import train as bench_train
 from dflash_cache.cache.audit import verify
-from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.spec import default_layer_ids, read_spec
 from dflash_cache.cache.store import committed_units
+from dflash_cache.cache.unit.read import UnitReader
 from dflash_cache.target.hybrid import linear_attention_kernels
 
 TINY = dict(QWEN3_8B, num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,

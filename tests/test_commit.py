@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_cache.cache.format import RowFormat, UnitReader, chunk_tokens_for
 from dflash_cache.cache.spec import StorageInfo
 from dflash_cache.cache.store import committed_units
+from dflash_cache.cache.unit.layout import RowFormat, chunk_tokens_for
+from dflash_cache.cache.unit.read import UnitReader
 from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 
 ROWS, WIDTH = 300, 64

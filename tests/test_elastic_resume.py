@@ -22,10 +22,10 @@ import pytest
 from helpers import CHAT, extract_config, jsonl_head, jsonl_rows
 from test_follow import _committed_samples, _epoch_ends, _signal, _start, _trace, _wait_for
 
-from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.heartbeat import beating
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import UNITS, committed_units
+from dflash_cache.cache.unit.read import UnitReader
 from dflash_cache.extract.stage import run as extract
 from dflash_cache.train.batching import SampleTable, epoch_batches, rest_of_epoch, resume_parts
 from dflash_cache.train.checkpoint import Checkpointer

@@ -13,9 +13,9 @@ import torch
 from helpers import CHAT, TINY_TARGET, extract_config, jsonl_rows, read_cache
 from transformers import AutoModelForCausalLM
 
-from dflash_cache.cache.format import decode_hidden
 from dflash_cache.cache.spec import read_spec, write_spec
 from dflash_cache.cache.store import REJECTED, committed_units
+from dflash_cache.cache.unit.codec import decode_hidden
 from dflash_cache.core.errors import UserError
 from dflash_cache.core.settings import resolve
 from dflash_cache.extract.config import ExtractConfig

@@ -53,9 +53,10 @@ from helpers import (
 )
 
 from dflash_cache.cache.audit import verify
-from dflash_cache.cache.format import RowFormat, verify_unit
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import PARTIAL, committed_units, unit_name
+from dflash_cache.cache.unit.layout import RowFormat
+from dflash_cache.cache.unit.verify import verify_unit
 from dflash_cache.extract.stage import ExtractError, run
 from dflash_cache.pipelines.regen import parts_dir
 from dflash_cache.train.checkpoint import Checkpointer

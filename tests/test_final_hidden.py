@@ -13,9 +13,11 @@ from helpers import CHAT, TINY_TARGET, extract_config
 from transformers import AutoModelForCausalLM
 
 from dflash_cache.cache.audit import info, verify
-from dflash_cache.cache.format import RowFormat, UnitReader, decode_hidden
 from dflash_cache.cache.spec import SpecError, read_spec
 from dflash_cache.cache.store import committed_units
+from dflash_cache.cache.unit.codec import decode_hidden
+from dflash_cache.cache.unit.layout import RowFormat
+from dflash_cache.cache.unit.read import UnitReader
 from dflash_cache.core.devices import flush_denormals
 from dflash_cache.extract.stage import ExtractError, estimated_bytes, final_bytes, prepare, run
 from dflash_cache.train.loader import CacheLoader

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 from helpers import CHAT, ROOT, TINY_TARGET, UnitStop, as_from_a_terminal, jsonl_head, jsonl_rows
 
-from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.heartbeat import HEARTBEAT, STALE
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import committed_units, extract_running, unit_name
+from dflash_cache.cache.unit.read import UnitReader
 from dflash_cache.train.checkpoint import Checkpointer
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONFAULTHANDLER": "1"}  # a hung command's stacks: _wait_or_dump

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_cache.cache.format import CorruptUnit, UnitArrays, UnitReader
 from dflash_cache.cache.spec import (
     CacheSpec,
     DataInfo,
@@ -21,6 +20,8 @@ from dflash_cache.cache.spec import (
     write_spec,
 )
 from dflash_cache.cache.store import committed_units, write_unit
+from dflash_cache.cache.unit.read import CorruptUnit, UnitReader
+from dflash_cache.cache.unit.write import UnitArrays
 from dflash_cache.train import stream as stream_mod
 from dflash_cache.train.batching import SampleTable, epoch_batches
 from dflash_cache.train.index import open_units

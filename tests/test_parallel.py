@@ -24,9 +24,10 @@ import torch
 from helpers import ROOT, TINY_TARGET, extract_cmd, extract_config, jsonl_head, read_cache
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from dflash_cache.cache.format import TOKEN_ARRAYS, UnitReader
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import committed_units
+from dflash_cache.cache.unit.layout import TOKEN_ARRAYS
+from dflash_cache.cache.unit.read import UnitReader
 from dflash_cache.extract.stage import run
 from dflash_cache.target.config import text_config
 from dflash_cache.target.load import TargetError, load_config

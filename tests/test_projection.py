@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM
 
 from dflash_cache import drafters
 from dflash_cache.cache.audit import info, verify
-from dflash_cache.cache.format import decode_hidden
 from dflash_cache.cache.projection import PROJECTION, Basis
 from dflash_cache.cache.spec import SpecError, read_spec
+from dflash_cache.cache.unit.codec import decode_hidden
 from dflash_cache.drafters.attention import BlockLayout
 from dflash_cache.extract.stage import ExtractError, prepare, run
 from dflash_cache.train.fold import folded, save_export

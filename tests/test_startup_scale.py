@@ -16,8 +16,11 @@ from test_loader import H, K, Truth, _hidden_shard, _loader, build_cache, check_
 from zarr.storage import LocalStore
 
 from dflash_cache.cache.audit import info, verify
-from dflash_cache.cache.format import CorruptUnit, RowFormat, UnitReader, index_crc, verify_unit
 from dflash_cache.cache.store import committed_units
+from dflash_cache.cache.unit.layout import RowFormat
+from dflash_cache.cache.unit.manifest import index_crc
+from dflash_cache.cache.unit.read import CorruptUnit, UnitReader
+from dflash_cache.cache.unit.verify import verify_unit
 from dflash_cache.train.batching import SampleTable
 from dflash_cache.train.index import open_units
 

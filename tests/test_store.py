@@ -9,9 +9,13 @@ import pytest
 from test_loader import build_cache
 
 from dflash_cache.cache.audit import verify
-from dflash_cache.cache.format import CorruptUnit, RowFormat, ShardRows, UnitArrays, UnitReader, verify_unit
 from dflash_cache.cache.spec import StorageInfo
 from dflash_cache.cache.store import PARTIAL, committed_units, sweep_partial, write_unit
+from dflash_cache.cache.unit.layout import RowFormat
+from dflash_cache.cache.unit.read import CorruptUnit, UnitReader
+from dflash_cache.cache.unit.shard import ShardRows
+from dflash_cache.cache.unit.verify import verify_unit
+from dflash_cache.cache.unit.write import UnitArrays
 
 STORAGE = StorageInfo(dtype="bf16", codec={"name": "zstd", "level": 3, "checksum": True}, chunk_tokens=64)
 

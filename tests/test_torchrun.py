@@ -19,9 +19,9 @@ import pytest
 import torch
 from helpers import CHAT, ROOT, TINY_TARGET, extract_config, jsonl_head, jsonl_rows, read_cache
 
-from dflash_cache.cache.format import UnitReader
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import committed_units
+from dflash_cache.cache.unit.read import UnitReader
 from dflash_cache.core.devices import DeviceError
 from dflash_cache.core.launch import launch, torchrun_worker
 from dflash_cache.core.threads import worker_threads

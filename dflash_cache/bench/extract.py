@@ -121,9 +121,10 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     forward then runs every layer. `project`: the cache holds that many projected values a token
     (the stage's fit, timed apart as fit_s, on the random target's own features); the bare forward
     stays the target's alone, so the ratio carries the projection's product."""
-    from dflash_cache.cache.format import RowFormat, chunk_tokens_for, encode_rows, host_rows
     from dflash_cache.cache.spec import ProjectionInfo, default_bucket_edges, default_layer_ids, write_spec
     from dflash_cache.cache.store import committed_units
+    from dflash_cache.cache.unit.codec import encode_rows
+    from dflash_cache.cache.unit.layout import RowFormat, chunk_tokens_for, host_rows
     from dflash_cache.extract.config import resolve_storage
     from dflash_cache.extract.plan import make_plan
     from dflash_cache.extract.stage import copy_out, extract_units, fit_projection, projecting
@@ -316,8 +317,8 @@ def random_cache(out: Path, config: dict, lengths: np.ndarray, *, storage: str =
     hidden state with `final_hidden`) holding random hidden states, with a random embedding and LM
     head, written through the extract stage's own path (in chunks of the stage's token budget):
     what `bench train --length` measures on. Returns its samples and tokens."""
-    from dflash_cache.cache.format import RowFormat, chunk_tokens_for
     from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids, write_spec
+    from dflash_cache.cache.unit.layout import RowFormat, chunk_tokens_for
     from dflash_cache.extract.config import resolve_storage
     from dflash_cache.extract.plan import make_plan
     from dflash_cache.extract.stage import extract_units

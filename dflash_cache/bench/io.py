@@ -83,8 +83,10 @@ def unit_reads(bits: np.ndarray, *, level: int = 3, threads: int = 4, repeats: i
     cache): decoded GB/s of each, best of `repeats`."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dflash_cache.cache.format import UnitArrays, UnitReader, chunk_tokens_for, write_group
     from dflash_cache.cache.spec import StorageInfo
+    from dflash_cache.cache.unit.layout import chunk_tokens_for
+    from dflash_cache.cache.unit.read import UnitReader
+    from dflash_cache.cache.unit.write import UnitArrays, write_group
 
     n = bits.shape[0]
     chunk = chunk_tokens_for(bits.shape[1] * 2)
@@ -132,9 +134,10 @@ def commit(out: Path, *, units: int = CommitBenchConfig.units, rows: int = 3200,
     Both write the same bf16-shaped units; the figures are raw MB/s committed."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from dflash_cache.cache.format import RowFormat, UnitArrays, chunk_tokens_for
     from dflash_cache.cache.spec import StorageInfo
     from dflash_cache.cache.store import write_unit
+    from dflash_cache.cache.unit.layout import RowFormat, chunk_tokens_for
+    from dflash_cache.cache.unit.write import UnitArrays
     from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
 
     out = Path(out) / f".dflash-bench-commit-{os.getpid()}"  # only this is written, and removed

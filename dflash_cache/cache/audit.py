@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.cache.format import FINAL_ARRAYS, CorruptUnit, RowFormat, UnitReader, verify_unit
 from dflash_cache.cache.projection import PROJECTION, Basis, CorruptBasis
 from dflash_cache.cache.spec import read_spec
 from dflash_cache.cache.store import PARTIAL, committed_units, unit_name
+from dflash_cache.cache.unit.layout import FINAL_ARRAYS, RowFormat
+from dflash_cache.cache.unit.read import CorruptUnit, UnitReader
+from dflash_cache.cache.unit.verify import verify_unit
 
 
 def info(cache_dir: Path) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The cache directory: atomic unit commits, the extract lock, listing, sweeping, frozen weights.
 
-A unit (its content: cache/format.py) is written under `.partial/`, fsynced, and renamed into
+A unit (its content: cache/unit/) is written under `.partial/`, fsynced, and renamed into
 `units/` once complete, so a reader never sees a torn unit. One extract holds a cache's lock on a
 host; partial units of dead writers are swept on the next start.
 """
@@ -19,8 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_cache.cache.format import UnitArrays, write_group
 from dflash_cache.cache.spec import StorageInfo
+from dflash_cache.cache.unit.write import UnitArrays, write_group
 from dflash_cache.core.atomic import replacing, write_atomic
 from dflash_cache.core.errors import UserError
 from dflash_cache.core.jsonl import dumps_lines

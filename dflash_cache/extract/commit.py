@@ -34,9 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from dflash_cache.cache.format import RowFormat, UnitArrays
 from dflash_cache.cache.spec import StorageInfo
 from dflash_cache.cache.store import unit_name, write_unit
+from dflash_cache.cache.unit.layout import RowFormat
+from dflash_cache.cache.unit.write import UnitArrays
 from dflash_cache.core.errors import ExtractError
 from dflash_cache.core.interrupts import held, ready_for_interrupts, starting_children
 

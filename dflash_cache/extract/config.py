@@ -109,8 +109,8 @@ class ExtractConfig:
         mapping as it is."""
         if "format_version" not in data or "plan" not in data:
             return data
-        from dflash_cache.cache.format import RowFormat
         from dflash_cache.cache.spec import CacheSpec
+        from dflash_cache.cache.unit.layout import RowFormat
 
         spec = CacheSpec.from_dict(data)
         return {

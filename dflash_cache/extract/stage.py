@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_cache.cache.format import STORAGES, RowFormat, chunk_tokens_for, encode_rows
 from dflash_cache.cache.heartbeat import HEARTBEAT, beating
 from dflash_cache.cache.projection import PROJECTION, Basis, check_projection
 from dflash_cache.cache.spec import (
@@ -55,6 +54,8 @@ from dflash_cache.cache.store import (
     write_frozen,
     write_rejected,
 )
+from dflash_cache.cache.unit.codec import encode_rows
+from dflash_cache.cache.unit.layout import STORAGES, RowFormat, chunk_tokens_for
 from dflash_cache.core.atomic import is_temporary
 from dflash_cache.core.devices import GpuThrottle, Worker, to_device
 from dflash_cache.core.errors import ExtractError

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from dflash_cache.cache.format import UnitReader
+    from dflash_cache.cache.unit.read import UnitReader
 
 BatchCost = Callable[[np.ndarray], float]  # a batch's cost (its compute) from its sample lengths
 RESHARD_KEY = 0x5E5  # in the seed of a re-dealt remainder's generator, apart from (seed, epoch) and follow windows

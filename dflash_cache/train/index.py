@@ -15,9 +15,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dflash_cache.cache.format import CorruptUnit, UnitReader, check_unit, manifest_samples
 from dflash_cache.cache.spec import CacheSpec, read_spec
 from dflash_cache.cache.store import committed_units
+from dflash_cache.cache.unit.manifest import manifest_samples
+from dflash_cache.cache.unit.read import CorruptUnit, UnitReader
+from dflash_cache.cache.unit.verify import check_unit
 from dflash_cache.train.batching import (
     Planned,
     SampleTable,

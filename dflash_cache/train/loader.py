@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash_cache.cache.format import RowFormat
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits, default_bucket_edges, read_spec
+from dflash_cache.cache.unit.layout import RowFormat
 from dflash_cache.train.batching import BatchCost, resume_parts
 from dflash_cache.train.follow import FollowedEpoch, UnitFeed, saved_windows
 from dflash_cache.train.index import RankPlan, UnitIndex

@@ -26,7 +26,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from dflash_cache.cache.format import RowFormat, UnitReader, decode_hidden, host_rows
+from dflash_cache.cache.unit.codec import decode_hidden
+from dflash_cache.cache.unit.layout import RowFormat, host_rows
+from dflash_cache.cache.unit.read import UnitReader
 from dflash_cache.train.batching import Planned
 
 

@@ -24,7 +24,7 @@ pytestmark = GPU
 def test_fp8_cache_on_cuda_equals_the_cpu_one(tmp_path):
     """fp8 storage encoded on the GPU against the same extraction on the CPU: the scales agree to
     bf16 rounding and the decoded rows to within fp8's step."""
-    from dflash_cache.cache.format import decode_hidden
+    from dflash_cache.cache.unit.codec import decode_hidden
 
     gpu, cpu = tmp_path / "gpu", tmp_path / "cpu"
     data = write_rows(tmp_path / "rows.jsonl", jsonl_rows(CHAT, 24))
@@ -43,8 +43,8 @@ def test_projected_cache_on_cuda_trains_a_drafter_that_decodes_as_the_target(tmp
     """A projected cache extracted on the GPU (the basis fitted there, bf16 products) holds the
     basis applied to the float32 model's own hidden states, to bf16 rounding; a drafter trained on
     it there exports folded, and eval with the target live decodes the target alone's tokens."""
-    from dflash_cache.cache.format import decode_hidden
     from dflash_cache.cache.projection import Basis
+    from dflash_cache.cache.unit.codec import decode_hidden
 
     data = write_rows(tmp_path / "rows.jsonl", jsonl_rows(CHAT, 48))
     cache = tmp_path / "cache"
