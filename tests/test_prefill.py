@@ -11,8 +11,9 @@ from helpers import TINY_TARGET, extract_config, read_cache
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_cache.extract.config import ExtractConfig
+from dflash_cache.extract.forward import batch_inputs
 from dflash_cache.extract.prefill import forwards
-from dflash_cache.extract.stage import batch_inputs, run
+from dflash_cache.extract.stage import run
 from dflash_cache.target.taps import TappedTarget
 
 LAYERS = [1, 3, 5]

@@ -89,8 +89,8 @@ def _plan_forwards(target, plan, dataset, device: torch.device, chunk: int):
     """(first row in its unit, outputs, real-token index) for every forward of a plan, as the stage
     runs them: a batch that fits `chunk` tokens as one forward, a longer one sample by sample in
     chunks (extract/prefill.py)."""
+    from dflash_cache.extract.forward import unit_batches, unit_tokens
     from dflash_cache.extract.prefill import forwards
-    from dflash_cache.extract.stage import unit_batches, unit_tokens
 
     for unit in plan.units:
         ids, *_ = unit_tokens(dataset, unit)
@@ -125,9 +125,10 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     from dflash_cache.cache.store import committed_units
     from dflash_cache.cache.unit.codec import encode_rows
     from dflash_cache.cache.unit.layout import RowFormat, chunk_tokens_for, host_rows
+    from dflash_cache.extract.basis import fit_projection, projecting
     from dflash_cache.extract.config import resolve_storage
+    from dflash_cache.extract.forward import copy_out, extract_units
     from dflash_cache.extract.plan import make_plan
-    from dflash_cache.extract.stage import copy_out, extract_units, fit_projection, projecting
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     token_budget = resolve_forward_token_budget(token_budget, device.type == "cuda")  # the stage's default
@@ -225,8 +226,8 @@ def peer_baseline(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = Extra
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids
+    from dflash_cache.extract.forward import batch_inputs
     from dflash_cache.extract.plan import make_plan
-    from dflash_cache.extract.stage import batch_inputs
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     token_budget = resolve_forward_token_budget(token_budget, device.type == "cuda")  # the stage's default
@@ -320,8 +321,8 @@ def random_cache(out: Path, config: dict, lengths: np.ndarray, *, storage: str =
     from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids, write_spec
     from dflash_cache.cache.unit.layout import RowFormat, chunk_tokens_for
     from dflash_cache.extract.config import resolve_storage
+    from dflash_cache.extract.forward import extract_units
     from dflash_cache.extract.plan import make_plan
-    from dflash_cache.extract.stage import extract_units
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lengths = np.asarray(lengths, dtype=np.int64)

@@ -33,6 +33,7 @@ PARTIAL = ".partial"
 FROZEN = "frozen.safetensors"
 REJECTED = "rejected.jsonl"
 LOCK = ".lock"
+WORK = ".work"  # tokenized dataset, reused by reruns; safe to delete
 _UNIT_RE = re.compile(r"^u(\d{6,})$")
 
 

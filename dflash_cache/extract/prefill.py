@@ -27,7 +27,7 @@ def forwards(target: Target, inp: torch.Tensor, rows: torch.Tensor, lengths: np.
     batch's packed rows a:b, in order, and `index` picks them out of the flattened outputs.
 
     `inp` is the batch right-padded to [n, T] and `rows` the flat indices of its real tokens
-    (stage.batch_inputs). With `chunk` None or T <= chunk: one forward, (0, total, target(inp),
+    (forward.batch_inputs). With `chunk` None or T <= chunk: one forward, (0, total, target(inp),
     rows). Otherwise each sample alone, in chunks of `chunk` tokens (its last one shorter)."""
     if chunk is None or inp.shape[1] <= chunk:
         yield 0, int(rows.shape[0]), target(inp), rows
