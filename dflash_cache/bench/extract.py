@@ -121,26 +121,58 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     forward then runs every layer. `project`: the cache holds that many projected values a token
     (the stage's fit, timed apart as fit_s, on the random target's own features); the bare forward
     stays the target's alone, so the ratio carries the projection's product."""
-    from dflash_cache.cache.spec import ProjectionInfo, default_bucket_edges, default_layer_ids, write_spec
+    from dflash_cache.cache.spec import default_layer_ids, write_spec
     from dflash_cache.cache.store import committed_units
-    from dflash_cache.cache.unit.codec import encode_rows
-    from dflash_cache.cache.unit.layout import RowFormat, chunk_tokens_for, host_rows
-    from dflash_cache.extract.basis import fit_projection, projecting
-    from dflash_cache.extract.config import resolve_storage
-    from dflash_cache.extract.forward import copy_out, extract_units
-    from dflash_cache.extract.plan import make_plan
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     token_budget = resolve_forward_token_budget(token_budget, device.type == "cuda")  # the stage's default
     chunk = prefill_chunk
     layer_ids = default_layer_ids(config["num_hidden_layers"])
     target = target or RandomTarget(config, layer_ids, device, final_hidden).build()
+    lengths = _bench_lengths(num_tokens, long, lengths, length)
+    dataset = synthetic_dataset(lengths, config["vocab_size"])
+    row, plan, spec = _bench_cache(config, layer_ids, lengths, storage, token_budget, unit_mb, long, final_hidden,
+                                   project, project_basis)  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)
+    bare_target, fit_s = target, 0.0
+    if spec.projection is not None:
+        target, spec, fit_s = _fit(target, spec, plan, dataset, device, chunk, out)
+    write_spec(out, spec)
+    # warm up kernels on the largest batch (its first two chunks when it runs in chunks: the first
+    # without a cache, the second with one), outside the timings
+    for _ in itertools.islice(_plan_forwards(target, plan, dataset, device, chunk), 2):
+        pass
+    # The full path runs first, so any first-use cost of a batch shape is charged to it, not
+    # to the bare forward it is compared with.
+    times: dict[str, float] = {}
+    written, peak_rss = _time_full(target, plan, dataset, spec, out, device, writers, chunk, times)
+    with timer(device, times, "bare"):
+        for _ in _plan_forwards(bare_target, plan, dataset, device, chunk):
+            pass
+    _time_staged(target, plan, dataset, row, device, chunk, times)
+    assert len(committed_units(out)) == len(plan.units)
+    return _extract_report(config, lengths, plan, spec, row, chunk=chunk, project=project, fit_s=fit_s, times=times,
+                           written=written, peak_rss=peak_rss)  # fmt: skip
+
+
+def _bench_lengths(num_tokens: int, long: bool, lengths: np.ndarray | None, length: int | None) -> np.ndarray:
+    """The samples' lengths: `lengths` as given, else `length` tokens each, else the long or the chat mix."""
     if lengths is None and length is not None:
         lengths = fixed_lengths(length, num_tokens)
     if lengths is None:
         lengths = long_lengths(max(2, num_tokens // 24576)) if long else lognormal_lengths(max(8, num_tokens // 700))
-    lengths = np.asarray(lengths, dtype=np.int64)
-    dataset = synthetic_dataset(lengths, config["vocab_size"])
+    return np.asarray(lengths, dtype=np.int64)
+
+
+def _bench_cache(config: dict, layer_ids: list[int], lengths: np.ndarray, storage: str, token_budget: int,
+                 unit_mb: int, long: bool, final_hidden: bool, project: int | None, project_basis: str):  # fmt: skip
+    """The benchmark cache's row format, plan and spec (its basis not fitted yet), as the stage
+    makes them for these samples."""
+    from dflash_cache.cache.spec import ProjectionInfo, default_bucket_edges
+    from dflash_cache.cache.unit.layout import RowFormat, chunk_tokens_for
+    from dflash_cache.extract.config import resolve_storage
+    from dflash_cache.extract.plan import make_plan
+
     projection = None
     if project:
         projection = ProjectionInfo(basis=project_basis, rank=project, scaling="layer-rms", fit_tokens=131072)
@@ -151,27 +183,33 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
                      token_budget=max(token_budget, int(lengths.max())),
                      unit_tokens=(unit_mb << 20) // row_bytes)  # fmt: skip
     spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row_bytes), final_hidden, projection)
-    out.mkdir(parents=True, exist_ok=True)
-    bare_target, fit_s = target, 0.0
-    if projection is not None:
-        t = time.perf_counter()
-        basis, spec = fit_projection(target, spec, plan, dataset, device, chunk)
-        sync(device)
-        fit_s = time.perf_counter() - t
-        spec = dataclasses.replace(spec, projection=dataclasses.replace(spec.projection, digest=basis.save(out)))
-        target = projecting(target, basis, len(layer_ids))
-    write_spec(out, spec)
-    # warm up kernels on the largest batch (its first two chunks when it runs in chunks: the first
-    # without a cache, the second with one), outside the timings
-    for _ in itertools.islice(_plan_forwards(target, plan, dataset, device, chunk), 2):
-        pass
-    # The full path runs first, so any first-use cost of a batch shape is charged to it, not
-    # to the bare forward it is compared with. "steady" runs from the first batch to the last,
-    # leaving out two one-time costs a long job amortises: pinning the unit buffers (about a
-    # second per GiB, setup_s) and committing the units still queued after the last forward
-    # (drain_s). Back-pressure from slow writers still lands inside it: the forward loop waits
-    # for a free buffer.
-    times: dict[str, float] = {}
+    return row, plan, spec
+
+
+def _fit(target, spec, plan, dataset, device: torch.device, chunk: int | None, out: Path):
+    """The stage's basis fit on the random target's own features, timed, and the basis saved beside
+    the cache: the target projecting through it, the spec naming its digest, and the fit's seconds."""
+    from dflash_cache.extract.basis import fit_projection, projecting
+
+    t = time.perf_counter()
+    basis, spec = fit_projection(target, spec, plan, dataset, device, chunk)
+    sync(device)
+    fit_s = time.perf_counter() - t
+    spec = dataclasses.replace(spec, projection=dataclasses.replace(spec.projection, digest=basis.save(out)))
+    return projecting(target, basis, len(spec.layers.ids)), spec, fit_s
+
+
+def _time_full(target, plan, dataset, spec, out: Path, device: torch.device, writers: int, chunk: int | None,
+               times: dict[str, float]) -> tuple[dict, int]:  # fmt: skip
+    """The full extract path, timed into `times` ("full", "setup", "drain"); returns what its reports
+    counted (bytes, buffer waits, the first and the last forward's clock) and the peak RSS.
+
+    "steady" runs from the first batch to the last, leaving out two one-time costs a long job
+    amortises: pinning the unit buffers (about a second per GiB, setup_s) and committing the units
+    still queued after the last forward (drain_s). Back-pressure from slow writers still lands
+    inside it: the forward loop waits for a free buffer."""
+    from dflash_cache.extract.forward import extract_units
+
     written = {"bytes": 0, "first": 0.0, "last": 0.0, "wait": 0.0, "first_tokens": 0}
 
     def report(d: dict) -> None:
@@ -186,17 +224,27 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
         t0 = time.perf_counter()
         extract_units(target, list(plan.units), dataset, spec, out, device, report, writers=writers, chunk=chunk)
     times["setup"], times["drain"] = written["first"] - t0, t0 + times["full"] - written["last"]
-    with timer(device, times, "bare"):
-        for _ in _plan_forwards(bare_target, plan, dataset, device, chunk):
-            pass
-    # Forward, unpad and the device-to-host copy into one pinned buffer, without compression or
-    # disk: separates what the copy-out costs from what the writers cost.
+    return written, rss.peak
+
+
+def _time_staged(target, plan, dataset, row, device: torch.device, chunk: int | None,
+                 times: dict[str, float]) -> None:  # fmt: skip
+    """Forward, unpad and the device-to-host copy into one pinned buffer, without compression or
+    disk, timed into `times` ("staged"): separates what the copy-out costs from what the writers cost."""
+    from dflash_cache.cache.unit.codec import encode_rows
+    from dflash_cache.cache.unit.layout import host_rows
+    from dflash_cache.extract.forward import copy_out
+
     buf = host_rows(max(u.num_tokens for u in plan.units), row, pin=device.type == "cuda")
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     with timer(device, times, "staged"):
         for r0, outputs, index in _plan_forwards(target, plan, dataset, device, chunk):
             copy_out(stream, buf, r0, r0 + len(index), encode_rows(outputs, index, row))
-    assert len(committed_units(out)) == len(plan.units)
+
+
+def _extract_report(config: dict, lengths: np.ndarray, plan, spec, row, *, chunk: int | None, project: int | None,
+                    fit_s: float, times: dict[str, float], written: dict, peak_rss: int) -> dict[str, Any]:  # fmt: skip
+    """What `extract` reports: the rates, their ratios, and the bytes a token against the raw taps'."""
     from dflash_cache.target.hybrid import linear_attention_kernels
 
     hybrid = "linear_attention" in config.get("layer_types", ())
@@ -206,14 +254,14 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
         "tokens": plan.num_tokens, "samples": plan.num_samples, "units": len(plan.units),
         "longest": int(lengths.max()), "prefill_chunk": chunk,
         "chunked_samples": int((lengths > chunk).sum()) if chunk else 0,
-        "padding": plan.padding_ratio, "storage": storage, "project": project, "fit_s": fit_s,
+        "padding": plan.padding_ratio, "storage": spec.storage.dtype, "project": project, "fit_s": fit_s,
         "raw_bf16_bytes_per_token": spec.raw_bf16_bytes_per_token,
         "bare_tok_s": plan.num_tokens / times["bare"], "full_tok_s": plan.num_tokens / times["full"],
         "ratio": times["bare"] / times["full"], "setup_s": times["setup"], "drain_s": times["drain"],
         "steady_ratio": _steady_rate(plan, written) * times["bare"] / plan.num_tokens,
         "staged_ratio": times["bare"] / times["staged"], "buffer_wait_s": written["wait"],
-        "bytes_per_token": written["bytes"] / plan.num_tokens, "raw_bytes_per_token": row_bytes + row.final_bytes,
-        "peak_rss_GB": rss.peak / 1e9,
+        "bytes_per_token": written["bytes"] / plan.num_tokens,
+        "raw_bytes_per_token": row.hidden_bytes + row.final_bytes, "peak_rss_GB": peak_rss / 1e9,
     }  # fmt: skip
 
 
