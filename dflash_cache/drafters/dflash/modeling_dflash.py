@@ -12,7 +12,7 @@ weights ``layers.*``, ``fc.weight``, ``hidden_norm.weight``, ``norm.weight``, th
 ``forward(position_ids, attention_mask, noise_embedding, target_hidden, past_key_values, use_cache)``
 and ``spec_generate(target, input_ids, max_new_tokens, stop_token_ids, temperature)``.
 
-The computation is dflash_cache.train.drafter.DFlashDrafter's: the tapped target states are fused once
+The computation is dflash_cache.drafters.dflash.model.DFlashDrafter's: the tapped target states are fused once
 (fc, hidden_norm); in each layer the block tokens' queries attend, without a causal mask, to the
 keys and values of the fused context followed by the block's own. With a KV cache, the context's
 keys and values stay in the cache between calls and each call brings only the new context
