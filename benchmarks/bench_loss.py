@@ -23,7 +23,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cache.drafters import losses  # noqa: E402
-from dflash_cache.kernels.loss import DEFAULT_TILES, LossTiles  # noqa: E402
+from dflash_cache.kernels.tiles import (
+    DEFAULT_LOSS_TILES,  # noqa: E402
+    LossTiles,  # noqa: E402
+)
 from dflash_cache.train.metrics import peak_flops  # noqa: E402
 
 
@@ -67,9 +70,9 @@ def main() -> None:
 
     tv_flops = n * v * (6 * h + 6 * r)
     runs = [("dspark, products alone", products, tv_flops, None),
-            ("dspark, compiled expression", tv, tv_flops, None), ("dspark, kernel", tv, tv_flops, DEFAULT_TILES),
+            ("dspark, compiled expression", tv, tv_flops, None), ("dspark, kernel", tv, tv_flops, DEFAULT_LOSS_TILES),
             ("dflash ce, compiled expression", ce, 4 * n * v * h, None),
-            ("dflash ce, kernel", ce, 4 * n * v * h, DEFAULT_TILES)]  # fmt: skip
+            ("dflash ce, kernel", ce, 4 * n * v * h, DEFAULT_LOSS_TILES)]  # fmt: skip
     for tile in filter(None, a.tiles.split(",")):
         runs.append((f"dspark, kernel {tile}", tv, tv_flops, LossTiles(*(int(v) for v in tile.split("x")))))
     for name, fn, flops, tiles in runs:

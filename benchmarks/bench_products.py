@@ -41,8 +41,9 @@ from dflash_cache.bench.shapes import shape_config  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 from dflash_cache.kernels import argmax as argmax_kernel  # noqa: E402
 from dflash_cache.kernels import markov as markov_kernel  # noqa: E402
-from dflash_cache.kernels.products import ProductTiles, rows_product  # noqa: E402
+from dflash_cache.kernels.products import rows_product  # noqa: E402
 from dflash_cache.kernels.settings import DEFAULT_KERNELS, KernelSettings  # noqa: E402
+from dflash_cache.kernels.tiles import DEFAULT_MARKOV_TILES, MarkovTiles, ProductTiles  # noqa: E402
 
 CUDA = torch.device("cuda")
 KINDS = ("qkv", "o", "gate_up", "down")
@@ -52,9 +53,9 @@ KINDS = ("qkv", "o", "gate_up", "down")
 class AloneTiles:
     """The Markov and argmax kernels' tiles, as `--markov` sets them: `block_v=64,warps=4`."""
 
-    block_v: int = markov_kernel.DEFAULT_TILES.block_v
-    block_r: int = markov_kernel.DEFAULT_TILES.block_r
-    warps: int = markov_kernel.DEFAULT_TILES.warps
+    block_v: int = DEFAULT_MARKOV_TILES.block_v
+    block_r: int = DEFAULT_MARKOV_TILES.block_r
+    warps: int = DEFAULT_MARKOV_TILES.warps
     argmax_block_v: int = argmax_kernel.BLOCK_V
 
 
@@ -96,7 +97,7 @@ def markov_us(vocab: int, variants: list[str], rank: int = 256) -> dict:
     for name in ["default", *variants]:
         t = with_settings(AloneTiles(), "" if name == "default" else name)
         try:
-            tiles = markov_kernel.MarkovTiles(t.block_v, t.block_r, t.warps)
+            tiles = MarkovTiles(t.block_v, t.block_r, t.warps)
             us = 1e3 * replay_ms(lambda tiles=tiles: [markov_kernel.markov_argmax(base[:, k], z, w2, None, tiles)
                                                       for k in range(7)], reps=100) / 7  # fmt: skip
             argmax_us = 1e3 * replay_ms(lambda t=t: argmax_kernel.argmax(logits, t.argmax_block_v), reps=100)

@@ -374,10 +374,11 @@ def markov_case(device: torch.device | str, lookup: bool = False) -> tuple[torch
     a vocabulary and a rank that are not multiples of the kernel's blocks; base logits as a strided
     slot of a block. `lookup`: the latents are rows of a table the kernel reads through a strided
     index (the vanilla head's W1[prev])."""
-    from dflash_cache.kernels.markov import DEFAULT_TILES, markov_argmax
+    from dflash_cache.kernels.markov import markov_argmax
+    from dflash_cache.kernels.tiles import DEFAULT_MARKOV_TILES
 
     g = torch.Generator().manual_seed(0)
-    block_v, block_r = DEFAULT_TILES.block_v, DEFAULT_TILES.block_r
+    block_v, block_r = DEFAULT_MARKOV_TILES.block_v, DEFAULT_MARKOV_TILES.block_r
     rows, vocab, rank, period = 3, 3 * block_v + 17, block_r + 32, block_v + 5
     block = torch.randint(-8, 9, (rows, 4, period), generator=g).repeat(1, 1, 4)[..., :vocab].bfloat16().to(device)
     z = torch.randint(-2, 3, (rows, rank), generator=g).bfloat16().to(device)

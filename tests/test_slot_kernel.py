@@ -11,7 +11,7 @@ import torch
 from dflash_cache.generate.slots import SlotStep, _masked, _rows_of
 from dflash_cache.kernels import slot_attention as slot_kernel
 from dflash_cache.kernels import triton_support
-from dflash_cache.kernels.slot_attention import AttentionTiles
+from dflash_cache.kernels.tiles import AttentionTiles
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # conftest: the kernels on the CPU
 

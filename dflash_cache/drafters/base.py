@@ -16,8 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dflash_cache.drafters.settings import DrafterSettings
-from dflash_cache.kernels.loss import DEFAULT_TILES as DEFAULT_LOSS_TILES
-from dflash_cache.kernels.loss import LossTiles
+from dflash_cache.kernels.tiles import DEFAULT_LOSS_TILES, LossTiles
 
 if TYPE_CHECKING:
     import torch

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from dflash_cache.drafters.compile import compile_for_cuda
 from dflash_cache.kernels import loss as loss_kernel
-from dflash_cache.kernels.loss import LossTiles
+from dflash_cache.kernels.tiles import DEFAULT_LOSS_TILES, LossTiles
 
 
 def _ce_chunk(logits: Tensor, labels: Tensor, scale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -88,7 +88,7 @@ def chunked_loss(
     labels: Tensor,
     weights: Tensor,
     chunk_size: int = 4096,
-    kernel_tiles: LossTiles | None = loss_kernel.DEFAULT_TILES,
+    kernel_tiles: LossTiles | None = DEFAULT_LOSS_TILES,
 ) -> tuple[Tensor, Tensor]:
     """Weighted cross-entropy sum(w*ce)/sum(w) over the vocabulary, chunk by chunk.
 
@@ -200,7 +200,7 @@ def chunked_tv_loss(
     bias_weight: Tensor | None = None,
     target: Tensor | None = None,
     chunk_size: int = 4096,
-    kernel_tiles: LossTiles | None = loss_kernel.DEFAULT_TILES,
+    kernel_tiles: LossTiles | None = DEFAULT_LOSS_TILES,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Cross-entropy plus the total-variation (L1) distance to the target's own distribution, chunk
     by chunk over the vocabulary, as `chunked_loss` does for cross-entropy alone.

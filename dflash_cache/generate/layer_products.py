@@ -18,8 +18,9 @@ from torch import Tensor
 from dflash_cache.drafters.rope import rotate
 from dflash_cache.generate.slots import write_kv
 from dflash_cache.kernels import products as product_kernel
-from dflash_cache.kernels.products import ProductTiles, rows_product, rows_qkv
+from dflash_cache.kernels.products import rows_product, rows_qkv
 from dflash_cache.kernels.settings import DEFAULT_KERNELS
+from dflash_cache.kernels.tiles import ProductTiles
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:

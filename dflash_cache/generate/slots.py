@@ -34,7 +34,7 @@ from torch.nn.attention import sdpa_kernel
 
 from dflash_cache.kernels import slot_attention as slot_kernel
 from dflash_cache.kernels import triton_support
-from dflash_cache.kernels.slot_attention import AttentionTiles
+from dflash_cache.kernels.tiles import DEFAULT_ATTENTION_TILES, AttentionTiles
 from dflash_cache.target.taps import SDPA_BACKENDS
 
 
@@ -100,7 +100,7 @@ class SlotStep:
 
 
 def slot_attention(cache: SlotCache, layer: int, query: Tensor, key: Tensor, value: Tensor, step: SlotStep,
-                   scale: float | None, *, write: bool = True, tiles: AttentionTiles = slot_kernel.DEFAULT_TILES,
+                   scale: float | None, *, write: bool = True, tiles: AttentionTiles = DEFAULT_ATTENTION_TILES,
                    window: int | None = None) -> Tensor:  # fmt: skip
     """Write key/value [b, T, kv_heads, D] of a step's tokens into their slots (`write`; False when
     the caller wrote them), then attend; returns [b, T, heads, D] (see `SlotStep` for what each

@@ -16,25 +16,12 @@ through Triton's interpreter), up to the order of float32 sums.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from dflash_cache.kernels.tiles import DEFAULT_LOSS_TILES, LossTiles
 from dflash_cache.kernels.triton_support import available, on_device
-
-
-@dataclass(frozen=True)
-class LossTiles:
-    """How the kernel walks and launches a chunk's rows. The defaults are what ships; a benchmark
-    passes others (benchmarks/bench_loss.py --tiles). They differ in speed, and may change the loss's
-    last bits (the order of float32 sums)."""
-
-    block: int = 2048  # logits a program reads at once, of its one row
-    warps: int = 8  # warps a program runs
-
-
-DEFAULT_TILES = LossTiles()
 
 
 def fits(head: Tensor) -> bool:
@@ -124,7 +111,7 @@ def _kernel():
 
 
 def tv_chunk(logits: Tensor, target_logits: Tensor | None, labels: Tensor, ce_scale: Tensor, l1_scale: Tensor,
-             tiles: LossTiles = DEFAULT_TILES) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+             tiles: LossTiles = DEFAULT_LOSS_TILES) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """`losses._tv_chunk` as one kernel: (ce, L1, argmax hits, acceptance rates, the gradient wrt
     the logits), its programs walking and launched by `tiles`. The gradient is written over
     `logits` (the caller's buffer, which it no longer needs) in their dtype; the rest are float32

@@ -15,31 +15,13 @@ maxima), up to the product's summation order.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dflash_cache.kernels import argmax as argmax_kernel
+from dflash_cache.kernels.tiles import DEFAULT_MARKOV_TILES, MarkovTiles
 from dflash_cache.kernels.triton_support import available, on_device
-
-
-@dataclass(frozen=True)
-class MarkovTiles:
-    """How `markov_argmax` cuts and launches a slot's work. The defaults are what ships; a
-    benchmark passes others. They differ in speed, and may change a logit's last bits (the
-    product's summation order)."""
-
-    block_v: int = 128  # vocabulary rows a program takes
-    block_r: int = 64  # of the rank, summed at once
-    warps: int = 8  # an H200 reads W2 at 3.6 TB/s with 8 warps a program, 2.6 with 4
-
-    def args(self) -> tuple[int, int, int]:
-        """The tiles as the custom op takes them."""
-        return self.block_v, self.block_r, self.warps
-
-
-DEFAULT_TILES = MarkovTiles()
 
 
 def fits(base: Tensor, w2: Tensor) -> bool:
@@ -82,7 +64,7 @@ def _kernels():
 
 
 def markov_argmax(base: Tensor, z: Tensor, w2: Tensor, rows: Tensor | None = None,
-                  tiles: MarkovTiles = DEFAULT_TILES) -> Tensor:  # fmt: skip
+                  tiles: MarkovTiles = DEFAULT_MARKOV_TILES) -> Tensor:  # fmt: skip
     """argmax(base + z @ w2.T) per row: base [b, V] (its last dimension contiguous), z [b, r], w2
     [V, r]; [b] int64. With `rows` [b], row i's latent is z[rows[i]] instead: the vanilla head's
     W1[prev], read in place rather than gathered by a kernel of its own. The programs are cut and

@@ -36,34 +36,14 @@ each as one opaque kernel and fuse the rest around it. The kernel's tiles and la
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from dflash_cache.kernels.tiles import DEFAULT_PRODUCT_TILES, ProductTiles
 from dflash_cache.kernels.triton_support import available, on_device, pdl_options
 
 MAX_K = 2048  # the widest input row: a program holds its columns' weights whole (measured up to 2048)
-
-
-@dataclass(frozen=True)
-class ProductTiles:
-    """How the kernel cuts and launches a product. Every value gives the same results, each
-    token's bits whatever the step holds; they differ in speed."""
-
-    block_t: int = 16  # rows (tokens) a program takes at once, whatever the step holds
-    cols: int = 16  # output columns a program owns
-    slice_k: int = 256  # K a warp sums: a program sums K (padded to a power of two) in slices of this, side by side
-    warps: int = 0  # warps a program runs (0: one a slice)
-    stages: int = 1  # Triton's pipelining of the loop over rows (1: none, the fastest one-row step; 3 is Triton's)
-    pdl: bool = True  # programmatic dependent launch where the GPU has it (`triton_support.pdl_options`)
-
-    def args(self) -> tuple[int, int, int, int, int, bool]:
-        """The tiles as the custom ops take them."""
-        return self.block_t, self.cols, self.slice_k, self.warps, self.stages, self.pdl
-
-
-DEFAULT_TILES = ProductTiles()
 
 
 def fits(*weights: Tensor) -> bool:
@@ -193,7 +173,7 @@ def _launch(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | None,
 
 
 def rows_product(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | None, residual: Tensor | None,
-                 eps: float, gated: bool, tiles: ProductTiles = DEFAULT_TILES) -> Tensor:  # fmt: skip
+                 eps: float, gated: bool, tiles: ProductTiles = DEFAULT_PRODUCT_TILES) -> Tensor:  # fmt: skip
     """x [..., K] times weight [N, K] (or [2N, K] when `gated`), with the module docstring's norm,
     activation and residual: [..., N]."""
     return _rows_product(x, weight, bias, norm, residual, eps, gated, *tiles.args())
@@ -215,14 +195,14 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor | None, resid
     return x.new_empty(*x.shape[:-1], weight.shape[0] // (2 if gated else 1))
 
 
-def rope_fits(head_dim: int, tiles: ProductTiles = DEFAULT_TILES) -> bool:
+def rope_fits(head_dim: int, tiles: ProductTiles = DEFAULT_PRODUCT_TILES) -> bool:
     """Whether `rows_qkv` serves heads of this size: a program's cols / 2 columns divide half a head."""
     return head_dim % tiles.cols == 0
 
 
 def rows_qkv(x: Tensor, weight: Tensor, bias: Tensor | None, norm: Tensor, eps: float, cos: Tensor, sin: Tensor,
              k_cache: Tensor, v_cache: Tensor, slot: Tensor, positions: Tensor, heads: int, kv_heads: int,
-             tiles: ProductTiles = DEFAULT_TILES) -> Tensor:  # fmt: skip
+             tiles: ProductTiles = DEFAULT_PRODUCT_TILES) -> Tensor:  # fmt: skip
     """The q/k/v projection of the RMS-normed x [b, T, H] (weight [q; k; v]) with RoPE by cos/sin
     [b, T, d] on the queries and keys: the keys and values written into the caches [S, L, kv_heads,
     d] at slot [b, 1] and positions [b, T], the queries returned, [b, T, heads, d]."""

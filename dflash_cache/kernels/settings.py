@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dflash_cache.kernels.products import ProductTiles
-from dflash_cache.kernels.slot_attention import AttentionTiles
+from dflash_cache.kernels.tiles import AttentionTiles, ProductTiles
 
 
 @dataclass(frozen=True)

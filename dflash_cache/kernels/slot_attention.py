@@ -34,27 +34,12 @@ lowest visible key on: its programs and its reads are O(W + T) a row, whatever t
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from dflash_cache.kernels.tiles import DEFAULT_ATTENTION_TILES, AttentionTiles
 from dflash_cache.kernels.triton_support import available, on_device, pdl_options, zeroed_counts
-
-
-@dataclass(frozen=True)
-class AttentionTiles:
-    """How the kernel cuts and launches a step's attention. A query's bits depend on these (its
-    keys' blocks and pieces), never on the step around it."""
-
-    block_m: int = 16  # query rows (token x head of the group) a program holds
-    block_n: int = 128  # keys a block
-    split: int = 256  # keys a program walks in a buffer longer than this; a multiple of block_n
-    warps: int = 4
-    pdl: bool = True  # programmatic dependent launch where the GPU has it (`triton_support.pdl_options`)
-
-
-DEFAULT_TILES = AttentionTiles()
 
 
 def fits(query: Tensor, keys: Tensor) -> bool:
@@ -65,7 +50,7 @@ def fits(query: Tensor, keys: Tensor) -> bool:
             and keys.dtype == query.dtype and 16 <= d <= 256 and d & (d - 1) == 0)  # fmt: skip
 
 
-def pieces(length: int, tiles: AttentionTiles = DEFAULT_TILES) -> int:
+def pieces(length: int, tiles: AttentionTiles = DEFAULT_ATTENTION_TILES) -> int:
     """How many pieces the kernels cut a buffer of `length` positions into (1: it is walked whole)."""
     return -(-length // tiles.split)
 
@@ -166,7 +151,8 @@ def _kernels():
 
 
 def attention(query: Tensor, keys: Tensor, values: Tensor, slot: Tensor, seen: Tensor, causal: bool,
-              scale: float, tiles: AttentionTiles = DEFAULT_TILES, window: int | None = None) -> Tensor:  # fmt: skip
+              scale: float, tiles: AttentionTiles = DEFAULT_ATTENTION_TILES,
+              window: int | None = None) -> Tensor:  # fmt: skip
     """query [b, T, heads, d] (the last dimension contiguous) of batch row i against the first
     seen[i] positions of slot slot[i] of keys/values [S, L, kv_heads, d]; causal: query t sees
     seen[i] - T + 1 + t of them; window W: only those j with |(seen[i] - T + t) - j| < W, query

@@ -137,9 +137,9 @@ def test_a_verify_step_gives_each_token_the_bits_of_a_plain_step(shape, context)
     cut at 1024); Qwen3-8B's widths (two layers), too wide for the kernel, through cuBLAS and
     inductor's norms with each row's tokens padded (`layer_products.PaddedProducts`)."""
     from dflash_cache.generate import layer_products
-    from dflash_cache.kernels import slot_attention as slot_kernel
+    from dflash_cache.kernels.tiles import DEFAULT_ATTENTION_TILES
 
-    split = slot_kernel.DEFAULT_TILES.split
+    split = DEFAULT_ATTENTION_TILES.split
     assert 1024 % split == 0 and split >= 256
     model = random_shaped(4 if shape == "smollm2-135m" else 2, shape)
     vocab = model.config.vocab_size

@@ -57,11 +57,11 @@ def test_slot_kernel_under_pdl_reads_what_the_kernel_before_it_wrote(pieces):
     engine's), with a new query each time, it gives the bits of the same two kernels without PDL,
     over a buffer walked whole and one cut into pieces (merged by the last piece to finish)."""
     from dflash_cache.kernels import slot_attention as slot_kernel
-    from dflash_cache.kernels.slot_attention import AttentionTiles
+    from dflash_cache.kernels.tiles import DEFAULT_ATTENTION_TILES, AttentionTiles
     from dflash_cache.kernels.triton_support import pdl_options
 
     g = torch.Generator(device=CUDA).manual_seed(0)
-    length = pieces * slot_kernel.DEFAULT_TILES.split
+    length = pieces * DEFAULT_ATTENTION_TILES.split
     keys, values = (torch.randn(1, length, 2, 64, device=CUDA, generator=g, dtype=torch.bfloat16) for _ in "kv")
     queries = torch.randn(4, 1, 9, 8, 64, device=CUDA, generator=g, dtype=torch.bfloat16)
     slot, seen = torch.zeros(1, dtype=torch.int32, device=CUDA), torch.full((1,), length, device=CUDA).int()
@@ -95,7 +95,7 @@ def test_product_kernel_equals_torchs_ops_and_keeps_each_tokens_bits():
     import torch.nn.functional as F
 
     from dflash_cache.generate.layer_products import TENSOR_OPS, KernelProducts
-    from dflash_cache.kernels.products import ProductTiles
+    from dflash_cache.kernels.tiles import ProductTiles
     from dflash_cache.kernels.triton_support import pdl_options
 
     randn = bf16_randn(0)
@@ -216,9 +216,10 @@ def test_slot_kernel_pieces_merged_by_the_last_to_finish_are_the_attention(T):
     program finishes last, and every count back at zero after."""
     from dflash_cache.kernels import slot_attention as slot_kernel
     from dflash_cache.kernels import triton_support
+    from dflash_cache.kernels.tiles import DEFAULT_ATTENTION_TILES
 
     randn = bf16_randn(1)
-    length = 4 * slot_kernel.DEFAULT_TILES.split
+    length = 4 * DEFAULT_ATTENTION_TILES.split
     keys, values = randn(64, length, 3, 64), randn(64, length, 3, 64)
     query = randn(64, T, 9, 64)
     rows = torch.arange(64, device=CUDA).flip(0)

@@ -29,8 +29,7 @@ from dflash_cache.drafters.dflash.settings import SETTINGS
 from dflash_cache.drafters.losses import chunked_loss
 from dflash_cache.drafters.serving import bf16_state, load_export, read_config, write_export
 from dflash_cache.drafters.settings import DrafterSettings
-from dflash_cache.kernels.loss import DEFAULT_TILES as DEFAULT_LOSS_TILES
-from dflash_cache.kernels.loss import LossTiles
+from dflash_cache.kernels.tiles import DEFAULT_LOSS_TILES, LossTiles
 
 
 def config(settings: DrafterSettings, spec: CacheSpec) -> DrafterConfig:

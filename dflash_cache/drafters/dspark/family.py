@@ -30,6 +30,7 @@ from dflash_cache.drafters.dspark.objective import objective
 from dflash_cache.drafters.dspark.settings import SETTINGS, DSparkSettings
 from dflash_cache.drafters.serving import bf16_state, load_export, read_config, write_export
 from dflash_cache.kernels import markov as markov_kernel
+from dflash_cache.kernels.tiles import DEFAULT_MARKOV_TILES, MarkovTiles
 
 
 def config(settings: DSparkSettings, spec: CacheSpec) -> DSparkConfig:
@@ -104,7 +105,7 @@ def block_input(anchor_tokens: Tensor, block_size: int, mask_token_id: int) -> T
 
 
 def draft(model: DSparkDrafter, hidden: Tensor, block_ids: Tensor, head_weight: Tensor, choose: Choose,
-          markov_tiles: markov_kernel.MarkovTiles = markov_kernel.DEFAULT_TILES
+          markov_tiles: MarkovTiles = DEFAULT_MARKOV_TILES
           ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
     """B proposals from the block's hidden states [b, B, H]: slot k proposes the token at anchor + k +
     1. The base logits of every slot come from the LM head at once; the Markov head then runs slot by

@@ -18,8 +18,7 @@ from dflash_cache.drafters.blocks import Blocks, anchors_by_sequence, pick_ancho
 from dflash_cache.drafters.dspark.config import GAMMA, DSparkConfig
 from dflash_cache.drafters.dspark.settings import DSparkSettings
 from dflash_cache.drafters.losses import chunked_tv_loss
-from dflash_cache.kernels.loss import DEFAULT_TILES as DEFAULT_LOSS_TILES
-from dflash_cache.kernels.loss import LossTiles
+from dflash_cache.kernels.tiles import DEFAULT_LOSS_TILES, LossTiles
 
 DEN_EPS = 1e-6  # the reference's: each term is num / (den + 1e-6)
 
