@@ -5,6 +5,7 @@ verify and hold the named shape's taps and widths."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -21,12 +22,14 @@ from dflash_cache.bench.extract import write_random_frozen
 from dflash_cache.bench.io import codec, commit, disk
 from dflash_cache.bench.ranks import cache_lengths, rank_balance
 from dflash_cache.bench.shapes import LONG_MAX, QWEN3_5_9B, QWEN3_8B, SMOLLM2_135M, shape_config
+from dflash_cache.bench.train import resident
 from dflash_cache.bench.train import train as bench_train
 from dflash_cache.cache.audit import verify
 from dflash_cache.cache.spec import default_layer_ids, read_spec
 from dflash_cache.cache.store import committed_units
 from dflash_cache.cache.unit.read import UnitReader
 from dflash_cache.target.hybrid import linear_attention_kernels
+from dflash_cache.train.loader import CacheLoader
 
 TINY = dict(QWEN3_8B, num_hidden_layers=6, hidden_size=64, intermediate_size=128, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512)  # fmt: skip
@@ -131,6 +134,12 @@ def test_extract_and_train_benchmarks(tmp_path):
     assert t["loader_GBps"] * 1e9 < x["bytes_per_token"] * 1.2 * t["context_tok_s"]
     unit_files = sum(f.stat().st_size for f in (out / "units").rglob("*") if f.is_file())
     assert t["loader_GBps"] * 1e9 == pytest.approx(t["context_tok_s"] * unit_files / x["tokens"])
+    assert t["resident_batches"] == 2  # no cap on a CPU: the in-memory phase holds both measured batches
+    # on a GPU the in-memory phase holds only the batches that fit its room, and steps through them in turn
+    with CacheLoader(out, token_budget=512, device=torch.device("cpu"), follow=False) as loader:
+        want = [b.sample_index.tolist() for b in itertools.islice(loader.epoch(0), 1, 3)]
+        assert [b.sample_index.tolist() for b in resident(loader, 1, 3, None)] == want
+        assert [b.sample_index.tolist() for b in resident(loader, 1, 3, 1)] == want[:1]  # at least one
 
 
 @pytest.mark.slow  # samples of 16K to 32K tokens
