@@ -35,15 +35,17 @@ def main() -> None:
 
     import torch
 
+    from dflash_cache.drafters import family
     from dflash_cache.extract import stage as extract_stage
     from dflash_cache.extract.config import ExtractConfig
     from dflash_cache.train import stage as train_stage
     from dflash_cache.train.config import TrainConfig
 
     torch.set_num_threads(1)
-    cache = args.out / "cache"
+    final = family(args.drafter or TrainConfig.drafter).needs_final_hidden  # DSpark trains on the final state
+    cache = args.out / ("cache-final" if final else "cache")
     extract_stage.run(ExtractConfig(target=str(ROOT / "data" / "code-target"), data=str(ROOT / "data" /
-                                    "code_train.jsonl"), out=cache, max_length=2048))  # fmt: skip
+                                    "code_train.jsonl"), out=cache, max_length=2048, final_hidden=final))  # fmt: skip
     run = args.out / f"run-{args.drafter or 'default'}"
     extra = {"drafter": args.drafter} if args.drafter else {}
     cfg = TrainConfig(cache=cache, out=run, draft_layers=2, token_budget=512, max_anchors=16, lr=3e-3, seed=0,
