@@ -108,3 +108,27 @@ def test_no_function_is_over_its_size():
                 if n > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}, {n} lines")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def test_no_kernel_module_global_is_assigned_from_outside():
+    """A kernel's tiles are values its callers pass in: nothing outside kernels/ rebinds a kernel
+    module's names (`loss_kernel.BLOCK = ...`); a test's monkeypatch, undone after it, aside."""
+    files = sources() + sorted((ROOT / "benchmarks").glob("*.py")) + sorted((ROOT / "tests").rglob("*.py"))
+    wrong = []
+    for path in files:
+        if path.is_relative_to(KERNEL_DIR):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module == "dflash_cache.kernels":
+                aliases |= {a.asname or a.name for a in node.names}
+            elif isinstance(node, ast.Import):
+                aliases |= {a.asname for a in node.names if a.asname and a.name.startswith("dflash_cache.kernels.")}
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AugAssign | ast.AnnAssign) else []  # fmt: skip
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in aliases:
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}: {t.value.id}.{t.attr} assigned")
+    assert not wrong, "kernel module globals assigned from outside kernels/:\n" + "\n".join(wrong)
