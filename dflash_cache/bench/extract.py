@@ -10,15 +10,19 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from dflash_cache.bench.config import ExtractBenchConfig
 from dflash_cache.bench.measure import PeakRSS, sync, timer
-from dflash_cache.bench.shapes import LONG_MAX, QWEN3_8B, fixed_lengths, lognormal_lengths, long_lengths
+from dflash_cache.bench.shapes import LONG_MAX, QWEN3_8B, BenchError, fixed_lengths, lognormal_lengths, long_lengths
 from dflash_cache.extract.config import resolve_forward_token_budget
+
+if TYPE_CHECKING:
+    from dflash_cache.cache.projection import Basis
+    from dflash_cache.cache.spec import ProjectionInfo
 
 
 @dataclass
@@ -346,26 +350,61 @@ def write_random_frozen(cache: Path, config: dict) -> None:
 
 
 class RandomStates:
-    """A stand-in target whose tapped layers give random hidden states of a shape's width (and the
-    final hidden state too with `final`): what a cache for a drafter's step needs, without the
-    cost of a target's forward."""
+    """A stand-in target whose outputs are random values of the given widths: a shape's tapped
+    layers, or a projected cache's stored values a group, then the final hidden state where the
+    cache holds it. What a cache for a drafter's step needs, without the cost of a target's forward."""
 
-    def __init__(self, layers: int, hidden_size: int, device: torch.device, final: bool = False, seed: int = 0):
-        self.outputs, self.hidden_size, self.device = layers + final, hidden_size, device
+    def __init__(self, widths: list[int], device: torch.device, seed: int = 0):
+        self.widths, self.device = widths, device
         self.generator = torch.Generator(device).manual_seed(seed)
 
     def __call__(self, input_ids: torch.Tensor, carry=None) -> list[torch.Tensor]:
-        shape = (*input_ids.shape, self.hidden_size)
-        return [torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.bfloat16)
-                for _ in range(self.outputs)]  # fmt: skip
+        return [torch.randn((*input_ids.shape, w), generator=self.generator, device=self.device, dtype=torch.bfloat16)
+                for w in self.widths]  # fmt: skip
 
 
-def random_cache(out: Path, config: dict, lengths: np.ndarray, *, storage: str = "auto", final_hidden: bool = False,
-                 device: torch.device | None = None, writers: int = 2) -> dict[str, Any]:  # fmt: skip
+def random_projection(project: int | str, num_layers: int, hidden_size: int) -> ProjectionInfo | None:
+    """The ProjectionInfo `project` asks for, read as `dflash extract --project` reads it (auto: H
+    values a token under one joint basis; none, or a rank of every tapped value: None), with the
+    stage's default scaling and fit size; BenchError for a rank extract refuses."""
+    from dflash_cache.cache.projection import check_projection
+    from dflash_cache.cache.spec import ProjectionInfo
+    from dflash_cache.extract.config import ExtractConfig, resolve_rank
+
+    rank = resolve_rank(project, "joint", num_layers, hidden_size)
+    if rank is None:
+        return None
+    if problem := check_projection("joint", rank, ExtractConfig.project_scaling, num_layers, hidden_size):
+        raise BenchError(f"--project: {problem}")
+    return ProjectionInfo(basis="joint", rank=rank, scaling=ExtractConfig.project_scaling,
+                          fit_tokens=ExtractConfig.project_fit_tokens)  # fmt: skip
+
+
+def random_basis(projection: ProjectionInfo, num_layers: int, hidden_size: int, device: torch.device) -> Basis:
+    """A basis of `projection`'s geometry with random orthonormal rows in each group, in place of
+    one fitted on a target's features: the train stage loads and checks it as it does a fitted one."""
+    from dflash_cache.cache.projection import Basis
+
+    g = torch.Generator(device).manual_seed(0)
+    groups = projection.groups(num_layers)
+    width = projection.rank // len(groups)
+    weights = []
+    for members in groups:
+        a = torch.randn(len(members) * hidden_size, width, generator=g, device=device)
+        weights.append(torch.linalg.qr(a).Q.T.float().cpu())  # [r_g, |g| H], orthonormal rows
+    return Basis(weights, groups)
+
+
+def random_cache(out: Path, config: dict, lengths: np.ndarray, *, storage: str = "auto", project: int | str = "auto",
+                 final_hidden: bool = False, device: torch.device | None = None,
+                 writers: int = 2) -> dict[str, Any]:  # fmt: skip
     """A cache of samples of `lengths` tokens at `config`'s shape (its default taps, and the final
-    hidden state with `final_hidden`) holding random hidden states, with a random embedding and LM
-    head, written through the extract stage's own path (in chunks of the stage's token budget):
-    what `bench train --length` measures on. Returns its samples and tokens."""
+    hidden state with `final_hidden`) holding random values, with a random embedding and LM head,
+    written through the extract stage's own path (in chunks of the stage's token budget): what
+    `bench train --length` measures on. `project` is `dflash extract --project`'s, auto by default
+    as there: a projected cache holds random stored values beside a random basis (`random_basis`,
+    saved and named in cache.json as the stage does), `--project none` the tapped layers as they
+    are; `storage` auto is then fp8 and bf16, as in the stage. Returns its samples and tokens."""
     from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids, write_spec
     from dflash_cache.cache.unit.layout import RowFormat, chunk_tokens_for
     from dflash_cache.extract.config import resolve_storage
@@ -375,16 +414,21 @@ def random_cache(out: Path, config: dict, lengths: np.ndarray, *, storage: str =
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lengths = np.asarray(lengths, dtype=np.int64)
     layer_ids = default_layer_ids(config["num_hidden_layers"])
-    storage = resolve_storage(storage, False)
-    row = RowFormat.planned(storage, len(layer_ids), config["hidden_size"], None, final=final_hidden)
+    k, h = len(layer_ids), config["hidden_size"]
+    projection = random_projection(project, k, h)
+    storage = resolve_storage(storage, projection is not None)
+    row = RowFormat.planned(storage, k, h, projection, final=final_hidden)
     budget = resolve_forward_token_budget(None, device.type == "cuda")
     longest = int(lengths.max())
     plan = make_plan(lengths, bucket_edges=default_bucket_edges(max(3072, longest)),
                      token_budget=max(budget, longest), unit_tokens=(512 << 20) // row.hidden_bytes)  # fmt: skip
-    spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row.hidden_bytes), final_hidden)
     out.mkdir(parents=True, exist_ok=True)
+    if projection is not None:  # the basis is stored before cache.json names its digest, as in the stage
+        digest = random_basis(projection, k, h, device).save(out)
+        projection = dataclasses.replace(projection, digest=digest)
+    spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row.hidden_bytes), final_hidden, projection)
     write_spec(out, spec)
-    target = RandomStates(len(layer_ids), config["hidden_size"], device, final_hidden)
+    target = RandomStates([row.width // row.layers] * row.layers + [h] * final_hidden, device)
     extract_units(target, list(plan.units), synthetic_dataset(lengths, config["vocab_size"]), spec, out, device,
                   lambda _: None, writers=writers, chunk=budget)  # fmt: skip
     write_random_frozen(out, config)
