@@ -254,7 +254,41 @@ def test_fixed_length_benchmarks(tmp_path):
     assert r.exit_code == 0, r.output
     t = json.loads(r.stdout)
     assert (t["length"], t["samples"], t["steps"], t["token_budget"], t["drafter_hidden"]) == (300, 5, 2, 512, 64)
+    assert (t["project"], t["storage"]) == (64, "fp8")  # dflash extract's default cache: H values in fp8
     assert t["ratio"] == pytest.approx(t["loader_steps_s"] / t["memory_steps_s"], rel=1e-3) and t["memory_tflops"] > 0
     assert verify(cache) == {} and sorted(len(ids) for _, ids, _, _ in read_cache(cache).values()) == [300] * 5
     r = runner.invoke(app, ["bench", "train", "--cache", str(cache), "--length", "300"])  # the cache exists now
     assert r.exit_code == 1 and "with --length the benchmark writes a new cache there" in r.output
+    r = runner.invoke(app, ["bench", "train", "--cache", str(tmp_path / "no"), "--length", "300", "--project", "0"])
+    assert r.exit_code == 1 and "error: --project 0: expected an integer >= 1 or auto or none" in r.output
+
+
+def test_train_benchmark_on_the_products_cache(tmp_path):
+    """`bench train --length` measures on what users train on: by default the cache `dflash extract`
+    writes by default (H values a token under one basis over the taps, in fp8, the basis beside it
+    and named in cache.json), which the train stage loads as an extracted one, its drafter reading
+    H values a token; `--project none` the tapped layers as they are, in bf16, as before."""
+    from dflash_cache.cache.projection import PROJECTION, Basis, file_digest
+    from dflash_cache.train.config import TrainConfig, drafter_config
+
+    kw = dict(steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=1, length=300, config=TINY)
+    k = len(default_layer_ids(TINY["num_hidden_layers"]))
+    for project, rank, storage in (("auto", 64, "fp8"), ("none", None, "bf16")):
+        cache = tmp_path / project
+        t = bench_train(cache, **kw, **({} if project == "auto" else {"project": project}))
+        assert (t["project"], t["storage"], t["steps"], t["samples"]) == (rank or "none", storage, 2, 3)
+        assert t["memory_tflops"] > 0 and verify(cache) == {}  # verify checks the basis's digest too
+        spec = read_spec(cache)
+        assert spec.storage.dtype == storage and (spec.projection is None) == (rank is None)
+        width = drafter_config(TrainConfig(cache=cache, out=cache, draft_layers=1), spec).context_width
+        for unit in committed_units(cache).values():  # one group of R values, or the K taps side by side
+            r = UnitReader(unit)
+            assert r.read("hidden", 0, int(r.offsets[-1])).shape[1] == (rank or k * 64)
+        if rank is None:
+            assert width is None and not (cache / PROJECTION).exists()
+            continue
+        p = spec.projection
+        assert (p.basis, p.rank, p.scaling, p.digest) == ("joint", 64, "layer-rms", file_digest(cache / PROJECTION))
+        assert width == 64 and spec.groups == [list(range(k))]
+        w = Basis.load(cache, spec).matrix()  # a random orthonormal basis of the cache's geometry
+        assert w.shape == (64, k * 64) and torch.allclose(w @ w.T, torch.eye(64), atol=1e-5)

@@ -70,13 +70,18 @@ class TrainBenchConfig:
     block_size: int | None = same_as(TrainConfig, "block_size")
     draft_layers: int = same_as(TrainConfig, "draft_layers", "(dflash recipe trains 2.)")
     length: int | None = setting(None, "Write a cache of samples of this many tokens to --cache first (random "
-                                 "hidden states at --shape's width, through the extract stage's own path: a "
-                                 "drafter's step costs the same whatever their values), as many as the warm-up and "
-                                 "measured steps take, and measure on it.", min=1)  # fmt: skip
+                                 "values of what dflash extract stores at --shape's width, as --project and "
+                                 "--storage say, through the extract stage's own path: a drafter's step costs the "
+                                 "same whatever their values), as many as the warm-up and measured steps take, and "
+                                 "measure on it.", min=1)  # fmt: skip
     shape: str = same_as(ExtractBenchConfig, "shape", "(With --length.)")
     like: str | None = same_as(ExtractBenchConfig, "like", "(With --length.)")
-    storage: Literal["auto", "bf16", "fp8"] = same_as(ExtractConfig, "storage", "(With --length; auto is bf16 "
-                                                      "here: the layers as they are.)")  # fmt: skip
+    project: int | Literal["auto", "none"] = setting(
+        ExtractConfig.project, "With --length, the values a token the cache holds, as dflash extract --project "
+        "stores them: R, auto (H under one basis over the tapped layers: what dflash extract writes by default), or "
+        "none (the layers as they are). A projected cache holds random values beside a random orthonormal basis, "
+        "which the train stage loads and checks as a fitted one.", min=1)  # fmt: skip
+    storage: Literal["auto", "bf16", "fp8"] = same_as(ExtractConfig, "storage", "(With --length.)")
 
 
 @dataclass

@@ -26,7 +26,7 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
           max_anchors: int = TrainConfig.max_anchors, block_size: int | None = TrainConfig.block_size,
           draft_layers: int = TrainConfig.draft_layers, readers: int | None = None, cold: bool = False,
           device: torch.device | None = None, drafter: str = TrainConfig.drafter, length: int | None = None,
-          config: dict = QWEN3_8B, storage: str = "auto") -> dict[str, Any]:  # fmt: skip
+          config: dict = QWEN3_8B, storage: str = "auto", project: int | str = "auto") -> dict[str, Any]:  # fmt: skip
     """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
     the device. Both phases run the same batches (the first `steps` of epoch 0 after `warmup`),
     after every one of them has run once untimed, so neither phase pays for compiling.
@@ -39,15 +39,17 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
     in-memory step would consume) set the loader against `bench disk`'s bandwidth.
 
     `length`: `cache` is written first (it must not exist or be empty), holding samples of that
-    many tokens at `config`'s shape (`extract.random_cache`, in `storage`), as many as the
-    warm-up and measured steps take at `token_budget` (one a step without it)."""
+    many tokens at `config`'s shape (`extract.random_cache`, in `storage`, projected as `project`
+    says: by default as `dflash extract` projects, H values a token in fp8), as many as the
+    warm-up and measured steps take at `token_budget` (one a step without it). `project` and
+    `storage` in the result are the cache's, written or given."""
     from dflash_cache.train.metrics import peak_flops
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     written = {}
     if length is not None:
         written = {"length": length, "samples": (steps + warmup) * max(1, (token_budget or 0) // length)}
-        _write_cache(cache, length, written["samples"], config, storage, drafter, device)
+        _write_cache(cache, length, written["samples"], config, storage, project, drafter, device)
     cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
                       block_size=block_size, draft_layers=draft_layers, drafter=drafter,
                       **({"readers": readers} if readers else {}))  # fmt: skip
@@ -78,8 +80,9 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
     tflops = steps_of.useful_flops() / times["memory"] / 1e12
     peak = peak_flops(device)
     loader.close()
+    proj = loader.spec.projection
     return {
-        **written,
+        **written, "project": proj.rank if proj else "none", "storage": loader.spec.storage.dtype,
         "drafter": s.family.name, "block_size": s.dcfg.block_size,
         "steps": measured, "token_budget": cfg.token_budget, "max_anchors": max_anchors,
         "drafter_hidden": s.dcfg.hidden_size, "drafter_layers": s.dcfg.num_hidden_layers,
@@ -160,15 +163,15 @@ def resident(loader: CacheLoader, start: int, stop: int, room: int | None) -> li
     return kept
 
 
-def _write_cache(cache: Path, length: int, samples: int, config: dict, storage: str, drafter: str,
-                 device: torch.device) -> None:  # fmt: skip
-    """`bench train --length`'s cache: `samples` samples of `length` tokens, random hidden states (and
-    the final hidden state for a family that trains on it)."""
+def _write_cache(cache: Path, length: int, samples: int, config: dict, storage: str, project: int | str,
+                 drafter: str, device: torch.device) -> None:  # fmt: skip
+    """`bench train --length`'s cache: `samples` samples of `length` tokens, random values of what
+    `dflash extract --project` stores (and the final hidden state for a family that trains on it)."""
     from dflash_cache.bench.extract import random_cache
     from dflash_cache.drafters import family
 
     if cache.exists() and (not cache.is_dir() or any(cache.iterdir())):
         raise BenchError(f"--cache {cache}: with --length the benchmark writes a new cache there; give a path that "
                          "does not exist yet")  # fmt: skip
-    random_cache(cache, config, np.full(samples, length), storage=storage,
+    random_cache(cache, config, np.full(samples, length), storage=storage, project=project,
                  final_hidden=family(drafter).needs_final_hidden, device=device)  # fmt: skip
