@@ -243,7 +243,7 @@ def sets(
                                     "side (the rest, decontaminated) as sharegpt-train.jsonl, for dflash regen."),
     target: str | None = typer.Option(None, help="Cut long-code's prompts to token counts with this target's "
                                       "tokenizer and chat template, at the lengths its positions hold (without it, "
-                                      "tokens are estimated at 4 characters each)."),
+                                      "tokens are estimated at 4 characters each, for 8,192 positions)."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP + " (The output is JSON either way.)"),
 ) -> None:
     """The benchmark sets that `dflash eval-sets` reads: each package file found, its rows, and the rule."""

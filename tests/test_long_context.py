@@ -1,7 +1,8 @@
 """Long contexts: tau by the prompt's length (`metrics.context_figures`, the ``by_context`` of eval and
 eval-sets), a user's long prompt through eval-sets and one past the target's positions refused, the
-long-code set's lengths counted with the target's tokenizer, and the module split that keeps its
-modules out of every training row (the code prompts, the recipe's long rows)."""
+long-code set's lengths counted with the target's tokenizer (up to 30K tokens where the target has
+the positions), and the module split that keeps its modules out of every training row (the code
+prompts, the recipe's long rows)."""
 
 from __future__ import annotations
 
@@ -169,6 +170,41 @@ def test_long_code_prompts_are_cut_at_their_lengths_in_the_targets_tokens(tmp_pa
     assert all(r["tokens"] == math.ceil(len(r["prompt"]) / 4) <= r["length"] for r in estimated)
 
 
+def test_long_code_reaches_30k_tokens_where_the_target_has_the_positions(tmp_path):
+    """On 32,768 positions the set adds 16,000 and 30,000 tokens (the buckets 8K-16K and 16K-32K),
+    each for the modules that hold more tokens than that, the shorter lengths' rows as on 8,192
+    positions. On 8,192 positions (SmolLM2's) the set is today's: every module at 1K, 2K, 4K and 7K,
+    each row the longest prefix that fits; without a target it is cut for 8,192 positions too, so
+    `dflash sets` writes the rows it wrote."""
+    measure = long_code.Measure(str(wide_target(tmp_path / "t8k")))
+    _, rows = benchsets.set_rows("long-code", measure)
+    root = STDLIB
+    today = [{"prompt": long_code.continue_user(cut[0]), "source": source, "length": n, "tokens": cut[1]}
+             for source, text in long_code.set_modules(root) for n in (1000, 2000, 4000, 7000)
+             if (cut := long_code.prefix(text, n, measure))]  # fmt: skip
+    assert rows == today and len(today) == 4 * len(long_code.set_modules(root))
+    _, estimated = benchsets.set_rows("long-code")
+    assert {r["length"] for r in estimated} == {1000, 2000, 4000, 7000} and len(estimated) == len(rows)
+
+    wide = long_code.Measure(str(wide_target(tmp_path / "t32k", 32768)))
+    _, long_rows = benchsets.set_rows("long-code", wide)
+    assert [r for r in long_rows if r["length"] <= 7000] == rows
+    texts = dict(long_code.set_modules(root))
+    modules = list(texts)
+    for n, bucket in ((16000, "8K-16K"), (30000, "16K-32K")):
+        at = [r for r in long_rows if r["length"] == n]
+        assert at, f"no module holds {n:,} tokens"
+        holds = [m for m in modules if wide.tokens(long_code.continue_user(texts[m])) > n]
+        assert [r["source"] for r in at] == holds  # every module that holds more, in the set's order
+        for r in at:
+            assert 0.9 * n <= r["tokens"] == wide.tokens(r["prompt"]) <= n
+            one = {"prompt_tokens": r["tokens"], "new_tokens": 1, "acceptance_lengths": [1]}
+            assert list(context_figures([one])) == [bucket]
+    assert len({r["source"] for r in long_rows if r["length"] == 30000}) < len(modules)
+    order = [(r["source"], r["length"]) for r in long_rows]
+    assert order == sorted(order, key=lambda x: (modules.index(x[0]), x[1]))  # module by module, lengths in order
+
+
 def test_no_held_out_module_enters_training(tmp_path):
     """The module split: its two sides are disjoint, each module on the side its hash says, about
     15% held out. Every long-code module is held out, and no code prompt and no long training row
@@ -200,3 +236,4 @@ def test_no_held_out_module_enters_training(tmp_path):
         assert text.startswith(code) and len(code) < len(text.rstrip()) and not defines.search(text)
         assert 2000 <= r["tokens"] == measure.tokens(r["prompt"]) <= r["length"] <= 3000
     assert long_code.training_rows(5, ["stdlib"], measure, 2000, 3000, seed=1) == rows[:5]  # the first N whatever N
+

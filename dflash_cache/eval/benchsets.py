@@ -14,8 +14,9 @@ a long-context set from the interpreter's own sources, and the rule that keeps t
   same side. Each row becomes a ``turns`` row of its human turns, answered by the target itself, in
   eval as in training (``dflash regen`` regenerates the training side on-policy, turn by turn).
 - ``long-code``: "continue this file" prompts of about 1K, 2K, 4K and 7K tokens from the standard
-  library's held-out modules (`long_code`), the same modules at every length; their tokens are
-  counted with the target's tokenizer where one is given (a `long_code.Measure`).
+  library's held-out modules (`long_code`), the same modules at every length, and of 16K and 30K
+  tokens from those that hold them, for a target with the positions; their tokens are counted with
+  the target's tokenizer where one is given (a `long_code.Measure`).
 
 :func:`training_rows` is the training side: ShareGPT's rows that are not held out, without any row
 that asks an MT-Bench question or holds a HumanEval function (decontamination), so no held-out
@@ -178,8 +179,9 @@ SETS: dict[str, BenchSet] = {
                  _sharegpt_rows, f"the {HOLDOUT_PERCENT}% of conversations held out by id; their human turns, "
                  "each after the target's own answers"),
         BenchSet("long-code", "the standard library's held-out modules", Interpreter(), _long_code_rows,
-                 "each held-out module of 36,000 characters or more, its prefix of about 1K, 2K, 4K and 7K tokens "
-                 "(those that leave 1,024 of the target's positions) to continue", measured=True),
+                 "each held-out module of 36,000 characters or more, its prefix of about 1K, 2K, 4K, 7K, 16K and 30K "
+                 "tokens to continue (those it holds more than, that leave 1,024 of the target's positions; "
+                 "without a target, of 8,192)", measured=True),
     )
 }  # fmt: skip
 DEFAULT_SETS = ("humaneval", "mt-bench", "sharegpt")  # what eval-sets and the recipe run when not told

@@ -56,7 +56,7 @@ class EvalSetsConfig:
     target: str = same_as(EvalConfig, "target")
     benchmarks: list[str] | None = setting(None, "Comma-separated sets: humaneval, mt-bench, sharegpt (the held-out "
                                            "slice), each from its PyPI package's file, long-code (the standard "
-                                           "library's held-out modules to continue, 1K to 7K tokens), or prompt "
+                                           "library's held-out modules to continue, 1K to 30K tokens), or prompt "
                                            "files. Default: humaneval,mt-bench,sharegpt (without --data).")  # fmt: skip
     untrained: bool = setting(False, "Also a drafter of the first one's shape with random weights.")
     max_new_tokens: int = setting(512, "Tokens to generate per prompt and turn (where dflash eval's quick look stops "

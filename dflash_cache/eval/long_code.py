@@ -1,14 +1,21 @@
-"""Long prompts that nobody here wrote: "continue this file" prompts from Python modules, cut to a
+"""Long prompts that nobody here wrote: "continue this Python file" prompts from Python modules, cut to a
 token count. A drafter trained on short rows loses its acceptance on long prompts; these measure it
 (the ``long-code`` set) and train against it (`dflash recipe --long-rows`).
 
 - **The set** (`set_rows`): every module on the eval side of `code_prompts`' module split (about
   15% of module names, by a hash) in the interpreter's standard library that holds at least
-  SET_MIN_CHARS characters, each cut at 1,000, 2,000, 4,000 and 7,000 tokens (`SET_LENGTHS`): the
-  same modules at every length, so the buckets of `dflash eval-sets`' ``by_context`` differ in
-  length, not in content. Rows go module by module, the lengths in order, so ``--limit`` takes whole
-  modules. The lengths sit below the buckets' edges (1,024, 2,048, 4,096, 8,192), so a template
-  kwarg's few tokens never move a prompt across one.
+  SET_MIN_CHARS characters, each cut at 1,000, 2,000, 4,000, 7,000, 16,000 and 30,000 tokens
+  (`SET_LENGTHS`). Rows go module by module, the lengths in order, so ``--limit`` takes whole
+  modules. The lengths sit below the buckets' edges (1,024, 2,048, 4,096, 8,192, 16,384, 32,768),
+  so a template kwarg's few tokens never move a prompt across one: one length a bucket, and 7,000
+  leaves a target of 8,192 positions (SmolLM2's) room for its answer.
+- **Which lengths a module is asked at.** A module is cut at a length only where it holds more
+  tokens than that, so the prompt leaves part of it to continue and lands in its length's bucket.
+  Up to 7,000 tokens that is every module of the set (SET_MIN_CHARS is 7,000 tokens at up to 5
+  characters a token), so the buckets up to 8K differ in length, not in content. Few standard-library
+  modules hold 16,000 or 30,000 tokens (about 64,000 and 120,000 characters), so the two longest
+  lengths ask fewer modules than the others: on CPython 3.11, 6 and 1 (``tkinter/__init__.py``) of
+  the 12, counted with ``make_code_target.py --size long``'s tokenizer or at 4 characters a token.
 - **Training rows** (`training_rows`): module prefixes of a seeded length between two bounds, from
   the training side of the split only, in a seeded order of the files; a file is taken only where
   its prefix leaves part of it to continue.
@@ -18,8 +25,10 @@ fenced form of HumanEval's) fits the length. Lengths are counted by a `Measure`:
 tokenizer over the message as its chat template renders it, the prompt tokens `dflash eval`
 reports; without one (``dflash sets --out`` with no ``--target``), estimated at CHARS_PER_TOKEN
 characters a token, about SmolLM2's median over standard-library files (3.95 over 86 of them;
-from 1.8 for a file of data tables to 4.9). With a target, lengths that leave fewer than ANSWER_ROOM of its positions
-for the answer are left out of the set (a target of 4,096 positions gets the 1K and 2K prompts).
+from 1.8 for a file of data tables to 4.9). Lengths that leave fewer than ANSWER_ROOM of the target's
+positions for the answer are left out of the set (a target of 4,096 positions gets the 1K and 2K
+prompts, one of 8,192 the four up to 7K, one of 32,768 all six); without a target the set is cut
+for ESTIMATE_POSITIONS, SmolLM2's 8,192.
 
 Files that mention HumanEval or define a function named like one of its entry points never become
 training rows (the rule of `benchsets.training_rows`); ``_sysconfigdata_*`` (the interpreter's
@@ -39,14 +48,15 @@ from typing import Any
 from dflash_cache.eval import benchsets, code_prompts
 from dflash_cache.rows.chat import DataError
 
-__all__ = ["ANSWER_ROOM", "CHARS_PER_TOKEN", "SET_LENGTHS", "TRAIN_LENGTHS", "Measure", "continue_user", "prefix",
-           "set_modules", "set_rows", "training_rows"]
+__all__ = ["ANSWER_ROOM", "CHARS_PER_TOKEN", "ESTIMATE_POSITIONS", "SET_LENGTHS", "TRAIN_LENGTHS", "Measure",
+           "continue_user", "prefix", "set_modules", "set_rows", "training_rows"]
 
 CONTINUE_USER = "Continue this Python file:\n```python\n{code}```"
-SET_LENGTHS = (1000, 2000, 4000, 7000)  # tokens of the set's prompts
+SET_LENGTHS = (1000, 2000, 4000, 7000, 16000, 30000)  # tokens of the set's prompts, one a by_context bucket
 TRAIN_LENGTHS = (2000, 7000)  # the fewest and most tokens of a long training prompt (dflash recipe --long-rows)
 ANSWER_ROOM = 1024  # of the target's positions kept for the answer: a length that leaves fewer is left out
 CHARS_PER_TOKEN = 4.0  # the estimate without a tokenizer
+ESTIMATE_POSITIONS = 8192  # the positions the set is cut for without a target: SmolLM2's
 SET_MIN_CHARS = 36_000  # a module of the set holds 7,000 tokens at up to 5 characters a token
 MAX_CHARS_PER_TOKEN = 8  # no tokenizer packs more code into a token: how far a prefix's search looks
 GENERATED = ("_sysconfigdata_",)
@@ -91,13 +101,16 @@ class Measure:
         return len(chat_prompt(self._tokenizer, [{"role": "user", "content": message}], self.kwargs))
 
     def fits(self, length: int) -> bool:
-        """Whether a prompt of `length` tokens leaves ANSWER_ROOM of the target's positions."""
-        return self.max_positions is None or length + ANSWER_ROOM <= self.max_positions
+        """Whether a prompt of `length` tokens leaves ANSWER_ROOM of the target's positions (without a
+        target, of ESTIMATE_POSITIONS; a target whose config names no positions fits every length)."""
+        positions = self.max_positions if self.target is not None else ESTIMATE_POSITIONS
+        return positions is None or length + ANSWER_ROOM <= positions
 
     def describe(self) -> str:
         """How the tokens were counted, for the record."""
         if self.target is None:
-            return f"estimated at {CHARS_PER_TOKEN:g} characters a token (no target given)"
+            return (f"estimated at {CHARS_PER_TOKEN:g} characters a token, cut for {ESTIMATE_POSITIONS:,} positions "
+                    "(no target given)")
         return f"counted with {self.target}'s tokenizer and chat template"
 
 
@@ -142,15 +155,19 @@ def set_modules(root: Path) -> list[tuple[str, str]]:
 
 def set_rows(root: Path, measure: Measure) -> Iterator[dict[str, Any]]:
     """The ``long-code`` set's rows (module docstring): ``{"prompt", "source", "length", "tokens"}``,
-    module by module, each at every length of SET_LENGTHS that `measure` fits."""
+    module by module, each at every length of SET_LENGTHS that `measure` fits and the module holds
+    more tokens than (its prompt leaves part of it to continue)."""
     lengths = [n for n in SET_LENGTHS if measure.fits(n)]
     if not lengths:
         raise DataError(f"long-code: {measure.target} has {measure.max_positions} positions, too few for a prompt of "
                         f"{SET_LENGTHS[0]:,} tokens and {ANSWER_ROOM:,} more for its answer")  # fmt: skip
     for source, text in set_modules(root):
+        whole = measure.tokens(continue_user(text))
         for length in lengths:
+            if whole <= length:  # the whole module fits: nothing left to continue
+                break
             cut = prefix(text, length, measure)
-            if cut is not None:
+            if cut is not None and len(cut[0]) < len(text.rstrip()):
                 yield {"prompt": continue_user(cut[0]), "source": source, "length": length, "tokens": cut[1]}
 
 
