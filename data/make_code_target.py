@@ -22,10 +22,10 @@ Whole modules are held out (``HELD_OUT``: packages and single files that exist f
 to 3.13), with their test files; ``corpus.json`` beside the model records them, the interpreter
 version, the file counts and the token counts. Test suites (``test/``, ``tests/``,
 ``idle_test/``), ``site-packages``, and the generated tables of ``encodings/`` and ``pydoc_data/``
-are not code anyone writes; the CPU size skips the test suites, the GPU size trains on them too
-(it needs the data more than the CPU size does).
+are not code anyone writes; the CPU size skips the test suites, the GPU sizes train on them too
+(they need the data more than the CPU size does).
 
-Two sizes (``--size``):
+Three sizes (``--size``):
 
 - ``cpu``: 8 layers, hidden 96, tied embeddings, 2048 embedding rows (2,003 tokens). A few
   minutes on 2 CPU cores; its output is committed as ``data/code-target`` with the data files
@@ -33,6 +33,22 @@ Two sizes (``--size``):
   continuations) and ``data/code_prompts.jsonl`` (held-out-module prefixes, the eval prompts).
 - ``gpu``: 12 layers, hidden 768 (96M parameters), 8,003 tokens in 8,064 rows, batches of 64K
   tokens in bf16 autocast on one GPU; ``--time-budget S`` fits the cosine schedule into S seconds.
+- ``long``: the ``gpu`` geometry with 32,768 positions, a target to measure drafters' acceptance at
+  8K-32K tokens of context on the ``long-code`` set (SmolLM2 has 8,192 positions). Beside the
+  windows above it trains on **whole modules**: each module, cut into consecutive runs of whole
+  lines of up to 32,768 tokens less LONG_SLACK, each run cut at a seeded line into the user turn
+  ``long_code.continue_user(code)`` (the set's prompt, word for word) and the assistant turn that
+  continues it; the first run of a module starts at its first line, as the set's prompts do. So it
+  learns code at every position up to 32K and to continue a file after that prompt. Besides
+  HELD_OUT it holds out every file on the eval side of long-code's module split
+  (``code_prompts.held_out_module`` of its dotted name), where all of the set's modules are, and the
+  test files named for those modules (``test_minidom.py``); ``corpus.json`` lists them under
+  ``long_code_split`` and adds the whole-module counts and held-out loss under ``whole_modules``.
+  A batch's padding is on the right and its attention mask all ones: no real token attends to the
+  padding in a causal LM and the padding has no labels, so the loss is the masked batch's while
+  attention takes its causal kernel (no mask of 32K by 32K a row). The longest sequence is the
+  positions or ``--batch-tokens``, whichever is fewer, so ``--steps 2 --batch-tokens 1024`` (and a
+  toy ``--geometry``) is a trial run on a CPU.
 
 Training: AdamW (betas 0.9/0.95, weight decay 0.01), linear warmup 5%, cosine decay to 5% of the
 peak, gradients clipped to norm 1, a seeded order of length-sorted batches. On CPU it runs in
@@ -50,13 +66,14 @@ small model's, its greedy continuations fall into loops (``self._c = self._c`` l
 which QUALITY.md weighs against a prompt-lookup drafter. GPU size on one H200: 0.31-0.46 s per 64K-token
 step in a 55 s budget, held-out loss 4.50-4.76 over three builds (QUALITY.md).
 
-Usage: ``python data/make_code_target.py --size cpu|gpu [--out DIR] [--data-dir DIR] [--steps N]
-[--time-budget S] [--data-only]``
+Usage: ``python data/make_code_target.py --size cpu|gpu|long [--out DIR] [--data-dir DIR] [--steps N]
+[--batch-tokens N] [--time-budget S] [--geometry JSON] [--stdlib DIR] [--data-only]``
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import json
 import random
@@ -67,6 +84,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's dflash_cache (size long)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_tiny_target import (  # noqa: E402 - the same tokenizer, batching and training loop
     byte_bpe_tokenizer,
@@ -90,6 +108,7 @@ PREFIX_LINES = (6, 30)
 CONT_LINES = 16
 PREFIX_CHARS = 1200
 MAX_TOKENS = 1024  # longer conversations (a few, with very long lines) are not trained on
+LONG_SLACK = 64  # of a whole-module piece's tokens: the chat template, the message's fence, tokens cut at its ends
 
 @dataclass
 class Size:
@@ -103,6 +122,8 @@ class Size:
     train_rows: int = 400  # regen input rows written beside the model
     prompt_rows: int = 64  # held-out prompts written beside the model
     extra: dict = field(default_factory=dict)
+    positions: int = 2048  # max_position_embeddings
+    whole_modules: bool = False  # also train on whole modules; hold out long-code's side of the module split
 
 
 SIZES = {
@@ -117,6 +138,13 @@ SIZES = {
         geometry=dict(hidden_size=768, intermediate_size=2560, num_hidden_layers=12, num_attention_heads=12,
                       num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),  # fmt: skip
         steps=1500, batch_tokens=65536, lr=1.5e-3, with_tests=True, train_rows=3000, prompt_rows=64,
+    ),
+    "long": Size(
+        bpe_vocab=8000,
+        geometry=dict(hidden_size=768, intermediate_size=2560, num_hidden_layers=12, num_attention_heads=12,
+                      num_key_value_heads=4, head_dim=64, tie_word_embeddings=True),  # fmt: skip
+        steps=1500, batch_tokens=65536, lr=1.5e-3, with_tests=True, train_rows=3000, prompt_rows=64,
+        positions=32768, whole_modules=True,
     ),
 }
 COMMON = dict(max_position_embeddings=2048, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
@@ -198,11 +226,30 @@ def conversation(prefix: str, continuation: str | None) -> list[dict]:
     return msgs
 
 
-def split_corpus(files: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+def split_corpus(files: list[tuple[str, str]], also: frozenset[str] = frozenset()) -> tuple[list, list]:
+    """(training files, held-out files): HELD_OUT's modules are held out, and the paths in `also`."""
     held = {h for h in HELD_OUT}
-    kept = [(p, t) for p, t in files if module_of(Path(p)) not in held]
-    test = [(p, t) for p, t in files if module_of(Path(p)) in held]
+    kept = [(p, t) for p, t in files if module_of(Path(p)) not in held and p not in also]
+    test = [(p, t) for p, t in files if module_of(Path(p)) in held or p in also]
     return kept, test
+
+
+def long_code_split(files: list[tuple[str, str]]) -> tuple[frozenset[str], list[str]]:
+    """(paths, modules) the ``long`` size holds out beside HELD_OUT: every file whose dotted module
+    name is on the eval side of the ``long-code`` set's module split (`code_prompts.held_out_module`;
+    the set's modules are among them), and every test file named for such a module
+    (``test_minidom.py`` for ``xml.dom.minidom``); the modules are the eval side's, test files aside."""
+    from dflash_cache.eval import code_prompts
+
+    names = {p: code_prompts.module_name("stdlib", Path(p)) for p, _ in files}
+    held = {p for p, name in names.items() if code_prompts.held_out_module(name)}
+    modules = sorted({names[p] for p in held if not is_test(Path(p))})
+    tested = {m.rsplit(".", 1)[-1] for m in modules} | {m.replace(".", "_") for m in modules}
+    for p, _ in files:
+        named = {x.removesuffix(".py").removeprefix("test_") for x in Path(p).parts if x.startswith("test_")}
+        if is_test(Path(p)) and named & tested:
+            held.add(p)
+    return frozenset(held), modules
 
 
 def all_windows(files: list[tuple[str, str]], seed: int) -> list[tuple[str, str, str]]:
@@ -218,10 +265,9 @@ def all_windows(files: list[tuple[str, str]], seed: int) -> list[tuple[str, str,
 # ----------------------------------------------------------------------------- tokenizer, model
 
 
-def build_tokenizer(texts: list[str], bpe_vocab: int):
+def build_tokenizer(texts: list[str], bpe_vocab: int, max_length: int = COMMON["max_position_embeddings"]):
     """The tiny target's byte-level BPE (no mask token: the drafter's mask id is len(tokenizer))."""
-    return byte_bpe_tokenizer(texts, bpe_vocab, SPECIAL_TOKENS, mask_token=None,
-                              max_length=COMMON["max_position_embeddings"])  # fmt: skip
+    return byte_bpe_tokenizer(texts, bpe_vocab, SPECIAL_TOKENS, mask_token=None, max_length=max_length)
 
 
 def build_model(tokenizer, size: Size):
@@ -232,7 +278,8 @@ def build_model(tokenizer, size: Size):
 
     vocab = -(-(len(tokenizer) + 1) // 64) * 64
     config = Qwen3Config(vocab_size=vocab, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, dtype="bfloat16", **size.geometry, **COMMON)  # fmt: skip
+                         pad_token_id=tokenizer.pad_token_id, dtype="bfloat16", **size.geometry,
+                         **(COMMON | {"max_position_embeddings": size.positions}))  # fmt: skip
     torch.manual_seed(SEED)
     return Qwen3ForCausalLM(config).float()
 
@@ -241,6 +288,52 @@ def encode(convs: list[list[dict]], tokenizer) -> list[list[int]]:
     """Each conversation as ``dflash extract`` renders it: the whole chat, no generation prompt."""
     texts = tokenizer.apply_chat_template(convs, tokenize=False)
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def module_pieces(text: str, offsets: list[int], budget: int, rng: random.Random) -> list[tuple[str, str]]:
+    """(code, continuation) pairs covering a module front to back: consecutive runs of whole lines of
+    at most `budget` tokens (`offsets`: where each of the module's tokens starts), each cut at a
+    seeded line into the code the prompt shows and the reply that continues it. A line longer than
+    the budget on its own is skipped."""
+    lines = text.splitlines(keepends=True)  # as long_code cuts its prompts
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+    before = [bisect.bisect_left(offsets, c) for c in starts]  # tokens before each line
+    out, i = [], 0
+    while i < len(lines):
+        j = max(i + 1, bisect.bisect_right(before, before[i] + budget) - 1)
+        if j - i >= 2:
+            cut = rng.randint(i + 1, j - 1)
+            code, rest = "".join(lines[i:cut]), "".join(lines[cut:j])
+            if code.strip() and rest.strip():
+                out.append((code, rest))
+        i = j
+    return out
+
+
+def long_sequences(files: list[tuple[str, str]], tokenizer, longest: int, seed: int) -> list[list[int]]:
+    """Every module of `files`, whole, as "continue this Python file" conversations: the user turn
+    `long_code.continue_user` of a piece's code (the ``long-code`` set's prompt), the assistant turn
+    its continuation (`module_pieces`; each file's cuts from its own seeded RNG), rendered as
+    ``dflash extract`` renders them, at most `longest` tokens each."""
+    from dflash_cache.eval.long_code import continue_user
+
+    encodings = tokenizer.backend_tokenizer.encode_batch([t for _, t in files], add_special_tokens=False)
+    convs = []
+    for (path, text), enc in zip(files, encodings, strict=True):
+        rng = random.Random(f"{seed}:long:{path}")
+        pieces = module_pieces(text, [a for a, _ in enc.offsets], longest - LONG_SLACK, rng)
+        convs += [conversation(continue_user(code), rest) for code, rest in pieces]
+    return [s for s in encode(convs, tokenizer) if len(s) <= longest]
+
+
+def causal_batches(batches: list) -> list:
+    """`batches` with every attention mask all ones. Their padding is on the right, so in a causal
+    LM no real token attends to it, and it has no labels: the loss and the gradients are the masked
+    batch's, while attention takes its causal kernel rather than a mask of the sequence's length
+    squared for every row."""
+    return [(ids, att.new_ones(att.shape), labels) for ids, att, labels in batches]
 
 
 def sample(model, tokenizer, prefix: str, device, max_new_tokens: int = 80) -> str:
@@ -289,47 +382,91 @@ def write_data(data_dir: Path, train_rows: list[dict], prompt_rows: list[dict]) 
           f"{data_dir / 'code_prompts.jsonl'} ({len(prompt_rows)} rows)")  # fmt: skip
 
 
-def main() -> None:
+def whole_module_info(model, tokenizer, size: Size, test_files: list[tuple[str, str]], long_seqs: list[list[int]],
+                      split: tuple[frozenset[str], list[str]], device) -> dict:  # fmt: skip
+    """corpus.json's record of the long size: its positions, long-code's side of the module split
+    held out (`long_code_split`), and the whole-module conversations with the trained model's loss
+    on the held-out modules' (in bf16)."""
+    longest = min(size.positions, size.batch_tokens)
+    test_long = long_sequences(test_files, tokenizer, longest, SEED)
+    batches = causal_batches(make_batches(test_long, tokenizer.pad_token_id, size.batch_tokens))
+    loss = corpus_loss(model, batches, device)
+    print(f"held-out loss of whole modules in bf16 {loss:.4f}")
+    return {
+        "positions": size.positions,
+        "long_code_split": {"rule": "long-code's held-out modules (code_prompts.held_out_module: 15% of dotted "
+                                    "module names by a sha256), with the test files named for them",
+                            "modules": split[1], "paths": sorted(split[0])},
+        "whole_modules": {"longest": longest, "train": len(long_seqs), "held_out": len(test_long),
+                          "tokens": {"train": sum(map(len, long_seqs)), "held_out": sum(map(len, test_long))},
+                          "held_out_loss_bf16": round(loss, 4)},
+    }  # fmt: skip
+
+
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="cpu")
     ap.add_argument("--out", type=Path, help="model directory (default data/code-target for cpu)")
     ap.add_argument("--data-dir", type=Path, help="where code_train.jsonl / code_prompts.jsonl go (default: "
-                    "data/ for cpu, the model directory for gpu)")  # fmt: skip
+                    "data/ for cpu, the model directory for gpu and long)")  # fmt: skip
     ap.add_argument("--steps", type=int, help="training steps (default: the size's)")
-    ap.add_argument("--batch-tokens", type=int, help="padded tokens a batch (default: the size's)")
+    ap.add_argument("--batch-tokens", type=int, help="padded tokens a batch (default: the size's; for long, "
+                    "also the longest whole-module sequence when fewer than its 32,768 positions)")  # fmt: skip
     ap.add_argument("--time-budget", type=float, help="seconds of training: fewer steps if they do not fit")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: the size's)")
     ap.add_argument("--data-only", action="store_true", help="write the data files only (no tokenizer or model)")
     ap.add_argument("--stdlib", type=Path, default=None, help="standard library root (default: this interpreter's)")
-    args = ap.parse_args()
+    ap.add_argument("--geometry", type=json.loads, default={}, help="JSON object of Qwen3Config fields that "
+                    "replace the size's (e.g. a toy model for a trial run)")  # fmt: skip
+    return ap.parse_args()
+
+
+def chosen_size(args: argparse.Namespace) -> Size:
+    """The size asked for, with the command line's overrides."""
     size = SIZES[args.size]
     if args.batch_tokens:
         size = replace(size, batch_tokens=args.batch_tokens)
+    if args.geometry:
+        size = replace(size, geometry=size.geometry | args.geometry)
+    return size
+
+
+def main() -> None:
+    args = parse_args()
+    size = chosen_size(args)
     out = args.out or (HERE / "code-target" if args.size == "cpu" else Path(f"code-target-{args.size}"))
     data_dir = args.data_dir or (HERE if args.size == "cpu" else out)
     steps = args.steps or size.steps
 
     import torch
 
-    device = torch.device("cuda" if args.size == "gpu" and torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda" if args.size != "cpu" and torch.cuda.is_available() else "cpu")
     torch.set_num_threads(args.threads or size.threads)
     torch.set_flush_denormal(True)  # tiny activations and Adam states turn denormal: a CPU slows down tenfold
     root = args.stdlib or stdlib_root()
     t0 = time.perf_counter()
     files = stdlib_files(root, size.with_tests)
-    train_files, test_files = split_corpus(files)
+    also, split_modules = long_code_split(files) if size.whole_modules else (frozenset(), [])
+    train_files, test_files = split_corpus(files, also)
     train_w, test_w = all_windows(train_files, SEED), all_windows(test_files, SEED)
     if args.data_only:  # the rows depend on the corpus and the seed only, not on the model
         write_data(data_dir, *data_rows(train_w, test_w, size))
         return
-    tokenizer = build_tokenizer([t for _, t in train_files], size.bpe_vocab)
+    tokenizer = build_tokenizer([t for _, t in train_files], size.bpe_vocab, size.positions)
     seqs = [s for s in encode([conversation(p, c) for _, p, c in train_w], tokenizer) if len(s) <= MAX_TOKENS]
     test_seqs = [s for s in encode([conversation(p, c) for _, p, c in test_w], tokenizer) if len(s) <= MAX_TOKENS]
-    batches = make_batches(seqs, tokenizer.pad_token_id, size.batch_tokens)
-    n_tokens = sum(map(len, seqs))
-    print(f"corpus: {len(train_files)} training files, {len(test_files)} held out; {len(seqs)} conversations, "
-          f"{n_tokens:,} tokens, {len(batches)} batches ({steps * size.batch_tokens / n_tokens:.2f} epochs); "
-          f"prepared in {time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+    longest = min(size.positions, size.batch_tokens)
+    long_seqs = long_sequences(train_files, tokenizer, longest, SEED) if size.whole_modules else []
+    batches = make_batches(seqs + long_seqs, tokenizer.pad_token_id, size.batch_tokens)
+    if size.whole_modules:
+        batches = causal_batches(batches)
+    n_tokens = sum(map(len, seqs + long_seqs))
+    print(f"corpus: {len(train_files)} training files, {len(test_files)} held out; {len(seqs + long_seqs)} "
+          f"conversations, {n_tokens:,} tokens, {len(batches)} batches ({steps * size.batch_tokens / n_tokens:.2f} "
+          f"epochs); prepared in {time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+    if size.whole_modules:
+        print(f"whole modules: {len(long_seqs)} conversations of up to {longest:,} tokens, "
+              f"{sum(map(len, long_seqs)):,} tokens; {len(also)} files of long-code's side held out", flush=True)
 
     model = build_model(tokenizer, size).to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -340,6 +477,9 @@ def main() -> None:
     model = model.to(torch.bfloat16)
     test_loss = corpus_loss(model, make_batches(test_seqs, tokenizer.pad_token_id, size.batch_tokens), device)
     print(f"trained in {took:.0f}s: recent training loss {last:.4f}; held-out loss in bf16 {test_loss:.4f}")
+    long_info = {}
+    if size.whole_modules:
+        long_info = whole_module_info(model, tokenizer, size, test_files, long_seqs, (also, split_modules), device)
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -356,7 +496,7 @@ def main() -> None:
                   "digest": hashlib.sha256("".join(p + t for p, t in files).encode()).hexdigest()[:16]},
         "with_tests": size.with_tests,
         "conversations": {"train": len(seqs), "held_out": len(test_seqs)},
-        "tokens": {"train": n_tokens, "held_out": sum(map(len, test_seqs))},
+        "tokens": {"train": sum(map(len, seqs)), "held_out": sum(map(len, test_seqs))},
         "parameters": n_params,
         "steps": steps,
         "time_budget": args.time_budget,
@@ -369,7 +509,7 @@ def main() -> None:
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "tokenizers": __import__("tokenizers").__version__},
         "data": {"train_rows": len(train_rows), "prompt_rows": len(prompt_rows)},
-    }  # fmt: skip
+    } | long_info  # fmt: skip
     (tmp / "corpus.json").write_text(json.dumps(info, indent=1) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

@@ -1,8 +1,9 @@
 """Long contexts: tau by the prompt's length (`metrics.context_figures`, the ``by_context`` of eval and
 eval-sets), a user's long prompt through eval-sets and one past the target's positions refused, the
 long-code set's lengths counted with the target's tokenizer (up to 30K tokens where the target has
-the positions), and the module split that keeps its modules out of every training row (the code
-prompts, the recipe's long rows)."""
+the positions), the module split that keeps its modules out of every training row (the code
+prompts, the recipe's long rows), and the long code target (``make_code_target.py --size long``)
+that holds them out too."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import json
 import math
 import random
 import shutil
+import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -237,3 +240,63 @@ def test_no_held_out_module_enters_training(tmp_path):
         assert 2000 <= r["tokens"] == measure.tokens(r["prompt"]) <= r["length"] <= 3000
     assert long_code.training_rows(5, ["stdlib"], measure, 2000, 3000, seed=1) == rows[:5]  # the first N whatever N
 
+
+def load_code_target_script():
+    """data/make_code_target.py, imported (a script of data/, not a package module)."""
+    if str(ROOT / "data") not in sys.path:
+        sys.path.insert(0, str(ROOT / "data"))
+    import make_code_target
+
+    return make_code_target
+
+
+# A standard library in miniature: the training side, a HELD_OUT module, long-code's eval side (three of
+# the set's modules, a package's submodule among them, and a short one), tests of each side.
+MINI_STDLIB = {
+    "train": ["bisect.py", "colorsys.py", "queue.py", "sched.py", "xml/__init__.py", "xml/dom/__init__.py"],
+    "held_out": ["shlex.py"],
+    "eval_side": ["functools.py", "socket.py", "fnmatch.py", "xml/dom/minidom.py"],
+}
+TOY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+       "num_key_value_heads": 1, "head_dim": 16}  # fmt: skip
+
+
+def test_the_long_code_target_holds_out_every_long_code_module(tmp_path):
+    """``make_code_target.py --size long`` at toy scale (2 steps, 1,024-token batches, a toy geometry)
+    on CPU: a Qwen3 with 32,768 positions whose training left out HELD_OUT and every file of
+    long-code's side of the module split (its test files too), as corpus.json records; on the real
+    standard library, every module the long-code set asks is held out."""
+    script = load_code_target_script()
+    files = script.stdlib_files(STDLIB, True)
+    held, modules = script.long_code_split(files)
+    train, _ = script.split_corpus(files, held)
+    asked = {s.removeprefix("stdlib/") for s, _ in long_code.set_modules(STDLIB)}
+    assert asked and asked <= held and not asked & {p for p, _ in train}
+    assert all(held_out(m) for m in modules) and not any(held_out(module_of(f"stdlib/{p}")) for p, _ in train
+                                                         if not script.is_test(Path(p)))  # fmt: skip
+
+    root = tmp_path / "stdlib"
+    for rel in [p for side in MINI_STDLIB.values() for p in side]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(STDLIB / rel, root / rel)
+    (root / "test").mkdir()
+    (root / "test" / "test_functools.py").write_text("import functools\n\n\ndef test_cache():\n    assert functools\n")
+    (root / "test" / "test_queue.py").write_text("import queue\n\n\ndef test_queue():\n    assert queue.Queue()\n")
+    out = tmp_path / "long-target"
+    subprocess.run([sys.executable, str(ROOT / "data" / "make_code_target.py"), "--size", "long", "--out", str(out),
+                    "--stdlib", str(root), "--steps", "2", "--batch-tokens", "1024", "--geometry", json.dumps(TOY)],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_position_embeddings"] == 32768 and config["hidden_size"] == 32
+    corpus = json.loads((out / "corpus.json").read_text())
+    held_paths = set(corpus["files"]["held_out_paths"])
+    set_paths = {s.removeprefix("stdlib/") for s, _ in long_code.set_modules(root)}
+    assert set_paths == {"functools.py", "socket.py", "xml/dom/minidom.py"} and set_paths <= held_paths
+    split = set(MINI_STDLIB["eval_side"]) | {"test/test_functools.py"}
+    assert set(corpus["long_code_split"]["paths"]) == split
+    assert held_paths == split | set(MINI_STDLIB["held_out"])
+    assert corpus["files"]["train"] == len(MINI_STDLIB["train"]) + 1  # test_queue.py is trained on
+    assert corpus["whole_modules"]["longest"] == 1024 and corpus["whole_modules"]["train"] > 0
+    sources = {json.loads(x)["source"] for x in (out / "code_train.jsonl").read_text().splitlines()}
+    assert sources and not sources & held_paths
