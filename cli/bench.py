@@ -3,6 +3,7 @@ options come from its settings dataclass (dflash_cache/bench/config.py); each pr
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import typer
@@ -21,6 +22,7 @@ from .checks import check_paths
 from .errors import friendly
 from .options import configured
 from .results import print_json
+from .ui import console
 
 bench_app = typer.Typer(no_args_is_help=True, help="Measure this machine before a long job (ratios side by side).")
 
@@ -80,10 +82,15 @@ def extract(cfg: ExtractBenchConfig, *, as_json: bool) -> None:
         raise BenchError("--length sets every sample's length: it does not go with --long, and --peer measures "
                          "the chat mix")  # fmt: skip
     config = shape_of(cfg.like) if cfg.like else shape_config(cfg.shape)
+    start = time.monotonic()
+
+    def phase(name: str) -> None:  # on stderr, so --json's stdout stays one object
+        console.print(f"bench extract: {name} ({time.monotonic() - start:.0f} s in)")
+
     result = bench.extract(cfg.out, config=config, num_tokens=cfg.tokens, storage=cfg.storage,
                            token_budget=cfg.token_budget, writers=cfg.writers, long=cfg.long, length=cfg.length,
                            prefill_chunk=cfg.prefill_chunk, final_hidden=cfg.final_hidden, project=cfg.project,
-                           project_basis=cfg.project_basis)  # fmt: skip
+                           project_basis=cfg.project_basis, on_phase=phase)  # fmt: skip
     bench.write_random_frozen(cfg.out, config)
     if cfg.peer:
         result |= {f"loader_{k}": v for k, v in bench.loader_rate(cfg.out, token_budget=cfg.token_budget).items()}

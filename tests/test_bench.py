@@ -244,6 +244,9 @@ def test_fixed_length_benchmarks(tmp_path):
     assert all(x[k] > 0 for k in ("ratio", "steady_ratio", "staged_ratio", "bare_tok_s", "full_tok_s"))
     assert x["ratio"] == pytest.approx(x["full_tok_s"] / x["bare_tok_s"], rel=1e-3)  # printed to 4 places
     assert verify(out) == {} and sorted(len(ids) for _, ids, _, _ in read_cache(out).values()) == [300] * 3
+    phases = [line.split(" (")[0] for line in r.stderr.splitlines() if line.startswith("bench extract: ")]
+    assert phases == [f"bench extract: {p}" for p in ("the random target", "warm-up", "the full extract path",
+                                                      "the bare forward", "the forward and copies without writers")]
     r = runner.invoke(app, ["bench", "extract", "--out", str(tmp_path / "no"), "--length", "300", "--long"])
     assert r.exit_code == 1 and "error: --length sets every sample's length" in r.output
 

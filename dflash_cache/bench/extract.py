@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -114,8 +115,8 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
             writers: int = ExtractBenchConfig.writers,
             device: torch.device | None = None, target=None, long: bool = False,
             lengths: np.ndarray | None = None, length: int | None = None, prefill_chunk: int | None = None,
-            final_hidden: bool = False, project: int | None = None,
-            project_basis: str = "joint") -> dict[str, Any]:  # fmt: skip
+            final_hidden: bool = False, project: int | None = None, project_basis: str = "joint",
+            on_phase: Callable[[str], None] = lambda phase: None) -> dict[str, Any]:  # fmt: skip
     """Full extract path vs the bare truncated forward, same model, same batches and chunks, one
     process. `long`: samples of 16K to 32K tokens instead of the chat mix; `length`: every sample
     that many tokens, as many as `num_tokens` holds; `lengths`: these samples instead (e.g. a
@@ -124,7 +125,8 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     `final_hidden`: the cache also holds the final hidden state (what DSpark trains on); the bare
     forward then runs every layer. `project`: the cache holds that many projected values a token
     (the stage's fit, timed apart as fit_s, on the random target's own features); the bare forward
-    stays the target's alone, so the ratio carries the projection's product."""
+    stays the target's alone, so the ratio carries the projection's product. `on_phase` hears each
+    phase's name as it starts (a long sample's run takes minutes)."""
     from dflash_cache.cache.spec import default_layer_ids, write_spec
     from dflash_cache.cache.store import committed_units
 
@@ -132,6 +134,7 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     token_budget = resolve_forward_token_budget(token_budget, device.type == "cuda")  # the stage's default
     chunk = prefill_chunk
     layer_ids = default_layer_ids(config["num_hidden_layers"])
+    on_phase("the random target")
     target = target or RandomTarget(config, layer_ids, device, final_hidden).build()
     lengths = _bench_lengths(num_tokens, long, lengths, length)
     dataset = synthetic_dataset(lengths, config["vocab_size"])
@@ -140,8 +143,10 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     out.mkdir(parents=True, exist_ok=True)
     bare_target, fit_s = target, 0.0
     if spec.projection is not None:
+        on_phase("the basis fit")
         target, spec, fit_s = _fit(target, spec, plan, dataset, device, chunk, out)
     write_spec(out, spec)
+    on_phase("warm-up")
     # warm up kernels on the largest batch (its first two chunks when it runs in chunks: the first
     # without a cache, the second with one), outside the timings
     for _ in itertools.islice(_plan_forwards(target, plan, dataset, device, chunk), 2):
@@ -149,10 +154,13 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     # The full path runs first, so any first-use cost of a batch shape is charged to it, not
     # to the bare forward it is compared with.
     times: dict[str, float] = {}
+    on_phase("the full extract path")
     written, peak_rss = _time_full(target, plan, dataset, spec, out, device, writers, chunk, times)
+    on_phase("the bare forward")
     with timer(device, times, "bare"):
         for _ in _plan_forwards(bare_target, plan, dataset, device, chunk):
             pass
+    on_phase("the forward and copies without writers")
     _time_staged(target, plan, dataset, row, device, chunk, times)
     assert len(committed_units(out)) == len(plan.units)
     return _extract_report(config, lengths, plan, spec, row, chunk=chunk, project=project, fit_s=fit_s, times=times,
