@@ -138,8 +138,9 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     target = target or RandomTarget(config, layer_ids, device, final_hidden).build()
     lengths = _bench_lengths(num_tokens, long, lengths, length)
     dataset = synthetic_dataset(lengths, config["vocab_size"])
-    row, plan, spec = _bench_cache(config, layer_ids, lengths, storage, token_budget, unit_mb, long, final_hidden,
-                                   project, project_basis)  # fmt: skip
+    projection = bench_projection(project or "none", project_basis, len(layer_ids), config["hidden_size"])
+    row, plan, spec = _bench_cache(config, layer_ids, lengths, storage, token_budget, unit_mb,
+                                   LONG_MAX if long else 3072, final_hidden, projection)  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     bare_target, fit_s = target, 0.0
     if spec.projection is not None:
@@ -177,24 +178,22 @@ def _bench_lengths(num_tokens: int, long: bool, lengths: np.ndarray | None, leng
 
 
 def _bench_cache(config: dict, layer_ids: list[int], lengths: np.ndarray, storage: str, token_budget: int,
-                 unit_mb: int, long: bool, final_hidden: bool, project: int | None, project_basis: str):  # fmt: skip
-    """The benchmark cache's row format, plan and spec (its basis not fitted yet), as the stage
-    makes them for these samples."""
-    from dflash_cache.cache.spec import ProjectionInfo, default_bucket_edges
+                 unit_mb: int, min_edge: int, final_hidden: bool, projection: ProjectionInfo | None):  # fmt: skip
+    """A benchmark cache's row format, plan and spec (a projection's digest not set yet), as the
+    stage makes them for these samples: length buckets up to `min_edge` or the longest sample,
+    whichever is more; `storage` auto as the stage resolves it."""
+    from dflash_cache.cache.spec import default_bucket_edges
     from dflash_cache.cache.unit.layout import RowFormat, chunk_tokens_for
     from dflash_cache.extract.config import resolve_storage
     from dflash_cache.extract.plan import make_plan
 
-    projection = None
-    if project:
-        projection = ProjectionInfo(basis=project_basis, rank=project, scaling="layer-rms", fit_tokens=131072)
     storage = resolve_storage(storage, projection is not None)
     row = RowFormat.planned(storage, len(layer_ids), config["hidden_size"], projection, final=final_hidden)
-    row_bytes = row.hidden_bytes
-    plan = make_plan(lengths, bucket_edges=default_bucket_edges(max(LONG_MAX if long else 3072, int(lengths.max()))),
-                     token_budget=max(token_budget, int(lengths.max())),
-                     unit_tokens=(unit_mb << 20) // row_bytes)  # fmt: skip
-    spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row_bytes), final_hidden, projection)
+    longest = int(lengths.max())
+    plan = make_plan(lengths, bucket_edges=default_bucket_edges(max(min_edge, longest)),
+                     token_budget=max(token_budget, longest),
+                     unit_tokens=(unit_mb << 20) // row.hidden_bytes)  # fmt: skip
+    spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row.hidden_bytes), final_hidden, projection)
     return row, plan, spec
 
 
@@ -371,20 +370,20 @@ class RandomStates:
                 for w in self.widths]  # fmt: skip
 
 
-def random_projection(project: int | str, num_layers: int, hidden_size: int) -> ProjectionInfo | None:
+def bench_projection(project: int | str, basis: str, num_layers: int, hidden_size: int) -> ProjectionInfo | None:
     """The ProjectionInfo `project` asks for, read as `dflash extract --project` reads it (auto: H
-    values a token under one joint basis; none, or a rank of every tapped value: None), with the
-    stage's default scaling and fit size; BenchError for a rank extract refuses."""
+    values a token; none, or a rank of every tapped value: None), with the stage's default scaling
+    and fit size; BenchError for a rank extract refuses."""
     from dflash_cache.cache.projection import check_projection
     from dflash_cache.cache.spec import ProjectionInfo
     from dflash_cache.extract.config import ExtractConfig, resolve_rank
 
-    rank = resolve_rank(project, "joint", num_layers, hidden_size)
+    rank = resolve_rank(project, basis, num_layers, hidden_size)
     if rank is None:
         return None
-    if problem := check_projection("joint", rank, ExtractConfig.project_scaling, num_layers, hidden_size):
+    if problem := check_projection(basis, rank, ExtractConfig.project_scaling, num_layers, hidden_size):
         raise BenchError(f"--project: {problem}")
-    return ProjectionInfo(basis="joint", rank=rank, scaling=ExtractConfig.project_scaling,
+    return ProjectionInfo(basis=basis, rank=rank, scaling=ExtractConfig.project_scaling,
                           fit_tokens=ExtractConfig.project_fit_tokens)  # fmt: skip
 
 
@@ -413,28 +412,20 @@ def random_cache(out: Path, config: dict, lengths: np.ndarray, *, storage: str =
     as there: a projected cache holds random stored values beside a random basis (`random_basis`,
     saved and named in cache.json as the stage does), `--project none` the tapped layers as they
     are; `storage` auto is then fp8 and bf16, as in the stage. Returns its samples and tokens."""
-    from dflash_cache.cache.spec import default_bucket_edges, default_layer_ids, write_spec
-    from dflash_cache.cache.unit.layout import RowFormat, chunk_tokens_for
-    from dflash_cache.extract.config import resolve_storage
+    from dflash_cache.cache.spec import default_layer_ids, write_spec
     from dflash_cache.extract.forward import extract_units
-    from dflash_cache.extract.plan import make_plan
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     lengths = np.asarray(lengths, dtype=np.int64)
     layer_ids = default_layer_ids(config["num_hidden_layers"])
     k, h = len(layer_ids), config["hidden_size"]
-    projection = random_projection(project, k, h)
-    storage = resolve_storage(storage, projection is not None)
-    row = RowFormat.planned(storage, k, h, projection, final=final_hidden)
+    projection = bench_projection(project, "joint", k, h)
     budget = resolve_forward_token_budget(None, device.type == "cuda")
-    longest = int(lengths.max())
-    plan = make_plan(lengths, bucket_edges=default_bucket_edges(max(3072, longest)),
-                     token_budget=max(budget, longest), unit_tokens=(512 << 20) // row.hidden_bytes)  # fmt: skip
+    row, plan, spec = _bench_cache(config, layer_ids, lengths, storage, budget, 512, 3072, final_hidden, projection)
     out.mkdir(parents=True, exist_ok=True)
     if projection is not None:  # the basis is stored before cache.json names its digest, as in the stage
         digest = random_basis(projection, k, h, device).save(out)
-        projection = dataclasses.replace(projection, digest=digest)
-    spec = bench_spec(config, layer_ids, plan, storage, chunk_tokens_for(row.hidden_bytes), final_hidden, projection)
+        spec = dataclasses.replace(spec, projection=dataclasses.replace(projection, digest=digest))
     write_spec(out, spec)
     target = RandomStates([row.width // row.layers] * row.layers + [h] * final_hidden, device)
     extract_units(target, list(plan.units), synthetic_dataset(lengths, config["vocab_size"]), spec, out, device,
