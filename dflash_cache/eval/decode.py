@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -167,9 +168,10 @@ class _Prompts:
                       f"positions, more than the target's {self.positions:,} (max_position_embeddings)"}  # fmt: skip
         return False
 
-    @property
+    @cached_property
     def asked(self) -> list[int]:
-        """The prompts whose first turn fits the target's positions."""
+        """The prompts whose first turn fits the target's positions (those that do not are recorded
+        in `rejected` once, here)."""
         return [i for i, p in enumerate(self.first) if self.fits(i, 0, p)]
 
     def request(self, i: int, k: int, prompt: list[int]) -> Request:
