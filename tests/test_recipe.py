@@ -26,7 +26,7 @@ from dflash_cache.eval.benchsets import set_rows, training_rows, write_rows
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.decode import evaluate
 from dflash_cache.pipelines.config import RecipeConfig, RecipeError
-from dflash_cache.pipelines.recipe import _prompts
+from dflash_cache.pipelines.recipe import _max_length, _prompts
 from dflash_cache.rows.chat import DataWarning
 
 
@@ -92,9 +92,10 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
         assert not held_out(r["source"].removeprefix("generate/").removesuffix(".py"))
         assert 2000 <= r["tokens"] == prompt_tokens(tokenizer, r["prompt"]) <= r["length"] <= 4096 - 8 - 64
     spec, full = read_spec(out / "cache"), read_spec(out / "cache-project-none")
-    assert spec.data.max_length == made["longest"] + 8 + 64 > 3072  # raised from extract's default to hold them
+    assert spec.data.max_length == 4096 >= made["longest"] + 8 + 64 > 3072  # the target's positions hold them
     extracted = record["stages"]["extract"]
     assert (extracted["samples"], extracted["rejected"]) == (13, 0)  # every row whole: none cut or rejected
+    assert "rows rejected" not in proc.stderr
     assert extracted["padding"] == 1 - spec.plan.num_tokens / spec.plan.padded_tokens
     lengths = np.array(sorted(len(ids) for _, ids, _, _ in read_cache(out / "cache").values()))
     assert len(lengths) == 13 and all((lengths >= r["tokens"]).sum() >= 1 for r in long)
@@ -155,3 +156,13 @@ def test_fewer_code_prompts_than_asked_are_all_taken_with_a_warning(tmp_path):
     write_rows(sharegpt, strict.out / "sets" / "sharegpt-train.jsonl")
     with pytest.raises(RecipeError, match="ShareGPT's training side has 3 rows .* fewer than the 4 asked for"):
         _prompts(strict, str(TINY_TARGET))
+
+
+def test_the_cache_holds_rows_up_to_the_targets_positions_and_a_begun_cache_keeps_its_length(tiny_cache, tmp_path):
+    """Extract's default longest row (3,072) would reject a target's longest conversations; the
+    recipe's cache takes rows up to the target's positions (the tiny target's 4,096). A cache
+    begun with another length (here 512) resumes with it: extract refuses to mix settings."""
+    cfg = RecipeConfig(target=str(TINY_TARGET), out=tmp_path)
+    assert read_spec(tiny_cache).data.max_length == 512
+    assert _max_length(cfg, str(TINY_TARGET), tmp_path / "cache") == 4096
+    assert _max_length(cfg, str(TINY_TARGET), tiny_cache) == 512

@@ -16,8 +16,8 @@ one resumable command.
    given its own earlier answers);
 4. **extract**: the cache, with the final hidden state when a DSpark drafter is asked for (DFlash
    trains on the same cache), stored as `project` asks; one cache for each value given there. Its
-   longest row is extract's default, or with long prompts the longest of them and its answer
-   (`_max_length`), so none is cut or rejected; they batch in length buckets of their own;
+   longest row is the target's positions (`_max_length`), so no long conversation or long prompt
+   the target holds is cut or rejected; they batch in length buckets of their own;
 5. **train**: one drafter for each family x draft layers x epochs asked for, on each cache;
 6. **eval**: every drafter and the target alone on the benchmark sets at batch 1 (`dflash
    eval-sets`): tau per prompt and pooled (by turn on MT-Bench), tokens/s and the speedup. Each drafter
@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dflash_cache.cache.spec import CACHE_JSON, read_spec
 from dflash_cache.core.atomic import write_atomic
 from dflash_cache.core.damage import read_json
 from dflash_cache.core.progress import ProgressSink
@@ -165,9 +166,16 @@ def _long_prompts(cfg: RecipeConfig, target: str) -> None:
     code_prompts.manifest_path(_long(cfg)).write_text(json.dumps(manifest) + "\n")  # last: the file is complete
 
 
-def _max_length(cfg: RecipeConfig) -> int:
-    """The cache's longest row: extract's default, or the longest long prompt with an answer of
-    --regen-tokens where it is longer, so that no long row is cut or rejected."""
+def _max_length(cfg: RecipeConfig, target: str, cache: Path) -> int:
+    """The cache's longest row: the target's positions where they are more than extract's default,
+    so every conversation and long prompt the target holds is cached whole; without
+    positions in its config, the longest long prompt with an answer of --regen-tokens. A cache
+    already begun keeps the length it was made with, so an older recipe resumes."""
+    if (cache / CACHE_JSON).is_file():
+        return read_spec(cache).data.max_length
+    positions = long_code.Measure(target).max_positions
+    if positions is not None:
+        return max(ExtractConfig.max_length, positions)
     if not cfg.long_rows:
         return ExtractConfig.max_length
     return max(ExtractConfig.max_length, _long_made(cfg)["longest"] + cfg.regen_tokens + REPLY_SLACK)
@@ -214,9 +222,13 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     for i, (project, cache) in enumerate(caches.items()):
         say(f"[4/6] extract: tapped hidden states -> {cache.name} (--project {project})")
         ecfg = ExtractConfig(target=target, data=str(regen_out), out=cache, final_hidden=final_hidden,
-                             project=extract_project(project), max_length=_max_length(cfg), gpus=cfg.gpus)  # fmt: skip
-        record.stage("extract" if i == 0 else f"extract project-{project}",
-                     lambda ecfg=ecfg: extract.run(ecfg, bars("extract")), _cached)  # fmt: skip
+                             project=extract_project(project), max_length=_max_length(cfg, target, cache),
+                             gpus=cfg.gpus)  # fmt: skip
+        done = record.stage("extract" if i == 0 else f"extract project-{project}",
+                            lambda ecfg=ecfg: extract.run(ecfg, bars("extract")), _cached)  # fmt: skip
+        if done["rejected"]:
+            say(f"      {done['rejected']:,} of {done['rejected'] + done['samples']:,} rows rejected, "
+                f"their reasons in {cache / 'rejected.jsonl'}")  # fmt: skip
     exports = {}
     for i, (name, (family, layers, epochs, project)) in enumerate(runs.items()):
         say(f"[5/6] train {i + 1}/{len(runs)}: {name}")
