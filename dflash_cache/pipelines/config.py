@@ -11,10 +11,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dflash_cache.core.errors import UserError
 from dflash_cache.core.settings import SettingsError, describe, from_text, same_as, setting
+from dflash_cache.drafters.settings import DrafterSettings
 from dflash_cache.eval.config import EvalSetsConfig, lookup_list_problem
 from dflash_cache.extract.config import (
     DATA_HELP,
@@ -118,6 +119,12 @@ class RecipeConfig:
     draft_layers: list[int] = setting(help="Draft layers: one drafter for each value (each layer adds to every "
                                       "speculative step's cost).", factory=lambda: [2])  # fmt: skip
     epochs: list[int] = setting(help="Training epochs: one drafter for each value.", factory=lambda: [24])
+    sliding_window: list[str] = setting(help="The draft layers' attention: one drafter for each value, full (the "
+                                        "whole context) or W (a window of W tokens, as dflash train "
+                                        "--sliding-window W; its drafters named ...-window-W).",
+                                        factory=lambda: ["full"], expects="full or windows like full,2048")  # fmt: skip
+    full_attention_layers: list[int] | None = same_as(DrafterSettings, "full_attention_layers",
+                                                      "(For every windowed drafter.)")  # fmt: skip
     benchmarks: list[str] = setting(help="Sets to evaluate on, as dflash eval-sets' --benchmarks: humaneval, "
                                     "mt-bench, sharegpt, long-code, or prompt files.",
                                     factory=lambda: list(BENCHMARKS))  # fmt: skip
@@ -152,6 +159,7 @@ class RecipeConfig:
             raise RecipeError("--rows, --code-rows and --long-rows are all 0: nothing to train on")
         if min(self.draft_layers) < 1 or min(self.epochs) < 1:
             raise RecipeError("--draft-layers and --epochs must be at least 1")
+        self._check_windows()
         if problem := lookup_list_problem(self.lookup):
             raise RecipeError(problem)
 
@@ -165,6 +173,26 @@ class RecipeConfig:
         """A recipe.json as its settings; any other mapping as it is."""
         return data["settings"] if {"settings", "stages"} <= data.keys() else data
 
+    def windows(self) -> list[int | None]:
+        """--sliding-window's values: None for full attention, else the window."""
+        return [None if v == "full" else int(v) for v in self.sliding_window]
+
+    def _check_windows(self) -> None:
+        """Refuse, before any stage runs, a window or --full-attention-layers that training would."""
+        bad = [v for v in self.sliding_window if v != "full" and not (v.isdigit() and int(v) >= 1)]
+        if bad or len(set(self.sliding_window)) < len(self.sliding_window):
+            raise RecipeError(f"--sliding-window {','.join(self.sliding_window)}: expected full or windows of at "
+                              "least 1 token, each once")  # fmt: skip
+        windows = [w for w in self.windows() if w is not None]
+        if self.full_attention_layers and not windows:
+            raise RecipeError("--full-attention-layers needs a window in --sliding-window")
+        for layers, window in itertools.product(self.draft_layers, windows):
+            try:
+                DrafterSettings(draft_layers=layers, sliding_window=window,
+                                full_attention_layers=self.full_attention_layers).layer_types()  # fmt: skip
+            except ValueError as e:
+                raise RecipeError(str(e)) from None
+
     def _named_for(self, project: str) -> str:
         """What a --project value adds to its cache's and drafters' names: nothing for the first (so
         that adding a value to an earlier recipe keeps its cache and drafters), -project-V after."""
@@ -174,12 +202,23 @@ class RecipeConfig:
         """Each --project value's cache: OUT/cache for the first, OUT/cache-project-V for the others."""
         return {v: self.out / f"cache{self._named_for(v)}" for v in self.project}
 
-    def runs(self) -> dict[str, tuple[str, int, int, str]]:
-        """Each drafter's name and its (family, draft layers, epochs, --project value); the drafters
-        on a cache other than the first are named for its value."""
-        grid = itertools.product(self.project, self.families, self.draft_layers, self.epochs)
-        return {f"{family}-l{layers}-e{epochs}{self._named_for(project)}": (family, layers, epochs, project)
-                for project, family, layers, epochs in grid}  # fmt: skip
+    def runs(self) -> dict[str, Run]:
+        """Each drafter's name and what it is; the windowed drafters are named for their window, the
+        drafters on a cache other than the first for its value."""
+        grid = itertools.product(self.project, self.families, self.draft_layers, self.epochs, self.windows())
+        return {f"{family}-l{layers}-e{epochs}{'' if window is None else f'-window-{window}'}"
+                f"{self._named_for(project)}": Run(family, layers, epochs, project, window)
+                for project, family, layers, epochs, window in grid}  # fmt: skip
+
+
+class Run(NamedTuple):
+    """One drafter of a recipe's grid."""
+
+    family: str
+    draft_layers: int
+    epochs: int
+    project: str  # the --project value of the cache it trains on
+    window: int | None  # its --sliding-window, None for full attention
 
 
 def bundled(name: str) -> Path:

@@ -18,7 +18,8 @@ one resumable command.
    trains on the same cache), stored as `project` asks; one cache for each value given there. Its
    longest row is the target's positions (`_max_length`), so no long conversation or long prompt
    the target holds is cut or rejected; they batch in length buckets of their own;
-5. **train**: one drafter for each family x draft layers x epochs asked for, on each cache;
+5. **train**: one drafter for each family x draft layers x epochs x sliding window asked for, on
+   each cache;
 6. **eval**: every drafter and the target alone on the benchmark sets at batch 1 (`dflash
    eval-sets`): tau per prompt and pooled (by turn on MT-Bench), tokens/s and the speedup. Each drafter
    runs with prompt lookup mixed in (`lookup`, 2 by default: `generate.lookup_mix`) and alone
@@ -230,11 +231,13 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
             say(f"      {done['rejected']:,} of {done['rejected'] + done['samples']:,} rows rejected, "
                 f"their reasons in {cache / 'rejected.jsonl'}")  # fmt: skip
     exports = {}
-    for i, (name, (family, layers, epochs, project)) in enumerate(runs.items()):
+    for i, (name, drafter) in enumerate(runs.items()):
         say(f"[5/6] train {i + 1}/{len(runs)}: {name}")
-        tcfg = TrainConfig(cache=caches[project], out=cfg.out / "runs" / name, drafter=family,
-                           draft_layers=layers, epochs=epochs, token_budget=cfg.token_budget, seed=cfg.seed,
-                           gpus=cfg.gpus)  # fmt: skip
+        window = {} if drafter.window is None else {"sliding_window": drafter.window,
+                                                    "full_attention_layers": cfg.full_attention_layers}  # fmt: skip
+        tcfg = TrainConfig(cache=caches[drafter.project], out=cfg.out / "runs" / name, drafter=drafter.family,
+                           draft_layers=drafter.draft_layers, epochs=drafter.epochs, token_budget=cfg.token_budget,
+                           seed=cfg.seed, gpus=cfg.gpus, **window)  # fmt: skip
         record.stage(f"train {name}", lambda tcfg=tcfg: train.run(tcfg, bars("train")))
         exports[name] = tcfg.out / "export"
     say(f"[6/6] eval: {', '.join(cfg.benchmarks)} at batch 1")
