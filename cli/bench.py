@@ -113,7 +113,8 @@ def train(cfg: TrainBenchConfig, *, as_json: bool) -> None:
                        block_size=cfg.block_size, draft_layers=cfg.draft_layers, readers=cfg.readers, cold=cfg.cold,
                        drafter=cfg.drafter, length=cfg.length,
                        config=shape_of(cfg.like) if cfg.like else shape_config(cfg.shape),
-                       storage=cfg.storage, project=cfg.project))  # fmt: skip
+                       storage=cfg.storage, project=cfg.project, sliding_window=cfg.sliding_window,
+                       full_attention_layers=cfg.full_attention_layers))  # fmt: skip
 
 
 @bench_app.command("ranks")

@@ -266,6 +266,53 @@ def test_fixed_length_benchmarks(tmp_path):
     assert r.exit_code == 1 and "error: --project 0: expected an integer >= 1 or auto or none" in r.output
 
 
+def test_sliding_window_train_benchmark(tmp_path):
+    """`bench train --sliding-window W [--full-attention-layers L]` on a fixed-length cache: the
+    drafter's layers slide as `dflash train`'s would and the result says so, and a step's useful
+    FLOPs (what MFU divides) count only the context keys the window lets a block attend: on the
+    same cache and batches, fewer than with full attention, and with one of two layers full, the
+    mean of the two. Window settings the drafter refuses are refused as `dflash train` refuses
+    them, before a cache is written."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    runner = CliRunner()
+    cache = tmp_path / "tx"
+    r = runner.invoke(app, ["bench", "train", "--cache", str(cache), "--like", str(TINY_TARGET), "--length", "300",
+                            "--steps", "2", "--token-budget", "512", "--max-anchors", "4", "--draft-layers", "2",
+                            "--sliding-window", "64", "--full-attention-layers", "1", "--json"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    t = json.loads(r.stdout)
+    assert (t["length"], t["steps"], t["drafter_layers"], t["sliding_window"], t["full_attention_layers"]) == (
+        300, 2, 2, 64, [1])  # fmt: skip
+    assert t["memory_tflops"] > 0 and sorted(len(ids) for _, ids, _, _ in read_cache(cache).values()) == [300] * 5
+    # the same cache and batches (and anchors, the seed's) with full attention, every layer sliding, one full
+    kw = dict(steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=2)
+    full = bench_train(cache, **kw)
+    slide = bench_train(cache, **kw, sliding_window=64)
+    mixed = bench_train(cache, **kw, sliding_window=64, full_attention_layers=[1])
+    assert (full["sliding_window"], full["full_attention_layers"]) == (None, None)
+    assert (slide["sliding_window"], slide["full_attention_layers"]) == (64, None)
+    assert (mixed["sliding_window"], mixed["full_attention_layers"]) == (64, [1])
+    # anchors up to 299 against a window of 64: a sliding layer's attention reads at most 63 context keys a block
+    per_step = {k: v["useful_tflop_per_step"] for k, v in (("full", full), ("slide", slide), ("mixed", mixed))}
+    assert 0 < per_step["slide"] < per_step["mixed"] < per_step["full"]
+    assert per_step["mixed"] == pytest.approx((per_step["full"] + per_step["slide"]) / 2, rel=1e-3)
+    for v in (full, slide, mixed):  # the MFU's TFLOP/s are these FLOPs over the in-memory steps' time
+        assert v["memory_tflops"] == pytest.approx(v["useful_tflop_per_step"] * v["memory_steps_s"])
+
+    for args, said in ((["--sliding-window", "0"], "error: --sliding-window 0: expected an integer >= 1"),
+                       (["--full-attention-layers", "1"], "needs --sliding-window"),
+                       (["--sliding-window", "64", "--full-attention-layers", "0,1"],
+                        "--full-attention-layers names every draft layer")):  # fmt: skip
+        new = tmp_path / "no"
+        r = runner.invoke(app, ["bench", "train", "--cache", str(new), "--length", "300", "--draft-layers", "2",
+                                *args])  # fmt: skip
+        assert r.exit_code == 1 and said in r.output and not new.exists(), r.output
+    r = runner.invoke(app, ["train", "--cache", str(cache), "--out", str(tmp_path / "run"), "--sliding-window", "0"])
+    assert r.exit_code == 1 and "error: --sliding-window 0: expected an integer >= 1" in r.output  # dflash train's
+
 def test_train_benchmark_on_the_products_cache(tmp_path):
     """`bench train --length` measures on what users train on: by default the cache `dflash extract`
     writes by default (H values a token under one basis over the taps, in fp8, the basis beside it

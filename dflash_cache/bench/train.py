@@ -14,7 +14,7 @@ from dflash_cache.bench.config import TrainBenchConfig
 from dflash_cache.bench.io import drop_page_cache
 from dflash_cache.bench.measure import PeakRSS, timer
 from dflash_cache.bench.shapes import QWEN3_8B, BenchError
-from dflash_cache.train.config import TrainConfig, drafter_config
+from dflash_cache.train.config import TrainConfig, TrainError, drafter_config
 from dflash_cache.train.cost import run_token_budget
 
 if TYPE_CHECKING:
@@ -26,7 +26,9 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
           max_anchors: int = TrainConfig.max_anchors, block_size: int | None = TrainConfig.block_size,
           draft_layers: int = TrainConfig.draft_layers, readers: int | None = None, cold: bool = False,
           device: torch.device | None = None, drafter: str = TrainConfig.drafter, length: int | None = None,
-          config: dict = QWEN3_8B, storage: str = "auto", project: int | str = "auto") -> dict[str, Any]:  # fmt: skip
+          config: dict = QWEN3_8B, storage: str = "auto", project: int | str = "auto",
+          sliding_window: int | None = TrainConfig.sliding_window,
+          full_attention_layers: list[int] | None = TrainConfig.full_attention_layers) -> dict[str, Any]:  # fmt: skip
     """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
     the device. Both phases run the same batches (the first `steps` of epoch 0 after `warmup`),
     after every one of them has run once untimed, so neither phase pays for compiling.
@@ -42,17 +44,22 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
     many tokens at `config`'s shape (`extract.random_cache`, in `storage`, projected as `project`
     says: by default as `dflash extract` projects, H values a token in fp8), as many as the
     warm-up and measured steps take at `token_budget` (one a step without it). `project` and
-    `storage` in the result are the cache's, written or given."""
+    `storage` in the result are the cache's, written or given.
+
+    `sliding_window` and `full_attention_layers` are `dflash train`'s (refused before a cache is
+    written where the drafter refuses them); the useful FLOPs (`useful_tflop_per_step`, an in-memory
+    step's, and MFU) count only the context keys a window lets a block attend (`context_keys`)."""
     from dflash_cache.train.metrics import peak_flops
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = _checked(TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
+                               block_size=block_size, draft_layers=draft_layers, drafter=drafter,
+                               sliding_window=sliding_window, full_attention_layers=full_attention_layers,
+                               **({"readers": readers} if readers else {})))  # fmt: skip
     written = {}
     if length is not None:
         written = {"length": length, "samples": (steps + warmup) * max(1, (token_budget or 0) // length)}
         _write_cache(cache, length, written["samples"], config, storage, project, drafter, device)
-    cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
-                      block_size=block_size, draft_layers=draft_layers, drafter=drafter,
-                      **({"readers": readers} if readers else {}))  # fmt: skip
     steps_of = _BenchSteps(cfg, device)
     s, loader = steps_of.setup, steps_of.setup.loader
     n = min(steps + warmup, loader.num_batches(0))
@@ -77,22 +84,41 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
         for i in range(measured):
             steps_of.step(kept[i % len(kept)])
     memory_tokens = sum(u[1] for u in steps_of.useful)
-    tflops = steps_of.useful_flops() / times["memory"] / 1e12
+    useful = steps_of.useful_flops()
+    tflops = useful / times["memory"] / 1e12
     peak = peak_flops(device)
     loader.close()
     proj = loader.spec.projection
     return {
         **written, "project": proj.rank if proj else "none", "storage": loader.spec.storage.dtype,
-        "drafter": s.family.name, "block_size": s.dcfg.block_size,
+        "drafter": s.family.name, "block_size": s.dcfg.block_size, **_window(s.dcfg),
         "steps": measured, "token_budget": cfg.token_budget, "max_anchors": max_anchors,
         "drafter_hidden": s.dcfg.hidden_size, "drafter_layers": s.dcfg.num_hidden_layers,
         "loader_steps_s": measured / times["loader"], "memory_steps_s": measured / times["memory"],
         "ratio": times["memory"] / times["loader"], "loader_wait_per_step_s": wait / max(1, measured),
         "context_tok_s": context_tokens / times["loader"], "peak_gpu_GB": peak_gpu / 1e9, "peak_rss_GB": peak_rss / 1e9,
-        "readers": cfg.readers, "memory_tflops": tflops, "memory_mfu": tflops * 1e12 / peak if peak else None,
+        "readers": cfg.readers, "useful_tflop_per_step": useful / max(1, measured) / 1e12,
+        "memory_tflops": tflops, "memory_mfu": tflops * 1e12 / peak if peak else None,
         "cold": cold, "loader_GBps": context_tokens * disk_bytes_per_token / times["loader"] / 1e9,
         "step_GBps": memory_tokens * disk_bytes_per_token / times["memory"] / 1e9, "resident_batches": len(kept),
     }  # fmt: skip
+
+
+def _checked(cfg: TrainConfig) -> TrainConfig:
+    """`cfg`, its window settings checked as `drafter_config` checks them (TrainError), before
+    `--length` writes a cache for a drafter that would be refused."""
+    try:
+        cfg.drafter_settings().layer_types()
+    except ValueError as e:
+        raise TrainError(f"drafter settings: {e}") from None
+    return cfg
+
+
+def _window(dcfg: Any) -> dict[str, Any]:
+    """The drafter's window as it was built, and the layers that keep full attention beside it
+    (None where none does, as the setting says it)."""
+    full = [i for i, w in enumerate(dcfg.windows) if w is None] if dcfg.sliding_window else []
+    return {"sliding_window": dcfg.sliding_window, "full_attention_layers": full or None}
 
 
 class _BenchSteps:
