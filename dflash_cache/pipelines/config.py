@@ -104,10 +104,13 @@ class RecipeConfig:
                              "where they hold fewer; 0 for none.", min=0)
     code_roots: list[str] = setting(help="Where the code prompts come from: stdlib, site-packages, or "
                                     "directories.", factory=lambda: ["stdlib"])  # fmt: skip
-    long_rows: int = setting(0, "Long prompts beside them: prefixes of 2,000 to 7,000 tokens of --code-roots' files "
-                             "(the training side of the module split that long-code is held out by) for the target "
-                             "to continue, so the drafter meets long contexts in training; the cache then holds "
-                             "rows as long as they and their answers are. 0 for none.", min=0)  # fmt: skip
+    long_rows: list[int] = setting(help="Long prompts beside them: prefixes of 2,000 to 7,000 tokens of --code-roots' "
+                                   "files (the training side of the module split that long-code is held out by) for "
+                                   "the target to continue, so the drafter meets long contexts in training. 0 for "
+                                   "none. Several values (0,500) answer the most once and make a cache for each, "
+                                   "holding the first N of them: the first OUT/cache, the others "
+                                   "OUT/cache-long-rows-N, their drafters named ...-long-rows-N.",
+                                   factory=lambda: [0], expects="counts like 500 or 0,500")  # fmt: skip
     regen_tokens: int = setting(512, "Longest regenerated turn.", min=1)
     project: list[str] = setting(help="How the cache stores the tapped layers, as dflash extract --project with "
                                  "--storage auto: auto (H values a token in fp8), none (the layers as they are, "
@@ -155,7 +158,10 @@ class RecipeConfig:
                 drafters.family(name)
             except ValueError as e:  # an unknown family, named with the known ones
                 raise RecipeError(f"--families: {e}") from None
-        if self.rows + self.code_rows + self.long_rows < 1:
+        if min(self.long_rows) < 0 or len(set(self.long_rows)) < len(self.long_rows):
+            raise RecipeError(f"--long-rows {','.join(map(str, self.long_rows))}: expected counts of at least 0, "
+                              "each once")  # fmt: skip
+        if self.rows + self.code_rows + self.long_made < 1:
             raise RecipeError("--rows, --code-rows and --long-rows are all 0: nothing to train on")
         if min(self.draft_layers) < 1 or min(self.epochs) < 1:
             raise RecipeError("--draft-layers and --epochs must be at least 1")
@@ -170,8 +176,17 @@ class RecipeConfig:
 
     @staticmethod
     def from_record(data: dict[str, Any], path: Path) -> dict[str, Any]:
-        """A recipe.json as its settings; any other mapping as it is."""
-        return data["settings"] if {"settings", "stages"} <= data.keys() else data
+        """A recipe.json as its settings; any other mapping as it is. A single --long-rows count (as
+        older recipes recorded it) is a list of one."""
+        settings = data["settings"] if {"settings", "stages"} <= data.keys() else data
+        if isinstance(settings.get("long_rows"), int):
+            settings = {**settings, "long_rows": [settings["long_rows"]]}
+        return settings
+
+    @property
+    def long_made(self) -> int:
+        """The long prompts made and answered: the most --long-rows asks for."""
+        return max(self.long_rows)
 
     def windows(self) -> list[int | None]:
         """--sliding-window's values: None for full attention, else the window."""
@@ -193,22 +208,27 @@ class RecipeConfig:
             except ValueError as e:
                 raise RecipeError(str(e)) from None
 
-    def _named_for(self, project: str) -> str:
-        """What a --project value adds to its cache's and drafters' names: nothing for the first (so
-        that adding a value to an earlier recipe keeps its cache and drafters), -project-V after."""
-        return "" if project == self.project[0] else f"-project-{project}"
+    def _named_for(self, project: str, long_rows: int) -> str:
+        """What a --project and a --long-rows value add to their cache's and drafters' names: nothing
+        for the first of each (so that adding a value to an earlier recipe keeps its caches and
+        drafters), -long-rows-N and -project-V for the others."""
+        return (("" if long_rows == self.long_rows[0] else f"-long-rows-{long_rows}")
+                + ("" if project == self.project[0] else f"-project-{project}"))  # fmt: skip
 
-    def caches(self) -> dict[str, Path]:
-        """Each --project value's cache: OUT/cache for the first, OUT/cache-project-V for the others."""
-        return {v: self.out / f"cache{self._named_for(v)}" for v in self.project}
+    def caches(self) -> dict[tuple[str, int], Path]:
+        """The cache of each --project and --long-rows value: OUT/cache for the first of both, named
+        for the others (OUT/cache-long-rows-N-project-V)."""
+        return {(v, n): self.out / f"cache{self._named_for(v, n)}"
+                for v, n in itertools.product(self.project, self.long_rows)}  # fmt: skip
 
     def runs(self) -> dict[str, Run]:
         """Each drafter's name and what it is; the windowed drafters are named for their window, the
-        drafters on a cache other than the first for its value."""
-        grid = itertools.product(self.project, self.families, self.draft_layers, self.epochs, self.windows())
+        drafters on a cache other than the first for its values."""
+        grid = itertools.product(self.project, self.long_rows, self.families, self.draft_layers, self.epochs,
+                                 self.windows())  # fmt: skip
         return {f"{family}-l{layers}-e{epochs}{'' if window is None else f'-window-{window}'}"
-                f"{self._named_for(project)}": Run(family, layers, epochs, project, window)
-                for project, family, layers, epochs, window in grid}  # fmt: skip
+                f"{self._named_for(project, long_rows)}": Run(family, layers, epochs, project, long_rows, window)
+                for project, long_rows, family, layers, epochs, window in grid}  # fmt: skip
 
 
 class Run(NamedTuple):
@@ -217,7 +237,8 @@ class Run(NamedTuple):
     family: str
     draft_layers: int
     epochs: int
-    project: str  # the --project value of the cache it trains on
+    project: str  # the --project and --long-rows values of the cache it trains on
+    long_rows: int
     window: int | None  # its --sliding-window, None for full attention
 
 

@@ -7,17 +7,20 @@ one resumable command.
    without any row that asks an MT-Bench question or holds a HumanEval function
    (`benchsets.training_rows`), into OUT/sets/sharegpt-train.jsonl; and "complete this function"
    prompts from the interpreter's own Python sources, HumanEval left out (`code_prompts`), into
-   OUT/sets/code-train.jsonl; with `long_rows`, that many "continue this file" prompts of 2,000 to
-   7,000 tokens (counted with the target's tokenizer) from the same sources' training side
-   (`long_code.training_rows`: long-code's modules are held out), into OUT/sets/long-train.jsonl.
+   OUT/sets/code-train.jsonl; with `long_rows`, the most it asks for of "continue this file"
+   prompts of 2,000 to 7,000 tokens (counted with the target's tokenizer) from the same sources'
+   training side (`long_code.training_rows`: long-code's modules are held out), into
+   OUT/sets/long-train.jsonl.
    The first `rows` of ShareGPT's, `code_rows` of the code prompts and the long prompts, in turn,
    are OUT/sets/train.jsonl;
 3. **regen**: the target answers them on-policy, turn by turn (each assistant turn is its answer
    given its own earlier answers);
 4. **extract**: the cache, with the final hidden state when a DSpark drafter is asked for (DFlash
-   trains on the same cache), stored as `project` asks; one cache for each value given there. Its
-   longest row is the target's positions (`_max_length`), so no long conversation or long prompt
-   the target holds is cut or rejected; they batch in length buckets of their own;
+   trains on the same cache), stored as `project` asks; one cache for each value given there and
+   each `long_rows` value, which holds that many of the long prompts' answers
+   (`_with_long_rows`). Its longest row is the target's positions (`_max_length`), so no long
+   conversation or long prompt the target holds is cut or rejected; they batch in length buckets
+   of their own;
 5. **train**: one drafter for each family x draft layers x epochs x sliding window asked for, on
    each cache;
 6. **eval**: every drafter and the target alone on the benchmark sets at batch 1 (`dflash
@@ -43,7 +46,7 @@ from typing import Any
 
 from dflash_cache.cache.spec import CACHE_JSON, read_spec
 from dflash_cache.core.atomic import write_atomic
-from dflash_cache.core.damage import read_json
+from dflash_cache.core.damage import read_json, read_jsonl
 from dflash_cache.core.progress import ProgressSink
 from dflash_cache.core.settings import plain
 from dflash_cache.eval import benchsets, code_prompts, long_code
@@ -117,10 +120,10 @@ def _prompts(cfg: RecipeConfig, target: str) -> tuple[Path, dict[str, int]]:
         benchsets.write_rows(benchsets.training_rows()[0], sharegpt)
     if cfg.code_rows and not code_prompts.manifest_path(code).is_file():
         code_prompts.build(code, roots=cfg.code_roots, seed=cfg.seed)
-    if cfg.long_rows and _long_made(cfg).get("rows") != cfg.long_rows:
+    if cfg.long_made and _long_made(cfg).get("rows") != cfg.long_made:
         _long_prompts(cfg, target)
     made_path = code_prompts.manifest_path(train)  # written after the file: its counts
-    counts = {"rows": cfg.rows, "code_rows": cfg.code_rows, "long_rows": cfg.long_rows}
+    counts = {"rows": cfg.rows, "code_rows": cfg.code_rows, "long_rows": cfg.long_made}
     if made_path.is_file():
         made = read_json(made_path, f"delete {sets} to make the training rows again")
         if {k: made.get(k, 0) for k in counts} != counts:  # an older record has no long rows
@@ -131,7 +134,7 @@ def _prompts(cfg: RecipeConfig, target: str) -> tuple[Path, dict[str, int]]:
     # Python version: fewer than asked is a warning, not a stop.
     picked = [_first(sharegpt, cfg.rows, "ShareGPT's training side"),
               _first(code, cfg.code_rows, "the code prompts", fewer_ok=True) if cfg.code_rows else [],
-              _first(_long(cfg), cfg.long_rows, "the long prompts", fewer_ok=True) if cfg.long_rows else []]
+              _first(_long(cfg), cfg.long_made, "the long prompts", fewer_ok=True) if cfg.long_made else []]
     mixed = [r for group in itertools.zip_longest(*picked) for r in group if r is not None]
     digest = benchsets.write_rows(mixed, train)
     taken = dict(zip(counts, map(len, picked), strict=True))
@@ -160,7 +163,7 @@ def _long_prompts(cfg: RecipeConfig, target: str) -> None:
     if high < low:
         raise RecipeError(f"--long-rows: the target's {measure.max_positions:,} positions hold no prompt of {low:,} "
                           f"tokens with an answer of --regen-tokens {cfg.regen_tokens:,}")  # fmt: skip
-    rows = long_code.training_rows(cfg.long_rows, cfg.code_roots, measure, low, high, seed=cfg.seed)
+    rows = long_code.training_rows(cfg.long_made, cfg.code_roots, measure, low, high, seed=cfg.seed)
     digest = benchsets.write_rows(rows, _long(cfg))
     manifest = {"rows": len(rows), "lengths": [low, high], "longest": max(r["tokens"] for r in rows),
                 "tokens": measure.describe(), "roots": cfg.code_roots, "seed": cfg.seed, "sha256": digest}  # fmt: skip
@@ -177,7 +180,7 @@ def _max_length(cfg: RecipeConfig, target: str, cache: Path) -> int:
     positions = long_code.Measure(target).max_positions
     if positions is not None:
         return max(ExtractConfig.max_length, positions)
-    if not cfg.long_rows:
+    if not cfg.long_made:
         return ExtractConfig.max_length
     return max(ExtractConfig.max_length, _long_made(cfg)["longest"] + cfg.regen_tokens + REPLY_SLACK)
 
@@ -192,6 +195,29 @@ def _first(path: Path, n: int, what: str, *, fewer_ok: bool = False) -> list[dic
             raise RecipeError(message)
         warnings.warn(f"{message}: the recipe takes all {len(rows):,}", DataWarning, stacklevel=2)
     return rows
+
+
+def _with_long_rows(cfg: RecipeConfig, taken: dict[str, int], regen_out: Path, keep: int) -> Path:
+    """The rows a cache of `keep` long rows is extracted from: regen's output, or where it holds more
+    long prompts than `keep`, OUT/regen-long-rows-N.jsonl, its lines without the answers to the long
+    prompts after the first `keep` (written once, whole). regen's output holds train.jsonl's rows in
+    order less those in its rejected file, so the rows are told apart by their place in
+    train.jsonl, where the three kinds come in turn (`_prompts`)."""
+    if keep >= taken["long_rows"]:
+        return regen_out
+    out = cfg.out / f"regen-long-rows-{keep}.jsonl"
+    if out.is_file():
+        return out
+    in_turn = itertools.zip_longest(*([(kind, i) for i in range(taken[kind])] for kind in ("rows", "code_rows",
+                                                                                           "long_rows")))  # fmt: skip
+    kinds = [row for group in in_turn for row in group if row is not None]  # train.jsonl's rows: (kind, i-th)
+    rejected = {r["row"] for r in read_jsonl(regen_out.with_name(f"{regen_out.stem}.rejected.jsonl"),
+                                             "delete regen's output to regenerate it")}  # fmt: skip
+    kept = [not (kind == "long_rows" and i >= keep) for row, (kind, i) in enumerate(kinds) if row not in rejected]
+    with open(regen_out, "rb") as f:
+        lines = [line for line in f if line.strip()]
+    write_atomic(out, b"".join(line for line, ok in zip(lines, kept, strict=True) if ok).decode("utf-8"))
+    return out
 
 
 def _cached(summary: dict[str, Any]) -> dict[str, Any]:
@@ -220,12 +246,14 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
                                                         gpus=cfg.gpus), bars("regen")))  # fmt: skip
     final_hidden = any(f != "dflash" for f in cfg.families)
     caches = cfg.caches()
-    for i, (project, cache) in enumerate(caches.items()):
-        say(f"[4/6] extract: tapped hidden states -> {cache.name} (--project {project})")
-        ecfg = ExtractConfig(target=target, data=str(regen_out), out=cache, final_hidden=final_hidden,
+    for i, ((project, long_rows), cache) in enumerate(caches.items()):
+        say(f"[4/6] extract: tapped hidden states -> {cache.name} (--project {project}"
+            f"{f', {long_rows:,} long rows' if len(cfg.long_rows) > 1 else ''})")  # fmt: skip
+        data = _with_long_rows(cfg, taken, regen_out, long_rows)
+        ecfg = ExtractConfig(target=target, data=str(data), out=cache, final_hidden=final_hidden,
                              project=extract_project(project), max_length=_max_length(cfg, target, cache),
                              gpus=cfg.gpus)  # fmt: skip
-        done = record.stage("extract" if i == 0 else f"extract project-{project}",
+        done = record.stage("extract" if i == 0 else f"extract {cache.name.removeprefix('cache-')}",
                             lambda ecfg=ecfg: extract.run(ecfg, bars("extract")), _cached)  # fmt: skip
         if done["rejected"]:
             say(f"      {done['rejected']:,} of {done['rejected'] + done['samples']:,} rows rejected, "
@@ -235,9 +263,9 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
         say(f"[5/6] train {i + 1}/{len(runs)}: {name}")
         window = {} if drafter.window is None else {"sliding_window": drafter.window,
                                                     "full_attention_layers": cfg.full_attention_layers}  # fmt: skip
-        tcfg = TrainConfig(cache=caches[drafter.project], out=cfg.out / "runs" / name, drafter=drafter.family,
-                           draft_layers=drafter.draft_layers, epochs=drafter.epochs, token_budget=cfg.token_budget,
-                           seed=cfg.seed, gpus=cfg.gpus, **window)  # fmt: skip
+        tcfg = TrainConfig(cache=caches[drafter.project, drafter.long_rows], out=cfg.out / "runs" / name,
+                           drafter=drafter.family, draft_layers=drafter.draft_layers, epochs=drafter.epochs,
+                           token_budget=cfg.token_budget, seed=cfg.seed, gpus=cfg.gpus, **window)  # fmt: skip
         record.stage(f"train {name}", lambda tcfg=tcfg: train.run(tcfg, bars("train")))
         exports[name] = tcfg.out / "export"
     say(f"[6/6] eval: {', '.join(cfg.benchmarks)} at batch 1")
