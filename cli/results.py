@@ -62,8 +62,9 @@ def print_eval(r: dict) -> None:
                   f"({t['prompts']} prompts)")  # fmt: skip
     if len(r["by_context"]) > 1:  # prompts of several lengths: each bucket of prompt tokens apart
         for name, b in r["by_context"].items():
+            speed = f", {b['tok_s']:.1f} tok/s, {b['speedup']:.2f}x" if "speedup" in b else ""
             print(f"  {name + ' tokens':<13}tau/prompt {b['tau_per_prompt']:.3f}, pooled {b['tau']:.3f} "
-                  f"({b['prompts']} prompts)")  # fmt: skip
+                  f"({b['prompts']} prompts){speed}")  # fmt: skip
     print("  accept len   " + "  ".join(f"{n}:{c}" for n, c in enumerate(r["histogram"], 1)))
     if r["rejected"]:
         first = r["rejected"][0]
@@ -112,7 +113,8 @@ def print_sets_table(r: dict) -> None:
 
 def _context_table(r: dict):
     """tau per prompt of each set and run by the prompts' length in tokens (a column for each bucket
-    that holds a prompt of some set), with each bucket's prompts; None for a result without them."""
+    that holds a prompt of some set), with each bucket's prompts and, for a decoded run, its speedup
+    over the target alone; None for a result without them."""
     from rich.table import Table
 
     rows = [row for row in r["table"] if row.get("tau_by_context")]
@@ -123,11 +125,15 @@ def _context_table(r: dict):
     if not buckets:
         return None
     order = sorted(buckets, key=buckets.__getitem__)
-    table = Table(title="tau/prompt by prompt length in tokens (prompts)")
+    table = Table(title="tau/prompt by prompt length in tokens (prompts), and the speedup where decoded")
     for col in ("set", "run", *order):
         table.add_column(col, justify="left" if col in ("set", "run") else "right")
     for row in rows:
         figures = r["sets"][row["set"]]["runs"][row["run"]]["by_context"]
-        table.add_row(row["set"], row["run"], *(f"{figures[b]['tau_per_prompt']:.2f} ({figures[b]['prompts']})"
-                                                 if b in figures else "-" for b in order))  # fmt: skip
+        table.add_row(row["set"], row["run"], *(_context_cell(figures[b]) if b in figures else "-" for b in order))
     return table
+
+
+def _context_cell(b: dict) -> str:
+    """A bucket's tau per prompt, its prompts, and where it was decoded at batch 1, the speedup."""
+    return f"{b['tau_per_prompt']:.2f} ({b['prompts']})" + (f" {b['speedup']:.2f}x" if "speedup" in b else "")

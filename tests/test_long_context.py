@@ -23,7 +23,7 @@ from test_evaluate import export_random_drafter
 from transformers import AutoTokenizer
 
 from dflash_cache.eval import benchsets, code_prompts, long_code
-from dflash_cache.eval.metrics import context_figures
+from dflash_cache.eval.metrics import context_figures, timed
 from dflash_cache.rows.chat import DataError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -78,6 +78,26 @@ def test_by_context_groups_the_prompts_by_their_tokens():
         assert b["steps"] == len(steps) and b["new_tokens"] == sum(s["new_tokens"] for s in mine)
         assert b["tau"] == pytest.approx(sum(steps) / len(steps))
         assert b["tau_per_prompt"] == pytest.approx(sum(taus) / len(taus))
+        assert "tok_s" not in b  # untimed samples (a batched decode) give no speed
+
+
+def test_by_context_speed_is_the_timed_prompts_tokens_over_their_seconds():
+    """A decode at batch 1 times each prompt: a bucket's tokens/s is its tokens over its seconds, its
+    ms a step leaves the prefills out, and its speedup sets it against the target alone's tokens/s
+    on the same prompts; a bucket with an untimed prompt reports no speed."""
+    samples = [{"prompt_tokens": n, "new_tokens": new, "acceptance_lengths": [2] * steps, "steps": steps,
+                **timed((seconds, prefill), (target_seconds, 0.01), new)}
+               for n, new, steps, seconds, prefill, target_seconds in ((100, 40, 20, 0.5, 0.1, 1.0),
+                                                                       (900, 60, 30, 1.5, 0.3, 2.0),
+                                                                       (3000, 10, 5, 0.4, 0.2, 0.5))]  # fmt: skip
+    got = context_figures(samples)
+    short = got["0-1K"]
+    assert short["tok_s"] == pytest.approx(100 / 2.0) and short["ms_per_step"] == pytest.approx(1000 * 1.6 / 50)
+    assert short["target_tok_s"] == pytest.approx(100 / 3.0) and short["speedup"] == pytest.approx(1.5)
+    assert got["2K-4K"]["speedup"] == pytest.approx((10 / 0.4) / (10 / 0.5))
+    no_target = [s | {"target_seconds": None} for s in samples]
+    assert "speedup" not in context_figures(no_target)["0-1K"] and "tok_s" in context_figures(no_target)["0-1K"]
+    assert "tok_s" not in context_figures([samples[0], samples[1] | timed(None, None, None)])["0-1K"]
 
 
 def test_a_long_prompt_file_goes_through_eval_sets_with_tau_by_context(tmp_path, capsys):
@@ -116,6 +136,13 @@ def test_a_long_prompt_file_goes_through_eval_sets_with_tau_by_context(tmp_path,
         assert sum(b["tau_per_prompt"] * b["prompts"] for b in by.values()) / 4 == pytest.approx(run["tau_per_prompt"])
     assert mine["runs"]["drafter"]["same_as_target"]  # the long prompt decodes the target's own output
     by = mine["runs"]["drafter"]["by_context"]
+    # decoded at batch 1, each prompt is timed: each bucket's seconds (its tokens over its tok/s) add
+    # up to the run's, less the time between prompts; prompt lookup is not decoded and has no speed
+    seconds = sum(b["new_tokens"] / b["tok_s"] for b in by.values())
+    assert 0.5 * mine["runs"]["drafter"]["seconds"] < seconds <= mine["runs"]["drafter"]["seconds"]
+    assert all(b["ms_per_step"] > 0 and b["speedup"] == pytest.approx(b["tok_s"] / b["target_tok_s"])
+               for b in by.values())  # fmt: skip
+    assert "tok_s" not in mine["runs"]["prompt lookup"]["by_context"]["0-1K"]
     assert r["table"][0]["tau_by_context"] == {k: b["tau_per_prompt"] for k, b in by.items()}
     print_sets_table(r)
     table = capsys.readouterr().out
@@ -133,7 +160,13 @@ def test_a_long_prompt_file_goes_through_eval_sets_with_tau_by_context(tmp_path,
     assert bundled["turn_prompts"] == 2
     run = bundled["runs"]["drafter"]
     wide_by = mine["runs"]["drafter"]["by_context"]  # the same weights and prompts: the same figures
-    assert run["by_context"] == {k: wide_by[k] for k in ("0-1K", "2K-4K")} and run["turns"][0]["prompts"] == 2
+    untimed = {"tok_s", "ms_per_step", "target_tok_s", "speedup"}  # the figures, not the seconds they took
+
+    def figures_of(by: dict) -> dict:
+        return {k: {f: v for f, v in b.items() if f not in untimed} for k, b in by.items()}
+
+    assert figures_of(run["by_context"]) == figures_of({k: wide_by[k] for k in ("0-1K", "2K-4K")})
+    assert run["turns"][0]["prompts"] == 2
     assert all(sink.totals["prompts"] == sink.started[0] for sink in sinks)  # the turns not asked count as done
     print_sets_table(r | {"sets": {"mine": bundled}})
     assert "2 rejected" in capsys.readouterr().out

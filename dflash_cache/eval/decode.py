@@ -69,6 +69,7 @@ from dflash_cache.eval.metrics import (
     first_difference,
     tau,
     tau_per_prompt,
+    timed,
     turn_figures,
 )
 from dflash_cache.generate import (
@@ -195,11 +196,13 @@ class _Prompts:
 @dataclass
 class _Run:
     """One engine's completions by (prompt, turn) and the seconds they took, warm-up excluded, of
-    which `prefill_seconds` in prefills."""
+    which `prefill_seconds` in prefills; at batch 1, each completion's (seconds, prefill seconds)
+    in `timing`."""
 
     completions: dict[tuple[int, int], Completion]
     seconds: float
     prefill_seconds: float
+    timing: dict[tuple[int, int], tuple[float, float]]
 
 
 def _decode(engine: Engine, prompts: _Prompts, progress, skipped, device: torch.device) -> _Run:
@@ -230,12 +233,15 @@ def _decode(engine: Engine, prompts: _Prompts, progress, skipped, device: torch.
     list(engine.stream([warm]))
     _sync(device)
     t0, prefilled = time.perf_counter(), engine.prefill_seconds
-    done = {}
+    done, timing, since, prefilled_since = {}, {}, t0, prefilled
     for c in turn_by_turn(engine, [prompts.request(i, 0, prompts.first[i]) for i in asked], follow):
         done[c.request.key] = c
+        if engine.target.slots == 1:  # one request at a time: the time since the last one ended is this one's
+            timing[c.request.key] = (time.perf_counter() - since, engine.prefill_seconds - prefilled_since)
         progress(c)
+        since, prefilled_since = time.perf_counter(), engine.prefill_seconds
     _sync(device)
-    return _Run(done, time.perf_counter() - t0, engine.prefill_seconds - prefilled)
+    return _Run(done, time.perf_counter() - t0, engine.prefill_seconds - prefilled, timing)
 
 
 @dataclass
@@ -338,8 +344,7 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
     greedy = cfg.temperature == 0
     drafts = setup.proposer.num_drafts or setup.block_size - 1  # 0 when nothing was ever drafted
     lookup_block = drafts + 1  # as many drafts a step as the drafter makes
-    samples = [_sample(key, spec.completions[key], ref, prompts.tokenizer, lookup_block if greedy else None)
-               for key in keys]  # fmt: skip
+    samples = [_sample(key, spec, ref, prompts.tokenizer, lookup_block if greedy else None) for key in keys]
     spec_tokens = sum(s["new_tokens"] for s in samples)
     target_tokens = sum(len(c.ids) for c in ref.completions.values()) if ref else 0
     spec_tok_s = spec_tokens / spec.seconds if spec.seconds > 0 else 0.0
@@ -372,9 +377,11 @@ def _lookup_figures(samples: list[dict], block_size: int) -> dict:
             "by_context": context_figures(samples, "lookup_lengths"), "block_size": block_size}  # fmt: skip
 
 
-def _sample(key: tuple[int, int], c: Completion, ref: _Run | None, tokenizer, lookup_block: int | None) -> dict:
-    """One prompt's figures; with `lookup_block` (greedy runs), prompt lookup's acceptance on its output."""
+def _sample(key: tuple[int, int], spec: _Run, ref: _Run | None, tokenizer, lookup_block: int | None) -> dict:
+    """One prompt's figures; with `lookup_block` (greedy runs), prompt lookup's acceptance on its output;
+    at batch 1, the seconds it took (`metrics.timed`) and the target alone's."""
     i, k = key
+    c = spec.completions[key]
     other = None if ref is None else ref.completions.get(key)  # sampled answers may lead it to another turn
     lookup_lengths = None if lookup_block is None else lookup.acceptance_lengths(c.request.prompt, c.ids,
                                                                                  block_size=lookup_block)  # fmt: skip
@@ -385,6 +392,8 @@ def _sample(key: tuple[int, int], c: Completion, ref: _Run | None, tokenizer, lo
         "same_as_target": None if other is None else c.ids == other.ids,
         "first_difference": None if other is None else first_difference(c.ids, other.ids),
         "output": tokenizer.decode(c.ids), "output_ids": c.ids, "lookup_lengths": lookup_lengths,
+        **timed(spec.timing.get(key), None if ref is None else ref.timing.get(key),
+                None if other is None else len(other.ids)),
     }  # fmt: skip
 
 

@@ -9,7 +9,9 @@ Acceptance length") and the one published numbers are.
 is its tokens, the chat template's rendering of it (a later turn's with the earlier turns and the
 target's own answers), which is what the drafter sees at its first step. Buckets double from 1K
 tokens (1,024): ``0-1K`` holds prompts of up to 1,024 tokens, ``1K-2K`` 1,025 to 2,048, then
-``2K-4K``, ``4K-8K``, ... without end; only buckets that hold a prompt are reported.
+``2K-4K``, ``4K-8K``, ... without end; only buckets that hold a prompt are reported. A decode at
+batch 1 times each prompt (`timed`), so its buckets also give the speed: tokens/s with prefills,
+milliseconds a step without them, and against the target alone, the speedup.
 
 Pure functions over lists of acceptance lengths and `dflash eval`'s sample dicts (no model, no
 torch), so the decode driver (`eval.decode`), the replay driver (`eval.replay`) and the scripts that
@@ -27,9 +29,11 @@ __all__ = [
     "context_figures",
     "figures",
     "first_difference",
+    "speed_figures",
     "histogram",
     "tau",
     "tau_per_prompt",
+    "timed",
     "turn_figures",
 ]
 
@@ -147,5 +151,31 @@ def context_figures(samples: list[dict], lengths: str = "acceptance_lengths") ->
     for s in samples:
         buckets.setdefault(context_bucket(s["prompt_tokens"]), []).append(s)
     return {_bucket_label(*b): {"tokens": list(b), "prompts": len(mine), **figures([s[lengths] for s in mine]),
-                                "new_tokens": sum(s["new_tokens"] for s in mine)}
+                                "new_tokens": sum(s["new_tokens"] for s in mine),
+                                **(speed_figures(mine) if lengths == "acceptance_lengths" else {})}
             for b, mine in sorted(buckets.items())}  # fmt: skip
+
+
+def timed(spec: tuple[float, float] | None, target: tuple[float, float] | None,
+          target_tokens: int | None) -> dict:  # fmt: skip
+    """A sample's timing fields from its decode's (seconds, prefill seconds) and the target alone's
+    with its new tokens; None where a run was not timed (batched, or not run)."""
+    return {"seconds": spec[0] if spec else None, "prefill_seconds": spec[1] if spec else None,
+            "target_seconds": target[0] if target else None,
+            "target_new_tokens": target_tokens if target else None}  # fmt: skip
+
+
+def speed_figures(samples: list[dict]) -> dict:
+    """The speed of timed samples (`timed`): tokens/s with prefills and ms a verification step
+    without them, and the target alone's tokens/s and the speedup where it was timed too; nothing
+    where a sample was not timed."""
+    if not samples or any(s.get("seconds") is None for s in samples):
+        return {}
+    seconds = sum(s["seconds"] for s in samples)
+    decoding = seconds - sum(s["prefill_seconds"] for s in samples)
+    out = {"tok_s": sum(s["new_tokens"] for s in samples) / seconds,
+           "ms_per_step": 1000 * decoding / max(1, sum(s["steps"] for s in samples))}  # fmt: skip
+    if all(s.get("target_seconds") is not None for s in samples):
+        target_tok_s = sum(s["target_new_tokens"] for s in samples) / sum(s["target_seconds"] for s in samples)
+        out |= {"target_tok_s": target_tok_s, "speedup": out["tok_s"] / target_tok_s}
+    return out
