@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -207,3 +208,22 @@ def test_long_rows_grid_makes_a_cache_without_them_from_the_same_answers(tmp_pat
     assert longest < 2000 < max(len(ids) for _, ids, _, _ in read_cache(out / "cache").values())
     for run, cache in (("dflash-l1-e1", "cache"), ("dflash-l1-e1-long-rows-0", "cache-long-rows-0")):
         assert json.loads((out / "runs" / run / "train.json").read_text())["config"]["cache"] == str(out / cache)
+
+
+def test_one_recipe_names_the_long_context_study():
+    """`--long-rows 400,0 --sliding-window full,2048`: two caches from one regen and four drafters,
+    each named for what sets it apart; bad grids are refused before any stage runs."""
+    cfg = RecipeConfig(target=str(TINY_TARGET), out=Path("study"), long_rows=[400, 0],
+                       sliding_window=["full", "2048"])  # fmt: skip
+    assert cfg.caches() == {("auto", 400): Path("study/cache"), ("auto", 0): Path("study/cache-long-rows-0")}
+    runs = cfg.runs()
+    assert list(runs) == ["dspark-l2-e24", "dspark-l2-e24-window-2048", "dspark-l2-e24-long-rows-0",
+                          "dspark-l2-e24-window-2048-long-rows-0"]  # fmt: skip
+    assert [(r.long_rows, r.window) for r in runs.values()] == [(400, None), (400, 2048), (0, None), (0, 2048)]
+    for bad, message in (({"long_rows": [5, 5]}, "each once"), ({"long_rows": [-1]}, "at least 0"),
+                         ({"sliding_window": ["0"]}, "--sliding-window 0"),
+                         ({"sliding_window": ["wide"]}, "--sliding-window wide"),
+                         ({"full_attention_layers": [0]}, "needs a window"),
+                         ({"sliding_window": ["64"], "full_attention_layers": [0, 1]}, "names every draft layer")):
+        with pytest.raises(RecipeError, match=message):
+            RecipeConfig(target=str(TINY_TARGET), **bad)
