@@ -14,7 +14,7 @@ from dflash_cache.bench.config import TrainBenchConfig
 from dflash_cache.bench.io import drop_page_cache
 from dflash_cache.bench.measure import PeakRSS, timer
 from dflash_cache.bench.shapes import QWEN3_8B, BenchError
-from dflash_cache.train.config import TrainConfig, TrainError, drafter_config
+from dflash_cache.train.config import TrainConfig, drafter_config
 from dflash_cache.train.cost import run_token_budget
 
 if TYPE_CHECKING:
@@ -46,16 +46,16 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
     warm-up and measured steps take at `token_budget` (one a step without it). `project` and
     `storage` in the result are the cache's, written or given.
 
-    `sliding_window` and `full_attention_layers` are `dflash train`'s (refused before a cache is
-    written where the drafter refuses them); the useful FLOPs (`useful_tflop_per_step`, an in-memory
+    `sliding_window` and `full_attention_layers` are `dflash train`'s (refused by `TrainConfig`,
+    before a cache is written); the useful FLOPs (`useful_tflop_per_step`, an in-memory
     step's, and MFU) count only the context keys a window lets a block attend (`context_keys`)."""
     from dflash_cache.train.metrics import peak_flops
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = _checked(TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
-                               block_size=block_size, draft_layers=draft_layers, drafter=drafter,
-                               sliding_window=sliding_window, full_attention_layers=full_attention_layers,
-                               **({"readers": readers} if readers else {})))  # fmt: skip
+    cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
+                      block_size=block_size, draft_layers=draft_layers, drafter=drafter,
+                      sliding_window=sliding_window, full_attention_layers=full_attention_layers,
+                      **({"readers": readers} if readers else {}))  # fmt: skip
     written = {}
     if length is not None:
         written = {"length": length, "samples": (steps + warmup) * max(1, (token_budget or 0) // length)}
@@ -102,16 +102,6 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
         "cold": cold, "loader_GBps": context_tokens * disk_bytes_per_token / times["loader"] / 1e9,
         "step_GBps": memory_tokens * disk_bytes_per_token / times["memory"] / 1e9, "resident_batches": len(kept),
     }  # fmt: skip
-
-
-def _checked(cfg: TrainConfig) -> TrainConfig:
-    """`cfg`, its window settings checked as `drafter_config` checks them (TrainError), before
-    `--length` writes a cache for a drafter that would be refused."""
-    try:
-        cfg.drafter_settings().layer_types()
-    except ValueError as e:
-        raise TrainError(f"drafter settings: {e}") from None
-    return cfg
 
 
 def _window(dcfg: Any) -> dict[str, Any]:

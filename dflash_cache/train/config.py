@@ -108,6 +108,15 @@ def _extended(base: type, parts: Iterable[type]) -> type:
 class TrainConfig(_extended(TrainerSettings, [DrafterSettings, *map(drafters.settings, drafters.names())])):
     """The train stage's settings: the trainer's own, then every drafter family's (module docstring)."""
 
+    def __post_init__(self) -> None:
+        """Refuse a window the draft layers cannot take before anything is read or written (the
+        drafter's own rule, `DrafterSettings.layer_types`)."""
+        try:
+            DrafterSettings(draft_layers=self.draft_layers, sliding_window=self.sliding_window,
+                            full_attention_layers=self.full_attention_layers).layer_types()  # fmt: skip
+        except ValueError as e:
+            raise TrainError(f"drafter settings: {e}") from None
+
     @staticmethod
     def record_path(path: Path) -> Path:
         """`--config RUN` reads the settings a run directory recorded in its train.json."""
