@@ -135,11 +135,16 @@ def _prompts(cfg: RecipeConfig, target: str) -> tuple[Path, dict[str, int]]:
     picked = [_first(sharegpt, cfg.rows, "ShareGPT's training side"),
               _first(code, cfg.code_rows, "the code prompts", fewer_ok=True) if cfg.code_rows else [],
               _first(_long(cfg), cfg.long_made, "the long prompts", fewer_ok=True) if cfg.long_made else []]
-    mixed = [r for group in itertools.zip_longest(*picked) for r in group if r is not None]
-    digest = benchsets.write_rows(mixed, train)
+    digest = benchsets.write_rows(_in_turn(picked), train)
     taken = dict(zip(counts, map(len, picked), strict=True))
     made_path.write_text(json.dumps({**counts, "taken": taken, "sha256": digest}) + "\n")
     return train, taken
+
+
+def _in_turn(groups: list[list[Any]]) -> list[Any]:
+    """The groups' items in turn (the first of each, then the second of each, ...): train.jsonl's
+    order of the ShareGPT rows, the code prompts and the long prompts."""
+    return [item for turn in itertools.zip_longest(*groups) for item in turn if item is not None]
 
 
 def _long(cfg: RecipeConfig) -> Path:
@@ -202,15 +207,13 @@ def _with_long_rows(cfg: RecipeConfig, taken: dict[str, int], regen_out: Path, k
     long prompts than `keep`, OUT/regen-long-rows-N.jsonl, its lines without the answers to the long
     prompts after the first `keep` (written once, whole). regen's output holds train.jsonl's rows in
     order less those in its rejected file, so the rows are told apart by their place in
-    train.jsonl, where the three kinds come in turn (`_prompts`)."""
+    train.jsonl, where the three kinds come in turn (`_in_turn`)."""
     if keep >= taken["long_rows"]:
         return regen_out
     out = cfg.out / f"regen-long-rows-{keep}.jsonl"
     if out.is_file():
         return out
-    in_turn = itertools.zip_longest(*([(kind, i) for i in range(taken[kind])] for kind in ("rows", "code_rows",
-                                                                                           "long_rows")))  # fmt: skip
-    kinds = [row for group in in_turn for row in group if row is not None]  # train.jsonl's rows: (kind, i-th)
+    kinds = _in_turn([[(kind, i) for i in range(taken[kind])] for kind in ("rows", "code_rows", "long_rows")])
     rejected = {r["row"] for r in read_jsonl(regen_out.with_name(f"{regen_out.stem}.rejected.jsonl"),
                                              "delete regen's output to regenerate it")}  # fmt: skip
     kept = [not (kind == "long_rows" and i >= keep) for row, (kind, i) in enumerate(kinds) if row not in rejected]
