@@ -24,11 +24,12 @@ from test_long_context import held_out, prompt_tokens
 from transformers import AutoTokenizer
 
 from dflash_cache.cache.spec import read_spec
+from dflash_cache.core.damage import DamagedFile
 from dflash_cache.eval.benchsets import set_rows, training_rows, write_rows
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.decode import evaluate
 from dflash_cache.pipelines.config import RecipeConfig, RecipeError
-from dflash_cache.pipelines.recipe import _max_length, _prompts
+from dflash_cache.pipelines.recipe import _max_length, _prompts, _with_long_rows
 from dflash_cache.rows.chat import DataWarning
 
 
@@ -208,6 +209,14 @@ def test_long_rows_grid_makes_a_cache_without_them_from_the_same_answers(tmp_pat
     assert longest < 2000 < max(len(ids) for _, ids, _, _ in read_cache(out / "cache").values())
     for run, cache in (("dflash-l1-e1", "cache"), ("dflash-l1-e1-long-rows-0", "cache-long-rows-0")):
         assert json.loads((out / "runs" / run / "train.json").read_text())["config"]["cache"] == str(out / cache)
+
+    # regen's output cut short: its rows no longer line up with train.jsonl, which is said, not guessed at
+    (out / "regen-long-rows-0.jsonl").unlink()
+    (out / "regen.jsonl").write_text("".join(regen[:-1]), encoding="utf-8")
+    cfg = RecipeConfig(target=str(TINY_TARGET), out=out, rows=3, code_rows=1, long_rows=[2, 0])
+    with pytest.raises(DamagedFile, match=r"4 rows where train.jsonl and the rejected rows leave 5\); delete it"):
+        _with_long_rows(cfg, {"rows": 3, "code_rows": 1, "long_rows": 2}, out / "regen.jsonl", 0)
+    assert not (out / "regen-long-rows-0.jsonl").exists()
 
 
 def test_one_recipe_names_the_long_context_study():

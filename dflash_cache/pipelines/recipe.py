@@ -46,7 +46,7 @@ from typing import Any
 
 from dflash_cache.cache.spec import CACHE_JSON, read_spec
 from dflash_cache.core.atomic import write_atomic
-from dflash_cache.core.damage import read_json, read_jsonl
+from dflash_cache.core.damage import damaged, read_json, read_jsonl
 from dflash_cache.core.progress import ProgressSink
 from dflash_cache.core.settings import plain
 from dflash_cache.eval import benchsets, code_prompts, long_code
@@ -219,6 +219,9 @@ def _with_long_rows(cfg: RecipeConfig, taken: dict[str, int], regen_out: Path, k
     kept = [not (kind == "long_rows" and i >= keep) for row, (kind, i) in enumerate(kinds) if row not in rejected]
     with open(regen_out, "rb") as f:
         lines = [line for line in f if line.strip()]
+    if len(lines) != len(kept):
+        raise damaged(regen_out, "regen output", f"{len(lines):,} rows where train.jsonl and the rejected rows "
+                      f"leave {len(kept):,}", "delete it to regenerate it")  # fmt: skip
     write_atomic(out, b"".join(line for line, ok in zip(lines, kept, strict=True) if ok).decode("utf-8"))
     return out
 
