@@ -114,7 +114,7 @@ def train(cfg: TrainBenchConfig, *, as_json: bool) -> None:
                        drafter=cfg.drafter, length=cfg.length,
                        config=shape_of(cfg.like) if cfg.like else shape_config(cfg.shape),
                        storage=cfg.storage, project=cfg.project, sliding_window=cfg.sliding_window,
-                       full_attention_layers=cfg.full_attention_layers))  # fmt: skip
+                       full_attention_layers=cfg.full_attention_layers, profile=cfg.profile))  # fmt: skip
 
 
 @bench_app.command("ranks")

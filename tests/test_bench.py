@@ -289,10 +289,13 @@ def test_sliding_window_train_benchmark(tmp_path):
     assert t["memory_tflops"] > 0 and sorted(len(ids) for _, ids, _, _ in read_cache(cache).values()) == [300] * 5
     # the same cache and batches (and anchors, the seed's) with full attention, every layer sliding, one full
     kw = dict(steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=2)
-    full = bench_train(cache, **kw)
+    full = bench_train(cache, **kw, profile=tmp_path / "profile.txt")
     slide = bench_train(cache, **kw, sliding_window=64)
     mixed = bench_train(cache, **kw, sliding_window=64, full_attention_layers=[1])
     assert (full["sliding_window"], full["full_attention_layers"]) == (None, None)
+    # --profile: the profiled steps' operators by their own time, the drafter's products among them
+    table = (tmp_path / "profile.txt").read_text()
+    assert full["profile"] == str(tmp_path / "profile.txt") and "Self CPU" in table and "aten::mm" in table
     assert (slide["sliding_window"], slide["full_attention_layers"]) == (64, None)
     assert (mixed["sliding_window"], mixed["full_attention_layers"]) == (64, [1])
     # anchors up to 299 against a window of 64: a sliding layer's attention reads at most 63 context keys a block

@@ -28,7 +28,8 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
           device: torch.device | None = None, drafter: str = TrainConfig.drafter, length: int | None = None,
           config: dict = QWEN3_8B, storage: str = "auto", project: int | str = "auto",
           sliding_window: int | None = TrainConfig.sliding_window,
-          full_attention_layers: list[int] | None = TrainConfig.full_attention_layers) -> dict[str, Any]:  # fmt: skip
+          full_attention_layers: list[int] | None = TrainConfig.full_attention_layers,
+          profile: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """Drafter steps with the real loader reading `cache` vs the same steps on batches already on
     the device. Both phases run the same batches (the first `steps` of epoch 0 after `warmup`),
     after every one of them has run once untimed, so neither phase pays for compiling.
@@ -48,7 +49,11 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
 
     `sliding_window` and `full_attention_layers` are `dflash train`'s (refused by `TrainConfig`,
     before a cache is written); the useful FLOPs (`useful_tflop_per_step`, an in-memory
-    step's, and MFU) count only the context keys a window lets a block attend (`context_keys`)."""
+    step's, and MFU) count only the context keys a window lets a block attend (`context_keys`).
+
+    `profile`: after the timed phases, two more in-memory steps under `torch.profiler`, written
+    there as a table of operators by their own device time (CPU time on a CPU): where a step
+    that falls short of the MFU it should reach spends it."""
     from dflash_cache.train.metrics import peak_flops
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -87,6 +92,8 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
     useful = steps_of.useful_flops()
     tflops = useful / times["memory"] / 1e12
     peak = peak_flops(device)
+    if profile is not None:
+        _profile(steps_of, kept, profile)
     loader.close()
     proj = loader.spec.projection
     return {
@@ -101,6 +108,7 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
         "memory_tflops": tflops, "memory_mfu": tflops * 1e12 / peak if peak else None,
         "cold": cold, "loader_GBps": context_tokens * disk_bytes_per_token / times["loader"] / 1e9,
         "step_GBps": memory_tokens * disk_bytes_per_token / times["memory"] / 1e9, "resident_batches": len(kept),
+        "profile": None if profile is None else str(profile),
     }  # fmt: skip
 
 
@@ -143,6 +151,25 @@ class _BenchSteps:
     def useful_flops(self) -> float:
         """The useful FLOPs of the steps in `useful`."""
         return sum(self.flops(nb, ctx, int(anchors), int(scored)) for nb, ctx, anchors, scored in self.useful)
+
+
+def _profile(steps_of: _BenchSteps, kept: list[PackedBatch], path: Path) -> None:
+    """Two in-memory steps under `torch.profiler`; their operators by self device time (self CPU
+    time on a CPU), the 40 costliest, as a table at `path`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    from dflash_cache.core.atomic import write_atomic
+
+    cuda = steps_of.setup.worker.device.type == "cuda"
+    with profiler(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
+        for i in range(2):
+            steps_of.step(kept[i % len(kept)])
+        if cuda:
+            torch.cuda.synchronize(steps_of.setup.worker.device)
+    steps_of.useful.clear()
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    write_atomic(path, prof.key_averages().table(sort_by=sort, row_limit=40) + "\n")
 
 
 def _loader_phase(steps_of: _BenchSteps, warmup: int, n: int, times: dict[str, float]) -> tuple[float, int, int]:
