@@ -187,7 +187,7 @@ def test_long_rows_grid_makes_a_cache_without_them_from_the_same_answers(tmp_pat
     env = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "cli.main", "recipe", "--target", str(TINY_TARGET), "--out", str(out),
            "--benchmarks", str(ROOT / "data" / "prompts.jsonl"), "--eval-limit", "1", "--max-new-tokens", "4",
-           "--rows", "3", "--code-rows", "1", "--long-rows", "2,0",
+           "--rows", "3", "--code-rows", "1", "--long-rows", "2,0", "--long-lengths", "2000,2600",
            "--code-roots", str(ROOT / "dflash_cache" / "generate"),
            "--regen-tokens", "8", "--families", "dflash", "--draft-layers", "1", "--epochs", "1",
            "--token-budget", "256", "--lookup", "0", "--project", "none"]  # fmt: skip
@@ -196,6 +196,9 @@ def test_long_rows_grid_makes_a_cache_without_them_from_the_same_answers(tmp_pat
     record = json.loads((out / "recipe.json").read_text())
     assert list(record["stages"]) == ["target", "prompts", "regen", "extract", "extract long-rows-0",
                                       "train dflash-l1-e1", "train dflash-l1-e1-long-rows-0", "eval"]  # fmt: skip
+    made = json.loads((out / "sets" / "long-train.jsonl.json").read_text())
+    assert made["lengths"] == [2000, 2600] and all(2000 <= r["tokens"] <= 2600 for r in jsonl_rows(
+        out / "sets" / "long-train.jsonl"))  # --long-lengths  # fmt: skip
     long = [r["prompt"] for r in jsonl_rows(out / "sets" / "long-train.jsonl")]
     regen = jsonl_lines(out / "regen.jsonl")
     assert len(long) == 2 and len(regen) == 3 + 1 + 2 - 1  # the empty conversation rejected
@@ -209,6 +212,10 @@ def test_long_rows_grid_makes_a_cache_without_them_from_the_same_answers(tmp_pat
     assert longest < 2000 < max(len(ids) for _, ids, _, _ in read_cache(out / "cache").values())
     for run, cache in (("dflash-l1-e1", "cache"), ("dflash-l1-e1-long-rows-0", "cache-long-rows-0")):
         assert json.loads((out / "runs" / run / "train.json").read_text())["config"]["cache"] == str(out / cache)
+
+    other = [*cmd[: cmd.index("--long-lengths") + 1], "2000,3000", *cmd[cmd.index("--long-lengths") + 2 :]]
+    refused = subprocess.run(other, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 1 and "--long-rows 2 --long-lengths 2000,2600: rerun with those" in refused.stderr
 
     # regen's output cut short: its rows no longer line up with train.jsonl, which is said, not guessed at
     (out / "regen-long-rows-0.jsonl").unlink()
@@ -233,6 +240,8 @@ def test_one_recipe_names_the_long_context_study():
                          ({"sliding_window": ["0"]}, "--sliding-window 0"),
                          ({"sliding_window": ["wide"]}, "--sliding-window wide"),
                          ({"full_attention_layers": [0]}, "needs a window"),
+                         ({"long_lengths": [3000, 2000]}, "--long-lengths 3000,2000: expected LOW,HIGH"),
+                         ({"long_lengths": [2000]}, "--long-lengths 2000: expected LOW,HIGH"),
                          ({"sliding_window": ["64"], "full_attention_layers": [0, 1]}, "names every draft layer")):
         with pytest.raises(RecipeError, match=message):
             RecipeConfig(target=str(TINY_TARGET), **bad)

@@ -53,7 +53,9 @@ __all__ = ["ANSWER_ROOM", "CHARS_PER_TOKEN", "ESTIMATE_POSITIONS", "SET_LENGTHS"
 
 CONTINUE_USER = "Continue this Python file:\n```python\n{code}```"
 SET_LENGTHS = (1000, 2000, 4000, 7000, 16000, 30000)  # tokens of the set's prompts, one a by_context bucket
-TRAIN_LENGTHS = (2000, 7000)  # the fewest and most tokens of a long training prompt (dflash recipe --long-rows)
+# the fewest tokens of a long training prompt (dflash recipe --long-rows), and the most for a target
+# whose config names no positions (otherwise as many as its positions hold with the answer)
+TRAIN_LENGTHS = (2000, 7000)
 ANSWER_ROOM = 1024  # of the target's positions kept for the answer: a length that leaves fewer is left out
 CHARS_PER_TOKEN = 4.0  # the estimate without a tokenizer
 ESTIMATE_POSITIONS = 8192  # the positions the set is cut for without a target: SmolLM2's

@@ -104,13 +104,17 @@ class RecipeConfig:
                              "where they hold fewer; 0 for none.", min=0)
     code_roots: list[str] = setting(help="Where the code prompts come from: stdlib, site-packages, or "
                                     "directories.", factory=lambda: ["stdlib"])  # fmt: skip
-    long_rows: list[int] = setting(help="Long prompts beside them: prefixes of 2,000 to 7,000 tokens of --code-roots' "
+    long_rows: list[int] = setting(help="Long prompts beside them: prefixes of --long-lengths tokens of --code-roots' "
                                    "files (the training side of the module split that long-code is held out by) for "
                                    "the target to continue, so the drafter meets long contexts in training. 0 for "
                                    "none. Several values (0,500) answer the most once and make a cache for each, "
                                    "holding the first N of them: the first OUT/cache, the others "
                                    "OUT/cache-long-rows-N, their drafters named ...-long-rows-N.",
                                    factory=lambda: [0], expects="counts like 500 or 0,500")  # fmt: skip
+    long_lengths: list[int] | None = setting(
+        None, "The long prompts' fewest and most tokens, LOW,HIGH (default: 2,000 to as many as the target's "
+        "positions hold with an answer of --regen-tokens; 7,000 where its config names none). HIGH is lowered to "
+        "what the positions hold.", expects="LOW,HIGH like 2000,30000")  # fmt: skip
     regen_tokens: int = setting(512, "Longest regenerated turn.", min=1)
     project: list[str] = setting(help="How the cache stores the tapped layers, as dflash extract --project with "
                                  "--storage auto: auto (H values a token in fp8), none (the layers as they are, "
@@ -161,6 +165,10 @@ class RecipeConfig:
         if min(self.long_rows) < 0 or len(set(self.long_rows)) < len(self.long_rows):
             raise RecipeError(f"--long-rows {','.join(map(str, self.long_rows))}: expected counts of at least 0, "
                               "each once")  # fmt: skip
+        lengths = self.long_lengths
+        if lengths is not None and (len(lengths) != 2 or not 0 < lengths[0] <= lengths[1]):
+            raise RecipeError(f"--long-lengths {','.join(map(str, lengths))}: expected LOW,HIGH tokens with "
+                              "0 < LOW <= HIGH, like 2000,30000")  # fmt: skip
         if self.rows + self.code_rows + self.long_made < 1:
             raise RecipeError("--rows, --code-rows and --long-rows are all 0: nothing to train on")
         if min(self.draft_layers) < 1 or min(self.epochs) < 1:

@@ -8,7 +8,8 @@ one resumable command.
    (`benchsets.training_rows`), into OUT/sets/sharegpt-train.jsonl; and "complete this function"
    prompts from the interpreter's own Python sources, HumanEval left out (`code_prompts`), into
    OUT/sets/code-train.jsonl; with `long_rows`, the most it asks for of "continue this file"
-   prompts of 2,000 to 7,000 tokens (counted with the target's tokenizer) from the same sources'
+   prompts of `long_lengths` tokens (counted with the target's tokenizer; by default 2,000 up to
+   what the target's positions hold with an answer) from the same sources'
    training side (`long_code.training_rows`: long-code's modules are held out), into
    OUT/sets/long-train.jsonl.
    The first `rows` of ShareGPT's, `code_rows` of the code prompts and the long prompts, in turn,
@@ -120,15 +121,19 @@ def _prompts(cfg: RecipeConfig, target: str) -> tuple[Path, dict[str, int]]:
         benchsets.write_rows(benchsets.training_rows()[0], sharegpt)
     if cfg.code_rows and not code_prompts.manifest_path(code).is_file():
         code_prompts.build(code, roots=cfg.code_roots, seed=cfg.seed)
-    if cfg.long_made and _long_made(cfg).get("rows") != cfg.long_made:
+    long_made = _long_made(cfg)
+    if cfg.long_made and (long_made.get("rows"), long_made.get("asked")) != (cfg.long_made, cfg.long_lengths):
         _long_prompts(cfg, target)
     made_path = code_prompts.manifest_path(train)  # written after the file: its counts
     counts = {"rows": cfg.rows, "code_rows": cfg.code_rows, "long_rows": cfg.long_made}
     if made_path.is_file():
         made = read_json(made_path, f"delete {sets} to make the training rows again")
-        if {k: made.get(k, 0) for k in counts} != counts:  # an older record has no long rows
+        lengths = made.get("long_lengths")  # an older record has no long rows, nor lengths
+        if {k: made.get(k, 0) for k in counts} != counts or (cfg.long_made and lengths != cfg.long_lengths):
+            asked = f" --long-lengths {','.join(map(str, lengths))}" if lengths else ""
             raise RecipeError(f"{cfg.out} was made with --rows {made['rows']} --code-rows {made['code_rows']} "
-                              f"--long-rows {made.get('long_rows', 0)}: rerun with those, or choose another --out")
+                              f"--long-rows {made.get('long_rows', 0)}{asked}: rerun with those, or choose another "
+                              "--out")  # fmt: skip
         return train, made.get("taken") or counts  # an older record took what it asked for
     # The code and long prompts come from this interpreter's own sources, whose size depends on the
     # Python version: fewer than asked is a warning, not a stop.
@@ -137,7 +142,8 @@ def _prompts(cfg: RecipeConfig, target: str) -> tuple[Path, dict[str, int]]:
               _first(_long(cfg), cfg.long_made, "the long prompts", fewer_ok=True) if cfg.long_made else []]
     digest = benchsets.write_rows(_in_turn(picked), train)
     taken = dict(zip(counts, map(len, picked), strict=True))
-    made_path.write_text(json.dumps({**counts, "taken": taken, "sha256": digest}) + "\n")
+    made_path.write_text(json.dumps({**counts, "long_lengths": cfg.long_lengths, "taken": taken,
+                                     "sha256": digest}) + "\n")  # fmt: skip
     return train, taken
 
 
@@ -159,18 +165,22 @@ def _long_made(cfg: RecipeConfig) -> dict[str, Any]:
 
 def _long_prompts(cfg: RecipeConfig, target: str) -> None:
     """OUT/sets/long-train.jsonl (`long_code.training_rows`), then its manifest: the prompts' tokens
-    counted with the target's tokenizer, each short enough that it and an answer of --regen-tokens
-    fit the target's positions."""
+    counted with the target's tokenizer, between --long-lengths (by default 2,000 up to the target's
+    positions), each short enough that it and an answer of --regen-tokens fit those positions."""
     measure = long_code.Measure(target)
-    low, high = long_code.TRAIN_LENGTHS
-    if measure.max_positions is not None:
-        high = min(high, measure.max_positions - cfg.regen_tokens - REPLY_SLACK)
+    positions = measure.max_positions
+    low, high = cfg.long_lengths or (long_code.TRAIN_LENGTHS[0], None)
+    if high is None:
+        high = long_code.TRAIN_LENGTHS[1] if positions is None else positions
+    if positions is not None:
+        high = min(high, positions - cfg.regen_tokens - REPLY_SLACK)
     if high < low:
         raise RecipeError(f"--long-rows: the target's {measure.max_positions:,} positions hold no prompt of {low:,} "
                           f"tokens with an answer of --regen-tokens {cfg.regen_tokens:,}")  # fmt: skip
     rows = long_code.training_rows(cfg.long_made, cfg.code_roots, measure, low, high, seed=cfg.seed)
     digest = benchsets.write_rows(rows, _long(cfg))
-    manifest = {"rows": len(rows), "lengths": [low, high], "longest": max(r["tokens"] for r in rows),
+    manifest = {"rows": len(rows), "asked": cfg.long_lengths, "lengths": [low, high],
+                "longest": max(r["tokens"] for r in rows),
                 "tokens": measure.describe(), "roots": cfg.code_roots, "seed": cfg.seed, "sha256": digest}  # fmt: skip
     code_prompts.manifest_path(_long(cfg)).write_text(json.dumps(manifest) + "\n")  # last: the file is complete
 
