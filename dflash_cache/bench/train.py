@@ -50,10 +50,7 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
     `sliding_window` and `full_attention_layers` are `dflash train`'s (refused by `TrainConfig`,
     before a cache is written); the useful FLOPs (`useful_tflop_per_step`, an in-memory
     step's, and MFU) count only the context keys a window lets a block attend (`context_keys`).
-
-    `profile`: after the timed phases, two more in-memory steps under `torch.profiler`, written
-    there as a table of operators by their own device time (CPU time on a CPU): where a step
-    that falls short of the MFU it should reach spends it."""
+    `profile`: where the step's time goes, after the timed phases (`_profile`)."""
     from dflash_cache.train.metrics import peak_flops
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -82,12 +79,7 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
     wait, peak_gpu, peak_rss = _loader_phase(steps_of, warmup, n, times)
     measured = n - warmup
     context_tokens = sum(u[1] for u in steps_of.useful)
-    room = torch.cuda.get_device_properties(device).total_memory // 5 if device.type == "cuda" else None
-    kept = resident(loader, warmup, n, room)
-    steps_of.useful.clear()
-    with timer(device, times, "memory"):  # the same batches, already on the device, in turn
-        for i in range(measured):
-            steps_of.step(kept[i % len(kept)])
+    kept = _memory_phase(steps_of, warmup, n, times)
     memory_tokens = sum(u[1] for u in steps_of.useful)
     useful = steps_of.useful_flops()
     tflops = useful / times["memory"] / 1e12
@@ -155,7 +147,8 @@ class _BenchSteps:
 
 def _profile(steps_of: _BenchSteps, kept: list[PackedBatch], path: Path) -> None:
     """Two in-memory steps under `torch.profiler`; their operators by self device time (self CPU
-    time on a CPU), the 40 costliest, as a table at `path`."""
+    time on a CPU), the 40 costliest, as a table at `path`: where a step that falls short of the
+    MFU it should reach spends its time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -170,6 +163,19 @@ def _profile(steps_of: _BenchSteps, kept: list[PackedBatch], path: Path) -> None
     steps_of.useful.clear()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     write_atomic(path, prof.key_averages().table(sort_by=sort, row_limit=40) + "\n")
+
+
+def _memory_phase(steps_of: _BenchSteps, warmup: int, n: int, times: dict[str, float]) -> list[PackedBatch]:
+    """The same batches as the loader phase's, already on the device (`resident`), stepped in turn
+    (times["memory"]); returns them."""
+    loader, device = steps_of.setup.loader, steps_of.setup.worker.device
+    room = torch.cuda.get_device_properties(device).total_memory // 5 if device.type == "cuda" else None
+    kept = resident(loader, warmup, n, room)
+    steps_of.useful.clear()
+    with timer(device, times, "memory"):
+        for i in range(n - warmup):
+            steps_of.step(kept[i % len(kept)])
+    return kept
 
 
 def _loader_phase(steps_of: _BenchSteps, warmup: int, n: int, times: dict[str, float]) -> tuple[float, int, int]:
