@@ -123,6 +123,10 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     decoded, replayed = runs[:2]  # the others' tau is replayed on the first's outputs (the second's: windowed)
     assert all(s["runs"][decoded]["same_as_target"] and all(s["runs"][r]["replayed"] for r in runs[1:])
                and s["runs"][f"{decoded} + lookup 2"]["replayed"] for s in evaluation["sets"].values())  # fmt: skip
+    for s in evaluation["sets"].values():  # speed by context only where decoded: a replay's time is not its own
+        assert all("speedup" in b for b in s["runs"][decoded]["by_context"].values())
+        assert not any({"tok_s", "ms_per_step", "speedup"} & b.keys() for run in s["runs"].values()
+                       if run.get("replayed") for b in run["by_context"].values())  # fmt: skip
     mt, mt_file = evaluation["sets"]["mt-bench"], tmp_path / "mt-bench.jsonl"  # against decoding with it
     write_rows(set_rows("mt-bench")[1], mt_file)
     second = evaluate(EvalConfig(target=str(TINY_TARGET), drafter=out / "runs" / replayed / "export",

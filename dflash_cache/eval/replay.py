@@ -103,8 +103,10 @@ def replayed(cfg: EvalConfig, earlier: EvalResult) -> EvalResult:
             lengths, k = acceptance_lengths(target, drafter, family, embed, head, s["prompt_ids"],
                                             s["output_ids"], B, cfg.lookup)  # fmt: skip
             drafts = max(drafts, k)
+            # the decode's seconds are not this drafter's: its speed by context is left out
             samples.append(s | {"steps": len(lengths), "tau": tau(lengths), "acceptance_lengths": lengths,
-                                "same_as_target": None, "first_difference": None})  # fmt: skip
+                                "same_as_target": None, "first_difference": None, "seconds": None,
+                                "prefill_seconds": None})  # fmt: skip
     return EvalResult(
         **acceptance(samples, drafts), new_tokens=sum(s["new_tokens"] for s in samples), spec_tok_s=0.0,
         target_tok_s=earlier.target_tok_s, speedup=0.0, samples=samples, lookup=earlier.lookup,
