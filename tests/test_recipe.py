@@ -29,8 +29,9 @@ from dflash_cache.eval.benchsets import set_rows, training_rows, write_rows
 from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.decode import evaluate
 from dflash_cache.pipelines.config import RecipeConfig, RecipeError
-from dflash_cache.pipelines.recipe import _max_length, _prompts, _with_long_rows
+from dflash_cache.pipelines.recipe import _grid_budget, _max_length, _prompts, _with_long_rows
 from dflash_cache.rows.chat import DataWarning
+from dflash_cache.train.config import TrainConfig
 
 
 def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
@@ -194,7 +195,7 @@ def test_long_rows_grid_makes_a_cache_without_them_from_the_same_answers(tmp_pat
            "--rows", "3", "--code-rows", "1", "--long-rows", "2,0", "--long-lengths", "2000,2600",
            "--code-roots", str(ROOT / "dflash_cache" / "generate"),
            "--regen-tokens", "8", "--families", "dflash", "--draft-layers", "1", "--epochs", "1",
-           "--token-budget", "256", "--lookup", "0", "--project", "none"]  # fmt: skip
+           "--lookup", "0", "--project", "none"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     record = json.loads((out / "recipe.json").read_text())
@@ -215,7 +216,18 @@ def test_long_rows_grid_makes_a_cache_without_them_from_the_same_answers(tmp_pat
     longest = max(len(ids) for _, ids, _, _ in read_cache(out / "cache-long-rows-0").values())
     assert longest < 2000 < max(len(ids) for _, ids, _, _ in read_cache(out / "cache").values())
     for run, cache in (("dflash-l1-e1", "cache"), ("dflash-l1-e1-long-rows-0", "cache-long-rows-0")):
-        assert json.loads((out / "runs" / run / "train.json").read_text())["config"]["cache"] == str(out / cache)
+        trained = json.loads((out / "runs" / run / "train.json").read_text())["config"]
+        assert (trained["cache"], trained["token_budget"]) == (str(out / cache), 2048)  # one budget: the CPU's
+    assert "2 drafters, each at 2,048 context tokens a batch" in proc.stdout + proc.stderr
+    # a grid an older recipe began (each run's budget its own: none recorded) keeps going as it began
+    cfg = RecipeConfig(target=str(TINY_TARGET), out=out, rows=3, code_rows=1, long_rows=[2, 0])
+    tcfgs = [TrainConfig(cache=out / c, out=out / "runs" / r) for r, c in (("dflash-l1-e1", "cache"),
+                                                                           ("dflash-l1-e1-long-rows-0", "x"))]
+    assert _grid_budget(cfg, tcfgs) == 2048
+    run_json = out / "runs" / "dflash-l1-e1" / "train.json"
+    older = json.loads(run_json.read_text())
+    run_json.write_text(json.dumps(older | {"config": older["config"] | {"token_budget": None}}))
+    assert _grid_budget(cfg, tcfgs) is None
 
     other = [*cmd[: cmd.index("--long-lengths") + 1], "2000,3000", *cmd[cmd.index("--long-lengths") + 2 :]]
     refused = subprocess.run(other, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -18,6 +18,7 @@ from dflash_cache.train.cost import (
     QWEN3_8B,
     StepCost,
     resolve_batch_token_budget,
+    shared_budget,
 )
 from dflash_cache.train.loader import CacheLoader
 
@@ -66,6 +67,20 @@ def test_a_hidden_576_drafter_gets_bigger_batches_where_the_run_allows():
     assert budget(SMOLLM2, run_tokens=6 * 2_500_000) == budget(SMOLLM2, run_tokens=1000) == 8192
     assert budget(SMOLLM2, memory=H100) == 32768
     assert budget(SMOLLM2, num_draft_layers=1) > budget(SMOLLM2)  # a cheaper drafter, bigger batches
+
+
+def test_drafters_compared_side_by_side_share_the_least_budget():
+    """The long-context study's recipe on an H200 (6 epochs, 2 draft layers): its cache with 400
+    long rows held 6.59M tokens, the one without 4.50M. Alone, each drafter took its own batch by
+    the FEW_STEPS rule (32,768 against 16,384 tokens: 1,320 steps against 1,800), so the table
+    compared batch sizes as much as rows. Side by side they share the smaller, whatever their order;
+    a cheaper drafter beside them does not raise it, and a CPU's is the CPU's."""
+    two = drafter(SMOLLM2, num_draft_layers=2)
+    with_long, without = (two, 6 * 6_593_511), (two, 6 * 4_503_663)
+    assert [budget(SMOLLM2, run_tokens=n, num_draft_layers=2) for _, n in (with_long, without)] == [32768, 16384]
+    assert shared_budget([with_long, without], True, H200) == shared_budget([without, with_long], True, H200) == 16384
+    assert shared_budget([with_long, (drafter(SMOLLM2, num_draft_layers=1), 6 * 6_593_511)], True, H200) == 32768
+    assert shared_budget([with_long, without], False, None) == 2048
 
 
 @pytest.mark.parametrize("target", [QWEN3_8B, SMOLLM2], ids=["8b", "smollm2"])

@@ -200,6 +200,27 @@ def _max_length(cfg: RecipeConfig, target: str, cache: Path) -> int:
     return max(ExtractConfig.max_length, _long_made(cfg)["longest"] + cfg.regen_tokens + REPLY_SLACK)
 
 
+def _grid_budget(cfg: RecipeConfig, tcfgs: list[TrainConfig]) -> int | None:
+    """The token budget every drafter of the recipe trains at: --token-budget; else, for several
+    drafters, one for all (`cost.shared_budget`), with the GPU's memory (on a CPU every run takes
+    the CPU's). A grid begun by an older recipe keeps what its first run was begun with."""
+    if cfg.token_budget or len(tcfgs) < 2:
+        return cfg.token_budget
+    for t in tcfgs:
+        if (t.out / train.RUN_JSON).is_file():
+            return read_json(t.out / train.RUN_JSON, "delete the run to train it again")["config"]["token_budget"]
+    import torch
+
+    from dflash_cache.train.config import drafter_config
+    from dflash_cache.train.cost import shared_budget
+
+    cuda = bool(cfg.gpus) and torch.cuda.is_available()
+    memory = torch.cuda.get_device_properties(cfg.gpus[0]).total_memory if cuda else None
+    specs = {t.cache: read_spec(t.cache) for t in tcfgs}
+    return shared_budget([(drafter_config(t, specs[t.cache]), t.epochs * specs[t.cache].plan.num_tokens)
+                          for t in tcfgs], cuda, memory)  # fmt: skip
+
+
 def _first(path: Path, n: int, what: str, *, fewer_ok: bool = False) -> list[dict[str, Any]]:
     """The first `n` rows of `path`; fewer is an error, or with `fewer_ok` a warning."""
     with open(path, "rb") as f:  # lines cut at b"\n" alone, as JSON Lines are (core/jsonl.py)
@@ -274,14 +295,21 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
         if done["rejected"]:
             say(f"      {done['rejected']:,} of {done['rejected'] + done['samples']:,} rows rejected, "
                 f"their reasons in {cache / 'rejected.jsonl'}")  # fmt: skip
-    exports = {}
-    for i, (name, drafter) in enumerate(runs.items()):
-        say(f"[5/6] train {i + 1}/{len(runs)}: {name}")
+    tcfgs = {}
+    for name, drafter in runs.items():
         window = {} if drafter.window is None else {"sliding_window": drafter.window,
                                                     "full_attention_layers": cfg.full_attention_layers}  # fmt: skip
-        tcfg = TrainConfig(cache=caches[drafter.project, drafter.long_rows], out=cfg.out / "runs" / name,
-                           drafter=drafter.family, draft_layers=drafter.draft_layers, epochs=drafter.epochs,
-                           token_budget=cfg.token_budget, seed=cfg.seed, gpus=cfg.gpus, **window)  # fmt: skip
+        tcfgs[name] = TrainConfig(cache=caches[drafter.project, drafter.long_rows], out=cfg.out / "runs" / name,
+                                  drafter=drafter.family, draft_layers=drafter.draft_layers, epochs=drafter.epochs,
+                                  token_budget=cfg.token_budget, seed=cfg.seed, gpus=cfg.gpus, **window)  # fmt: skip
+    budget = _grid_budget(cfg, list(tcfgs.values()))
+    if budget != cfg.token_budget:
+        say(f"[5/6] train: {len(tcfgs)} drafters, each at {budget:,} context tokens a batch (the least any would "
+            "take alone), so the table compares what sets them apart, not their batch sizes")  # fmt: skip
+    exports = {}
+    for i, (name, tcfg) in enumerate(tcfgs.items()):
+        say(f"[5/6] train {i + 1}/{len(runs)}: {name}")
+        tcfg.token_budget = budget
         record.stage(f"train {name}", lambda tcfg=tcfg: train.run(tcfg, bars("train")))
         exports[name] = tcfg.out / "export"
     say(f"[6/6] eval: {', '.join(cfg.benchmarks)} at batch 1")

@@ -104,6 +104,14 @@ def resolve_batch_token_budget(token_budget: int | None, cuda: bool, geometry: A
     return 1 << max(10, int(budget).bit_length() - 1)
 
 
+def shared_budget(runs: list[tuple[Any, int]], cuda: bool, memory_bytes: float | None) -> int:
+    """One token budget for runs compared side by side, each (geometry, run tokens): the least that
+    `resolve_batch_token_budget` gives any of them alone, so that none has fewer than `FEW_STEPS`
+    batches, none outgrows the memory, and their figures differ by what sets them apart, not by
+    their batch sizes."""
+    return min(resolve_batch_token_budget(None, cuda, g, memory_bytes=memory_bytes, run_tokens=n) for g, n in runs)
+
+
 def run_token_budget(cfg: TrainConfig, dcfg: Any, spec: CacheSpec, device: Any, *,
                      few_steps_cap: bool = True) -> int:  # fmt: skip
     """The token budget of a run: `resolve_batch_token_budget` with the drafter, the total memory of the
