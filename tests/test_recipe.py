@@ -200,7 +200,8 @@ def test_long_rows_grid_makes_a_cache_without_them_from_the_same_answers(tmp_pat
     assert proc.returncode == 0, proc.stderr
     record = json.loads((out / "recipe.json").read_text())
     assert list(record["stages"]) == ["target", "prompts", "regen", "extract", "extract long-rows-0",
-                                      "train dflash-l1-e1", "train dflash-l1-e1-long-rows-0", "eval"]  # fmt: skip
+                                      "train dflash-l1-e1-window-2048", "train dflash-l1-e1-window-2048-long-rows-0",
+                                      "eval"]  # the default window's drafters  # fmt: skip
     made = json.loads((out / "sets" / "long-train.jsonl.json").read_text())
     assert made["lengths"] == [2000, 2600] and all(2000 <= r["tokens"] <= 2600 for r in jsonl_rows(
         out / "sets" / "long-train.jsonl"))  # --long-lengths  # fmt: skip
@@ -215,16 +216,17 @@ def test_long_rows_grid_makes_a_cache_without_them_from_the_same_answers(tmp_pat
     assert (with_long["samples"], short["samples"]) == (5, 3) and with_long["rejected"] == short["rejected"] == 0
     longest = max(len(ids) for _, ids, _, _ in read_cache(out / "cache-long-rows-0").values())
     assert longest < 2000 < max(len(ids) for _, ids, _, _ in read_cache(out / "cache").values())
-    for run, cache in (("dflash-l1-e1", "cache"), ("dflash-l1-e1-long-rows-0", "cache-long-rows-0")):
+    for run, cache in (("dflash-l1-e1-window-2048", "cache"), ("dflash-l1-e1-window-2048-long-rows-0",
+                                                              "cache-long-rows-0")):  # fmt: skip
         trained = json.loads((out / "runs" / run / "train.json").read_text())["config"]
         assert (trained["cache"], trained["token_budget"]) == (str(out / cache), 2048)  # one budget: the CPU's
     assert "2 drafters, each at 2,048 context tokens a batch" in proc.stdout + proc.stderr
     # a grid an older recipe began (each run's budget its own: none recorded) keeps going as it began
     cfg = RecipeConfig(target=str(TINY_TARGET), out=out, rows=3, code_rows=1, long_rows=[2, 0])
-    tcfgs = [TrainConfig(cache=out / c, out=out / "runs" / r) for r, c in (("dflash-l1-e1", "cache"),
-                                                                           ("dflash-l1-e1-long-rows-0", "x"))]
+    tcfgs = [TrainConfig(cache=out / c, out=out / "runs" / r) for r, c in (
+        ("dflash-l1-e1-window-2048", "cache"), ("dflash-l1-e1-window-2048-long-rows-0", "x"))]  # fmt: skip
     assert _grid_budget(cfg, tcfgs) == 2048
-    run_json = out / "runs" / "dflash-l1-e1" / "train.json"
+    run_json = out / "runs" / "dflash-l1-e1-window-2048" / "train.json"
     older = json.loads(run_json.read_text())
     run_json.write_text(json.dumps(older | {"config": older["config"] | {"token_budget": None}}))
     assert _grid_budget(cfg, tcfgs) is None
@@ -252,10 +254,11 @@ def test_one_recipe_names_the_long_context_study():
     assert list(runs) == ["dspark-l2-e24", "dspark-l2-e24-window-2048", "dspark-l2-e24-long-rows-0",
                           "dspark-l2-e24-window-2048-long-rows-0"]  # fmt: skip
     assert [(r.long_rows, r.window) for r in runs.values()] == [(400, None), (400, 2048), (0, None), (0, 2048)]
+    assert list(RecipeConfig(target=str(TINY_TARGET)).runs()) == ["dspark-l2-e24-window-2048"]  # the default
     for bad, message in (({"long_rows": [5, 5]}, "each once"), ({"long_rows": [-1]}, "at least 0"),
                          ({"sliding_window": ["0"]}, "--sliding-window 0"),
                          ({"sliding_window": ["wide"]}, "--sliding-window wide"),
-                         ({"full_attention_layers": [0]}, "needs a window"),
+                         ({"sliding_window": ["full"], "full_attention_layers": [0]}, "needs a window"),
                          ({"long_lengths": [3000, 2000]}, "--long-lengths 3000,2000: expected LOW,HIGH"),
                          ({"long_lengths": [2000]}, "--long-lengths 2000: expected LOW,HIGH"),
                          ({"sliding_window": ["64"], "full_attention_layers": [0, 1]}, "names every draft layer")):

@@ -128,8 +128,10 @@ class RecipeConfig:
     epochs: list[int] = setting(help="Training epochs: one drafter for each value.", factory=lambda: [24])
     sliding_window: list[str] = setting(help="The draft layers' attention: one drafter for each value, full (the "
                                         "whole context) or W (a window of W tokens, as dflash train "
-                                        "--sliding-window W; its drafters named ...-window-W).",
-                                        factory=lambda: ["full"], expects="full or windows like full,2048")  # fmt: skip
+                                        "--sliding-window W; its drafters named ...-window-W). 2048 by default: on "
+                                        "SmolLM2 it matched or beat full attention on every set and kept more of "
+                                        "its tau on long prompts, at a step whose cost stops growing with them.",
+                                        factory=lambda: ["2048"], expects="full or windows like full,2048")  # fmt: skip
     full_attention_layers: list[int] | None = same_as(DrafterSettings, "full_attention_layers",
                                                       "(For every windowed drafter.)")  # fmt: skip
     benchmarks: list[str] = setting(help="Sets to evaluate on, as dflash eval-sets' --benchmarks: humaneval, "
