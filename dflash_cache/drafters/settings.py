@@ -24,7 +24,8 @@ class DrafterSettings:
     loss_chunk: int = setting(4096, "Block tokens per LM-head chunk of the loss.", min=1, tuning=True)
     sliding_window: int | None = setting(None, "Sliding-window draft layers: a block token attends to the context "
                                          "within W positions of its own (z-lab's rule), so a block's attention "
-                                         "costs O(W) at any context (default: full attention).", min=1)  # fmt: skip
+                                         "costs O(W) at any context (default: full attention; dflash recipe's "
+                                         "drafters slide at 2048).", min=1)  # fmt: skip
     full_attention_layers: list[int] | None = setting(None, "With --sliding-window: the draft layers (0-based) that "
                                                       "keep full attention (default: none, every layer slides).",
                                                       expects="draft-layer indices like 4 or 0,4")  # fmt: skip
