@@ -121,8 +121,8 @@ def _prompts(cfg: RecipeConfig, target: str) -> tuple[Path, dict[str, int]]:
         benchsets.write_rows(benchsets.training_rows()[0], sharegpt)
     if cfg.code_rows and not code_prompts.manifest_path(code).is_file():
         code_prompts.build(code, roots=cfg.code_roots, seed=cfg.seed)
-    long_made = _long_made(cfg)
-    if cfg.long_made and (long_made.get("rows"), long_made.get("asked")) != (cfg.long_made, cfg.long_lengths):
+    long_manifest = _long_made(cfg)
+    if cfg.long_made and (long_manifest.get("rows"), long_manifest.get("asked")) != (cfg.long_made, cfg.long_lengths):
         _long_prompts(cfg, target)
     made_path = code_prompts.manifest_path(train)  # written after the file: its counts
     counts = {"rows": cfg.rows, "code_rows": cfg.code_rows, "long_rows": cfg.long_made}
