@@ -289,7 +289,7 @@ def test_sliding_window_train_benchmark(tmp_path):
     assert t["memory_tflops"] > 0 and sorted(len(ids) for _, ids, _, _ in read_cache(cache).values()) == [300] * 5
     # the same cache and batches (and anchors, the seed's) with full attention, every layer sliding, one full
     kw = dict(steps=2, warmup=1, token_budget=512, max_anchors=4, draft_layers=2)
-    full = bench_train(cache, **kw, profile=tmp_path / "profile.txt")
+    full = bench_train(cache, **kw, sliding_window="full", profile=tmp_path / "profile.txt")
     slide = bench_train(cache, **kw, sliding_window=64)
     mixed = bench_train(cache, **kw, sliding_window=64, full_attention_layers=[1])
     assert (full["sliding_window"], full["full_attention_layers"]) == (None, None)
@@ -306,9 +306,9 @@ def test_sliding_window_train_benchmark(tmp_path):
         assert v["memory_tflops"] == pytest.approx(v["useful_tflop_per_step"] * v["memory_steps_s"])
 
     for args, said in ((["--sliding-window", "0"], "error: --sliding-window 0: expected an integer >= 1"),
-                       (["--full-attention-layers", "1"], "needs --sliding-window"),
+                       (["--sliding-window", "full", "--full-attention-layers", "1"], "every layer already attends"),
                        (["--sliding-window", "64", "--full-attention-layers", "0,1"],
-                        "--full-attention-layers names every draft layer")):  # fmt: skip
+                        "--full-attention-layers names every draft layer: use --sliding-window full")):  # fmt: skip
         new = tmp_path / "no"
         r = runner.invoke(app, ["bench", "train", "--cache", str(new), "--length", "300", "--draft-layers", "2",
                                 *args])  # fmt: skip

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ from dflash_cache.drafters.dflash.config import DrafterConfig
 from dflash_cache.drafters.dflash.model import DFlashDrafter
 from dflash_cache.drafters.dspark.config import DSparkConfig
 from dflash_cache.drafters.dspark.model import DSparkDrafter
-from dflash_cache.drafters.settings import DrafterSettings
+from dflash_cache.drafters.settings import DEFAULT_WINDOW, DrafterSettings
 
 B = 4
 S, F = "sliding_attention", "full_attention"
@@ -167,16 +168,20 @@ def test_sdpa_pieces_stay_within_the_window():
 
 
 def test_settings_give_each_layer_its_type():
-    """--sliding-window alone slides every layer; --full-attention-layers keeps the named ones full;
-    settings that make no sense are refused naming the flag."""
-    assert DrafterSettings().layer_types() is None
+    """Every layer slides at DEFAULT_WINDOW unless told; --sliding-window full keeps them all full;
+    --full-attention-layers keeps the named ones full; settings that make no sense are refused
+    naming the flag."""
+    assert DrafterSettings().layer_types() == [S] * 5 and DrafterSettings().window() == DEFAULT_WINDOW == 2048
+    assert DrafterSettings(sliding_window="full").layer_types() is None
+    assert DrafterSettings(sliding_window="full").window() is None
     assert DrafterSettings(sliding_window=8).layer_types() == [S] * 5
     assert DrafterSettings(sliding_window=8, full_attention_layers=[4]).layer_types() == [S, S, S, S, F]
     assert DrafterSettings(sliding_window=8, draft_layers=2, full_attention_layers=[0]).layer_types() == [F, S]
-    for bad, match in ((dict(full_attention_layers=[1]), "needs --sliding-window"),
+    assert DrafterSettings(full_attention_layers=[1]).layer_types() == [S, F, S, S, S]
+    for bad, match in ((dict(sliding_window="full", full_attention_layers=[1]), "every layer already attends"),
                        (dict(sliding_window=8, full_attention_layers=[5]), "out of range for 5 draft layers"),
-                       (dict(sliding_window=8, full_attention_layers=[0, 1, 2, 3, 4]), "names every draft layer"),
-                       (dict(sliding_window=0), "expected an integer >= 1")):  # fmt: skip
+                       (dict(sliding_window=8, full_attention_layers=[0, 1, 2, 3, 4]), "use --sliding-window full"),
+                       (dict(sliding_window=0), "expected an integer >= 1 or full")):  # fmt: skip
         with pytest.raises(ValueError, match=match):
             DrafterSettings(**bad).layer_types()
 
@@ -355,12 +360,50 @@ def test_train_with_a_window_from_the_command_line(tiny_cache, tmp_path):
     _, cfg = drafters.load_serving(out / "export")[:2]
     assert cfg.windows == [8, None]
     for flags, flag in ((["--sliding-window", "8", "--full-attention-layers", "2"], "--full-attention-layers"),
-                        (["--full-attention-layers", "0"], "--sliding-window"),
+                        (["--sliding-window", "full", "--full-attention-layers", "0"], "--sliding-window full"),
                         (["--sliding-window", "0"], "--sliding-window")):  # fmt: skip
         res = subprocess.run([*base, "--out", str(tmp_path / "bad"), *flags], env=env, capture_output=True, text=True,
                              timeout=600)  # fmt: skip
         lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
         assert res.returncode == 1 and len(lines) == 1 and lines[0].startswith("error:") and flag in lines[0], lines
+
+
+def test_train_slides_by_default_and_older_runs_resume_full(tiny_cache, tmp_path):
+    """With no --sliding-window a new run slides every layer at DEFAULT_WINDOW; a run begun with full
+    attention (`--sliding-window full`, as every run before the default slid records it: no window
+    in its identity) resumes with full attention when rerun without the flag, `--config RUN` of a
+    record that says no window trains with full attention too, and a rerun that asks for another
+    window is refused naming it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def train(out: Path, *flags: str, steps: int = 1) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cli.main", "train", "--cache", str(tiny_cache), "--out", str(out),
+                               "--epochs", "1", "--max-steps", str(steps), "--token-budget", "1024", "--max-anchors",
+                               "8", "--draft-layers", "2", "--save-every", "1", *flags], env=env, capture_output=True,
+                              text=True, timeout=600)  # fmt: skip
+
+    res = train(tmp_path / "new")
+    assert res.returncode == 0, res.stdout + res.stderr
+    config = json.loads((tmp_path / "new" / "export" / "config.json").read_text())
+    assert (config["layer_types"], config["sliding_window"]) == ([S, S], DEFAULT_WINDOW)
+    assert json.loads((tmp_path / "new" / "train.json").read_text())["identity"]["sliding_window"] == DEFAULT_WINDOW
+
+    old = tmp_path / "full"
+    assert train(old, "--sliding-window", "full").returncode == 0
+    record = json.loads((old / "train.json").read_text())
+    assert "sliding_window" not in record["identity"]
+    res = train(old, steps=2)  # the rerun without the flag resumes the run as it began
+    assert res.returncode == 0 and "resumed at epoch 1, batch 1 (step 1)" in res.stdout + res.stderr, res.stderr
+    assert "trained 2 steps" in res.stdout + res.stderr and json.loads((old / "train.json").read_text()) == record
+    config = json.loads((old / "export" / "config.json").read_text())
+    assert config["sliding_window"] is None and config.get("layer_types") in (None, [F, F])
+    record["config"]["sliding_window"] = None  # as a run recorded before the default slid says it
+    (old / "train.json").write_text(json.dumps(record))
+    res = train(tmp_path / "again", "--config", str(old))  # its settings again, full attention included
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "sliding_window" not in json.loads((tmp_path / "again" / "train.json").read_text())["identity"]
+    res = train(old, "--sliding-window", "8", steps=3)
+    assert res.returncode != 0 and "sliding_window (None vs 8)" in res.stdout + res.stderr, res.stdout + res.stderr
 
 
 def test_useful_flops_count_the_window():

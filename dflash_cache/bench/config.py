@@ -69,8 +69,8 @@ class TrainBenchConfig:
     drafter: str = same_as(TrainConfig, "drafter")
     block_size: int | None = same_as(TrainConfig, "block_size")
     draft_layers: int = same_as(TrainConfig, "draft_layers", "(dflash recipe trains 2.)")
-    sliding_window: int | None = same_as(TrainConfig, "sliding_window", "The useful FLOPs count only the keys "
-                                         "a window lets a block attend.")  # fmt: skip
+    sliding_window: int | Literal["full"] | None = same_as(
+        TrainConfig, "sliding_window", "The useful FLOPs count only the keys a window lets a block attend.")
     full_attention_layers: list[int] | None = same_as(TrainConfig, "full_attention_layers")
     length: int | None = setting(None, "Write a cache of samples of this many tokens to --cache first (random "
                                  "values of what dflash extract stores at --shape's width, as --project and "

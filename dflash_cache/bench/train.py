@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -27,7 +27,7 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
           draft_layers: int = TrainConfig.draft_layers, readers: int | None = None, cold: bool = False,
           device: torch.device | None = None, drafter: str = TrainConfig.drafter, length: int | None = None,
           config: dict = QWEN3_8B, storage: str = "auto", project: int | str = "auto",
-          sliding_window: int | None = TrainConfig.sliding_window,
+          sliding_window: int | Literal["full"] | None = TrainConfig.sliding_window,
           full_attention_layers: list[int] | None = TrainConfig.full_attention_layers,
           profile: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """Drafter steps with the real loader reading `cache` vs the same steps on batches already on

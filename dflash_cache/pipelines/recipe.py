@@ -297,7 +297,7 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
                 f"their reasons in {cache / 'rejected.jsonl'}")  # fmt: skip
     tcfgs = {}
     for name, drafter in runs.items():
-        window = {} if drafter.window is None else {"sliding_window": drafter.window,
+        window = {"sliding_window": "full"} if drafter.window is None else {"sliding_window": drafter.window,
                                                     "full_attention_layers": cfg.full_attention_layers}  # fmt: skip
         tcfgs[name] = TrainConfig(cache=caches[drafter.project, drafter.long_rows], out=cfg.out / "runs" / name,
                                   drafter=drafter.family, draft_layers=drafter.draft_layers, epochs=drafter.epochs,

@@ -22,7 +22,7 @@ from dflash_cache import drafters
 from dflash_cache.cache.spec import CacheSpec, SpecError, check_drafter_fits
 from dflash_cache.core.errors import UserError
 from dflash_cache.core.settings import setting
-from dflash_cache.drafters.settings import DrafterSettings
+from dflash_cache.drafters.settings import DEFAULT_WINDOW, DrafterSettings
 
 if TYPE_CHECKING:  # a family's code loads torch and transformers; the settings alone must not (the CLI reads them)
     from dflash_cache.drafters import Family
@@ -124,8 +124,12 @@ class TrainConfig(_extended(TrainerSettings, [DrafterSettings, *map(drafters.set
 
     @staticmethod
     def from_record(data: dict[str, Any], path: Path) -> dict[str, Any]:
-        """A run's train.json as its settings; any other mapping as it is."""
-        return data["config"] if {"identity", "config"} <= data.keys() else data
+        """A run's train.json as its settings (a run recorded before the default window slid is
+        full attention, which its identity says by naming no window); any other mapping as it is."""
+        if not {"identity", "config"} <= data.keys():
+            return data
+        window = data["config"].get("sliding_window") or data["identity"].get("sliding_window", "full")
+        return {**data["config"], "sliding_window": window}
 
     def family(self) -> Family:
         """The drafter family `drafter` names (TrainError for an unknown name)."""
@@ -143,6 +147,20 @@ class TrainConfig(_extended(TrainerSettings, [DrafterSettings, *map(drafters.set
             raise TrainError(f"--drafter: {e}") from None
         return cls(**{f.name: getattr(self, f.name) for f in dataclasses.fields(cls)})
 
+    def drafter_window(self) -> int | None:
+        """The sliding layers' window these settings give (`DrafterSettings.window`), None for full."""
+        return DrafterSettings(sliding_window=self.sliding_window).window()
+
+    def for_run(self, recorded: dict[str, Any] | None) -> TrainConfig:
+        """These settings with the window settled: an unset --sliding-window is the window the run
+        recorded in `recorded` (its train.json) began with, full attention for a run that recorded
+        none (runs begun before the default slid), and DEFAULT_WINDOW for a new run."""
+        if self.sliding_window is not None:
+            return self
+        if recorded is None:
+            return dataclasses.replace(self, sliding_window=DEFAULT_WINDOW)
+        return dataclasses.replace(self, sliding_window=recorded.get("identity", {}).get("sliding_window", "full"))
+
     def identity(self) -> dict[str, Any]:
         """What a resume must match: everything that changes the math, not the run's length."""
         keep = ("lr", "warmup", "weight_decay", "clip", "token_budget", "grad_accum", "draft_layers", "block_size",
@@ -155,8 +173,10 @@ class TrainConfig(_extended(TrainerSettings, [DrafterSettings, *map(drafters.set
         other = {} if family.name == "dflash" else {"drafter": family.name, **own}
         # how batches are dealt to ranks (DDP steps of similar cost) changes which samples share a step
         held = {"val_fraction": self.val_fraction} if self.val_fraction else {}  # held-out units change the data
-        # sliding-window layers, only when set: runs with full attention everywhere resume as they are
-        window = {k: getattr(self, k) for k in ("sliding_window", "full_attention_layers") if getattr(self, k)}
+        # sliding-window layers, only when they slide: runs with full attention everywhere resume as they are
+        window = {} if self.drafter_window() is None else {
+            "sliding_window": self.drafter_window(),
+            **({"full_attention_layers": self.full_attention_layers} if self.full_attention_layers else {})}
         return {**settings, "dealing": "cost-balanced", **other, **held, **window}
 
 

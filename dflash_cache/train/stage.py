@@ -91,6 +91,7 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     reporter = Reporter(sink)
     reporter.start(total=0)
     try:
+        cfg = cfg.for_run(_recorded(cfg.out))  # an unset window: the run's own, or the default for a new one
         if cfg.grad_reduce not in ("fp32", "bf16"):
             raise TrainError(f"--grad-reduce {cfg.grad_reduce!r}: expected fp32 or bf16")
         if cfg.keep_checkpoints < 1:
@@ -141,9 +142,8 @@ def _val_set(cfg: TrainConfig, spec: CacheSpec, dcfg: Any, family: Family) -> Va
 def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: Any) -> None:
     """A run directory belongs to one cache and one set of hyper-parameters: a rerun resumes it."""
     ident = {"cache_created": spec.created, "cache_target": spec.target.weights_fingerprint, **cfg.identity()}
-    path = cfg.out / RUN_JSON
-    if path.exists():
-        old = read_json(path, f"restore it, or use a new --out (it records the settings {cfg.out} was trained with)")
+    old = _recorded(cfg.out)
+    if old is not None:
         diffs = [f"{k} ({old.get('identity', {}).get(k)!r} vs {v!r})"
                  for k, v in ident.items() if old.get("identity", {}).get(k) != v]  # fmt: skip
         if diffs:
@@ -156,7 +156,15 @@ def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: Any) -> None:
               # fc's inputs when the cache is projected: the checkpoints' fc reads the projected values
               **({"context_width": dcfg.context_width} if dcfg.context_width else {})}  # fmt: skip
     # every torchrun rank gets here at once: never let one read another's half-written file
-    write_atomic(path, json.dumps(record, indent=2) + "\n")
+    write_atomic(cfg.out / RUN_JSON, json.dumps(record, indent=2) + "\n")
+
+
+def _recorded(out: Path) -> dict[str, Any] | None:
+    """The train.json of a run begun in `out` (the settings it was trained with), or None."""
+    path = out / RUN_JSON
+    if not path.exists():
+        return None
+    return read_json(path, f"restore it, or use a new --out (it records the settings {out} was trained with)")
 
 
 def _world_size(cfg: TrainConfig) -> int:

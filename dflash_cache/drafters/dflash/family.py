@@ -40,7 +40,7 @@ def config(settings: DrafterSettings, spec: CacheSpec) -> DrafterConfig:
                                      mask_token_id=spec.tokenizer.mask_token_id,
                                      num_draft_layers=settings.draft_layers,
                                      block_size=settings.block_size or BLOCK_SIZE,
-                                     sliding_window=settings.sliding_window,
+                                     sliding_window=settings.window(),
                                      layer_types=settings.layer_types())  # fmt: skip
     check_drafter_fits(spec, layer_ids=layers, hidden_size=dcfg.hidden_size, vocab_size=dcfg.vocab_size,
                        mask_token_id=dcfg.mask_token_id)  # fmt: skip
