@@ -152,7 +152,8 @@ def test_template_kwargs_and_missing_config_file(tmp_path):
 
 def test_a_run_directory_is_a_config(tmp_path):
     """RUN (its train.json, as the train stage writes it) reads back as the run's settings."""
-    cfg = TrainConfig(cache=Path("c"), out=tmp_path, lr=3e-3, layers=[1, 2], gpus=None, token_budget=2048)
+    cfg = TrainConfig(cache=Path("c"), out=tmp_path, lr=3e-3, layers=[1, 2], gpus=None, token_budget=2048
+                      ).for_run(None)  # a new run's settings, its window settled, as the stage records them
     (tmp_path / "train.json").write_text(json.dumps({"identity": cfg.identity(), "config": plain(cfg), "drafter": {}}))
     assert resolve(TrainConfig, files=[tmp_path]) == cfg
     assert resolve(TrainConfig, files=[tmp_path / "train.json"], flags={"out": "new"}).out == Path("new")
