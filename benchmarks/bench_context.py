@@ -10,6 +10,8 @@ context, one prompt of that many random tokens:
 - each drafter's speculative step: its drafts are rejected, so every step commits one token and the
   runs differ only in what a step costs. Its time, what it adds to the plain step, and the speedup a
   tau of 2, 3 or 4 would give at that context (tau x plain step / speculative step);
+- each drafter's proposal alone (`draft_ms`): what a window bounds, apart from the target's
+  verification of the block, which grows with the context whatever the drafter;
 
 side by side in one run, so a window's step is set against full attention's at every length.
 
@@ -82,6 +84,26 @@ def decode_ms(engine: Engine, prompt: list[int], max_new: int, device: torch.dev
     return min(times[1:]), done.ids
 
 
+def draft_ms(proposer: BlockProposer, context: int, device: torch.device, repeats: int = 20) -> float:
+    """Milliseconds the drafter alone takes to propose one block at `context` tokens of context
+    (its cache as the decode left it): the part of the speculative step a window bounds, apart from
+    the target's verification, which grows with the context whatever the drafter."""
+    last = torch.zeros(1, dtype=torch.long, device=device)
+    positions = torch.full((1,), context, dtype=torch.long, device=device)
+
+    def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return logits.argmax(-1), None
+
+    for _ in range(3):
+        proposer.propose(last, positions, greedy)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        proposer.propose(last, positions, greedy)
+    sync(device)
+    return 1e3 * (time.perf_counter() - t0) / repeats
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -115,6 +137,7 @@ def at_context(model, context: int, args, device: torch.device) -> dict:
                                     device)  # fmt: skip
                 row["runs"][f"{family.name}, {layers} layers, {w}"] = {
                     "step_ms": ms, "adds_ms": ms - plain_ms, "over_plain": ms / plain_ms,
+                    "draft_ms": draft_ms(proposer, context, device),
                     "speedup_at_tau": {str(t): t * plain_ms / ms for t in TAUS}, "same_as_target": out == plain}
                 del drafter, target, proposer
                 gc.collect()
@@ -144,7 +167,8 @@ def main() -> None:
         for context in contexts:
             row = at_context(model, context, args, device)
             result["contexts"].append(row)
-            steps = ", ".join(f"{name} {r['step_ms']:.2f} ms (+{r['adds_ms']:.2f})" for name, r in row["runs"].items())
+            steps = ", ".join(f"{name} {r['step_ms']:.2f} ms (+{r['adds_ms']:.2f}; drafting {r['draft_ms']:.2f})"
+                              for name, r in row["runs"].items())  # fmt: skip
             print(f"context {context:>7,}: plain {row['plain_step_ms']:.2f} ms; {steps}", flush=True)
             if args.out:
                 args.out.write_text(json.dumps(result, indent=2) + "\n")
