@@ -374,36 +374,39 @@ def test_train_slides_by_default_and_older_runs_resume_full(tiny_cache, tmp_path
     in its identity) resumes with full attention when rerun without the flag, `--config RUN` of a
     record that says no window trains with full attention too, and a rerun that asks for another
     window is refused naming it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    from dflash_cache.core.settings import resolve
+    from dflash_cache.train.config import TrainConfig, TrainError
+    from dflash_cache.train.stage import run as train
 
-    def train(out: Path, *flags: str, steps: int = 1) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "cli.main", "train", "--cache", str(tiny_cache), "--out", str(out),
-                               "--epochs", "1", "--max-steps", str(steps), "--token-budget", "1024", "--max-anchors",
-                               "8", "--draft-layers", "2", "--save-every", "1", *flags], env=env, capture_output=True,
-                              text=True, timeout=600)  # fmt: skip
+    def settings(out: Path, steps: int = 1, **more) -> TrainConfig:
+        return TrainConfig(cache=tiny_cache, out=out, epochs=1, max_steps=steps, token_budget=1024, max_anchors=8,
+                           draft_layers=2, save_every=1, **more)  # fmt: skip
 
-    res = train(tmp_path / "new")
-    assert res.returncode == 0, res.stdout + res.stderr
+    train(settings(tmp_path / "new"))
     config = json.loads((tmp_path / "new" / "export" / "config.json").read_text())
     assert (config["layer_types"], config["sliding_window"]) == ([S, S], DEFAULT_WINDOW)
     assert json.loads((tmp_path / "new" / "train.json").read_text())["identity"]["sliding_window"] == DEFAULT_WINDOW
 
     old = tmp_path / "full"
-    assert train(old, "--sliding-window", "full").returncode == 0
+    train(settings(old, sliding_window="full"))
     record = json.loads((old / "train.json").read_text())
-    assert "sliding_window" not in record["identity"]
-    res = train(old, steps=2)  # the rerun without the flag resumes the run as it began
-    assert res.returncode == 0 and "resumed at epoch 1, batch 1 (step 1)" in res.stdout + res.stderr, res.stderr
-    assert "trained 2 steps" in res.stdout + res.stderr and json.loads((old / "train.json").read_text()) == record
+    first = (old / "checkpoints" / "step_00000001.pt").stat().st_mtime_ns
+    assert "sliding_window" not in record["identity"] and record["config"]["sliding_window"] == "full"
+    train(settings(old, steps=2))  # the rerun without the flag resumes the run as it began: one more step
+    assert (old / "checkpoints" / "step_00000001.pt").stat().st_mtime_ns == first
+    assert (old / "checkpoints" / "step_00000002.pt").exists()
+    assert json.loads((old / "train.json").read_text()) == record
     config = json.loads((old / "export" / "config.json").read_text())
     assert config["sliding_window"] is None and config.get("layer_types") in (None, [F, F])
+
     record["config"]["sliding_window"] = None  # as a run recorded before the default slid says it
     (old / "train.json").write_text(json.dumps(record))
-    res = train(tmp_path / "again", "--config", str(old))  # its settings again, full attention included
-    assert res.returncode == 0, res.stdout + res.stderr
+    again = resolve(TrainConfig, files=[old], flags={"out": str(tmp_path / "again")})
+    assert again.sliding_window == "full"  # its settings again, full attention included
+    train(again)
     assert "sliding_window" not in json.loads((tmp_path / "again" / "train.json").read_text())["identity"]
-    res = train(old, "--sliding-window", "8", steps=3)
-    assert res.returncode != 0 and "sliding_window (None vs 8)" in res.stdout + res.stderr, res.stdout + res.stderr
+    with pytest.raises(TrainError, match=r"sliding_window \(None vs 8\)"):
+        train(settings(old, steps=3, sliding_window=8))
 
 
 def test_useful_flops_count_the_window():
