@@ -33,8 +33,8 @@ class DrafterSettings:
         f"(z-lab's rule), so a block's attention costs O(W) at any context; full: every layer attends to the "
         f"whole context (default: {DEFAULT_WINDOW}; a run begun earlier resumes with the window it began with).",
         min=1)  # fmt: skip
-    full_attention_layers: list[int] | None = setting(None, "With --sliding-window: the draft layers (0-based) that "
-                                                      "keep full attention (default: none, every layer slides).",
+    full_attention_layers: list[int] | None = setting(None, "The draft layers (0-based) that keep full attention "
+                                                      "beside the sliding ones (default: none, every layer slides).",
                                                       expects="draft-layer indices like 4 or 0,4")  # fmt: skip
 
     def window(self) -> int | None:
