@@ -64,7 +64,9 @@ def test_a_resumed_run_says_where_it_resumed_and_keeps_as_told(tiny_cache, tmp_p
 
     first = RecordingSink()
     run(cfg(2), first)
-    assert not [d for d in first.deltas if "info" in d]  # a fresh run resumes nothing
+    # a fresh run resumes nothing, and says how its drafter attends
+    assert [d["info"] for d in first.deltas if "info" in d] == [
+        "drafter: dflash, 1 layer, every layer slides at a 2,048-token window (--sliding-window full for none)"]
     checkpoints = out / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step_*.pt")) == ["step_00000002.pt"]  # keep 1
     second = RecordingSink()

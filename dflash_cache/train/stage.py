@@ -354,6 +354,9 @@ def _announce(s: Setup, tell, resumed_from: Path | None) -> None:
         where = (f"step {step} (the run is complete)" if s.done() else
                  f"epoch {loader.position.epoch + 1}, batch {loader.position.batch} (step {step})")  # fmt: skip
         tell({"info": f"resumed at {where} from {resumed_from}"})
+    else:
+        n = len(s.dcfg.windows)
+        tell({"info": f"drafter: {s.family.name}, {n} layer{'s' if n > 1 else ''}, {_attention(s.dcfg.windows)}"})
     p = loader.position
     if not loader.complete and loader.follows(p.epoch, p.follow):
         tell({"info": "following the extraction: " + progress_line(s.cfg.cache, len(committed_units(s.cfg.cache)),
@@ -370,6 +373,18 @@ def _announce(s: Setup, tell, resumed_from: Path | None) -> None:
                              "smaller steps do better (e.g. a smaller --token-budget and --max-anchors, more "
                              "--epochs: QUALITY.md)"})  # fmt: skip
     tell({"bar": {"total": s.schedule.total, "completed": s.schedule.tokens}})
+
+
+def _attention(windows: list[int | None]) -> str:
+    """How the draft layers attend, for the start-up line: the window is the default, so say it."""
+    sliding = [i for i, w in enumerate(windows) if w is not None]
+    if not sliding:
+        return "full attention (every layer attends to the whole context)"
+    w = windows[sliding[0]]
+    if len(sliding) == len(windows):
+        return f"every layer slides at a {w:,}-token window (--sliding-window full for none)"
+    full = ",".join(str(i) for i, x in enumerate(windows) if x is None)
+    return f"layers {','.join(map(str, sliding))} slide at a {w:,}-token window, {full} attend to the whole context"
 
 
 def _data_parallel(model: torch.nn.Module, device: torch.device, grad_reduce: str) -> DDP:
