@@ -175,7 +175,8 @@ def ctrl_c(cmd, ready, left, reset, attempts=6, timeout=180, stop=None):
 
 
 def _one_line(rc: int, err: str, stage: str) -> None:
-    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(f"{stage} ")]  # the bar's lines
+    # the bar's lines and a new train run's start-up line are not the interruption's
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith((f"{stage} ", "drafter: "))]
     assert rc == 130 and "Traceback" not in err, err
     assert len(lines) == 1 and lines[0].startswith("interrupted:") and "rerun the same command" in lines[0], err
 
