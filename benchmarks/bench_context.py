@@ -36,28 +36,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_cache import drafters  # noqa: E402
-from dflash_cache.bench.shapes import shape_config  # noqa: E402
+from dflash_cache.bench.generate import random_model  # noqa: E402
 from dflash_cache.drafters.dflash.config import SLIDING, DrafterConfig  # noqa: E402
 from dflash_cache.drafters.dspark.config import DSparkConfig  # noqa: E402
 from dflash_cache.generate import BlockProposer, Engine, Request, StopRule, load_model  # noqa: E402
 from dflash_cache.generate.targets import SlotTarget  # noqa: E402
 
 TAUS = (2.0, 3.0, 4.0)
-
-
-def target_model(shape: str | None, path: str | None, positions: int, device: torch.device) -> torch.nn.Module:
-    """A model directory as it is, or a random model of `shape` with at least `positions` positions
-    (bf16 on a GPU, float32 on a CPU), frozen."""
-    if path:
-        return load_model(path, device)
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = shape_config(shape)
-    config["max_position_embeddings"] = max(config.get("max_position_embeddings", 0), positions)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=dtype)
-    return model.eval().requires_grad_(False)
 
 
 def drafter_config(model: torch.nn.Module, family: drafters.Family, layers: int, window: int | None):
@@ -159,7 +144,8 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     contexts = [int(c) for c in args.contexts.split(",")]
-    model = target_model(args.shape, args.target, max(contexts) + args.max_new_tokens + 64, device)
+    positions = max(contexts) + args.max_new_tokens + 64
+    model = load_model(args.target, device) if args.target else random_model(args.shape, device, positions)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result = {"shape": args.target or args.shape, "device": name, "torch": torch.__version__,
               "max_new_tokens": args.max_new_tokens, "contexts": []}  # fmt: skip

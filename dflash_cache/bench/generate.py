@@ -30,12 +30,16 @@ from dflash_cache.generate.targets import SlotTarget
 from dflash_cache.target.load import load_tokenizer, stop_token_ids
 
 
-def random_model(shape: str, device: torch.device) -> nn.Module:
-    """A random-weight bf16 model of a named shape (`shapes.SHAPES`), built on the device."""
+def random_model(shape: str, device: torch.device, positions: int = 0) -> nn.Module:
+    """A random-weight model of a named shape (`shapes.SHAPES`), built on the device: bf16 on a GPU,
+    float32 on a CPU, with at least `positions` positions (the shape's own when more)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = shape_config(shape)
+    config = {**config, "max_position_embeddings": max(config.get("max_position_embeddings", 0), positions)}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape_config(shape)), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config), dtype=dtype)
     return model.eval().requires_grad_(False)
 
 
