@@ -128,8 +128,14 @@ class TrainConfig(_extended(TrainerSettings, [DrafterSettings, *map(drafters.set
         full attention, which its identity says by naming no window); any other mapping as it is."""
         if not {"identity", "config"} <= data.keys():
             return data
-        window = data["config"].get("sliding_window") or data["identity"].get("sliding_window", "full")
-        return {**data["config"], "sliding_window": window}
+        return {**data["config"], "sliding_window": TrainConfig.recorded_window(data)}
+
+    @staticmethod
+    def recorded_window(record: dict[str, Any]) -> int | str:
+        """The window of the run a train.json records: its settled setting, else (a run recorded
+        before the default window slid) what its identity names, full attention where it names none."""
+        settled = record.get("config", {}).get("sliding_window")
+        return settled if settled is not None else record.get("identity", {}).get("sliding_window", "full")
 
     def family(self) -> Family:
         """The drafter family `drafter` names (TrainError for an unknown name)."""
@@ -157,9 +163,8 @@ class TrainConfig(_extended(TrainerSettings, [DrafterSettings, *map(drafters.set
         none (runs begun before the default slid), and DEFAULT_WINDOW for a new run."""
         if self.sliding_window is not None:
             return self
-        if recorded is None:
-            return dataclasses.replace(self, sliding_window=DEFAULT_WINDOW)
-        return dataclasses.replace(self, sliding_window=recorded.get("identity", {}).get("sliding_window", "full"))
+        window = DEFAULT_WINDOW if recorded is None else self.recorded_window(recorded)
+        return dataclasses.replace(self, sliding_window=window)
 
     def identity(self) -> dict[str, Any]:
         """What a resume must match: everything that changes the math, not the run's length."""
@@ -174,9 +179,9 @@ class TrainConfig(_extended(TrainerSettings, [DrafterSettings, *map(drafters.set
         # how batches are dealt to ranks (DDP steps of similar cost) changes which samples share a step
         held = {"val_fraction": self.val_fraction} if self.val_fraction else {}  # held-out units change the data
         # sliding-window layers, only when they slide: runs with full attention everywhere resume as they are
-        window = {} if self.drafter_window() is None else {
-            "sliding_window": self.drafter_window(),
-            **({"full_attention_layers": self.full_attention_layers} if self.full_attention_layers else {})}
+        w = self.drafter_window()
+        full = {"full_attention_layers": self.full_attention_layers} if self.full_attention_layers else {}
+        window = {} if w is None else {"sliding_window": w, **full}
         return {**settings, "dealing": "cost-balanced", **other, **held, **window}
 
 

@@ -91,7 +91,8 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
     reporter = Reporter(sink)
     reporter.start(total=0)
     try:
-        cfg = cfg.for_run(_recorded(cfg.out))  # an unset window: the run's own, or the default for a new one
+        recorded = _recorded(cfg.out)
+        cfg = cfg.for_run(recorded)  # an unset window: the run's own, or the default for a new one
         if cfg.grad_reduce not in ("fp32", "bf16"):
             raise TrainError(f"--grad-reduce {cfg.grad_reduce!r}: expected fp32 or bf16")
         if cfg.keep_checkpoints < 1:
@@ -114,7 +115,7 @@ def run(cfg: TrainConfig, sink: ProgressSink | None = None) -> dict[str, Any]:
             reporter.channel.put({"warning": f"--val-fraction {cfg.val_fraction}: the cache plans a single unit, "
                                              "none to hold out; training without validation"})  # fmt: skip
         cfg.out.mkdir(parents=True, exist_ok=True)
-        _check_run_dir(cfg, spec, dcfg)
+        _check_run_dir(cfg, spec, dcfg, recorded)
         # refused here, in one error line; a damaged newest checkpoint is skipped for the one before it
         state = Checkpointer(cfg.out).load(mmap=True, on_damaged=lambda path, e: reporter.channel.put(
             {"warning": skipped_checkpoint(path, e)}))  # fmt: skip
@@ -139,10 +140,10 @@ def _val_set(cfg: TrainConfig, spec: CacheSpec, dcfg: Any, family: Family) -> Va
                          layer_ids=dcfg.target_layer_ids, final_hidden=family.needs_final_hidden)  # fmt: skip
 
 
-def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: Any) -> None:
-    """A run directory belongs to one cache and one set of hyper-parameters: a rerun resumes it."""
+def _check_run_dir(cfg: TrainConfig, spec: CacheSpec, dcfg: Any, old: dict[str, Any] | None) -> None:
+    """A run directory belongs to one cache and one set of hyper-parameters: a rerun resumes it.
+    `old` is the train.json the run directory held (`_recorded`), None for a new run."""
     ident = {"cache_created": spec.created, "cache_target": spec.target.weights_fingerprint, **cfg.identity()}
-    old = _recorded(cfg.out)
     if old is not None:
         diffs = [f"{k} ({old.get('identity', {}).get(k)!r} vs {v!r})"
                  for k, v in ident.items() if old.get("identity", {}).get(k) != v]  # fmt: skip
