@@ -371,7 +371,7 @@ def test_train_with_a_window_from_the_command_line(tiny_cache, tmp_path):
 
 def test_train_slides_by_default_and_older_runs_resume_full(tiny_cache, tmp_path):
     """With no --sliding-window a new run slides every layer at DEFAULT_WINDOW; a run begun with full
-    attention (`--sliding-window full`, as every run before the default slid records it: no window
+    attention (`--sliding-window full`, as older versions' runs record it too: no window
     in its identity) resumes with full attention when rerun without the flag, `--config RUN` of a
     record that says no window trains with full attention too, and a rerun that asks for another
     window is refused naming it."""
@@ -400,7 +400,7 @@ def test_train_slides_by_default_and_older_runs_resume_full(tiny_cache, tmp_path
     config = json.loads((old / "export" / "config.json").read_text())
     assert config["sliding_window"] is None and config.get("layer_types") in (None, [F, F])
 
-    record["config"]["sliding_window"] = None  # as a run recorded before the default slid says it
+    record["config"]["sliding_window"] = None  # as older versions wrote it: unset
     (old / "train.json").write_text(json.dumps(record))
     again = resolve(TrainConfig, files=[old], flags={"out": str(tmp_path / "again")})
     assert again.sliding_window == "full"  # its settings again, full attention included

@@ -124,16 +124,16 @@ class TrainConfig(_extended(TrainerSettings, [DrafterSettings, *map(drafters.set
 
     @staticmethod
     def from_record(data: dict[str, Any], path: Path) -> dict[str, Any]:
-        """A run's train.json as its settings (a run recorded before the default window slid is
-        full attention, which its identity says by naming no window); any other mapping as it is."""
+        """A run's train.json as its settings, its window settled (`recorded_window`); any other
+        mapping as it is."""
         if not {"identity", "config"} <= data.keys():
             return data
         return {**data["config"], "sliding_window": TrainConfig.recorded_window(data)}
 
     @staticmethod
     def recorded_window(record: dict[str, Any]) -> int | str:
-        """The window of the run a train.json records: its settled setting, else (a run recorded
-        before the default window slid) what its identity names, full attention where it names none."""
+        """The window of the run a train.json records: its settled setting, else (a record that left
+        it unset, as older versions wrote) what its identity names, full attention where it names none."""
         settled = record.get("config", {}).get("sliding_window")
         return settled if settled is not None else record.get("identity", {}).get("sliding_window", "full")
 
@@ -160,7 +160,7 @@ class TrainConfig(_extended(TrainerSettings, [DrafterSettings, *map(drafters.set
     def for_run(self, recorded: dict[str, Any] | None) -> TrainConfig:
         """These settings with the window settled: an unset --sliding-window is the window the run
         recorded in `recorded` (its train.json) began with, full attention for a run that recorded
-        none (runs begun before the default slid), and DEFAULT_WINDOW for a new run."""
+        none (older versions' full-attention runs), and DEFAULT_WINDOW for a new run."""
         if self.sliding_window is not None:
             return self
         window = DEFAULT_WINDOW if recorded is None else self.recorded_window(recorded)
