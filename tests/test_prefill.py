@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import TINY_TARGET, extract_config, read_cache
+from torch.nn.attention.bias import CausalBias
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_cache.extract.config import ExtractConfig
@@ -139,3 +140,33 @@ def test_the_window_is_in_force():
     ids = torch.randint(0, 1000, (1, 120), generator=torch.Generator().manual_seed(2))
     a, b = whole_forward(full, ids)[2][0], whole_forward(sliding, ids)[2][0]
     assert torch.equal(a[:40], b[:40]) and (a[40:] - b[40:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["random-qwen3", "hybrid", "sliding"])
+def test_chunks_attend_without_a_mask(hybrid_targets, monkeypatch, name):
+    """A chunk after earlier ones attends to them with no [chunk, keys] mask where every layer is
+    causal over the whole context: SDPA is handed torch's lower-right causal bias, never a mask
+    tensor (at 256K tokens transformers' mask was 4 GiB a chunk). A target with sliding layers keeps
+    transformers' masks, which its windows need; both give one forward's outputs (above)."""
+    seen: list[object] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *args, **kwargs):
+        seen.append(attn_mask)
+        if isinstance(attn_mask, CausalBias):  # its dispatch looks for the unpatched function
+            attn_mask = attn_mask._materialize(q.device)
+        return sdpa(q, k, v, attn_mask, *args, **kwargs)
+
+    model = target_model(name, hybrid_targets)
+    target = TappedTarget(model, LAYERS, model.config.num_hidden_layers)
+    ids = torch.randint(0, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    chunked(target, [ids], 64)
+    tensors = [m for m in seen if isinstance(m, torch.Tensor) and not isinstance(m, CausalBias)]
+    biases = [m for m in seen if isinstance(m, CausalBias)]
+    if name == "sliding":
+        assert tensors and not biases
+    else:
+        assert seen and not tensors and biases
+        assert {(b.seq_len_q, b.seq_len_kv) for b in biases} >= {(64, 128), (44, 300)}
+    assert model.config._attn_implementation == "sdpa"  # switched back after the call

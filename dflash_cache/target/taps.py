@@ -10,6 +10,7 @@ is cut, and the base model's last_hidden_state (after the final norm) is kept to
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 
 import torch
 from torch import nn
@@ -19,6 +20,7 @@ from dflash_cache.target.config import text_config
 from dflash_cache.target.hybrid import SLOW_KERNELS, has_recurrent_layers, linear_attention_kernels
 from dflash_cache.target.kv_cache import cache_kwarg, new_cache
 from dflash_cache.target.load import TargetError, compute_dtype_for, load_causal_lm, whole
+from dflash_cache.target.prefill_attention import no_mask_prefill
 
 
 def decoder_layers(model: nn.Module, num_layers: int) -> tuple[nn.Module, str, nn.ModuleList]:
@@ -118,14 +120,15 @@ class TappedTarget:
 
         With `carry` (one sample, extract/prefill.py) the tokens continue those of the earlier
         calls with the same carry: they attend to them through the key/value cache it holds, at
-        the positions after them. Only the layers that run (up to the last tapped one) fill it.
+        the positions after them. Only the layers that run (up to the last tapped one) fill it,
+        and their attention takes no mask where none is needed (`prefill_attention`).
         """
         cache = {"use_cache": False}
         if carry is not None:
             if carry.cache is None:
                 carry.cache = new_cache(self.base)
             cache = {"use_cache": True, cache_kwarg(self.base): carry.cache}
-        with sdpa_kernel(SDPA_BACKENDS):
+        with sdpa_kernel(SDPA_BACKENDS), no_mask_prefill(self.base) if carry is not None else nullcontext():
             out = self.base(input_ids=input_ids, **cache)
         taps = self.taps.take()
         return [*taps, whole(out.last_hidden_state)] if self.final else taps
