@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 from transformers.activations import ACT2FN
@@ -55,28 +56,29 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def project(self, x: Tensor, ctx: Tensor, rope_q, rope_k) -> tuple[Tensor, ...]:
+    def project(self, x: Tensor, ctx_kv: tuple[Tensor, Tensor], rope_q, rope_k) -> tuple[Tensor, ...]:
         """(q, k_ctx, v_ctx, k_blk, v_blk): the block tokens' queries, keys and values and the
-        context's keys and values, normed and rotated, in one dtype."""
-        nq, nc, d = x.shape[0], ctx.shape[0], self.head_dim
+        context's keys and values, normed and rotated, in one dtype. `ctx_kv`: this layer's
+        k_proj and v_proj of the context [Nc, n_kv * d] (`DFlashDrafter.context_kv`)."""
+        (k_ctx, v_ctx), nq, d = ctx_kv, x.shape[0], self.head_dim
         q = rotate(self.q_norm(self.q_proj(x).view(nq, self.n_heads, d)), *rope_q)
         k_blk = rotate(self.k_norm(self.k_proj(x).view(nq, self.n_kv, d)), *rope_q)
-        k_ctx = rotate(self.k_norm(self.k_proj(ctx).view(nc, self.n_kv, d)), *rope_k)
+        k_ctx = rotate(self.k_norm(k_ctx.view(-1, self.n_kv, d)), *rope_k)
         v_blk = self.v_proj(x).view(nq, self.n_kv, d)
-        v_ctx = self.v_proj(ctx).view(nc, self.n_kv, d)
+        v_ctx = v_ctx.view(-1, self.n_kv, d)
         dt = v_blk.dtype  # under autocast the norms give float32 while v is bf16
         return q.to(dt), k_ctx.to(dt), v_ctx, k_blk.to(dt), v_blk
 
     def forward(
         self,
         x: Tensor,
-        ctx: Tensor,
+        ctx_kv: tuple[Tensor, Tensor],
         rope_q: tuple[Tensor, Tensor],
         rope_k: tuple[Tensor, Tensor],
         layout: BlockLayout,
         attention: str | None = None,
     ) -> Tensor:
-        out = block_attention(*self.project(x, ctx, rope_q, rope_k), layout, self.head_dim**-0.5, attention,
+        out = block_attention(*self.project(x, ctx_kv, rope_q, rope_k), layout, self.head_dim**-0.5, attention,
                               self.window)  # fmt: skip
         return self.o_proj(out.flatten(1))
 
@@ -89,21 +91,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, ctx: Tensor, rope_q, rope_k, layout: BlockLayout, attention: str | None = None
-                ) -> Tensor:
+    def forward(self, x: Tensor, ctx_kv: tuple[Tensor, Tensor], rope_q, rope_k, layout: BlockLayout,
+                attention: str | None = None) -> Tensor:  # fmt: skip
         if not (x.is_cuda and _attention_inputs_cuda is not None and _mlp_block_cuda is not None):
-            x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, layout, attention)
+            x = x + self.self_attn(self.input_layernorm(x), ctx_kv, rope_q, rope_k, layout, attention)
             return x + self.mlp(self.post_attention_layernorm(x))
         # The same arithmetic, with everything around the attention kernel compiled: the norms,
         # RoPE, casts and SiLU fuse into a few kernels around the GEMMs (BENCHMARKS.md, "Training step").
         attn = self.self_attn
-        out = block_attention(*_attention_inputs_cuda(self, x, ctx, rope_q, rope_k), layout, attn.head_dim**-0.5,
+        out = block_attention(*_attention_inputs_cuda(self, x, ctx_kv, rope_q, rope_k), layout, attn.head_dim**-0.5,
                               attention, attn.window)
         return _mlp_block_cuda(self, x, out)
 
 
-def _attention_inputs(layer: DecoderLayer, x: Tensor, ctx: Tensor, rope_q, rope_k) -> tuple[Tensor, ...]:
-    return layer.self_attn.project(layer.input_layernorm(x), ctx, rope_q, rope_k)
+def _attention_inputs(layer: DecoderLayer, x: Tensor, ctx_kv: tuple[Tensor, Tensor], rope_q, rope_k
+                      ) -> tuple[Tensor, ...]:  # fmt: skip
+    return layer.self_attn.project(layer.input_layernorm(x), ctx_kv, rope_q, rope_k)
 
 
 def _mlp_block(layer: DecoderLayer, x: Tensor, attn_out: Tensor) -> Tensor:
@@ -111,8 +114,17 @@ def _mlp_block(layer: DecoderLayer, x: Tensor, attn_out: Tensor) -> Tensor:
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
+def _context_states(model: DFlashDrafter, context: Tensor) -> Tensor:
+    """fc, then hidden_norm, in the dtype the projections compute in: under autocast the norm's
+    float32 result would otherwise be cast for each layer's projections, and their gradients
+    summed in float32 (BENCHMARKS.md, "Training at long context")."""
+    h = model.fc(context)
+    return model.hidden_norm(h).to(h.dtype)
+
+
 _attention_inputs_cuda = compile_for_cuda(_attention_inputs)
 _mlp_block_cuda = compile_for_cuda(_mlp_block)
+_context_states_cuda = compile_for_cuda(_context_states)
 
 
 class DFlashDrafter(nn.Module):
@@ -165,13 +177,23 @@ class DFlashDrafter(nn.Module):
         projected cache). Returns the final-normed hidden [nb*B, H];
         the caller applies the frozen LM head. `attention`: the backend, "flex" or "sdpa"; None
         picks flex on CUDA where it works (`attention.block_attention`)."""
-        ctx = self.hidden_norm(self.fc(context))
+        states = _context_states_cuda if context.is_cuda and _context_states_cuda is not None else _context_states
+        ctx_kv = self.context_kv(states(self, context))
         rope_q = self._rope(layout.query_positions(), block_embeds.dtype)
         rope_k = self._rope(layout.ctx_pos, block_embeds.dtype)
         x = block_embeds
-        for layer in self.layers:
+        for layer, kv in zip(self.layers, ctx_kv, strict=True):
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, ctx, rope_q, rope_k, layout, attention, use_reentrant=False)
+                x = checkpoint(layer, x, kv, rope_q, rope_k, layout, attention, use_reentrant=False)
             else:
-                x = layer(x, ctx, rope_q, rope_k, layout, attention)
+                x = layer(x, kv, rope_q, rope_k, layout, attention)
         return self.norm(x)
+
+    def context_kv(self, ctx: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Each layer's (k_proj, v_proj) of the context ctx [Nc, H], from one GEMM over every layer's
+        weights: at long context the context's projections are most of a step, and one product
+        gives its gradient without summing a [Nc, H] tensor per layer."""
+        projs = [p for layer in self.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        bias = None if projs[0].bias is None else torch.cat([p.bias for p in projs])
+        kv = F.linear(ctx, torch.cat([p.weight for p in projs]), bias).split([p.out_features for p in projs], 1)
+        return list(zip(kv[0::2], kv[1::2], strict=True))
