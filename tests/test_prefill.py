@@ -1,8 +1,11 @@
 """Chunked prefill (extract/prefill.py) against independent computations: `output_hidden_states` of
-one plain forward of the whole model over the whole sample, for full-attention, sliding-window and
-hybrid (gated delta-net) targets; and a cache made with chunks against one made without."""
+one plain forward of the whole model over the whole sample, for full-attention, sliding-window,
+hybrid (gated delta-net) and latent-attention (DeepSeek-V3) targets; which attention the chunks
+take; and a cache made with chunks against one made without."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,9 +55,18 @@ def chunked(target: TappedTarget, ids: list[torch.Tensor], chunk: int) -> list[l
     return [[t[offsets[i] : offsets[i + 1]] for t in per_output] for i in range(len(ids))]
 
 
-def target_model(name: str, hybrid_targets) -> torch.nn.Module:
-    if name == "hybrid":  # three gated delta-net layers to one full-attention layer (Qwen3.5's text model)
-        return AutoModelForCausalLM.from_pretrained(hybrid_targets["qwen3_5"], dtype=torch.float32).eval()
+@pytest.fixture(scope="module")
+def built(hybrid_targets, tmp_path_factory) -> dict[str, Path]:
+    """The family targets these tests read: Qwen3.5's hybrid and DeepSeek-V3's latent attention."""
+    import family_targets as fam
+
+    return {"hybrid": hybrid_targets["qwen3_5"], "mla": fam.build("deepseek_v3", tmp_path_factory.mktemp("mla"))}
+
+
+def target_model(name: str, built: dict[str, Path]) -> torch.nn.Module:
+    if name in built:  # hybrid: three gated delta-net layers to one full-attention layer (Qwen3.5's text
+        # model); mla: DeepSeek-V3's latent attention, whose keys and values differ in head size
+        return AutoModelForCausalLM.from_pretrained(built[name], dtype=torch.float32).eval()
     return {
         "tiny-target": lambda: AutoModelForCausalLM.from_pretrained(TINY_TARGET, dtype=torch.float32).eval(),
         "random-qwen3": random_qwen3,
@@ -65,24 +77,26 @@ def target_model(name: str, hybrid_targets) -> torch.nn.Module:
     }[name]()
 
 
-@pytest.mark.parametrize("name", ["tiny-target", "random-qwen3", "sliding", "hybrid"])
-def test_chunks_equal_one_forward(hybrid_targets, name):
+@pytest.mark.parametrize("name", ["tiny-target", "random-qwen3", "sliding", "hybrid", "mla"])
+def test_chunks_equal_one_forward(built, name):
     """300- and 260-token samples in chunks of 64, 70 and 75 tokens (75 divides 300, the others
     divide neither) give every tapped layer's output, and the final hidden state, of one forward
     of the uncut model over each whole sample, as float32 allows."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the hybrid's torch path is many small ops
     try:
-        model = target_model(name, hybrid_targets)
+        model = target_model(name, built)
         g = torch.Generator().manual_seed(1)
         ids = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in (300, 260)]
         want = [whole_forward(model, x[None]) for x in ids]
         num_layers = model.config.num_hidden_layers
-        target = TappedTarget(model, LAYERS, num_layers, final=True)
+        # (the last layer's output is not in output_hidden_states: the final-normed state is in its place)
+        layers = LAYERS if num_layers > max(LAYERS) + 1 else list(range(num_layers - 1))
+        target = TappedTarget(model, layers, num_layers, final=True)
         for chunk in (64, 70, 75):
             got = chunked(target, ids, chunk)
             for i, sample in enumerate(got):
-                for k, layer in enumerate(LAYERS):
+                for k, layer in enumerate(layers):
                     torch.testing.assert_close(sample[k], want[i][layer + 1][0], rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(sample[-1], want[i][-1][0], rtol=1e-5, atol=1e-5)  # after the final norm
     finally:
@@ -135,15 +149,15 @@ def test_chunked_cache_equals_unchunked(tmp_path):
 def test_the_window_is_in_force():
     """The sliding model above is the random Qwen3 with windows: the same weights, other outputs
     past its 40th token (so the chunks above cross windows that matter)."""
-    full, sliding = random_qwen3(), target_model("sliding", None)
+    full, sliding = random_qwen3(), target_model("sliding", {})
     assert all(torch.equal(p, q) for p, q in zip(full.parameters(), sliding.parameters(), strict=True))
     ids = torch.randint(0, 1000, (1, 120), generator=torch.Generator().manual_seed(2))
     a, b = whole_forward(full, ids)[2][0], whole_forward(sliding, ids)[2][0]
     assert torch.equal(a[:40], b[:40]) and (a[40:] - b[40:]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("name", ["random-qwen3", "hybrid", "sliding"])
-def test_chunks_attend_without_a_mask(hybrid_targets, monkeypatch, name):
+@pytest.mark.parametrize("name", ["random-qwen3", "hybrid", "mla", "sliding"])
+def test_chunks_attend_without_a_mask(built, monkeypatch, name):
     """A chunk after earlier ones attends to them with no [chunk, keys] mask where every layer is
     causal over the whole context: SDPA is handed torch's lower-right causal bias, never a mask
     tensor (at 256K tokens transformers' mask was 4 GiB a chunk). A target with sliding layers keeps
@@ -157,8 +171,9 @@ def test_chunks_attend_without_a_mask(hybrid_targets, monkeypatch, name):
             attn_mask = attn_mask._materialize(q.device)
         return sdpa(q, k, v, attn_mask, *args, **kwargs)
 
-    model = target_model(name, hybrid_targets)
-    target = TappedTarget(model, LAYERS, model.config.num_hidden_layers)
+    model = target_model(name, built)
+    layers = [0, 1, model.config.num_hidden_layers - 1]
+    target = TappedTarget(model, layers, model.config.num_hidden_layers)
     ids = torch.randint(0, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(3))
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     chunked(target, [ids], 64)
