@@ -37,15 +37,16 @@ def whole_forward(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tens
         return model(input_ids=ids, output_hidden_states=True).hidden_states
 
 
-def chunked(target: TappedTarget, ids: list[torch.Tensor], chunk: int) -> list[list[torch.Tensor]]:
+def chunked(target: TappedTarget, ids: list[torch.Tensor], chunk: int, device: str = "cpu") -> list[list[torch.Tensor]]:
     """Each sample's outputs [n, H] per output, run as one right-padded batch through `forwards`."""
     lengths = np.array([len(x) for x in ids])
-    inp, rows = batch_inputs(torch.cat(ids).numpy(), lengths, int(lengths.max()), 0, torch.device("cpu"))
+    inp, rows = batch_inputs(torch.cat(ids).numpy(), lengths, int(lengths.max()), 0, torch.device(device))
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     packed: list[list[torch.Tensor]] = []
     spans = []
     for a, b, outputs, where in forwards(target, inp, rows, lengths, chunk):
-        assert outputs[0].shape[:2] == (1, b - a) and torch.equal(where, torch.arange(b - a))  # one sample, one chunk
+        # one sample, one chunk
+        assert outputs[0].shape[:2] == (1, b - a) and torch.equal(where.cpu(), torch.arange(b - a))
         spans.append((a, b))
         packed.append([o.reshape(-1, o.shape[-1]).index_select(0, where) for o in outputs])
     # the chunks are the samples' rows in order, each no longer than the chunk

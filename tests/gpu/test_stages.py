@@ -1,5 +1,6 @@
 """Storage and training on the GPU against the same runs on the CPU: fp8 storage encoded there, a
-projected cache and the drafter trained on it, the compiled training step, DDP over NCCL."""
+projected cache and the drafter trained on it, the compiled training step, DDP over NCCL; and
+chunked prefill there against one forward."""
 
 from __future__ import annotations
 
@@ -94,3 +95,23 @@ def test_ddp_over_nccl_trains_and_resumes_on_one_gpu(tiny_cache, tmp_path):
     train_stage.run(TrainConfig(**cfg, max_steps=6, gpus=[0]))
     losses = [m["loss"] for m in read_metrics(tmp_path / "run") if "loss" in m]
     assert len(losses) == 6 and all(np.isfinite(losses)) and Checkpointer(tmp_path / "run").load()["step"] == 6
+
+
+def test_chunked_prefill_on_cuda_equals_one_forward():
+    """A 4,096-token sample in chunks of 1,000 on the GPU (bf16, each chunk after the first on
+    torch's lower-right causal bias: the flash kernel, no mask) gives one bf16 forward's tapped
+    layers and final hidden state, to bf16 rounding."""
+    from test_prefill import LAYERS, chunked, random_qwen3
+
+    from dflash_cache.target.taps import TappedTarget
+
+    model = random_qwen3().to("cuda", torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (4096,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = model(input_ids=ids[None].cuda(), output_hidden_states=True).hidden_states
+    target = TappedTarget(model, LAYERS, model.config.num_hidden_layers, final=True)
+    got = chunked(target, [ids], 1000, "cuda")[0]
+    for k, layer in enumerate(LAYERS):
+        w = want[layer + 1][0].float()
+        assert float((got[k].float() - w).norm() / w.norm()) < 2e-2, layer
+    assert float((got[-1].float() - want[-1][0].float()).norm() / want[-1][0].float().norm()) < 2e-2
