@@ -4,10 +4,11 @@ Query i of the chunk sees the k earlier keys and the chunk's keys up to its own:
 aligned to the lower right of the q x (k + q) score matrix. transformers' SDPA path writes that
 rule out as a boolean mask of q x (k + q) elements, repeats the key/value heads up to the query
 heads beside it, and leaves SDPA a masked kernel. At 256K tokens of the Qwen3-8B shape in chunks
-of 16K that is a 4 GiB mask a chunk: the extraction ran out of an 80 GB GPU's memory, and with
-the features projected it ran at a tenth of the GPU's peak (BENCHMARKS.md, "Chunked prefill").
+of 16K that is a 4 GiB mask a chunk: with the taps unprojected the extraction ran out of an
+80 GB GPU's memory, and projected it ran at under a tenth of the GPU's peak (BENCHMARKS.md,
+"Chunked prefill").
 
-`no_mask_prefill(model)` switches the model's full-attention layers, for the calls inside it, to
+`no_mask_prefill(model)` switches the model's attention, for the calls inside it, to
 `lower_right_attention`, registered with transformers as ATTENTION. transformers makes no mask
 for an attention it has no mask function for, and torch's `causal_lower_right` bias runs on the
 flash kernel without one. Targets with sliding-window or chunked attention layers keep
