@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -49,16 +50,16 @@ def lower_right_attention(module: nn.Module, query: torch.Tensor, key: torch.Ten
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register() -> bool:
+@cache
+def _registered() -> bool:
+    """Registers the attention with transformers, once, on first use (importing the interface loads
+    transformers' model code)."""
     try:
         from transformers import AttentionInterface
     except ImportError:  # pragma: no cover - transformers without the interface keeps its own path
         return False
     AttentionInterface.register(ATTENTION, lower_right_attention)
     return True
-
-
-_REGISTERED = _register()
 
 
 def _configs(model: nn.Module) -> list:
@@ -84,7 +85,7 @@ def no_mask_prefill(model: nn.Module) -> Iterator[None]:
     """Within it, `model`'s SDPA attention runs as `lower_right_attention` when no layer needs a
     mask (one sample, no padding: chunked prefill's calls); otherwise nothing changes."""
     configs = [c for c in _configs(model) if c._attn_implementation == "sdpa"]
-    if not (_REGISTERED and configs and all(needs_no_mask(c) for c in configs)):
+    if not (configs and all(needs_no_mask(c) for c in configs) and _registered()):
         yield
         return
     for c in configs:
