@@ -72,7 +72,7 @@ def _configs(model: nn.Module) -> list:
     return list(seen.values())
 
 
-def needs_no_mask(config) -> bool:
+def needs_no_mask(config: object) -> bool:
     """Whether every attention layer of `config` is causal over the whole context (no window)."""
     types = getattr(config, "layer_types", None)
     if types is not None:
