@@ -66,7 +66,7 @@ def test_a_resumed_run_says_where_it_resumed_and_keeps_as_told(tiny_cache, tmp_p
     run(cfg(2), first)
     # a fresh run resumes nothing, and says how its drafter attends
     assert [d["info"] for d in first.deltas if "info" in d] == [
-        "drafter: dflash, 1 layer, every layer slides at a 2,048-token window (--sliding-window full for none)"]
+        "drafter: dflash, 1 layer, every layer slides in a window of 2,048 tokens (--sliding-window full for none)"]
     checkpoints = out / "checkpoints"
     assert sorted(p.name for p in checkpoints.glob("step_*.pt")) == ["step_00000002.pt"]  # keep 1
     second = RecordingSink()

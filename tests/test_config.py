@@ -271,7 +271,7 @@ def test_json_output_is_one_object_on_stdout(tmp_path):
     # notes and warnings still reach stderr: here how the drafter attends, and that this tiny run is
     # too short to generalise
     assert [ln.split(" optimizer steps")[0] for ln in r.stderr.splitlines() if ln.strip()] == [
-        "drafter: dflash, 1 layer, every layer slides at a 2,048-token window (--sliding-window full for none)",
+        "drafter: dflash, 1 layer, every layer slides in a window of 2,048 tokens (--sliding-window full for none)",
         f"warning: this run takes {json.loads(r.stdout)['steps']}"], r.stderr
     r = _cli("export", run, tmp_path / "export", "--json")
     assert json.loads(r.stdout) == {"export": str(tmp_path / "export")}

@@ -352,7 +352,8 @@ def test_train_with_a_window_from_the_command_line(tiny_cache, tmp_path):
     res = subprocess.run([*base, "--out", str(out), "--sliding-window", "8", "--full-attention-layers", "1"], env=env,
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "drafter: dflash, 2 layers, layers 0 slide at a 8-token window, 1 attend to the whole context" in res.stderr
+    line = "drafter: dflash, 2 layers, layer 0 slides in a window of 8 tokens, layer 1 attends to the whole context"
+    assert line in res.stderr
     config = json.loads((out / "export" / "config.json").read_text())
     assert (config["layer_types"], config["sliding_window"], config["use_sliding_window"]) == ([S, F], 8, True)
     assert config["is_causal"] is False

@@ -381,11 +381,16 @@ def _attention(windows: list[int | None]) -> str:
     sliding = [i for i, w in enumerate(windows) if w is not None]
     if not sliding:
         return "full attention (every layer attends to the whole context)"
-    w = windows[sliding[0]]
+    window = f"a window of {windows[sliding[0]]:,} tokens"
     if len(sliding) == len(windows):
-        return f"every layer slides at a {w:,}-token window (--sliding-window full for none)"
-    full = ",".join(str(i) for i, x in enumerate(windows) if x is None)
-    return f"layers {','.join(map(str, sliding))} slide at a {w:,}-token window, {full} attend to the whole context"
+        return f"every layer slides in {window} (--sliding-window full for none)"
+    full = [i for i, w in enumerate(windows) if w is None]
+    return f"{_layers(sliding)} in {window}, {_layers(full, 'attends', 'attend')} to the whole context"
+
+
+def _layers(ids: list[int], one: str = "slides", many: str = "slide") -> str:
+    """'layer 0 slides' or 'layers 0,1 slide'."""
+    return f"layer {ids[0]} {one}" if len(ids) == 1 else f"layers {','.join(map(str, ids))} {many}"
 
 
 def _data_parallel(model: torch.nn.Module, device: torch.device, grad_reduce: str) -> DDP:
