@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from dflash_cache.core.errors import ExtractError
 from dflash_cache.target.taps import Carry
 
 Target = Callable[..., list[torch.Tensor]]  # input ids [b, T] (and a Carry) -> outputs [b, T, H] each
@@ -28,7 +29,31 @@ def forwards(target: Target, inp: torch.Tensor, rows: torch.Tensor, lengths: np.
 
     `inp` is the batch right-padded to [n, T] and `rows` the flat indices of its real tokens
     (forward.batch_inputs). With `chunk` None or T <= chunk: one forward, (0, total, target(inp),
-    rows). Otherwise each sample alone, in chunks of `chunk` tokens (its last one shorter)."""
+    rows). Otherwise each sample alone, in chunks of `chunk` tokens (its last one shorter).
+    A forward that runs out of GPU memory raises ExtractError with the setting that helps."""
+    try:
+        yield from _forwards(target, inp, rows, lengths, chunk)
+    except torch.OutOfMemoryError as e:
+        raise ExtractError(out_of_memory(inp.shape[0], inp.shape[1], int(lengths.max()), chunk)) from e
+
+
+def out_of_memory(samples: int, width: int, longest: int, chunk: int | None) -> str:
+    """What to change when a forward of `samples` samples padded to `width` tokens ran out of GPU
+    memory: chunk long samples, a smaller chunk, or fewer tokens a batch."""
+    where = f"the GPU ran out of memory in a forward of {samples} sample{'s' * (samples > 1)} of {width:,} tokens"
+    if chunk is not None and width > chunk:
+        return (f"the GPU ran out of memory in a {chunk:,}-token chunk of a {longest:,}-token sample: pass a smaller "
+                f"--prefill-chunk (e.g. {max(chunk // 2, 1)}); the key/value cache of the sample's earlier tokens "
+                "must still fit")  # fmt: skip
+    if samples > 1:
+        return f"{where}: lower --token-budget (this forward held {samples * width:,} padded tokens)"
+    suggest = min(16384, 1 << max(width // 2, 1).bit_length() - 1)
+    return (f"{where}: pass --prefill-chunk {suggest} to run samples longer than that in chunks (the cache is the "
+            "same up to rounding)")  # fmt: skip
+
+
+def _forwards(target: Target, inp: torch.Tensor, rows: torch.Tensor, lengths: np.ndarray,
+              chunk: int | None) -> Iterator[tuple[int, int, list[torch.Tensor], torch.Tensor]]:  # fmt: skip
     if chunk is None or inp.shape[1] <= chunk:
         yield 0, int(rows.shape[0]), target(inp), rows
         return

@@ -115,3 +115,43 @@ def test_chunked_prefill_on_cuda_equals_one_forward():
         w = want[layer + 1][0].float()
         assert float((got[k].float() - w).norm() / w.norm()) < 2e-2, layer
     assert float((got[-1].float() - want[-1][0].float()).norm() / want[-1][0].float().norm()) < 2e-2
+
+
+def test_extract_out_of_gpu_memory_names_the_prefill_chunk_that_fits():
+    """A 65,536-token sample whose one forward exceeds the GPU memory the process may use stops
+    with an ExtractError that names --prefill-chunk and a size; in chunks of that size the same
+    sample runs within the same limit. The limit lies halfway between the two runs' own peaks."""
+    from test_prefill import LAYERS, random_qwen3
+
+    from dflash_cache.core.errors import ExtractError
+    from dflash_cache.extract.prefill import forwards
+    from dflash_cache.target.taps import TappedTarget
+
+    n = 65536
+    shape = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                 num_hidden_layers=6, layer_types=["full_attention"] * 6, max_position_embeddings=2 * n)  # fmt: skip
+    model = random_qwen3(**shape).to("cuda", torch.bfloat16)
+    target = TappedTarget(model, LAYERS, model.config.num_hidden_layers)
+    ids = torch.randint(0, model.config.vocab_size, (1, n), device="cuda")
+    rows, lengths = torch.arange(n, device="cuda"), np.array([n])
+
+    def peak(chunk: int | None) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            for *_, outputs, _ in forwards(target, ids, rows, lengths, chunk):
+                del outputs
+        return torch.cuda.max_memory_reserved()
+
+    whole, chunks = peak(None), peak(16384)
+    assert whole > 1.5 * chunks, (whole, chunks)  # what chunking is for
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction((whole + chunks) / 2 / torch.cuda.get_device_properties(0).total_memory)
+    try:
+        with pytest.raises(ExtractError, match="--prefill-chunk 16384"), torch.inference_mode():
+            for _ in forwards(target, ids, rows, lengths, None):
+                pass
+        peak(16384)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
