@@ -3,7 +3,9 @@ already on the device, with the useful TFLOP/s and MFU of the step."""
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -22,6 +24,24 @@ if TYPE_CHECKING:
     from dflash_cache.train.stream import PackedBatch
 
 
+def _in_stage_threads(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """Run `fn` on its device (default: the GPU where there is one) with the train stage's CPU
+    threads: with torch's one a core, a rank's OpenMP teams fight the loader's decoders."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, device: torch.device | None = None, **kwargs: Any) -> dict[str, Any]:
+        from dflash_cache.core.devices import Worker
+        from dflash_cache.core.threads import worker_threads
+        from dflash_cache.train.stage import THREADS_PER_GPU
+
+        device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        with worker_threads(Worker(0, 1, device), per_gpu=THREADS_PER_GPU):
+            return fn(*args, device=device, **kwargs)
+
+    return run
+
+
+@_in_stage_threads
 def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, token_budget: int | None = None,
           max_anchors: int = TrainConfig.max_anchors, block_size: int | None = TrainConfig.block_size,
           draft_layers: int = TrainConfig.draft_layers, readers: int | None = None, cold: bool = False,
@@ -53,7 +73,6 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
     `profile`: where the step's time goes, after the timed phases (`_profile`)."""
     from dflash_cache.train.metrics import peak_flops
 
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TrainConfig(cache=cache, out=cache, token_budget=token_budget, max_anchors=max_anchors,
                       block_size=block_size, draft_layers=draft_layers, drafter=drafter,
                       sliding_window=sliding_window, full_attention_layers=full_attention_layers,

@@ -186,13 +186,16 @@ def check_resume(state: dict[str, Any], world_size: int, cache_complete: bool) -
                          "the extraction ends, then on any number")  # fmt: skip
 
 
+# torch's CPU threads a GPU rank: with one a core, two DDP processes' spinning OpenMP threads fight over
+# the cores (BENCHMARKS.md, "CPU threads and the all-reduce"), and one rank's fight the loader's decoders
+THREADS_PER_GPU = 4
+
+
 def _worker(w: Worker, cfg: TrainConfig, channel) -> None:
     with process_group(w):  # the DDP model (in _train) is freed before the group is destroyed
         # Follow mode's rank agreement runs in a thread on its own (CPU) group, apart from DDP's.
         control = dist.new_group(backend="gloo") if w.world_size > 1 else None
-        # 4 threads a GPU: with one a core, two DDP processes' spinning OpenMP threads fight over the cores
-        # (BENCHMARKS.md, "CPU threads and the all-reduce")
-        with worker_threads(w, per_gpu=4):
+        with worker_threads(w, per_gpu=THREADS_PER_GPU):
             _train(w, cfg, channel, control)
 
 
