@@ -79,6 +79,40 @@ def test_shard_reader_equals_zarr(tmp_path):
         UnitReader(r.path).read("hidden", 0, 10)
 
 
+def test_shard_writer_writes_zarrs_own_bytes(tmp_path):
+    """write_shard (chunks compressed on several cores, outside zarr) against zarr's own write of
+    the same array with the same codecs: the shard files are equal byte for byte, for every dtype a
+    unit holds, with a chunk of fill values that neither stores and a last chunk cut short."""
+    import zarr
+    from numcodecs import Zstd
+    from zarr.codecs import BytesCodec, ZstdCodec
+
+    from dflash_cache.cache.unit.shard import write_shard
+
+    rng = np.random.default_rng(3)
+    cases = [rng.integers(0, 2**16, size=(577, 24), dtype=np.uint16),  # bf16 bits
+             rng.integers(0, 256, size=(577, 32), dtype=np.uint8),  # fp8 bits
+             rng.random((577, 2), dtype=np.float32) + 0.5,  # fp8 scales
+             rng.integers(0, 50_000, size=577).astype(np.int32), rng.integers(0, 2, size=577).astype(np.uint8),
+             rng.integers(1, 9, size=(40, 3), dtype=np.uint16)]  # fmt: skip
+    for i, data in enumerate(cases):
+        data[128:192] = 0
+        files = []
+        for how in ("zarr", "write_shard"):
+            group = zarr.open_group(zarr.storage.LocalStore(tmp_path / how / str(i)), mode="w-", zarr_format=3)
+            arr = group.create_array("a", shape=data.shape, dtype=data.dtype, chunks=(64, *data.shape[1:]),
+                                     shards=(-(-len(data) // 64) * 64, *data.shape[1:]), serializer=BytesCodec(),
+                                     compressors=ZstdCodec(level=3, checksum=True), filters=())  # fmt: skip
+            if how == "zarr":
+                arr[...] = data
+            else:
+                write_shard(tmp_path / how / str(i) / "a", data, 64, arr.fill_value, Zstd(level=3, checksum=True))
+            files.append(_shard(tmp_path / how / str(i), "a").read_bytes())
+        assert files[0] == files[1], (i, data.dtype, data.shape)
+        read = zarr.open_array(zarr.storage.LocalStore(tmp_path / "write_shard" / str(i)), path="a", mode="r")[...]
+        np.testing.assert_array_equal(read, data)
+
+
 def test_second_writer_of_a_unit_is_discarded(tmp_path):
     rng = np.random.default_rng(1)
     write_unit(tmp_path, 0, _arrays(rng, [10, 20]), STORAGE)
@@ -88,8 +122,10 @@ def test_second_writer_of_a_unit_is_discarded(tmp_path):
     assert not any((tmp_path / PARTIAL).iterdir())
 
 
-def _shard(unit_dir):
-    return unit_dir / "hidden" / "c" / "0" / "0"
+def _shard(unit_dir, key="hidden"):
+    """A token-wise array's one shard file (`c/0` for a 1-D array, `c/0/0` for a 2-D one)."""
+    array = unit_dir / key
+    return next(p for p in (array / "c" / "0" / "0", array / "c" / "0") if p.is_file())
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete_array", "delete_meta"])

@@ -186,9 +186,7 @@ def check_resume(state: dict[str, Any], world_size: int, cache_complete: bool) -
                          "the extraction ends, then on any number")  # fmt: skip
 
 
-# torch's CPU threads a GPU rank: with one a core, two DDP processes' spinning OpenMP threads fight over
-# the cores (BENCHMARKS.md, "CPU threads and the all-reduce"), and one rank's fight the loader's decoders
-THREADS_PER_GPU = 4
+THREADS_PER_GPU = 4  # a rank's torch CPU threads: more spin against DDP peers' and the loader's (BENCHMARKS.md)
 
 
 def _worker(w: Worker, cfg: TrainConfig, channel) -> None:
@@ -388,12 +386,9 @@ def _attention(windows: list[int | None]) -> str:
     if len(sliding) == len(windows):
         return f"every layer slides in {window} (--sliding-window full for none)"
     full = [i for i, w in enumerate(windows) if w is None]
-    return f"{_layers(sliding)} in {window}, {_layers(full, 'attends', 'attend')} to the whole context"
-
-
-def _layers(ids: list[int], one: str = "slides", many: str = "slide") -> str:
-    """'layer 0 slides' or 'layers 0,1 slide'."""
-    return f"layer {ids[0]} {one}" if len(ids) == 1 else f"layers {','.join(map(str, ids))} {many}"
+    slide, attend = (f"layer {ids[0]} {one}" if len(ids) == 1 else f"layers {','.join(map(str, ids))} {many}"
+                     for ids, one, many in ((sliding, "slides", "slide"), (full, "attends", "attend")))  # fmt: skip
+    return f"{slide} in {window}, {attend} to the whole context"
 
 
 def _data_parallel(model: torch.nn.Module, device: torch.device, grad_reduce: str) -> DDP:

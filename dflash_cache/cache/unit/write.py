@@ -1,5 +1,5 @@
-"""A unit's Zarr group written: its arrays, token-wise ones as one shard of zstd chunks each, and
-its manifest."""
+"""A unit's Zarr group written: its arrays, token-wise ones as one shard of zstd chunks each
+(`shard.write_shard`, beside zarr's metadata), and its manifest."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import zarr
+from numcodecs import Zstd
 from zarr.codecs import BytesCodec, ZstdCodec
 
 from dflash_cache.cache.spec import StorageInfo
 from dflash_cache.cache.unit.layout import TOKEN_ARRAYS
 from dflash_cache.cache.unit.manifest import unit_manifest
+from dflash_cache.cache.unit.shard import write_shard
 
 
 @dataclass
@@ -47,15 +49,16 @@ def write_group(tmp: Path, unit_id: int, arrays: UnitArrays, storage: StorageInf
     chunk = storage.chunk_tokens
     shard = -(-n_tokens // chunk) * chunk
     codecs = _codecs(storage)
+    zstd = Zstd(level=codecs["compressors"].level, checksum=codecs["compressors"].checksum)
     group = zarr.open_group(zarr.storage.LocalStore(tmp), mode="w-", zarr_format=3)
     for key, data in _named(arrays):
         assert data.shape[0] == (n_tokens if key in TOKEN_ARRAYS else data.shape[0])
         if key in TOKEN_ARRAYS:
-            chunks, shards = (chunk, *data.shape[1:]), (shard, *data.shape[1:])
+            arr = group.create_array(key, shape=data.shape, dtype=data.dtype, chunks=(chunk, *data.shape[1:]),
+                                     shards=(shard, *data.shape[1:]), **codecs)  # fmt: skip
+            write_shard(tmp / key, data, chunk, arr.fill_value, zstd)
         else:
-            chunks, shards = data.shape, None
-        arr = group.create_array(key, shape=data.shape, dtype=data.dtype, chunks=chunks, shards=shards, **codecs)
-        arr[...] = data
+            group.create_array(key, shape=data.shape, dtype=data.dtype, chunks=data.shape, **codecs)[...] = data
     # Every file but the group's own zarr.json, which holds this manifest.
     files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
     files.pop("zarr.json", None)
