@@ -68,6 +68,7 @@ def test_disk_codec_and_commit(tmp_path, monkeypatch):
     assert c["ratio"] == len(raw) / len(encoded) and 1.0 < c["ratio"] < 4.0
     assert Zstd(level=c["level"]).decode(encoded) == raw
     assert c["direct_over_zarr"] == pytest.approx(c["direct_read_GBps"] / c["zarr_read_GBps"])
+    assert c["write_direct_over_zarr"] == pytest.approx(c["direct_write_GBps"] / c["zarr_write_GBps"])
 
     rows, width = 200, 256
     units: dict[str, dict[str, np.ndarray]] = {}

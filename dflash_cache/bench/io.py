@@ -78,9 +78,10 @@ def codec(hidden: torch.Tensor | None = None, level: int = CodecBenchConfig.leve
 
 
 def unit_reads(bits: np.ndarray, *, level: int = 3, threads: int = 4, repeats: int = 3) -> dict:
-    """The loader's reads of one unit's hidden rows, in pieces of 8 chunks over `threads` threads,
-    through zarr and through the zarr-free `ShardRows`, side by side on the same files (in the page
-    cache): decoded GB/s of each, best of `repeats`."""
+    """A unit's hidden rows written through zarr and through `write_shard` (its chunks on every
+    core), and the loader's reads of them, in pieces of 8 chunks over `threads` threads, through
+    zarr and through the zarr-free `ShardRows`, side by side on the same files (in the page
+    cache): GB/s of each, best of `repeats`."""
     from concurrent.futures import ThreadPoolExecutor
 
     from dflash_cache.cache.spec import StorageInfo
@@ -96,7 +97,12 @@ def unit_reads(bits: np.ndarray, *, level: int = 3, threads: int = 4, repeats: i
     out = np.empty_like(bits)
     pieces = [(a, min(n, a + 8 * chunk)) for a in range(0, n, 8 * chunk)]
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(threads) as pool:
-        write_group(Path(tmp) / "u", 0, arrays, storage)
+        writes = {}
+        for name, direct in (("zarr", False), ("direct", True)) * repeats:
+            shutil.rmtree(Path(tmp) / "u", ignore_errors=True)
+            t = time.perf_counter()
+            write_group(Path(tmp) / "u", 0, arrays, storage, direct=direct)
+            writes[name] = min(writes.get(name, 1e9), time.perf_counter() - t)
         readers = {"zarr": UnitReader(Path(tmp) / "u", direct=False), "direct": UnitReader(Path(tmp) / "u")}
         best = {}
         for _ in range(repeats):
@@ -106,7 +112,10 @@ def unit_reads(bits: np.ndarray, *, level: int = 3, threads: int = 4, repeats: i
                 best[name] = min(best.get(name, 1e9), time.perf_counter() - t)
         assert np.array_equal(out, bits)
     return {"read_threads": threads, "zarr_read_GBps": bits.nbytes / best["zarr"] / 1e9,
-            "direct_read_GBps": bits.nbytes / best["direct"] / 1e9, "direct_over_zarr": best["zarr"] / best["direct"]}
+            "direct_read_GBps": bits.nbytes / best["direct"] / 1e9, "direct_over_zarr": best["zarr"] / best["direct"],
+            "zarr_write_GBps": bits.nbytes / writes["zarr"] / 1e9,
+            "direct_write_GBps": bits.nbytes / writes["direct"] / 1e9,
+            "write_direct_over_zarr": writes["zarr"] / writes["direct"]}  # fmt: skip
 
 
 @contextmanager
