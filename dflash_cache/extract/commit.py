@@ -1,12 +1,12 @@
 """Unit commits in writer processes, fed from shared unit buffers.
 
-Compressing and writing a unit runs zarr's encode pipeline and numcodecs' zstd, which hold the GIL
-for part of every chunk. As threads of the GPU process they serialise on it: on an H200 the commit
-path, not the disk, held extraction to 0.64-0.80x the bare forward (BENCHMARKS.md). Here each
-writer is a process of its own. The unit buffers are one anonymous shared-memory file (memfd) that
-the extract process maps, and pins on CUDA hosts, and that every writer maps too. So a unit's
-hidden states are never copied or pickled between processes; only its small metadata (ids, mask,
-offsets) travels through a queue.
+Compressing and writing a unit holds the GIL for part of every chunk. As threads of the GPU
+process the writers serialised on it: on an H200 the commit path, not the disk, held extraction to
+0.64-0.80x the bare forward (BENCHMARKS.md). Here each writer is a process of its own, which
+compresses a unit's chunks on every core at a lower priority than the GPU process. The unit
+buffers are one anonymous shared-memory file (memfd) that the extract process maps, and pins on
+CUDA hosts, and that every writer maps too. So a unit's hidden states are never copied or pickled
+between processes; only its small metadata (ids, mask, offsets) travels through a queue.
 
 A writer dies with the process that started it (Linux parent-death signal, and a check between
 jobs), so a killed extract leaves no writer behind; a unit it was writing stays in `.partial/`,
@@ -266,11 +266,17 @@ def _die_with(parent: int) -> None:
         os._exit(0)
 
 
+WRITER_NICENESS = 10
+
+
 def _writer_main(handle, out: str, storage: StorageInfo, jobs, results, parent: int) -> None:
     _die_with(parent)
     # Ctrl-C reaches the whole process group: the extract process answers it, and a writer ends
     # with it (above) instead of printing a traceback of its own.
     ready_for_interrupts(False)
+    # A writer compresses on every core (shard.write_shard); it yields them to the process that
+    # feeds the GPU, whose kernel launches must never wait for a core.
+    os.nice(WRITER_NICENESS)
     buffers = attach(handle)
     while True:
         try:
