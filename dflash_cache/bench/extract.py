@@ -157,7 +157,9 @@ def extract(out: Path, *, config: dict = QWEN3_8B, num_tokens: int = ExtractBenc
     times: dict[str, float] = {}
     on_phase("the full extract path")
     written, peak_rss = _time_full(target, plan, dataset, spec, out, device, writers, chunk, times)
-    on_phase("the bare forward")
+    # said as it ends, for a run stopped before its result: a long sample's phases take minutes each
+    on_phase(f"the bare forward (the full path took {times['full']:.1f} s: {times['setup']:.1f} s to its first "
+             f"forward, {times['drain']:.1f} s of commits after its last)")  # fmt: skip
     with timer(device, times, "bare"):
         for _ in _plan_forwards(bare_target, plan, dataset, device, chunk):
             pass
