@@ -121,8 +121,8 @@ def write_shard(array_dir: Path, data: np.ndarray, chunk_rows: int, fill: int | 
     """The one shard of an array whose zarr.json is written, in the layout `ShardRows` reads and
     zarr's sharding codec writes (inner chunks of `chunk_rows` rows, the last one padded with
     `fill`; then the index of (offset, nbytes) and its crc32c), its chunks compressed on several
-    cores as they stream to the file. zarr wrote a unit's hidden states on one core, at a
-    quarter of zstd's own rate, and at 256K tokens the forward waited on it."""
+    cores as they stream to the file. zarr's own write of a shard runs on one core, below zstd's
+    own rate there (BENCHMARKS.md, "Disk and codec"); a unit of a 256K-token sample is 10 GiB."""
     rows = data.shape[0]
     little = data.astype(data.dtype.newbyteorder("<"), copy=False)
 
@@ -153,7 +153,7 @@ def write_shard(array_dir: Path, data: np.ndarray, chunk_rows: int, fill: int | 
 
 def _in_order(fn: Callable[[int], bytes | None], items: Iterable[int]) -> Iterator[bytes | None]:
     """`fn` over `items` on the pool's threads, results in order, a bounded number ahead."""
-    ahead = 2 * _pool()._max_workers
+    ahead = 2 * _THREADS
     pending: deque = deque()
     for item in items:
         pending.append(_pool().submit(fn, item))
@@ -163,7 +163,10 @@ def _in_order(fn: Callable[[int], bytes | None], items: Iterable[int]) -> Iterat
         yield pending.popleft().result()
 
 
+_THREADS = os.cpu_count() or 4
+
+
 @functools.cache
 def _pool() -> ThreadPoolExecutor:
     """zstd's threads (it releases the GIL), shared by every read and write of the process."""
-    return ThreadPoolExecutor(max_workers=os.cpu_count() or 4, thread_name_prefix="dflash-zstd")
+    return ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="dflash-zstd")
