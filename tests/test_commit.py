@@ -35,8 +35,8 @@ def _commit(committer: Committer, shared: SharedBuffers, unit: int, hidden: np.n
 def test_units_from_shared_buffers_read_back_exactly(tmp_path):
     shared = SharedBuffers(BufferLayout(count=3, rows=ROWS, row=RowFormat("bf16", WIDTH, 1)))
     reports = []
-    committer = Committer(tmp_path, _storage(), shared, 2, reports.append)
-    # the writers yield the cores to this process (they compress on all of them), once started
+    committer = Committer(tmp_path, _storage(), shared, 2, reports.append, niceness=WRITER_NICENESS)
+    # the writers yield the cores to this process (as to one that feeds a GPU), once started
     niceness, deadline = {min(19, os.nice(0) + WRITER_NICENESS)}, time.monotonic() + 60
     while {os.getpriority(os.PRIO_PROCESS, p.pid) for p in committer._procs} != niceness:
         assert time.monotonic() < deadline, "the writers kept the extract process's priority"

@@ -3,7 +3,7 @@
 Compressing and writing a unit holds the GIL for part of every chunk. As threads of the GPU
 process the writers serialised on it: on an H200 the commit path, not the disk, held extraction to
 0.64-0.80x the bare forward (BENCHMARKS.md). Here each writer is a process of its own, which
-compresses a unit's chunks on every core at a lower priority than the GPU process. The unit
+compresses a unit's chunks on every core, at a lower priority than a GPU's process. The unit
 buffers are one anonymous shared-memory file (memfd) that the extract process maps, and pins on
 CUDA hosts, and that every writer maps too. So a unit's hidden states are never copied or pickled
 between processes; only its small metadata (ids, mask, offsets) travels through a queue.
@@ -129,10 +129,12 @@ class Committer:
 
     `prepare(i)`, if given, runs once per buffer in a background thread before the buffer is
     first handed out (extract pins buffers there, a second per GiB, while the first forward runs).
+    `niceness`: the writers' priority below this process's (`WRITER_NICENESS` where it feeds a GPU).
     """
 
     def __init__(self, out: Path, storage: StorageInfo, buffers: SharedBuffers, writers: int,
-                 report: Callable[[dict], None], prepare: Callable[[int], None] | None = None):  # fmt: skip
+                 report: Callable[[dict], None], prepare: Callable[[int], None] | None = None,
+                 niceness: int = 0):  # fmt: skip
         self.out = Path(out)
         self.report = report
         self.wait_s = 0.0
@@ -145,7 +147,8 @@ class Committer:
         self._results = ctx.Queue()
         self._procs = [
             ctx.Process(target=_writer_main, args=(buffers.handle, str(out), storage, self._jobs, self._results,
-                                                   os.getpid()), daemon=True, name=f"dflash-writer-{i}")  # fmt: skip
+                                                   os.getpid(), niceness), daemon=True,
+                        name=f"dflash-writer-{i}")  # fmt: skip
             for i in range(writers)
         ]
         with starting_children():
@@ -266,17 +269,18 @@ def _die_with(parent: int) -> None:
         os._exit(0)
 
 
+# Where the extract process feeds a GPU, its writers, which compress on every core (shard.write_shard),
+# yield the cores to it: its kernel launches must never wait for one. On a CPU the extract process
+# computes the forward itself, and writers starved by it (or by other jobs) would hold up its end.
 WRITER_NICENESS = 10
 
 
-def _writer_main(handle, out: str, storage: StorageInfo, jobs, results, parent: int) -> None:
+def _writer_main(handle, out: str, storage: StorageInfo, jobs, results, parent: int, niceness: int) -> None:
     _die_with(parent)
     # Ctrl-C reaches the whole process group: the extract process answers it, and a writer ends
     # with it (above) instead of printing a traceback of its own.
     ready_for_interrupts(False)
-    # A writer compresses on every core (shard.write_shard); it yields them to the process that
-    # feeds the GPU, whose kernel launches must never wait for a core.
-    os.nice(WRITER_NICENESS)
+    os.nice(niceness)
     buffers = attach(handle)
     while True:
         try:

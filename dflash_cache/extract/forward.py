@@ -24,7 +24,7 @@ from dflash_cache.cache.unit.codec import encode_rows
 from dflash_cache.cache.unit.layout import RowFormat
 from dflash_cache.core.devices import GpuThrottle, to_device
 from dflash_cache.core.errors import ExtractError
-from dflash_cache.extract.commit import BufferLayout, Committer, SharedBuffers
+from dflash_cache.extract.commit import WRITER_NICENESS, BufferLayout, Committer, SharedBuffers
 from dflash_cache.extract.plan import ForwardBatch, Unit
 from dflash_cache.extract.prefill import Target, forwards
 
@@ -63,7 +63,8 @@ def extract_units(
     pinner = _Pinner(shared) if cuda else None
     copy_stream = torch.cuda.Stream(device) if cuda else None
     pad_id = spec.tokenizer.pad_token_id or 0
-    committer = Committer(out, spec.storage, shared, writers, report, prepare=pinner and pinner.pin)
+    committer = Committer(out, spec.storage, shared, writers, report, prepare=pinner and pinner.pin,
+                          niceness=WRITER_NICENESS if cuda else 0)  # fmt: skip
     throttle = GpuThrottle(cuda)
     rate = _Rate()
     try:
