@@ -42,6 +42,28 @@ class RecordingSink:
         self.closed = True
 
 
+def packed_rows(block_size: int, num_blocks: int, groups: int):
+    """The token index of each query row of flex attention's packing by key head: row r holds
+    block r // (groups * B)'s slot r % B (`dflash_cache.drafters.attention`)."""
+    import torch
+
+    rows = torch.arange(num_blocks * block_size * groups)
+    return rows // (groups * block_size) * block_size + rows % block_size
+
+
+def assert_same_grads(got, want, tol: dict) -> None:
+    """Gradients of two attention paths alike: within `tol` in float32; in bf16, within 1% in
+    norm, since a key's gradient sums over every query that sees it, each path in its own order,
+    so a few of its elements differ by more than any elementwise tolerance that still tests."""
+    import torch
+
+    for g_got, g_want in zip(got, want, strict=True):
+        if g_want.dtype == torch.bfloat16:
+            assert float((g_got - g_want).float().norm() / g_want.float().norm()) < 1e-2
+        else:
+            torch.testing.assert_close(g_got, g_want, **tol)
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_ids) -> list[int]:
     """transformers' own greedy continuation of one prompt (no padding, its own cache): the
     reference the generation engine is checked against. The stop token is kept, as ours keeps it."""

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_same_grads
 from safetensors import safe_open
 from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
@@ -334,8 +335,7 @@ def test_flex_path_matches_sdpa_path(dtype):
         grads = torch.autograd.grad((out * probe).sum(), (q, kc, vc, kb, vb))
         results.append((out, grads))
     torch.testing.assert_close(results[0][0], results[1][0], **tol)
-    for g_flex, g_sdpa in zip(results[0][1], results[1][1], strict=True):
-        torch.testing.assert_close(g_flex, g_sdpa, **tol)
+    assert_same_grads(results[0][1], results[1][1], tol)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import packed_rows
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_cache.drafters import attention
@@ -287,10 +288,12 @@ def _listed(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("bsz", [4, 10, 16])
 @pytest.mark.parametrize("long", [False, True])
-def test_flex_tiles_cover_every_allowed_pair(bsz, long):
+@pytest.mark.parametrize("groups", [1, 3, 13])
+def test_flex_tiles_cover_every_allowed_pair(bsz, long, groups):
     """Every (query, key) pair the rule allows lies in a tile that kv_tiles lists for its query
     tile (flex skips unlisted tiles), every pair of a tile listed as full is allowed (flex skips
-    mask_mod there), and the listing stays close to the tiles actually needed."""
+    mask_mod there), and the listing stays close to the tiles actually needed; with the queries
+    packed by key head too (`groups` rows a token: 16 x 13 rows span up to three tiles a block)."""
     g = torch.Generator().manual_seed(bsz)
     fulls = 0
     for _ in range(40):
@@ -298,13 +301,15 @@ def test_flex_tiles_cover_every_allowed_pair(bsz, long):
         if layout.num_blocks == 0:
             continue
         nq, nc = layout.num_blocks * bsz, layout.num_context
-        counts, indices, full_counts, full_indices = layout.kv_tiles()
-        n_qt, n_kvt = -(-nq // 128), -(-(nc + nq) // 128)
+        rows = nq * groups
+        counts, indices, full_counts, full_indices = layout.kv_tiles(groups=groups)
+        n_qt, n_kvt = -(-rows // 128), -(-(nc + nq) // 128)
         assert counts.shape == full_counts.shape == (n_qt,) and indices.shape == full_indices.shape == (n_qt, n_kvt)
         partial, full = _listed(counts, indices), _listed(full_counts, full_indices)
         assert not (partial & full).any(), "a tile both partial and full"
         listed = partial | full
-        padded = torch.nn.functional.pad(_allowed(layout), (0, n_kvt * 128 - nc - nq, 0, n_qt * 128 - nq))
+        allowed = _allowed(layout)[packed_rows(bsz, layout.num_blocks, groups)]
+        padded = torch.nn.functional.pad(allowed, (0, n_kvt * 128 - nc - nq, 0, n_qt * 128 - rows))
         tiles = padded.view(n_qt, 128, n_kvt, 128)
         needed = tiles.any(dim=3).any(dim=1)
         assert not (needed & ~listed).any(), "an allowed pair in an unlisted tile"
@@ -313,7 +318,7 @@ def test_flex_tiles_cover_every_allowed_pair(bsz, long):
             assert not listed[t, : need.min()].any() and not listed[t, need.max() + 1 :].any()
         if not long:
             assert listed.sum() <= needed.sum() + 2 * n_qt
-        real_queries = (torch.arange(n_qt * 128) < nq).view(n_qt, 128)
+        real_queries = (torch.arange(n_qt * 128) < rows).view(n_qt, 128)
         every = (tiles | ~real_queries[:, :, None, None]).all(dim=3).all(dim=1)  # padded queries are cut off
         assert not (full & ~every).any(), "a tile listed as full holds a forbidden pair"
         fulls += int(full.sum())

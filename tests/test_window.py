@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, reference_dflash
+from helpers import ROOT, packed_rows, reference_dflash
 from test_serving_export import one_block
 from transformers import DynamicCache, Qwen3Config
 
@@ -88,11 +88,12 @@ def random_qkv(layout: BlockLayout, heads: int = 4, kv_heads: int = 2, d: int = 
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "flex"])
-@pytest.mark.parametrize("window", [1, 3, B + 1, 17, 64])
+@pytest.mark.parametrize("window", [None, 1, 3, B + 1, 17, 64])
 def test_window_attention_is_the_rule(impl, window, monkeypatch):
-    """Both training paths (flex attention eagerly on the CPU) give the dense rule's attention and
-    gradients, over packed sequences longer than the window, with many anchors each and GQA; windows
-    below the block size mask block keys too. Full attention there is something else."""
+    """Both training paths (flex attention eagerly on the CPU, its queries packed by key head) give
+    the dense rule's attention and gradients, over packed sequences longer than the window, with
+    many anchors each and GQA; windows below the block size mask block keys too. Full attention
+    there is something else."""
     monkeypatch.setattr(attention, "_flex_compiled", None)  # eager flex on the CPU
     layout = packed_layout([300, 40, 9, 130], per_seq=12)
     tensors = random_qkv(layout)
@@ -100,8 +101,9 @@ def test_window_attention_is_the_rule(impl, window, monkeypatch):
     out = block_attention(*inputs, layout, impl=impl, window=window)
     want = dense_attention(*tensors, rule_mask(layout, window))
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
-    full = dense_attention(*tensors, rule_mask(layout, None))
-    assert (out - full).abs().max() > 1e-3
+    if window is not None:
+        full = dense_attention(*tensors, rule_mask(layout, None))
+        assert (out - full).abs().max() > 1e-3
     if impl == "sdpa":
         probe = torch.randn_like(out)
         grads = torch.autograd.grad((out * probe).sum(), tensors)
@@ -110,21 +112,21 @@ def test_window_attention_is_the_rule(impl, window, monkeypatch):
             torch.testing.assert_close(g, wg, rtol=1e-9, atol=1e-10)
 
 
-def tile_mask(layout: BlockLayout, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(what flex attention lets through, the full tiles) as [queries, keys] masks, from the
-    BlockMask a sliding layer builds: the visited tiles' pairs where its mask_mod allows them, and
-    every pair of a full tile (where mask_mod never runs)."""
-    mask = layout.flex_block_mask(window)
+def tile_mask(layout: BlockLayout, window: int | None, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what flex attention lets through, the full tiles) as [query rows, keys] masks, from the
+    BlockMask a sliding layer builds for queries packed `groups` rows a token: the visited tiles'
+    pairs where its mask_mod allows them, and every pair of a full tile (where mask_mod never runs)."""
+    mask = layout.flex_block_mask(window, groups)
     nq, nk = layout.num_blocks * layout.block_size, layout.num_context + layout.num_blocks * layout.block_size
-    counts, indices, full_counts, full_indices = layout.kv_tiles(window)
+    counts, indices, full_counts, full_indices = layout.kv_tiles(window, groups)
 
     def tiles(counts, indices):
         out = torch.zeros(len(counts), -(-nk // TILE), dtype=torch.bool)
         for t, (c, row) in enumerate(zip(counts.tolist(), indices.tolist(), strict=True)):
             out[t, row[:c]] = True
-        return out.repeat_interleave(TILE, 0).repeat_interleave(TILE, 1)[:nq, :nk]
+        return out.repeat_interleave(TILE, 0).repeat_interleave(TILE, 1)[: nq * groups, :nk]
 
-    q, k = torch.arange(nq)[:, None], torch.arange(nk)[None]
+    q, k = torch.arange(nq * groups)[:, None], torch.arange(nk)[None]
     partial = tiles(counts, indices) & mask.mask_mod(0, 0, q, k)
     full = tiles(full_counts, full_indices)
     assert not (partial & full).any()
@@ -132,22 +134,27 @@ def tile_mask(layout: BlockLayout, window: int | None) -> tuple[torch.Tensor, to
 
 
 @pytest.mark.parametrize("window", [None, 2, 7, 150, 700])
-def test_flex_tiles_visit_the_window_alone(window):
+@pytest.mark.parametrize("groups", [1, 4, 11])
+def test_flex_tiles_visit_the_window_alone(window, groups):
     """The key tiles a query tile visits, with mask_mod inside them and full tiles taken whole, let
-    through exactly the rule's pairs; with a window, a tile visits at most its blocks' windows
-    (O(W) tiles a block, however far apart their anchors and however long the context)."""
+    through exactly the rule's pairs, for queries packed by key head too (`groups` rows a token: 16 x 11
+    rows span up to three tiles a block);
+    with a window, a tile visits at most its blocks' windows (O(W) tiles a block, however far apart
+    their anchors and however long the context)."""
     layouts = [packed_layout([3000, 200, 1500], per_seq=40, seed=2), packed_layout([5000], per_seq=3, seed=4),
-               packed_layout([900, 12, 900], per_seq=300, seed=5, block_size=16)]  # fmt: skip
+               packed_layout([700, 9, 300], per_seq=20, seed=6, block_size=16)]  # fmt: skip
+    if groups == 1:  # many blocks a tile (the dense masks of its packed rows would not fit in memory)
+        layouts.append(packed_layout([900, 12, 900], per_seq=300, seed=5, block_size=16))
     for layout in layouts:
-        allowed, full = tile_mask(layout, window)
-        rule = rule_mask(layout, window)
+        allowed, full = tile_mask(layout, window, groups)
+        rule = rule_mask(layout, window)[packed_rows(layout.block_size, layout.num_blocks, groups)]
         assert torch.equal(allowed, rule)
         assert not (full & ~rule).any()
         if window is None:
             continue
-        counts, indices, full_counts, _ = layout.kv_tiles(window)
-        blocks = torch.bincount(torch.arange(layout.num_blocks) * layout.block_size // TILE,
-                                minlength=len(counts))  # fmt: skip
+        counts, indices, full_counts, _ = layout.kv_tiles(window, groups)
+        rows = layout.block_size * groups
+        blocks = torch.bincount(torch.arange(layout.num_blocks) * rows // TILE, minlength=len(counts))
         own = 2 + layout.block_size // TILE
         assert ((counts + full_counts) <= (blocks + 1) * (window // TILE + 2) + own).all()
 

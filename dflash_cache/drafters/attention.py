@@ -5,6 +5,12 @@ anchors in them (`blocks.py`). Block j attends to the context of its own sequenc
 its anchor and bidirectionally to its own B tokens, never to other blocks; `block_attention`
 implements that rule with flex attention on GPU and with an exact chunked SDPA elsewhere.
 
+Flex attention reads the queries packed by key head: the `groups` query heads that share a key
+head, for the B tokens of one block, are one run of `groups * B` rows. A 128-row query tile then
+holds one or two blocks' queries instead of 128 / B blocks, so it visits about the keys of one
+block's context rather than the union of eight anchors' (at long context with a window, nearly
+half of what an unpacked tile visits is outside each of its blocks' windows).
+
 A sliding layer (`window` W) keeps of that only the keys within W positions of the query, z-lab's
 reference rule (`dflash` 0.1.0, `_attention_mask`): the block token at position q = anchor + k sees
 the context positions [q - W + 1, anchor) and the block tokens at positions j with |q - j| < W (all
@@ -50,7 +56,7 @@ class BlockLayout:
     block_seq: Tensor  # [nb] sequence of each block
     block_anchor: Tensor  # [nb] anchor position (within its sequence) of each block
     offsets: Tensor  # [S+1] int64: sequence s is context rows offsets[s]:offsets[s+1]
-    _flex_masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # by window
+    _flex_masks: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # by (window, groups)
     _sdpa_plans: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
@@ -90,28 +96,32 @@ class BlockLayout:
         return BlockLayout(self.block_size, *(to_device(t, device) for t in (
             self.ctx_seq, self.ctx_pos, self.block_seq, self.block_anchor, self.offsets)))  # fmt: skip
 
-    def flex_block_mask(self, window: int | None = None) -> BlockMask:
-        """The flex BlockMask of the attention rule over [context ; block tokens], built once per
-        window (None: full attention).
+    def flex_block_mask(self, window: int | None = None, groups: int = 1) -> BlockMask:
+        """The flex BlockMask of the attention rule, queries packed by key head (the module
+        docstring) against [context ; block tokens], built once per (window, groups); window None:
+        full attention.
 
         The tiles each query tile must visit come straight from the layout (`kv_tiles`), so no
         [Q, KV] mask is ever evaluated and nothing is compiled per batch shape; `mask_mod`
         decides inside the visited tiles. Every lookup table is padded past the next multiple of
         128 with ids that match nothing, so the mask_mod stays in bounds in padded tiles too.
         """
-        if window in self._flex_masks:
-            return self._flex_masks[window]
+        if (window, groups) in self._flex_masks:
+            return self._flex_masks[window, groups]
         B, nc, dev = self.block_size, self.num_context, self.block_seq.device
-        nq = self.num_blocks * B
+        nq, rows = self.num_blocks * B, self.num_blocks * B * groups
 
         def padded(t: Tensor, fill: int) -> Tensor:
             n = t.shape[0]
             return F.pad(t, (0, -n % 128 + 128), value=fill)
 
+        def per_row(per_token: Tensor) -> Tensor:  # token-wise [nq] -> packed rows [nq * groups]
+            return per_token.view(-1, 1, B).expand(-1, groups, B).reshape(-1)
+
         blk = torch.arange(nq, device=dev) // B
-        q_seq = padded(self.block_seq.repeat_interleave(B), -2)
-        q_anchor = padded(self.block_anchor.repeat_interleave(B), -2)
-        q_blk = padded(blk, -2)
+        q_seq = padded(per_row(self.block_seq.repeat_interleave(B)), -2)
+        q_anchor = padded(per_row(self.block_anchor.repeat_interleave(B)), -2)
+        q_blk = padded(per_row(blk), -2)
         kv_seq = padded(torch.cat([self.ctx_seq, torch.full_like(blk, -1)]), -3)
         kv_pos = padded(torch.cat([self.ctx_pos, torch.zeros_like(blk)]), -3)
         kv_blk = padded(torch.cat([torch.full_like(self.ctx_seq, -1), blk]), -3)
@@ -123,50 +133,54 @@ class BlockLayout:
                 return in_context | (kv_blk[kv_idx] == q_blk[q_idx])
 
         else:
-            q_pos = padded(self.query_positions(), -2)
+            q_pos = padded(per_row(self.query_positions()), -2)
+            q_key = padded(per_row(torch.arange(nc, nc + nq, device=dev)), -2)  # the query's own token as a key
 
             def mask_mod(b, h, q_idx, kv_idx):
                 in_context = ((kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
                               & (kv_pos[kv_idx] > q_pos[q_idx] - window))  # fmt: skip
                 own = kv_blk[kv_idx] == q_blk[q_idx]
-                if window < B:  # block keys too: slot c of the query's block sits at nc + its query index
-                    own = own & ((kv_idx - nc - q_idx).abs() < window)
+                if window < B:  # block keys too, by their distance from the query's token
+                    own = own & ((kv_idx - q_key[q_idx]).abs() < window)
                 return in_context | own
 
-        counts, indices, full_counts, full_indices = self.kv_tiles(window)
-        self._flex_masks[window] = BlockMask.from_kv_blocks(
+        counts, indices, full_counts, full_indices = self.kv_tiles(window, groups)
+        self._flex_masks[window, groups] = BlockMask.from_kv_blocks(
             counts[None, None], indices[None, None], full_counts[None, None], full_indices[None, None],
-            BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(nq, nc + nq),
+            BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(rows, nc + nq),
         )  # fmt: skip
-        return self._flex_masks[window]
+        return self._flex_masks[window, groups]
 
-    def kv_tiles(self, window: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """For each 128-query tile, the 128-key tiles it may attend to, split as flex wants them:
-        (counts [Qt], indices [Qt, KVt]) of the partial tiles, where mask_mod decides pair by
-        pair, and (full_counts, full_indices) of the full tiles, where every pair is allowed and
-        mask_mod never runs. The first `counts[t]` entries of row t are used; int32.
+    def kv_tiles(self, window: int | None = None, groups: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """For each 128-row query tile (queries packed by `groups`, the module docstring), the
+        128-key tiles it may attend to, split as flex wants them: (counts [Qt], indices [Qt, KVt])
+        of the partial tiles, where mask_mod decides pair by pair, and (full_counts, full_indices)
+        of the full tiles, where every pair is allowed and mask_mod never runs. The first
+        `counts[t]` entries of row t are used; int32.
 
-        A query tile holds the tokens of a run of consecutive blocks, grouped by sequence. Their
+        A query tile holds the queries of a run of consecutive blocks, grouped by sequence. Their
         context lies between the start of the first block's sequence and the furthest
         `sequence start + anchor` among them (one contiguous range that may include some tiles
         of sequences in between: mask_mod masks those), and their own block keys sit at
-        `Nc + query index`. When the tile's blocks all belong to one sequence, the context tiles
+        `Nc + token index`. When the tile's blocks all belong to one sequence, the context tiles
         before its smallest anchor are full: at long context that is nearly all of them, and
         skipping mask_mod there is what makes the attention kernel fast (BENCHMARKS.md).
 
         With a window, a tile visits only the context tiles of its blocks' windows (`_window_tiles`).
         """
         if window is not None:
-            return self._window_tiles(window)
+            return self._window_tiles(window, groups)
         nc, nq = self.num_context, self.num_blocks * self.block_size
         n_kvt = -(-(nc + nq) // TILE)
         starts = self.offsets[self.block_seq]  # context start of each block's sequence
         ends = starts + self.block_anchor  # one past the last visible context token
-        per_tile = self._per_tile
+
+        def per_tile(values: Tensor, reduce: str, init: int) -> Tensor:
+            return self._per_tile(values, reduce, init, groups)
 
         lo, hi, min_end = per_tile(starts, "amin", nc), per_tile(ends, "amax", 0), per_tile(ends, "amin", nc)
         one_seq = per_tile(self.block_seq, "amin", 1 << 62) == per_tile(self.block_seq, "amax", -1)
-        own_lo, own_hi = self._own_tiles()
+        own_lo, own_hi = self._own_tiles(groups)
         ctx_lo = lo // TILE
         ctx_hi = torch.minimum((hi - 1) // TILE, own_lo - 1)  # a shared tile is counted as own
         n_ctx = torch.where(hi > lo, ctx_hi - ctx_lo + 1, 0).clamp(min=0)
@@ -180,26 +194,32 @@ class BlockLayout:
         full_counts, full_indices = _tile_runs([(full_lo, n_full)], n_kvt)
         return counts, indices, full_counts, full_indices
 
-    def _per_tile(self, values: Tensor, reduce: str, init: int) -> Tensor:
-        """[query tiles]: `reduce` of the blocks' `values` over the blocks each query tile holds (a
-        block may straddle two tiles)."""
-        nb, B, dev = self.num_blocks, self.block_size, self.block_seq.device
-        out = torch.full((-(-nb * B // TILE),), init, dtype=torch.int64, device=dev)
-        j = torch.arange(nb, device=dev)
-        for tile in (j * B // TILE, ((j + 1) * B - 1) // TILE):
+    def _block_tiles(self, groups: int) -> list[Tensor]:
+        """Every query tile each block's rows fall in, as a list of [nb] tile ids (a block's
+        `groups * B` rows may straddle tiles or span several; ids repeat for a block with fewer)."""
+        rows, j = groups * self.block_size, torch.arange(self.num_blocks, device=self.block_seq.device)
+        first, last = j * rows // TILE, ((j + 1) * rows - 1) // TILE
+        return [torch.minimum(first + k, last) for k in range(-(-rows // TILE) + 1)]
+
+    def _per_tile(self, values: Tensor, reduce: str, init: int, groups: int) -> Tensor:
+        """[query tiles]: `reduce` of the blocks' `values` over the blocks each query tile holds."""
+        n_qt = -(-self.num_blocks * self.block_size * groups // TILE)
+        out = torch.full((n_qt,), init, dtype=torch.int64, device=self.block_seq.device)
+        for tile in self._block_tiles(groups):
             out.scatter_reduce_(0, tile, values, reduce)
         return out
 
-    def _own_tiles(self) -> tuple[Tensor, Tensor]:
-        """(first, last) key tile of each query tile's own block keys: the whole blocks its queries
+    def _own_tiles(self, groups: int) -> tuple[Tensor, Tensor]:
+        """(first, last) key tile of each query tile's own block keys: the whole blocks its rows
         belong to, at nc + their token indices."""
         B, nc, nq = self.block_size, self.num_context, self.num_blocks * self.block_size
-        t = torch.arange(-(-nq // TILE), device=self.block_seq.device)
-        own_lo = (nc + t * TILE // B * B) // TILE
-        own_hi = (nc + torch.clamp(-(-(t + 1) * TILE // B) * B, max=nq) - 1) // TILE
+        rows = groups * B
+        t = torch.arange(-(-nq * groups // TILE), device=self.block_seq.device)
+        own_lo = (nc + t * TILE // rows * B) // TILE
+        own_hi = (nc + torch.clamp(((t + 1) * TILE - 1) // rows * B + B, max=nq) - 1) // TILE
         return own_lo, own_hi
 
-    def _window_tiles(self, window: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _window_tiles(self, window: int, groups: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """`kv_tiles` of a sliding layer: each query tile visits the union of its blocks' window
         tiles (block j's context [anchor - W + 1, anchor)) and its own block keys, so the tiles a
         block costs are O(W) however far apart the tile's anchors lie. A context tile is full
@@ -207,25 +227,26 @@ class BlockLayout:
         smallest anchor), the window of the tile's last slot of its furthest block."""
         B, nc, dev = self.block_size, self.num_context, self.block_seq.device
         nq = self.num_blocks * B
-        n_qt, n_kvt = -(-nq // TILE), -(-(nc + nq) // TILE)
+        n_qt, n_kvt = -(-nq * groups // TILE), -(-(nc + nq) // TILE)
         starts = self.offsets[self.block_seq]
         ends = starts + self.block_anchor
         lows = starts + (self.block_anchor - window + 1).clamp(min=0)  # slot 0's first visible context key
         # each block's context tiles [lows // TILE, (ends - 1) // TILE], marked on its query tiles
-        # through a difference array over the key tiles (a block without context marks nothing;
-        # no boolean indexing, which would wait for the GPU)
+        # through a difference array over the key tiles (a block without context marks nothing; a
+        # tile marked twice by one block is still marked; no boolean indexing, which would wait
+        # for the GPU)
         marks = torch.zeros(n_qt, n_kvt + 1, dtype=torch.int32, device=dev)
-        j = torch.arange(self.num_blocks, device=dev)
         some = (ends > lows).to(torch.int32)
-        for tile in (j * B // TILE, ((j + 1) * B - 1) // TILE):
+        for tile in self._block_tiles(groups):
             marks.index_put_((tile, lows // TILE), some, accumulate=True)
             marks.index_put_((tile, (ends - 1) // TILE + 1), -some, accumulate=True)
         kv_t = torch.arange(n_kvt, device=dev)
-        own_lo, own_hi = self._own_tiles()
+        own_lo, own_hi = self._own_tiles(groups)
         visit = (marks.cumsum(1)[:, :n_kvt] > 0) | ((kv_t >= own_lo[:, None]) & (kv_t <= own_hi[:, None]))
-        one_seq = self._per_tile(self.block_seq, "amin", 1 << 62) == self._per_tile(self.block_seq, "amax", -1)
-        full_start = self._per_tile(starts + (self.block_anchor + B - window).clamp(min=0), "amax", 0)
-        full_end = self._per_tile(ends, "amin", nc)
+        per_tile = self._per_tile
+        one_seq = per_tile(self.block_seq, "amin", 1 << 62, groups) == per_tile(self.block_seq, "amax", -1, groups)
+        full_start = per_tile(starts + (self.block_anchor + B - window).clamp(min=0), "amax", 0, groups)
+        full_end = per_tile(ends, "amin", nc, groups)
         full = one_seq[:, None] & (kv_t >= -(-full_start[:, None] // TILE)) & (kv_t < full_end[:, None] // TILE)
         return (*_tile_list(visit & ~full), *_tile_list(full))
 
@@ -342,18 +363,15 @@ def block_attention(
 
 
 def _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale, window) -> Tensor:
+    """Flex attention with the queries packed by key head (the module docstring)."""
     fn = _flex_compiled if _flex_compiled is not None else flex_attention
+    (nq, hq, d), hkv, B = q.shape, k_ctx.shape[1], layout.block_size
+    groups = hq // hkv
+    packed = q.view(nq // B, B, hkv, groups, d).permute(2, 0, 3, 1, 4).reshape(1, hkv, nq * groups, d)
     k = torch.cat([k_ctx, k_blk]).transpose(0, 1).unsqueeze(0)
     v = torch.cat([v_ctx, v_blk]).transpose(0, 1).unsqueeze(0)
-    out = fn(
-        q.transpose(0, 1).unsqueeze(0),
-        k,
-        v,
-        block_mask=layout.flex_block_mask(window),
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    return out[0].transpose(0, 1)
+    out = fn(packed, k, v, block_mask=layout.flex_block_mask(window, groups), scale=scale)
+    return out.view(hkv, nq // B, groups, B, d).permute(1, 3, 0, 2, 4).reshape(nq, hq, d)
 
 
 def _sdpa_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale, window) -> Tensor:
