@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -174,9 +175,7 @@ class BlockLayout:
         n_kvt = -(-(nc + nq) // TILE)
         starts = self.offsets[self.block_seq]  # context start of each block's sequence
         ends = starts + self.block_anchor  # one past the last visible context token
-
-        def per_tile(values: Tensor, reduce: str, init: int) -> Tensor:
-            return self._per_tile(values, reduce, init, groups)
+        per_tile = partial(self._per_tile, groups=groups)
 
         lo, hi, min_end = per_tile(starts, "amin", nc), per_tile(ends, "amax", 0), per_tile(ends, "amin", nc)
         one_seq = per_tile(self.block_seq, "amin", 1 << 62) == per_tile(self.block_seq, "amax", -1)
@@ -243,10 +242,10 @@ class BlockLayout:
         kv_t = torch.arange(n_kvt, device=dev)
         own_lo, own_hi = self._own_tiles(groups)
         visit = (marks.cumsum(1)[:, :n_kvt] > 0) | ((kv_t >= own_lo[:, None]) & (kv_t <= own_hi[:, None]))
-        per_tile = self._per_tile
-        one_seq = per_tile(self.block_seq, "amin", 1 << 62, groups) == per_tile(self.block_seq, "amax", -1, groups)
-        full_start = per_tile(starts + (self.block_anchor + B - window).clamp(min=0), "amax", 0, groups)
-        full_end = per_tile(ends, "amin", nc, groups)
+        per_tile = partial(self._per_tile, groups=groups)
+        one_seq = per_tile(self.block_seq, "amin", 1 << 62) == per_tile(self.block_seq, "amax", -1)
+        full_start = per_tile(starts + (self.block_anchor + B - window).clamp(min=0), "amax", 0)
+        full_end = per_tile(ends, "amin", nc)
         full = one_seq[:, None] & (kv_t >= -(-full_start[:, None] // TILE)) & (kv_t < full_end[:, None] // TILE)
         return (*_tile_list(visit & ~full), *_tile_list(full))
 
@@ -367,7 +366,7 @@ def _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale, window) -> Tensor:
     fn = _flex_compiled if _flex_compiled is not None else flex_attention
     (nq, hq, d), hkv, B = q.shape, k_ctx.shape[1], layout.block_size
     groups = hq // hkv
-    packed = q.view(nq // B, B, hkv, groups, d).permute(2, 0, 3, 1, 4).reshape(1, hkv, nq * groups, d)
+    packed = q.reshape(nq // B, B, hkv, groups, d).permute(2, 0, 3, 1, 4).reshape(1, hkv, nq * groups, d)
     k = torch.cat([k_ctx, k_blk]).transpose(0, 1).unsqueeze(0)
     v = torch.cat([v_ctx, v_blk]).transpose(0, 1).unsqueeze(0)
     out = fn(packed, k, v, block_mask=layout.flex_block_mask(window, groups), scale=scale)
