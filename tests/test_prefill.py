@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.forward import batch_inputs
-from dflash_cache.extract.prefill import forwards
+from dflash_cache.extract.prefill import forwards, out_of_memory
 from dflash_cache.extract.stage import run
 from dflash_cache.target.taps import TappedTarget
 
@@ -114,6 +114,18 @@ def test_a_batch_that_fits_is_one_forward():
         (a, b, outputs, where), *more = forwards(target, inp, rows, lengths, chunk)
         assert not more and (a, b) == (0, 130) and where is rows
         assert all(torch.equal(o, r) for o, r in zip(outputs, target(inp), strict=True))
+
+
+def test_out_of_memory_names_what_to_change():
+    """The line a forward out of GPU memory stops with names the setting to change: a chunk for one
+    long sample (at most 16,384, at most half the sample), a smaller chunk for a sample already in
+    chunks, a smaller token budget for a batch of several (the GPU suite runs it out of memory)."""
+    assert "pass --prefill-chunk 16384 " in out_of_memory(1, 65536, 65536, None)
+    assert "pass --prefill-chunk 2048 " in out_of_memory(1, 5000, 5000, None)
+    chunked = out_of_memory(1, 65536, 65536, 16384)
+    assert "in a 16,384-token chunk" in chunked and "smaller --prefill-chunk (e.g. 8192)" in chunked
+    batch = out_of_memory(3, 4096, 4000, None)
+    assert "3 samples of 4,096 tokens" in batch and "lower --token-budget (this forward held 12,288" in batch
 
 
 def test_chunking_is_asked_for():

@@ -40,11 +40,11 @@ def forwards(target: Target, inp: torch.Tensor, rows: torch.Tensor, lengths: np.
 def out_of_memory(samples: int, width: int, longest: int, chunk: int | None) -> str:
     """What to change when a forward of `samples` samples padded to `width` tokens ran out of GPU
     memory: chunk long samples, a smaller chunk, or fewer tokens a batch."""
-    where = f"the GPU ran out of memory in a forward of {samples} sample{'s' * (samples > 1)} of {width:,} tokens"
     if chunk is not None and width > chunk:
         return (f"the GPU ran out of memory in a {chunk:,}-token chunk of a sample of up to {longest:,} tokens: "
                 f"pass a smaller --prefill-chunk (e.g. {max(chunk // 2, 1)}); the key/value cache of the sample's "
                 "earlier tokens must still fit")  # fmt: skip
+    where = f"the GPU ran out of memory in a forward of {samples} sample{'s' * (samples > 1)} of {width:,} tokens"
     if samples > 1:
         return f"{where}: lower --token-budget (this forward held {samples * width:,} padded tokens)"
     suggest = min(16384, 1 << max(width // 2, 1).bit_length() - 1)
