@@ -63,3 +63,21 @@ class DrafterSettings:
         if len(set(full)) == self.draft_layers:
             raise ValueError("--full-attention-layers names every draft layer: use --sliding-window full")
         return ["full_attention" if i in full else "sliding_attention" for i in range(self.draft_layers)]
+
+
+def describe_windows(windows: list[int | None]) -> str:
+    """How the draft layers attend (each layer's window, None for full attention), in words for the
+    train stage's start-up line: the window is the default, so it is said."""
+    sliding = [i for i, w in enumerate(windows) if w is not None]
+    if not sliding:
+        return "full attention (every layer attends to the whole context)"
+    window = f"a window of {windows[sliding[0]]:,} tokens"
+    if len(sliding) == len(windows):
+        return f"every layer slides in {window} (--sliding-window full for none)"
+    full = [i for i, w in enumerate(windows) if w is None]
+    return f"{_layers(sliding)} in {window}, {_layers(full, 'attends', 'attend')} to the whole context"
+
+
+def _layers(ids: list[int], one: str = "slides", many: str = "slide") -> str:
+    """'layer 0 slides' or 'layers 0,1 slide'."""
+    return f"layer {ids[0]} {one}" if len(ids) == 1 else f"layers {','.join(map(str, ids))} {many}"

@@ -45,6 +45,7 @@ from dflash_cache.core.launch import launch, torchrun_worker
 from dflash_cache.core.progress import ProgressSink, Reporter
 from dflash_cache.core.threads import worker_threads
 from dflash_cache.drafters import DrafterSettings, Family, Objective, Output
+from dflash_cache.drafters.settings import describe_windows
 from dflash_cache.train.checkpoint import Checkpointer, CpuRng
 from dflash_cache.train.config import CACHE_APPEAR_S, TrainConfig, TrainError, drafter_config
 from dflash_cache.train.cost import FEW_STEPS, drafter_cost, run_token_budget
@@ -186,7 +187,9 @@ def check_resume(state: dict[str, Any], world_size: int, cache_complete: bool) -
                          "the extraction ends, then on any number")  # fmt: skip
 
 
-THREADS_PER_GPU = 4  # a rank's torch CPU threads: more spin against DDP peers' and the loader's (BENCHMARKS.md)
+# torch's CPU threads a GPU rank: with one a core, two DDP processes' spinning OpenMP threads fight over
+# the cores (BENCHMARKS.md, "CPU threads and the all-reduce"), and one rank's fight the loader's decoders
+THREADS_PER_GPU = 4
 
 
 def _worker(w: Worker, cfg: TrainConfig, channel) -> None:
@@ -358,7 +361,7 @@ def _announce(s: Setup, tell, resumed_from: Path | None) -> None:
         tell({"info": f"resumed at {where} from {resumed_from}"})
     else:
         n = len(s.dcfg.windows)
-        tell({"info": f"drafter: {s.family.name}, {n} layer{'s' if n > 1 else ''}, {_attention(s.dcfg.windows)}"})
+        tell({"info": f"drafter: {s.family.name}, {n} layer{'s' if n > 1 else ''}, {describe_windows(s.dcfg.windows)}"})
     p = loader.position
     if not loader.complete and loader.follows(p.epoch, p.follow):
         tell({"info": "following the extraction: " + progress_line(s.cfg.cache, len(committed_units(s.cfg.cache)),
@@ -375,20 +378,6 @@ def _announce(s: Setup, tell, resumed_from: Path | None) -> None:
                              "smaller steps do better (e.g. a smaller --token-budget and --max-anchors, more "
                              "--epochs: QUALITY.md)"})  # fmt: skip
     tell({"bar": {"total": s.schedule.total, "completed": s.schedule.tokens}})
-
-
-def _attention(windows: list[int | None]) -> str:
-    """How the draft layers attend, for the start-up line: the window is the default, so say it."""
-    sliding = [i for i, w in enumerate(windows) if w is not None]
-    if not sliding:
-        return "full attention (every layer attends to the whole context)"
-    window = f"a window of {windows[sliding[0]]:,} tokens"
-    if len(sliding) == len(windows):
-        return f"every layer slides in {window} (--sliding-window full for none)"
-    full = [i for i, w in enumerate(windows) if w is None]
-    slide, attend = (f"layer {ids[0]} {one}" if len(ids) == 1 else f"layers {','.join(map(str, ids))} {many}"
-                     for ids, one, many in ((sliding, "slides", "slide"), (full, "attends", "attend")))  # fmt: skip
-    return f"{slide} in {window}, {attend} to the whole context"
 
 
 def _data_parallel(model: torch.nn.Module, device: torch.device, grad_reduce: str) -> DDP:
