@@ -120,9 +120,9 @@ class BlockLayout:
             return per_token.view(-1, 1, B).expand(-1, groups, B).reshape(-1)
 
         blk = torch.arange(nq, device=dev) // B
-        q_seq = padded(per_row(self.block_seq.repeat_interleave(B)), -2)
-        q_anchor = padded(per_row(self.block_anchor.repeat_interleave(B)), -2)
-        q_blk = padded(per_row(blk), -2)
+        q_seq = padded(self.block_seq.repeat_interleave(B * groups), -2)
+        q_anchor = padded(self.block_anchor.repeat_interleave(B * groups), -2)
+        q_blk = padded(torch.arange(rows, device=dev) // (B * groups), -2)
         kv_seq = padded(torch.cat([self.ctx_seq, torch.full_like(blk, -1)]), -3)
         kv_pos = padded(torch.cat([self.ctx_pos, torch.zeros_like(blk)]), -3)
         kv_blk = padded(torch.cat([torch.full_like(self.ctx_seq, -1), blk]), -3)
@@ -135,7 +135,8 @@ class BlockLayout:
 
         else:
             q_pos = padded(per_row(self.query_positions()), -2)
-            q_key = padded(per_row(torch.arange(nc, nc + nq, device=dev)), -2)  # the query's own token as a key
+            if window < B:  # the query's own token as a key, for the block keys' distance below
+                q_key = padded(per_row(torch.arange(nc, nc + nq, device=dev)), -2)
 
             def mask_mod(b, h, q_idx, kv_idx):
                 in_context = ((kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
