@@ -113,11 +113,11 @@ def test_window_attention_is_the_rule(impl, window, monkeypatch):
 
 
 def tile_mask(layout: BlockLayout, window: int | None, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(what flex attention lets through, the full tiles) as [query rows, keys] masks, from the
+    """(what flex attention lets through, the full tiles) as [query rows, context keys] masks, from the
     BlockMask a sliding layer builds for queries packed `groups` rows a token: the visited tiles'
     pairs where its mask_mod allows them, and every pair of a full tile (where mask_mod never runs)."""
     mask = layout.flex_block_mask(window, groups)
-    nq, nk = layout.num_blocks * layout.block_size, layout.num_context + layout.num_blocks * layout.block_size
+    nq, nk = layout.num_blocks * layout.block_size, layout.num_context
     counts, indices, full_counts, full_indices = layout.kv_tiles(window, groups)
 
     def tiles(counts, indices):
@@ -147,16 +147,16 @@ def test_flex_tiles_visit_the_window_alone(window, groups):
         layouts.append(packed_layout([900, 12, 900], per_seq=300, seed=5, block_size=16))
     for layout in layouts:
         allowed, full = tile_mask(layout, window, groups)
-        rule = rule_mask(layout, window)[packed_rows(layout.block_size, layout.num_blocks, groups)]
+        rows = packed_rows(layout.block_size, layout.num_blocks, groups)
+        rule = rule_mask(layout, window)[rows, : layout.num_context]  # flex's keys: the context alone
         assert torch.equal(allowed, rule)
         assert not (full & ~rule).any()
         if window is None:
             continue
         counts, indices, full_counts, _ = layout.kv_tiles(window, groups)
-        rows = layout.block_size * groups
-        blocks = torch.bincount(torch.arange(layout.num_blocks) * rows // TILE, minlength=len(counts))
-        own = 2 + layout.block_size // TILE
-        assert ((counts + full_counts) <= (blocks + 1) * (window // TILE + 2) + own).all()
+        per_block = layout.block_size * groups
+        blocks = torch.bincount(torch.arange(layout.num_blocks) * per_block // TILE, minlength=len(counts))
+        assert ((counts + full_counts) <= (blocks + 1) * (window // TILE + 2)).all()
 
 
 def test_sdpa_pieces_stay_within_the_window():
