@@ -359,8 +359,8 @@ def _with_own_block(ctx_out: Tensor, ctx_lse: Tensor, q: Tensor, k_blk: Tensor, 
     (nq, hq, d), hkv, B = q.shape, k_blk.shape[1], block_size
     nb, groups = nq // B, hq // hkv
     acc = torch.promote_types(q.dtype, torch.float32)
-    qb = q.view(nb, B, hkv, groups, d).permute(2, 0, 3, 1, 4)  # [Hkv, nb, groups, B, D]
-    kb, vb = (t.view(nb, B, hkv, d).permute(2, 0, 1, 3) for t in (k_blk, v_blk))  # [Hkv, nb, B, D]
+    qb = q.reshape(nb, B, hkv, groups, d).permute(2, 0, 3, 1, 4)  # [Hkv, nb, groups, B, D]
+    kb, vb = (t.reshape(nb, B, hkv, d).permute(2, 0, 1, 3) for t in (k_blk, v_blk))  # [Hkv, nb, B, D]
     scores = torch.einsum("hngbd,hncd->hngbc", qb, kb).to(acc) * scale
     if window is not None and window < B:  # block keys too, by their distance from the query's slot
         slots = torch.arange(B, device=q.device)
