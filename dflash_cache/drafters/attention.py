@@ -343,33 +343,32 @@ def _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale, window) -> Tensor:
     fn = _flex_compiled if _flex_compiled is not None else flex_attention
     (nq, hq, d), hkv, B = q.shape, k_ctx.shape[1], layout.block_size
     groups = hq // hkv
-    packed = q.reshape(nq // B, B, hkv, groups, d).permute(2, 0, 3, 1, 4).reshape(1, hkv, nq * groups, d)
-    out, aux = fn(packed, k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None], scale=scale,
-                  block_mask=layout.flex_block_mask(window, groups), return_aux=AuxRequest(lse=True))  # fmt: skip
+    by_block = q.reshape(nq // B, B, hkv, groups, d).permute(2, 0, 3, 1, 4)  # [Hkv, nb, groups, B, D]
+    out, aux = fn(by_block.reshape(1, hkv, nq * groups, d), k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None],
+                  scale=scale, block_mask=layout.flex_block_mask(window, groups), return_aux=AuxRequest(lse=True))
     merge = _with_own_block_cuda if q.is_cuda and _with_own_block_cuda is not None else _with_own_block
-    return merge(out[0], aux.lse[0], q, k_blk, v_blk, scale, window, B)
+    return merge(out[0], aux.lse[0], by_block, k_blk, v_blk, scale, window)
 
 
-def _with_own_block(ctx_out: Tensor, ctx_lse: Tensor, q: Tensor, k_blk: Tensor, v_blk: Tensor, scale: float,
-                    window: int | None, block_size: int) -> Tensor:  # fmt: skip
+def _with_own_block(ctx_out: Tensor, ctx_lse: Tensor, qb: Tensor, k_blk: Tensor, v_blk: Tensor, scale: float,
+                    window: int | None) -> Tensor:  # fmt: skip
     """The attention of every block token over [its context ; its block's keys] from the context's
     part alone (ctx_out [Hkv, rows, D] and its log-sum-exp ctx_lse [Hkv, rows], rows packed by key
     head, -inf where a query sees no context): each block's own B keys scored densely, one softmax
-    over both by log-sum-exp. Returns [nq, Hq, D]."""
-    (nq, hq, d), hkv, B = q.shape, k_blk.shape[1], block_size
-    nb, groups = nq // B, hq // hkv
-    acc = torch.promote_types(q.dtype, torch.float32)
-    qb = q.reshape(nb, B, hkv, groups, d).permute(2, 0, 3, 1, 4)  # [Hkv, nb, groups, B, D]
+    over both by log-sum-exp. qb: the queries [Hkv, nb, groups, B, D] (`_flex_path`). Returns
+    [nq, Hq, D]."""
+    hkv, nb, groups, B, d = qb.shape
+    acc = torch.promote_types(qb.dtype, torch.float32)
     kb, vb = (t.reshape(nb, B, hkv, d).permute(2, 0, 1, 3) for t in (k_blk, v_blk))  # [Hkv, nb, B, D]
-    scores = torch.einsum("hngbd,hncd->hngbc", qb, kb).to(acc) * scale
+    scores = torch.einsum("hngbd,hncd->hngbc", qb.to(acc), kb.to(acc)) * scale  # as flex scores: in float32
     if window is not None and window < B:  # block keys too, by their distance from the query's slot
-        slots = torch.arange(B, device=q.device)
+        slots = torch.arange(B, device=qb.device)
         scores = scores.masked_fill((slots[:, None] - slots[None, :]).abs() >= window, float("-inf"))
     ctx_lse = ctx_lse.view(hkv, nb, groups, B).to(acc)
     lse = torch.logaddexp(ctx_lse, scores.logsumexp(-1))  # finite: every query sees its own token
     own = torch.einsum("hngbc,hncd->hngbd", torch.exp(scores - lse[..., None]), vb.to(acc))
     out = ctx_out.view(hkv, nb, groups, B, d).to(acc) * torch.exp(ctx_lse - lse)[..., None] + own
-    return out.to(q.dtype).permute(1, 3, 0, 2, 4).reshape(nq, hq, d)
+    return out.to(qb.dtype).permute(1, 3, 0, 2, 4).reshape(nb * B, hkv * groups, d)
 
 
 _with_own_block_cuda = compile_for_cuda(_with_own_block)
