@@ -268,12 +268,13 @@ def _random_layout(g: torch.Generator, bsz: int, long: bool = False) -> BlockLay
                              bsz)  # fmt: skip
 
 
-def _allowed_context(layout: BlockLayout) -> torch.Tensor:
-    """[nq, nc]: the attention rule's context part from its definition (flex attention's keys)."""
+def _allowed(layout: BlockLayout) -> torch.Tensor:
+    """[nq, nc + nq]: the attention rule from its definition."""
     bsz = layout.block_size
     j = torch.arange(layout.num_blocks * bsz) // bsz
     q_seq, q_anchor = layout.block_seq[j], layout.block_anchor[j]
-    return (layout.ctx_seq[None, :] == q_seq[:, None]) & (layout.ctx_pos[None, :] < q_anchor[:, None])
+    ctx = (layout.ctx_seq[None, :] == q_seq[:, None]) & (layout.ctx_pos[None, :] < q_anchor[:, None])
+    return torch.cat([ctx, j[:, None] == j[None, :]], dim=1)
 
 
 def _listed(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -289,7 +290,7 @@ def _listed(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("long", [False, True])
 @pytest.mark.parametrize("groups", [1, 3, 13])
 def test_flex_tiles_cover_every_allowed_pair(bsz, long, groups):
-    """Every (query, context key) pair the rule allows lies in a tile that kv_tiles lists for its query
+    """Every (query, key) pair the rule allows lies in a tile that kv_tiles lists for its query
     tile (flex skips unlisted tiles), every pair of a tile listed as full is allowed (flex skips
     mask_mod there), and the listing stays close to the tiles actually needed; with the queries
     packed by key head too (`groups` rows a token: 16 x 13 rows span up to three tiles a block)."""
@@ -302,13 +303,13 @@ def test_flex_tiles_cover_every_allowed_pair(bsz, long, groups):
         nq, nc = layout.num_blocks * bsz, layout.num_context
         rows = nq * groups
         counts, indices, full_counts, full_indices = layout.kv_tiles(groups=groups)
-        n_qt, n_kvt = -(-rows // 128), -(-nc // 128)
+        n_qt, n_kvt = -(-rows // 128), -(-(nc + nq) // 128)
         assert counts.shape == full_counts.shape == (n_qt,) and indices.shape == full_indices.shape == (n_qt, n_kvt)
         partial, full = _listed(counts, indices), _listed(full_counts, full_indices)
         assert not (partial & full).any(), "a tile both partial and full"
         listed = partial | full
-        allowed = _allowed_context(layout)[packed_rows(bsz, layout.num_blocks, groups)]
-        padded = torch.nn.functional.pad(allowed, (0, n_kvt * 128 - nc, 0, n_qt * 128 - rows))
+        allowed = _allowed(layout)[packed_rows(bsz, layout.num_blocks, groups)]
+        padded = torch.nn.functional.pad(allowed, (0, n_kvt * 128 - nc - nq, 0, n_qt * 128 - rows))
         tiles = padded.view(n_qt, 128, n_kvt, 128)
         needed = tiles.any(dim=3).any(dim=1)
         assert not (needed & ~listed).any(), "an allowed pair in an unlisted tile"
@@ -325,21 +326,20 @@ def test_flex_tiles_cover_every_allowed_pair(bsz, long, groups):
 
 
 @pytest.mark.parametrize("long", [False, True])
-def test_flex_path_gives_the_rule_on_cpu(long, monkeypatch):
-    """The flex path (flex attention run eagerly on the CPU over the context, with the layout's
-    BlockMask, full tiles included, then each block's own keys merged in by log-sum-exp) equals the
-    exact path, with a block at anchor 0, whose queries see no context at all."""
-    monkeypatch.setattr(attention, "_flex_compiled", None)
+def test_flex_block_mask_gives_the_rule_on_cpu(long):
+    """flex_attention (eager, on the CPU) with the layout's BlockMask, full tiles included, equals
+    the exact path."""
     g = torch.Generator().manual_seed(1)
     layout = _random_layout(g, 16, long)
     while layout.num_blocks < 3 or (long and layout.kv_tiles()[2].sum() == 0):
         layout = _random_layout(g, 16, long)
-    anchors = layout.block_anchor.clone()
-    anchors[0] = 0  # the first block of the first sequence: no context before it
-    layout = BlockLayout.build(layout.offsets, layout.block_seq, anchors, 16)
     nq, nc, hq, hkv, d = layout.num_blocks * 16, layout.num_context, 4, 2, 8
-    q, kb, vb = (torch.randn(nq, h, d, generator=g, dtype=torch.float64) for h in (hq, hkv, hkv))
-    kc, vc = (torch.randn(nc, hkv, d, generator=g, dtype=torch.float64) for _ in range(2))
-    flex = block_attention(q, kc, vc, kb, vb, layout, impl="flex")
+    q, kb, vb = (torch.randn(nq, h, d, generator=g) for h in (hq, hkv, hkv))
+    kc, vc = (torch.randn(nc, hkv, d, generator=g) for _ in range(2))
+    k = torch.cat([kc, kb]).transpose(0, 1)[None]
+    v = torch.cat([vc, vb]).transpose(0, 1)[None]
+    flex = torch.nn.attention.flex_attention.flex_attention(
+        q.transpose(0, 1)[None], k, v, block_mask=layout.flex_block_mask(), enable_gqa=True
+    )[0].transpose(0, 1)
     exact = block_attention(q, kc, vc, kb, vb, layout, impl="sdpa")
-    torch.testing.assert_close(flex, exact, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(flex, exact, rtol=1e-5, atol=1e-5)

@@ -112,46 +112,12 @@ def test_window_attention_is_the_rule(impl, window, monkeypatch):
             torch.testing.assert_close(g, wg, rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("window", [None, 1, 3, 17])
-def test_own_block_merge_gives_the_rule_and_its_gradients(window):
-    """The flex path's second half (`_with_own_block`: each block's own keys scored densely, merged
-    with the context's attention by log-sum-exp), fed the context's attention computed densely and
-    packed by key head as flex returns it, gives the rule's attention and gradients, through the
-    log-sum-exp too; the first block sits at anchor 0, so its queries see no context (log-sum-exp
-    -inf). On a GPU flex computes that context part (tests/gpu/test_window.py)."""
-    layout = packed_layout([300, 40, 9, 130], per_seq=12)
-    anchors = layout.block_anchor.clone()
-    anchors[0] = 0
-    layout = BlockLayout.build(layout.offsets, layout.block_seq, anchors, B)
-    q, kc, vc, kb, vb = tensors = random_qkv(layout)
-    rule = rule_mask(layout, window)
-    (nq, hq, d), nc, hkv, nb = q.shape, kc.shape[0], kc.shape[1], layout.num_blocks
-    groups, scale = hq // hkv, d**-0.5
-    scores = torch.einsum("qhd,khd->hqk", q, kc.repeat_interleave(groups, 1)) * scale
-    seen = rule[None, :, :nc]
-    lse = scores.masked_fill(~seen, float("-inf")).logsumexp(-1)  # [Hq, nq]
-    probs = torch.where(seen, (scores - lse.nan_to_num(neginf=0)[..., None]).exp(), 0)
-    ctx = torch.einsum("hqk,khd->qhd", probs, vc.repeat_interleave(groups, 1))
-    packed_out = ctx.reshape(nb, B, hkv, groups, d).permute(2, 0, 3, 1, 4).reshape(hkv, nq * groups, d)
-    packed_lse = lse.reshape(hkv, groups, nb, B).permute(0, 2, 1, 3).reshape(hkv, nq * groups)
-    assert torch.isinf(packed_lse).any()
-    by_block = q.reshape(nb, B, hkv, groups, d).permute(2, 0, 3, 1, 4)
-    out = attention._with_own_block(packed_out, packed_lse, by_block, kb, vb, scale, window)
-    want = dense_attention(*tensors, rule)
-    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
-    probe = torch.randn_like(out)
-    grads = torch.autograd.grad((out * probe).sum(), tensors)
-    want_grads = torch.autograd.grad((want * probe).sum(), tensors)
-    for g, wg in zip(grads, want_grads, strict=True):
-        torch.testing.assert_close(g, wg, rtol=1e-9, atol=1e-10)
-
-
 def tile_mask(layout: BlockLayout, window: int | None, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """(what flex attention lets through, the full tiles) as [query rows, context keys] masks, from the
+    """(what flex attention lets through, the full tiles) as [query rows, keys] masks, from the
     BlockMask a sliding layer builds for queries packed `groups` rows a token: the visited tiles'
     pairs where its mask_mod allows them, and every pair of a full tile (where mask_mod never runs)."""
     mask = layout.flex_block_mask(window, groups)
-    nq, nk = layout.num_blocks * layout.block_size, layout.num_context
+    nq, nk = layout.num_blocks * layout.block_size, layout.num_context + layout.num_blocks * layout.block_size
     counts, indices, full_counts, full_indices = layout.kv_tiles(window, groups)
 
     def tiles(counts, indices):
@@ -181,16 +147,16 @@ def test_flex_tiles_visit_the_window_alone(window, groups):
         layouts.append(packed_layout([900, 12, 900], per_seq=300, seed=5, block_size=16))
     for layout in layouts:
         allowed, full = tile_mask(layout, window, groups)
-        rows = packed_rows(layout.block_size, layout.num_blocks, groups)
-        rule = rule_mask(layout, window)[rows, : layout.num_context]  # flex's keys: the context alone
+        rule = rule_mask(layout, window)[packed_rows(layout.block_size, layout.num_blocks, groups)]
         assert torch.equal(allowed, rule)
         assert not (full & ~rule).any()
         if window is None:
             continue
         counts, indices, full_counts, _ = layout.kv_tiles(window, groups)
-        per_block = layout.block_size * groups
-        blocks = torch.bincount(torch.arange(layout.num_blocks) * per_block // TILE, minlength=len(counts))
-        assert ((counts + full_counts) <= (blocks + 1) * (window // TILE + 2)).all()
+        rows = layout.block_size * groups
+        blocks = torch.bincount(torch.arange(layout.num_blocks) * rows // TILE, minlength=len(counts))
+        own = 2 + layout.block_size // TILE
+        assert ((counts + full_counts) <= (blocks + 1) * (window // TILE + 2) + own).all()
 
 
 def test_sdpa_pieces_stay_within_the_window():

@@ -9,11 +9,7 @@ Flex attention reads the queries packed by key head: the `groups` query heads th
 head, for the B tokens of one block, are one run of `groups * B` rows. A 128-row query tile then
 holds one or two blocks' queries instead of 128 / B blocks, so it visits about the keys of one
 block's context rather than the union of eight anchors' (at long context with a window, nearly
-half of what an unpacked tile visits is outside each of its blocks' windows). Its keys are the
-context alone, read where the projections left them; each block's attention to its own B keys is
-a small dense product, merged with the context's by their log-sum-exps (`_with_own_block`). So no
-[context ; block] copy of the keys and values is made per layer, and no tile of block keys, where
-the mask would run pair by pair, is visited.
+half of what an unpacked tile visits is outside each of its blocks' windows).
 
 A sliding layer (`window` W) keeps of that only the keys within W positions of the query, z-lab's
 reference rule (`dflash` 0.1.0, `_attention_mask`): the block token at position q = anchor + k sees
@@ -31,7 +27,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflash_cache.core.devices import to_device
 from dflash_cache.drafters.compile import compile_for_cuda
@@ -102,9 +98,9 @@ class BlockLayout:
             self.ctx_seq, self.ctx_pos, self.block_seq, self.block_anchor, self.offsets)))  # fmt: skip
 
     def flex_block_mask(self, window: int | None = None, groups: int = 1) -> BlockMask:
-        """The flex BlockMask of the context part of the attention rule, queries packed by key head
-        (the module docstring) against the context's keys, built once per (window, groups); window
-        None: full attention.
+        """The flex BlockMask of the attention rule, queries packed by key head (the module
+        docstring) against [context ; block tokens], built once per (window, groups); window None:
+        full attention.
 
         The tiles each query tile must visit come straight from the layout (`kv_tiles`), so no
         [Q, KV] mask is ever evaluated and nothing is compiled per batch shape; `mask_mod`
@@ -113,39 +109,53 @@ class BlockLayout:
         """
         if (window, groups) in self._flex_masks:
             return self._flex_masks[window, groups]
-        B, nc = self.block_size, self.num_context
-        rows = self.num_blocks * B * groups
+        B, nc, dev = self.block_size, self.num_context, self.block_seq.device
+        nq, rows = self.num_blocks * B, self.num_blocks * B * groups
 
         def padded(t: Tensor, fill: int) -> Tensor:
             n = t.shape[0]
             return F.pad(t, (0, -n % 128 + 128), value=fill)
 
+        def per_row(per_token: Tensor) -> Tensor:  # token-wise [nq] -> packed rows [nq * groups]
+            return per_token.view(-1, 1, B).expand(-1, groups, B).reshape(-1)
+
+        blk = torch.arange(nq, device=dev) // B
         q_seq = padded(self.block_seq.repeat_interleave(B * groups), -2)
         q_anchor = padded(self.block_anchor.repeat_interleave(B * groups), -2)
-        kv_seq, kv_pos = padded(self.ctx_seq, -3), padded(self.ctx_pos, -3)
+        q_blk = padded(torch.arange(rows, device=dev) // (B * groups), -2)
+        kv_seq = padded(torch.cat([self.ctx_seq, torch.full_like(blk, -1)]), -3)
+        kv_pos = padded(torch.cat([self.ctx_pos, torch.zeros_like(blk)]), -3)
+        kv_blk = padded(torch.cat([torch.full_like(self.ctx_seq, -1), blk]), -3)
 
         if window is None:
 
             def mask_mod(b, h, q_idx, kv_idx):
-                return (kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
+                in_context = (kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
+                return in_context | (kv_blk[kv_idx] == q_blk[q_idx])
 
         else:
-            q_pos = padded(self.query_positions().view(-1, 1, B).expand(-1, groups, B).reshape(-1), -2)
+            q_pos = padded(per_row(self.query_positions()), -2)
+            if window < B:  # the query's own token as a key, for the block keys' distance below
+                q_key = padded(per_row(torch.arange(nc, nc + nq, device=dev)), -2)
 
             def mask_mod(b, h, q_idx, kv_idx):
-                return ((kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
-                        & (kv_pos[kv_idx] > q_pos[q_idx] - window))  # fmt: skip
+                in_context = ((kv_seq[kv_idx] == q_seq[q_idx]) & (kv_pos[kv_idx] < q_anchor[q_idx])
+                              & (kv_pos[kv_idx] > q_pos[q_idx] - window))  # fmt: skip
+                own = kv_blk[kv_idx] == q_blk[q_idx]
+                if window < B:  # block keys too, by their distance from the query's token
+                    own = own & ((kv_idx - q_key[q_idx]).abs() < window)
+                return in_context | own
 
         counts, indices, full_counts, full_indices = self.kv_tiles(window, groups)
         self._flex_masks[window, groups] = BlockMask.from_kv_blocks(
             counts[None, None], indices[None, None], full_counts[None, None], full_indices[None, None],
-            BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(rows, nc),
+            BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(rows, nc + nq),
         )  # fmt: skip
         return self._flex_masks[window, groups]
 
     def kv_tiles(self, window: int | None = None, groups: int = 1) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """For each 128-row query tile (queries packed by `groups`, the module docstring), the
-        128-key tiles of the context it may attend to, split as flex wants them: (counts [Qt], indices [Qt, KVt])
+        128-key tiles it may attend to, split as flex wants them: (counts [Qt], indices [Qt, KVt])
         of the partial tiles, where mask_mod decides pair by pair, and (full_counts, full_indices)
         of the full tiles, where every pair is allowed and mask_mod never runs. The first
         `counts[t]` entries of row t are used; int32.
@@ -153,31 +163,34 @@ class BlockLayout:
         A query tile holds the queries of a run of consecutive blocks, grouped by sequence. Their
         context lies between the start of the first block's sequence and the furthest
         `sequence start + anchor` among them (one contiguous range that may include some tiles
-        of sequences in between: mask_mod masks those). When the tile's blocks all belong to one
-        sequence, the context tiles before its smallest anchor are full: at long context that is
-        nearly all of them, and skipping mask_mod there is what makes the attention kernel fast
-        (BENCHMARKS.md).
+        of sequences in between: mask_mod masks those), and their own block keys sit at
+        `Nc + token index`. When the tile's blocks all belong to one sequence, the context tiles
+        before its smallest anchor are full: at long context that is nearly all of them, and
+        skipping mask_mod there is what makes the attention kernel fast (BENCHMARKS.md).
 
         With a window, a tile visits only the context tiles of its blocks' windows (`_window_tiles`).
         """
         if window is not None:
             return self._window_tiles(window, groups)
-        nc = self.num_context
-        n_kvt = -(-nc // TILE)
+        nc, nq = self.num_context, self.num_blocks * self.block_size
+        n_kvt = -(-(nc + nq) // TILE)
         starts = self.offsets[self.block_seq]  # context start of each block's sequence
         ends = starts + self.block_anchor  # one past the last visible context token
         per_tile = partial(self._per_tile, groups=groups)
 
         lo, hi, min_end = per_tile(starts, "amin", nc), per_tile(ends, "amax", 0), per_tile(ends, "amin", nc)
         one_seq = per_tile(self.block_seq, "amin", 1 << 62) == per_tile(self.block_seq, "amax", -1)
-        ctx_lo, ctx_hi = lo // TILE, (hi - 1) // TILE
+        own_lo, own_hi = self._own_tiles(groups)
+        ctx_lo = lo // TILE
+        ctx_hi = torch.minimum((hi - 1) // TILE, own_lo - 1)  # a shared tile is counted as own
         n_ctx = torch.where(hi > lo, ctx_hi - ctx_lo + 1, 0).clamp(min=0)
         # full context tiles: wholly inside [sequence start, start + smallest anchor)
         full_lo = -(-lo // TILE)
         n_full = torch.where(one_seq & (hi > lo), min_end // TILE - full_lo, 0).clamp(min=0)
         before = torch.where(n_full > 0, full_lo - ctx_lo, n_ctx)
         after = torch.where(n_full > 0, ctx_hi - (full_lo + n_full) + 1, 0)
-        counts, indices = _tile_runs([(ctx_lo, before), (full_lo + n_full, after)], n_kvt)
+        counts, indices = _tile_runs([(ctx_lo, before), (full_lo + n_full, after), (own_lo, own_hi - own_lo + 1)],
+                                     n_kvt)  # fmt: skip
         full_counts, full_indices = _tile_runs([(full_lo, n_full)], n_kvt)
         return counts, indices, full_counts, full_indices
 
@@ -196,14 +209,25 @@ class BlockLayout:
             out.scatter_reduce_(0, tile, values, reduce)
         return out
 
+    def _own_tiles(self, groups: int) -> tuple[Tensor, Tensor]:
+        """(first, last) key tile of each query tile's own block keys: the whole blocks its rows
+        belong to, at nc + their token indices."""
+        B, nc, nq = self.block_size, self.num_context, self.num_blocks * self.block_size
+        rows = groups * B
+        t = torch.arange(-(-nq * groups // TILE), device=self.block_seq.device)
+        own_lo = (nc + t * TILE // rows * B) // TILE
+        own_hi = (nc + torch.clamp(((t + 1) * TILE - 1) // rows * B + B, max=nq) - 1) // TILE
+        return own_lo, own_hi
+
     def _window_tiles(self, window: int, groups: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """`kv_tiles` of a sliding layer: each query tile visits the union of its blocks' window
-        tiles (block j's context [anchor - W + 1, anchor)), so the tiles a
+        tiles (block j's context [anchor - W + 1, anchor)) and its own block keys, so the tiles a
         block costs are O(W) however far apart the tile's anchors lie. A context tile is full
         when every query of a one-sequence tile sees all of it: inside [largest anchor + B - W,
         smallest anchor), the window of the tile's last slot of its furthest block."""
         B, nc, dev = self.block_size, self.num_context, self.block_seq.device
-        n_qt, n_kvt = -(-self.num_blocks * B * groups // TILE), -(-nc // TILE)
+        nq = self.num_blocks * B
+        n_qt, n_kvt = -(-nq * groups // TILE), -(-(nc + nq) // TILE)
         starts = self.offsets[self.block_seq]
         ends = starts + self.block_anchor
         lows = starts + (self.block_anchor - window + 1).clamp(min=0)  # slot 0's first visible context key
@@ -217,7 +241,8 @@ class BlockLayout:
             marks.index_put_((tile, lows // TILE), some, accumulate=True)
             marks.index_put_((tile, (ends - 1) // TILE + 1), -some, accumulate=True)
         kv_t = torch.arange(n_kvt, device=dev)
-        visit = marks.cumsum(1)[:, :n_kvt] > 0
+        own_lo, own_hi = self._own_tiles(groups)
+        visit = (marks.cumsum(1)[:, :n_kvt] > 0) | ((kv_t >= own_lo[:, None]) & (kv_t <= own_hi[:, None]))
         per_tile = partial(self._per_tile, groups=groups)
         one_seq = per_tile(self.block_seq, "amin", 1 << 62) == per_tile(self.block_seq, "amax", -1)
         full_start = per_tile(starts + (self.block_anchor + B - window).clamp(min=0), "amax", 0)
@@ -338,40 +363,15 @@ def block_attention(
 
 
 def _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale, window) -> Tensor:
-    """Flex attention over the context with the queries packed by key head, merged with each block's
-    attention to its own keys (the module docstring)."""
+    """Flex attention with the queries packed by key head (the module docstring)."""
     fn = _flex_compiled if _flex_compiled is not None else flex_attention
     (nq, hq, d), hkv, B = q.shape, k_ctx.shape[1], layout.block_size
     groups = hq // hkv
-    by_block = q.reshape(nq // B, B, hkv, groups, d).permute(2, 0, 3, 1, 4)  # [Hkv, nb, groups, B, D]
-    out, aux = fn(by_block.reshape(1, hkv, nq * groups, d), k_ctx.transpose(0, 1)[None], v_ctx.transpose(0, 1)[None],
-                  scale=scale, block_mask=layout.flex_block_mask(window, groups), return_aux=AuxRequest(lse=True))
-    merge = _with_own_block_cuda if q.is_cuda and _with_own_block_cuda is not None else _with_own_block
-    return merge(out[0], aux.lse[0], by_block, k_blk, v_blk, scale, window)
-
-
-def _with_own_block(ctx_out: Tensor, ctx_lse: Tensor, qb: Tensor, k_blk: Tensor, v_blk: Tensor, scale: float,
-                    window: int | None) -> Tensor:  # fmt: skip
-    """The attention of every block token over [its context ; its block's keys] from the context's
-    part alone (ctx_out [Hkv, rows, D] and its log-sum-exp ctx_lse [Hkv, rows], rows packed by key
-    head, -inf where a query sees no context): each block's own B keys scored densely, one softmax
-    over both by log-sum-exp. qb: the queries [Hkv, nb, groups, B, D] (`_flex_path`). Returns
-    [nq, Hq, D]."""
-    hkv, nb, groups, B, d = qb.shape
-    acc = torch.promote_types(qb.dtype, torch.float32)
-    kb, vb = (t.reshape(nb, B, hkv, d).permute(2, 0, 1, 3) for t in (k_blk, v_blk))  # [Hkv, nb, B, D]
-    scores = torch.einsum("hngbd,hncd->hngbc", qb.to(acc), kb.to(acc)) * scale  # as flex scores: in float32
-    if window is not None and window < B:  # block keys too, by their distance from the query's slot
-        slots = torch.arange(B, device=qb.device)
-        scores = scores.masked_fill((slots[:, None] - slots[None, :]).abs() >= window, float("-inf"))
-    ctx_lse = ctx_lse.view(hkv, nb, groups, B).to(acc)
-    lse = torch.logaddexp(ctx_lse, scores.logsumexp(-1))  # finite: every query sees its own token
-    own = torch.einsum("hngbc,hncd->hngbd", torch.exp(scores - lse[..., None]), vb.to(acc))
-    out = ctx_out.view(hkv, nb, groups, B, d).to(acc) * torch.exp(ctx_lse - lse)[..., None] + own
-    return out.to(qb.dtype).permute(1, 3, 0, 2, 4).reshape(nb * B, hkv * groups, d)
-
-
-_with_own_block_cuda = compile_for_cuda(_with_own_block)
+    packed = q.reshape(nq // B, B, hkv, groups, d).permute(2, 0, 3, 1, 4).reshape(1, hkv, nq * groups, d)
+    k = torch.cat([k_ctx, k_blk]).transpose(0, 1).unsqueeze(0)
+    v = torch.cat([v_ctx, v_blk]).transpose(0, 1).unsqueeze(0)
+    out = fn(packed, k, v, block_mask=layout.flex_block_mask(window, groups), scale=scale)
+    return out.view(hkv, nq // B, groups, B, d).permute(1, 3, 0, 2, 4).reshape(nq, hq, d)
 
 
 def _sdpa_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale, window) -> Tensor:
