@@ -14,9 +14,11 @@ from helpers import TINY_TARGET, extract_config, read_cache
 from torch.nn.attention.bias import CausalBias
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from dflash_cache.core.errors import ExtractError
+from dflash_cache.extract import stage
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.extract.forward import batch_inputs
-from dflash_cache.extract.prefill import forwards, out_of_memory
+from dflash_cache.extract.prefill import Chunking, forwards, out_of_memory
 from dflash_cache.extract.stage import run
 from dflash_cache.target.taps import TappedTarget
 
@@ -129,8 +131,9 @@ def test_out_of_memory_names_what_to_change():
 
 
 def test_chunking_is_asked_for():
-    """Off by default: one forward a batch, until chunked and unchunked forwards of 16K-64K tokens
-    are timed side by side on a GPU."""
+    """No chunk by default: one forward a batch, and chunks only for a sample that one forward cannot
+    hold (above), until chunked and unchunked forwards of 16K-64K tokens are timed side by side on a
+    GPU."""
     assert ExtractConfig.prefill_chunk is None
 
 
@@ -158,6 +161,81 @@ def test_chunked_cache_equals_unchunked(tmp_path):
         else:
             x, y = (torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).float() for v in (bits_a, bits_b))
             torch.testing.assert_close(y, x, rtol=2**-7, atol=1e-5)
+
+
+class _Infos:
+    """A progress sink that keeps the info lines a run prints."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def start(self, total: int, done: int) -> None:
+        pass
+
+    def update(self, totals: dict, delta: dict) -> None:
+        if "info" in delta:
+            self.lines.append(delta["info"])
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_sample_one_forward_cannot_hold_runs_in_chunks(tmp_path, monkeypatch):
+    """Without --prefill-chunk, a sample alone whose one forward runs out of GPU memory (injected:
+    the real tiny target raises CUDA's out-of-memory error for a forward of more than 256 tokens at
+    once) runs again in chunks, and so does every longer sample after it: the run says so once, and
+    its cache holds what an uninjected run's holds, the samples that fit a chunk bit for bit, the
+    longer ones up to the bf16 rounding of float32 differences."""
+    plain = run(extract_config(tmp_path / "plain", max_samples=48, token_budget=512))
+    raised, load_copy = [], stage.load_copy
+
+    def tight_memory(spec, device):
+        target, model = load_copy(spec, device)
+
+        def forward(ids, **kwargs):
+            if ids.shape[1] > 256 and "carry" not in kwargs:
+                raised.append(ids.shape[1])
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return target(ids, **kwargs)
+
+        return forward, model
+
+    monkeypatch.setattr(stage, "load_copy", tight_memory)
+    infos = _Infos()
+    adapted = run(extract_config(tmp_path / "adapted", max_samples=48, token_budget=512), infos)
+    assert (adapted["samples"], adapted["tokens"]) == (plain["samples"], plain["tokens"])
+    a, b = read_cache(tmp_path / "plain"), read_cache(tmp_path / "adapted")
+    lengths = {s: len(v[1]) for s, v in a.items()}
+    assert len(raised) == 1 and raised[0] in lengths.values()  # once: the longer samples after it were chunked
+    told = [line for line in infos.lines if "out of GPU memory" in line]
+    assert len(told) == 1 and f"a sample of {raised[0]:,} tokens" in told[0], infos.lines
+    assert "chunks of 128 tokens" in told[0] and "--prefill-chunk 128" in told[0], told
+    assert a.keys() == b.keys() and sum(n > 256 for n in lengths.values()) >= 2
+    for s in a:
+        bits_a, ids_a, mask_a, _ = a[s]
+        bits_b, ids_b, mask_b, _ = b[s]
+        assert np.array_equal(ids_a, ids_b) and np.array_equal(mask_a, mask_b)
+        if lengths[s] <= 128:
+            assert np.array_equal(bits_a, bits_b), s
+        else:
+            x, y = (torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).float() for v in (bits_a, bits_b))
+            torch.testing.assert_close(y, x, rtol=2**-7, atol=1e-5)
+
+
+def test_a_sharded_copy_does_not_find_its_chunk():
+    """The ranks of a sharded copy must run the same forwards, so out of memory they stop with the
+    line that names --prefill-chunk, as does a batch of several samples anywhere (it names
+    --token-budget)."""
+
+    def no_memory(ids, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    one, two = (torch.ones(n, 300, dtype=torch.long) for n in (1, 2))
+    for chunking, inp, says in [(Chunking(None, adapt=False), one, "--prefill-chunk 128"),
+                                (Chunking(None, adapt=True), two, "--token-budget")]:  # fmt: skip
+        with pytest.raises(ExtractError, match=says):
+            list(chunking.forwards(no_memory, inp, torch.arange(inp.numel()), np.full(inp.shape[0], 300)))
+        assert chunking.tokens is None
 
 
 def test_the_window_is_in_force():

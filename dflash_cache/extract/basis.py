@@ -22,7 +22,7 @@ from dflash_cache.cache.projection import Basis, Moments, fit
 from dflash_cache.cache.spec import CacheSpec
 from dflash_cache.extract.forward import unit_batches, unit_tokens
 from dflash_cache.extract.plan import ForwardBatch, Plan, Unit
-from dflash_cache.extract.prefill import Target, forwards
+from dflash_cache.extract.prefill import Chunking, Target
 
 # The share of a tapped layer's energy under which a basis has been seen to cost tau: on the real
 # SmolLM2, H/2 kept 94-95% of three taps and its drafters lost 1-3% per prompt, H kept 97.4-97.5%
@@ -87,11 +87,12 @@ def energy_note(spec: CacheSpec) -> str:
 
 
 def fit_projection(target: Target, spec: CacheSpec, plan: Plan, dataset, device: torch.device,
-                   chunk: int | None = None) -> tuple[Basis, CacheSpec]:  # fmt: skip
+                   chunk: Chunking | int | None = None) -> tuple[Basis, CacheSpec]:  # fmt: skip
     """Fit the basis `spec.projection` asks for (`fit_basis`) on the plan's fit sample, run
     as the stage runs its units (batched, long samples in chunks); the spec it returns has what the
     fit measured, not yet a digest."""
     pad_id = spec.tokenizer.pad_token_id or 0
+    chunking = Chunking.of(chunk)
 
     def features() -> Iterator[tuple[list[torch.Tensor], torch.Tensor]]:
         for _, picked in itertools.groupby(fit_sample(plan, spec.projection.fit_tokens), key=lambda ub: ub[0].id):
@@ -99,7 +100,7 @@ def fit_projection(target: Target, spec: CacheSpec, plan: Plan, dataset, device:
             unit = chosen[0][0]
             ids = unit_tokens(dataset, unit)[0]
             for _, _, lengths, _, inp, rows in unit_batches(unit, ids, pad_id, device, [b for _, b in chosen]):
-                for *_, outputs, index in forwards(target, inp, rows, lengths, chunk):
+                for *_, outputs, index in chunking.forwards(target, inp, rows, lengths):
                     yield outputs, index
 
     return fit_basis(features(), spec, device)

@@ -79,7 +79,9 @@ class ExtractConfig:
     prefill_chunk: int | None = setting(
         None, "A sample longer than this many tokens runs alone, in chunks of this many tokens that attend to its "
         "earlier ones through the target's key/value cache, for samples one forward cannot hold in GPU memory; the "
-        "cache is the same up to rounding. Default: none, one forward a batch.", min=1)  # fmt: skip
+        "cache is the same up to rounding. Default: none, one forward a batch, until a sample alone runs out of GPU "
+        "memory in one: it and every longer sample after it then run in chunks of at most half its length.",
+        min=1)  # fmt: skip
     unit_mb: int = setting(512, "Hidden-state MiB per work unit.", min=1)
     gpus: list[int] | None = setting(None, GPUS_HELP, expects=GPU_IDS)
     procs: int = setting(1, "CPU processes when no --gpus.", min=1)

@@ -26,7 +26,7 @@ from dflash_cache.core.devices import GpuThrottle, to_device
 from dflash_cache.core.errors import ExtractError
 from dflash_cache.extract.commit import WRITER_NICENESS, BufferLayout, Committer, SharedBuffers
 from dflash_cache.extract.plan import ForwardBatch, Unit
-from dflash_cache.extract.prefill import Target, forwards
+from dflash_cache.extract.prefill import Chunking, Target, forwards
 
 
 def extract_units(
@@ -39,7 +39,7 @@ def extract_units(
     report: Callable[[dict], None],
     *,
     writers: int | None = None,
-    chunk: int | None = None,
+    chunk: Chunking | int | None = None,
 ) -> None:
     """The per-process pipeline: forward, unpad, copy out on a side stream into a shared unit
     buffer, commit in writer processes (commit.py).
@@ -47,12 +47,14 @@ def extract_units(
     `target` maps right-padded input ids [b, T] to the tapped layers' hidden states (and the final
     hidden state after them when the cache holds it); the benchmark passes a random model of real
     shape here, the CLI the loaded target. A batch longer than `chunk` tokens runs sample by sample
-    in chunks (prefill.py), each chunk's rows copied out as it comes, into the same unit buffer
-    rows one forward would fill.
+    in chunks (prefill.py; a `Chunking` finds its chunk where a sample's forward runs out of GPU
+    memory), each chunk's rows copied out as it comes, into the same unit buffer rows one forward
+    would fill.
     """
     if not units:
         return
     row = RowFormat.of(spec)
+    chunking = Chunking.of(chunk)
     cuda = device.type == "cuda"
     writers = writers or (6 if cuda else 2)
     # One buffer fills while each writer holds one: the forward only waits when every writer is
@@ -72,7 +74,7 @@ def extract_units(
             ids, mask, sample_index = unit_tokens(dataset, unit)
             index = None
             for r0, _, lengths, _, inp, rows in unit_batches(unit, ids, pad_id, device):
-                for a, b, outputs, where in forwards(target, inp, rows, lengths, chunk):
+                for a, b, outputs, where in chunking.forwards(target, inp, rows, lengths):
                     encoded = encode_rows(outputs, where, row)
                     if index is None:  # taken this late, a wait for a free buffer overlaps the forward
                         index = committer.take()

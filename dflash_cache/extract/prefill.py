@@ -7,6 +7,9 @@ one in chunks of at most that many tokens: every chunk attends to the sample's e
 through the target's own transformers cache (`target.Carry`), at the positions after them, and
 its tapped layers' outputs are those one forward would give, up to the rounding of the other
 shapes. A batch that fits runs as one forward, exactly as before.
+
+Without --prefill-chunk a process finds the chunk it needs (`Chunking`): a sample alone whose one
+forward runs out of GPU memory runs again in chunks, and so does every longer sample after it.
 """
 
 from __future__ import annotations
@@ -47,9 +50,54 @@ def out_of_memory(samples: int, width: int, longest: int, chunk: int | None) -> 
     where = f"the GPU ran out of memory in a forward of {samples} sample{'s' * (samples > 1)} of {width:,} tokens"
     if samples > 1:
         return f"{where}: lower --token-budget (this forward held {samples * width:,} padded tokens)"
-    suggest = min(16384, 1 << max(width // 2, 1).bit_length() - 1)
-    return (f"{where}: pass --prefill-chunk {suggest} to run samples longer than that in chunks (the cache is the "
-            "same up to rounding)")  # fmt: skip
+    return (f"{where}: pass --prefill-chunk {suggested_chunk(width)} to run samples longer than that in chunks (the "
+            "cache is the same up to rounding)")  # fmt: skip
+
+
+def suggested_chunk(width: int) -> int:
+    """The chunk for a sample of `width` tokens that one forward could not hold: at most half of it,
+    a power of two, at most 16,384 (the chunk the 256K-token figures in BENCHMARKS.md ran at)."""
+    return min(16384, 1 << max(width // 2, 1).bit_length() - 1)
+
+
+class Chunking:
+    """One process's prefill chunk: `tokens` (--prefill-chunk); where none is set and `adapt`
+    holds, none until a sample alone runs out of GPU memory in one forward, which then runs in
+    `suggested_chunk` tokens a chunk, as does every sample longer than that after it, and `say`
+    tells so once. The ranks of a sharded copy must run the same forwards, so they do not adapt."""
+
+    def __init__(self, tokens: int | None = None, adapt: bool = False,
+                 say: Callable[[str], None] = lambda text: None) -> None:  # fmt: skip
+        self.tokens, self.adapt, self.say = tokens, adapt and tokens is None, say
+
+    @classmethod
+    def of(cls, chunk: Chunking | int | None) -> Chunking:
+        return chunk if isinstance(chunk, Chunking) else cls(chunk)
+
+    def forwards(self, target: Target, inp: torch.Tensor, rows: torch.Tensor,
+                 lengths: np.ndarray) -> Iterator[tuple[int, int, list[torch.Tensor], torch.Tensor]]:  # fmt: skip
+        """`forwards` at this chunk; a sample alone that one forward cannot hold, in chunks."""
+        if self.adapt and self.tokens is None and len(lengths) == 1:
+            outputs = _whole(target, inp)
+            if outputs is not None:
+                yield 0, int(rows.shape[0]), outputs, rows
+                return
+            self.tokens = suggested_chunk(inp.shape[1])
+            self.say(f"a sample of {int(lengths[0]):,} tokens ran out of GPU memory in one forward: it and every "
+                     f"sample longer than {self.tokens:,} tokens after it run in chunks of {self.tokens:,} tokens "
+                     f"(--prefill-chunk {self.tokens} starts that way; the cache is the same up to rounding)")
+        yield from forwards(target, inp, rows, lengths, self.tokens)
+
+
+def _whole(target: Target, inp: torch.Tensor) -> list[torch.Tensor] | None:
+    """`target(inp)`, or None where it ran out of GPU memory, once that memory is free again (the
+    failed forward's tensors go with its traceback, at the end of the except clause)."""
+    try:
+        return target(inp)
+    except torch.OutOfMemoryError:
+        pass
+    torch.cuda.empty_cache()
+    return None
 
 
 def _forwards(target: Target, inp: torch.Tensor, rows: torch.Tensor, lengths: np.ndarray,

@@ -71,7 +71,7 @@ from dflash_cache.extract.config import (
 from dflash_cache.extract.forward import extract_units, follow_units
 from dflash_cache.extract.mask import AUTO, choose_mask_token, data_token_ids
 from dflash_cache.extract.plan import Plan, make_plan
-from dflash_cache.extract.prefill import Target
+from dflash_cache.extract.prefill import Chunking, Target
 from dflash_cache.rows.chat import check_template_kwargs
 from dflash_cache.rows.digest import chat_template_digest, source_fingerprint, tokenizer_digest
 from dflash_cache.rows.encode import Tokenized, tokenize
@@ -329,7 +329,9 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
             if group.first_lead:
                 write_frozen(cfg.out, *frozen)
         del model  # the upper layers and the LM head stay on the CPU only until here
-        chunk = cfg.prefill_chunk
+        # a copy of one rank finds the prefill chunk it needs; the ranks of a sharded one run the same forwards
+        chunk = Chunking(cfg.prefill_chunk, adapt=group.size == 1,
+                         say=lambda text: channel.put({"info": text}))  # fmt: skip
         if spec.projection is not None:
             spec, basis = _basis(group, fits_basis, target, cfg.out, spec, plan, dataset, w.device, channel.put,
                                  chunk)  # fmt: skip
@@ -339,12 +341,12 @@ def _worker(w: Worker, cfg: ExtractConfig, spec: CacheSpec, plan: Plan, dataset,
             extract_units(target, todo, dataset, spec, cfg.out, w.device, channel.put, writers=cfg.writers,
                           chunk=chunk)  # fmt: skip
         else:
-            follow_units(target, todo, dataset, spec, w.device, chunk)
+            follow_units(target, todo, dataset, spec, w.device, chunk.tokens)
 
 
 def _basis(group: Group, fit: bool, target: Target, out: Path, spec: CacheSpec, plan: Plan, dataset,
            device: torch.device, report: Callable[[dict], None],
-           chunk: int | None) -> tuple[CacheSpec, Basis]:  # fmt: skip
+           chunk: Chunking) -> tuple[CacheSpec, Basis]:  # fmt: skip
     """A projected cache's basis, and its spec as cache.json holds it: the first copy's ranks fit
     the basis on the plan's own batches (`fit`: its forwards are collective under --tp), its lead
     saves it and writes cache.json with its digest; every other worker (other copies, GPUs,
