@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_TARGET, extract_config, read_cache
+from helpers import TINY_TARGET, RecordingSink, extract_config, read_cache
 from torch.nn.attention.bias import CausalBias
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -152,32 +152,21 @@ def test_chunked_cache_equals_unchunked(tmp_path):
     fits = {s for s in a if lengths[s] <= 64}
     long = [s for s in a if lengths[s] > 64]
     assert fits and long  # both kinds are in the data
+    assert_same_up_to_rounding(a, b, fits)
+
+
+def assert_same_up_to_rounding(a: dict, b: dict, exact: set) -> None:
+    """Two caches' samples (`read_cache`) hold the same tokens and mask, the `exact` samples' hidden
+    states bit for bit and the others' up to the bf16 rounding of float32 differences."""
     for s in a:
         bits_a, ids_a, mask_a, _ = a[s]
         bits_b, ids_b, mask_b, _ = b[s]
         assert np.array_equal(ids_a, ids_b) and np.array_equal(mask_a, mask_b)
-        if s in fits:
+        if s in exact:
             assert np.array_equal(bits_a, bits_b), s
         else:
             x, y = (torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).float() for v in (bits_a, bits_b))
             torch.testing.assert_close(y, x, rtol=2**-7, atol=1e-5)
-
-
-class _Infos:
-    """A progress sink that keeps the info lines a run prints."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def start(self, total: int, done: int) -> None:
-        pass
-
-    def update(self, totals: dict, delta: dict) -> None:
-        if "info" in delta:
-            self.lines.append(delta["info"])
-
-    def close(self) -> None:
-        pass
 
 
 def test_a_sample_one_forward_cannot_hold_runs_in_chunks(tmp_path, monkeypatch):
@@ -201,25 +190,17 @@ def test_a_sample_one_forward_cannot_hold_runs_in_chunks(tmp_path, monkeypatch):
         return forward, model
 
     monkeypatch.setattr(stage, "load_copy", tight_memory)
-    infos = _Infos()
-    adapted = run(extract_config(tmp_path / "adapted", max_samples=48, token_budget=512), infos)
+    sink = RecordingSink()
+    adapted = run(extract_config(tmp_path / "adapted", max_samples=48, token_budget=512), sink)
     assert (adapted["samples"], adapted["tokens"]) == (plain["samples"], plain["tokens"])
     a, b = read_cache(tmp_path / "plain"), read_cache(tmp_path / "adapted")
     lengths = {s: len(v[1]) for s, v in a.items()}
     assert len(raised) == 1 and raised[0] in lengths.values()  # once: the longer samples after it were chunked
-    told = [line for line in infos.lines if "out of GPU memory" in line]
-    assert len(told) == 1 and f"a sample of {raised[0]:,} tokens" in told[0], infos.lines
+    told = [d["info"] for d in sink.deltas if "out of GPU memory" in d.get("info", "")]
+    assert len(told) == 1 and f"a sample of {raised[0]:,} tokens" in told[0], sink.deltas
     assert "chunks of 128 tokens" in told[0] and "--prefill-chunk 128" in told[0], told
     assert a.keys() == b.keys() and sum(n > 256 for n in lengths.values()) >= 2
-    for s in a:
-        bits_a, ids_a, mask_a, _ = a[s]
-        bits_b, ids_b, mask_b, _ = b[s]
-        assert np.array_equal(ids_a, ids_b) and np.array_equal(mask_a, mask_b)
-        if lengths[s] <= 128:
-            assert np.array_equal(bits_a, bits_b), s
-        else:
-            x, y = (torch.from_numpy(v.view(np.int16)).view(torch.bfloat16).float() for v in (bits_a, bits_b))
-            torch.testing.assert_close(y, x, rtol=2**-7, atol=1e-5)
+    assert_same_up_to_rounding(a, b, {s for s in a if lengths[s] <= 128})
 
 
 def test_a_sharded_copy_does_not_find_its_chunk():
