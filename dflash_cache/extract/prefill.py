@@ -68,7 +68,7 @@ class Chunking:
 
     def __init__(self, tokens: int | None = None, adapt: bool = False,
                  say: Callable[[str], None] = lambda text: None) -> None:  # fmt: skip
-        self.tokens, self.adapt, self.say = tokens, adapt and tokens is None, say
+        self.tokens, self.adapt, self.say = tokens, adapt, say
 
     @classmethod
     def of(cls, chunk: Chunking | int | None) -> Chunking:
