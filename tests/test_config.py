@@ -132,6 +132,9 @@ def test_name_lists_and_a_recipe_record_as_a_config(tmp_path):
         resolve(RecipeConfig, flags={"target": "t", "benchmarks": " , "})
     (tmp_path / "recipe.json").write_text(json.dumps({"settings": plain(cfg), "stages": {}}))
     assert resolve(RecipeConfig, files=[tmp_path]) == cfg
+    older = {k: v for k, v in plain(cfg).items() if k != "long_rows"}  # recorded before the recipe made long rows
+    (tmp_path / "recipe.json").write_text(json.dumps({"settings": older, "stages": {}}))
+    assert cfg.long_rows == [600] and resolve(RecipeConfig, files=[tmp_path]).long_rows == [0]
     assert _cli("recipe", "--target", "t", "--families", "dflash,nope").stderr.strip() == (
         "error: --families: unknown drafter family 'nope'; known: dflash, dspark")
 

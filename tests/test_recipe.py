@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import ROOT, TINY_TARGET, jsonl_lines, jsonl_rows, pypi_package, python_path, read_cache
-from test_long_context import held_out, prompt_tokens
+from test_long_context import held_out, prompt_tokens, wide_target
 from transformers import AutoTokenizer
 
 from dflash_cache.cache.spec import read_spec
@@ -154,7 +154,7 @@ def test_fewer_code_prompts_than_asked_are_all_taken_with_a_warning(tmp_path):
     version: the default --code-rows may ask for more than one has. The recipe takes them all and
     says so; ShareGPT's rows, a fixed file, are still counted strictly."""
     sharegpt = [{"id": str(i), "turns": [f"Question {i}?"]} for i in range(3)]
-    cfg = RecipeConfig(target=str(TINY_TARGET), out=tmp_path / "a", rows=3, code_rows=1_000_000,
+    cfg = RecipeConfig(target=str(TINY_TARGET), out=tmp_path / "a", rows=3, code_rows=1_000_000, long_rows=[0],
                        code_roots=[str(ROOT / "dflash_cache" / "generate")])  # fmt: skip
     write_rows(sharegpt, cfg.out / "sets" / "sharegpt-train.jsonl")
     with pytest.warns(DataWarning, match="fewer than the 1,000,000 asked for: the recipe takes all"):
@@ -164,10 +164,37 @@ def test_fewer_code_prompts_than_asked_are_all_taken_with_a_warning(tmp_path):
     assert taken == {"rows": 3, "code_rows": len(code), "long_rows": 0}
     assert _prompts(cfg, str(TINY_TARGET)) == (train, taken)  # a rerun takes the rows it made
 
-    strict = RecipeConfig(target=str(TINY_TARGET), out=tmp_path / "b", rows=4, code_rows=0)
+    strict = RecipeConfig(target=str(TINY_TARGET), out=tmp_path / "b", rows=4, code_rows=0, long_rows=[0])
     write_rows(sharegpt, strict.out / "sets" / "sharegpt-train.jsonl")
     with pytest.raises(RecipeError, match="ShareGPT's training side has 3 rows .* fewer than the 4 asked for"):
         _prompts(strict, str(TINY_TARGET))
+
+
+def test_a_target_too_short_for_the_default_long_rows_trains_without_them(tmp_path):
+    """The recipe asks for long rows by default. A target whose positions cannot hold a prompt of
+    the default 2,000 tokens with its answer gets none, with one warning saying why and how to ask
+    for shorter ones; lengths the user asked for that it cannot hold still stop the recipe."""
+    sharegpt = [{"id": str(i), "turns": [f"Question {i}?"]} for i in range(3)]
+    short = wide_target(tmp_path, positions=2048)
+    cfg = RecipeConfig(target=str(short), out=tmp_path / "a", rows=3, code_rows=0)
+    assert cfg.long_rows == [600]
+    write_rows(sharegpt, cfg.out / "sets" / "sharegpt-train.jsonl")
+    with pytest.warns(DataWarning) as caught:
+        train, taken = _prompts(cfg, str(short))
+    assert [str(w.message) for w in caught] == [
+        "the target's 2,048 positions hold no long prompt of 2,000 tokens with an answer of --regen-tokens 512: the "
+        "recipe trains without long rows (--long-lengths LOW,HIGH for shorter ones)"]
+    assert taken == {"rows": 3, "code_rows": 0, "long_rows": 0} and len(jsonl_rows(train)) == 3
+
+    asked = RecipeConfig(target=str(short), out=tmp_path / "b", rows=3, code_rows=0, long_lengths=[2000, 3000])
+    write_rows(sharegpt, asked.out / "sets" / "sharegpt-train.jsonl")
+    with pytest.raises(RecipeError, match="positions hold no prompt of 2,000 tokens with an answer of --regen-tokens"):
+        _prompts(asked, str(short))
+    longer = RecipeConfig(target=str(short), out=tmp_path / "c", rows=3, code_rows=0, long_rows=[2],
+                          long_lengths=[600, 1400])  # fmt: skip
+    write_rows(sharegpt, longer.out / "sets" / "sharegpt-train.jsonl")
+    _, taken = _prompts(longer, str(short))
+    assert taken["long_rows"] == 2
 
 
 def test_the_cache_holds_rows_up_to_the_targets_positions_and_a_begun_cache_keeps_its_length(tiny_cache, tmp_path):

@@ -117,13 +117,6 @@ def _prompts(cfg: RecipeConfig, target: str) -> tuple[Path, dict[str, int]]:
     sources hold fewer)."""
     sets = cfg.out / "sets"
     sharegpt, code, train = sets / "sharegpt-train.jsonl", sets / "code-train.jsonl", sets / "train.jsonl"
-    if not sharegpt.is_file():
-        benchsets.write_rows(benchsets.training_rows()[0], sharegpt)
-    if cfg.code_rows and not code_prompts.manifest_path(code).is_file():
-        code_prompts.build(code, roots=cfg.code_roots, seed=cfg.seed)
-    long_manifest = _long_made(cfg)
-    if cfg.long_made and (long_manifest.get("rows"), long_manifest.get("asked")) != (cfg.long_made, cfg.long_lengths):
-        _long_prompts(cfg, target)
     made_path = code_prompts.manifest_path(train)  # written after the file: its counts
     counts = {"rows": cfg.rows, "code_rows": cfg.code_rows, "long_rows": cfg.long_made}
     if made_path.is_file():
@@ -135,11 +128,19 @@ def _prompts(cfg: RecipeConfig, target: str) -> tuple[Path, dict[str, int]]:
                               f"--long-rows {made.get('long_rows', 0)}{asked}: rerun with those, or choose another "
                               "--out")  # fmt: skip
         return train, made.get("taken") or counts  # an older record took what it asked for
+    if not sharegpt.is_file():
+        benchsets.write_rows(benchsets.training_rows()[0], sharegpt)
+    if cfg.code_rows and not code_prompts.manifest_path(code).is_file():
+        code_prompts.build(code, roots=cfg.code_roots, seed=cfg.seed)
+    long_manifest = _long_made(cfg)
+    if cfg.long_made and (long_manifest.get("rows"), long_manifest.get("asked")) != (cfg.long_made, cfg.long_lengths):
+        _long_prompts(cfg, target)
     # The code and long prompts come from this interpreter's own sources, whose size depends on the
     # Python version: fewer than asked is a warning, not a stop.
     picked = [_first(sharegpt, cfg.rows, "ShareGPT's training side"),
               _first(code, cfg.code_rows, "the code prompts", fewer_ok=True) if cfg.code_rows else [],
-              _first(_long(cfg), cfg.long_made, "the long prompts", fewer_ok=True) if cfg.long_made else []]
+              _first(_long(cfg), cfg.long_made, "the long prompts", fewer_ok=True) if _long_made(cfg).get("rows")
+              else []]
     digest = benchsets.write_rows(_in_turn(picked), train)
     taken = dict(zip(counts, map(len, picked), strict=True))
     made_path.write_text(json.dumps({**counts, "long_lengths": cfg.long_lengths, "taken": taken,
@@ -174,13 +175,19 @@ def _long_prompts(cfg: RecipeConfig, target: str) -> None:
         high = long_code.TRAIN_LENGTHS[1] if positions is None else positions
     if positions is not None:
         high = min(high, positions - cfg.regen_tokens - REPLY_SLACK)
-    if high < low:
+    rows = []
+    if high >= low:
+        rows = long_code.training_rows(cfg.long_made, cfg.code_roots, measure, low, high, seed=cfg.seed)
+    elif cfg.long_lengths:
         raise RecipeError(f"--long-rows: the target's {measure.max_positions:,} positions hold no prompt of {low:,} "
                           f"tokens with an answer of --regen-tokens {cfg.regen_tokens:,}")  # fmt: skip
-    rows = long_code.training_rows(cfg.long_made, cfg.code_roots, measure, low, high, seed=cfg.seed)
+    else:  # the default lengths on a target of short positions: its longest rows are the chat rows
+        warnings.warn(f"the target's {measure.max_positions:,} positions hold no long prompt of {low:,} tokens with an "
+                      f"answer of --regen-tokens {cfg.regen_tokens:,}: the recipe trains without long rows "
+                      "(--long-lengths LOW,HIGH for shorter ones)", DataWarning, stacklevel=2)  # fmt: skip
     digest = benchsets.write_rows(rows, _long(cfg))
     manifest = {"rows": len(rows), "asked": cfg.long_lengths, "lengths": [low, high],
-                "longest": max(r["tokens"] for r in rows),
+                "longest": max((r["tokens"] for r in rows), default=0),
                 "tokens": measure.describe(), "roots": cfg.code_roots, "seed": cfg.seed, "sha256": digest}  # fmt: skip
     code_prompts.manifest_path(_long(cfg)).write_text(json.dumps(manifest) + "\n")  # last: the file is complete
 
