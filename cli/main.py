@@ -72,9 +72,9 @@ def extract(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and the size estimate, write nothing."),
 ) -> None:
     """Run the target over a dataset and cache its tapped hidden states."""
-    from dflash_cache.extract import stage as ex
-
     check_gpus(cfg)
+    from dflash_cache.extract import stage as ex  # seconds of imports: after the checks that need none
+
     if dry_run:
         from .dry_run import extract_plan
 
@@ -95,10 +95,10 @@ def train(cfg: TrainConfig, *, as_json: bool) -> None:
 
     Start it once `dflash extract` has begun on the same cache: the first epoch trains on units as
     they commit and waits for more until the extraction is complete."""
-    from dflash_cache.train import stage as tr
-
     check_paths(("output_dir", cfg.out, "--out"))
     check_gpus(cfg)
+    from dflash_cache.train import stage as tr
+
     summary = tr.run(cfg, Quiet() if as_json else TrainBar())
     emit(summary, as_json, lambda s: console.print(f"trained {s.get('steps', 0)} steps; serving export in "
                                                     + (f"{s['export']} (best validation; the last weights in "
@@ -113,9 +113,9 @@ def export(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """Write a run's latest checkpoint in the serving format (z-lab, vLLM, SGLang)."""
+    check_paths(("input_dir", run, "RUN"), ("output_dir", out, "OUT"))
     from dflash_cache.train.stage import export as export_run
 
-    check_paths(("input_dir", run, "RUN"), ("output_dir", out, "OUT"))
     exported = export_run(run, out, on_warning=lambda text: console.print(f"[yellow]warning:[/yellow] {text}"))
     emit({"export": str(exported)}, as_json, lambda r: console.print(f"exported to {r['export']}"))
 
@@ -225,9 +225,9 @@ def eval_sets(
     Each drafter and the target alone on each set: tau per prompt and pooled (by turn for MT-Bench),
     tokens/s and the speedup, in one table (at batch 1 by default), then tau per prompt by the
     prompts' length in tokens, and JSON."""
+    check_paths(("output_file", cfg.json_out, "--json-out"))
     from dflash_cache.eval.sets import run
 
-    check_paths(("output_file", cfg.json_out, "--json-out"))
     r = run(cfg, drafter or [], data or [], bars=None if as_json else EvalBar)
     if as_json:
         print(json.dumps(r, indent=2))
@@ -247,11 +247,11 @@ def sets(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP + " (The output is JSON either way.)"),
 ) -> None:
     """The benchmark sets that `dflash eval-sets` reads: each package file found, its rows, and the rule."""
+    if out is not None:
+        check_paths(("output_dir", out, "--out"))
     from dflash_cache.eval import benchsets
     from dflash_cache.eval.long_code import Measure
 
-    if out is not None:
-        check_paths(("output_dir", out, "--out"))
     print_json(benchsets.describe(out, Measure(target)))
 
 
@@ -260,9 +260,9 @@ def sets(
 @configured(RegenConfig, "dflash regen")
 def regen(cfg: RegenConfig, *, as_json: bool) -> None:
     """Rewrite a dataset's assistant turns with the target's own generations."""
+    check_gpus(cfg)
     from dflash_cache.pipelines.regen import run
 
-    check_gpus(cfg)
     s = run(cfg, Quiet() if as_json else RegenBar())
     emit(s, as_json, lambda s: console.print(f"{s['rows']} rows in {s['out']}" + (
         " (already complete)" if s["resumed"] else f"; {s['rejected']} rows could not be regenerated")))  # fmt: skip
@@ -276,9 +276,9 @@ def report(
 ) -> None:
     """Plot a training run (loss, acceptance with validation, accuracy per slot, throughput and MFU,
     loader wait) into RUN/report/ and summarize it in RUN/report.md (needs matplotlib)."""
+    check_paths(("input_dir", run, "RUN"))
     from dflash_cache.pipelines.report import report as report_run
 
-    check_paths(("input_dir", run, "RUN"))
     emit(report_run(run), as_json, lambda r: console.print(f"wrote {r['report']} and {len(r['plots'])} plots in "
                                                             f"{Path(r['report']).parent / 'report'}"))  # fmt: skip
 
@@ -305,9 +305,10 @@ def demo(
 ) -> None:
     """regen -> extract -> train -> eval on the bundled code target; tau trained vs untrained."""
     from dflash_cache.pipelines.config import DemoConfig
-    from dflash_cache.pipelines.demo import run
 
     check_paths(("output_dir", out, "--out"))
+    from dflash_cache.pipelines.demo import run
+
     cfg = DemoConfig(out=out, eval_prompts=eval_prompts, **({} if epochs is None else {"epochs": epochs}))
     bars = _stage_bars(as_json)
     results = run(cfg, say=(lambda *_: None) if as_json else console.print, bars=bars)
@@ -322,9 +323,9 @@ def demo(
 @configured(RecipeConfig, "dflash recipe")
 def recipe(cfg: RecipeConfig, *, as_json: bool) -> None:
     """target + the benchmark packages -> convert, regen, extract, train, eval: drafters measured at batch 1."""
+    check_paths(("output_dir", cfg.out, "--out"))
     from dflash_cache.pipelines.recipe import run
 
-    check_paths(("output_dir", cfg.out, "--out"))
     result = run(cfg, say=(lambda *_: None) if as_json else console.print, bars=_stage_bars(as_json))
     if as_json:
         print(json.dumps(result, indent=2))
