@@ -1,5 +1,6 @@
-"""Arguments refused before any work starts: a path of the wrong kind before anything is written, a
-GPU that does not exist before the data is tokenized."""
+"""Arguments refused before any work starts, and before the stage's seconds of imports: a path of the
+wrong kind before anything is written, a GPU that does not exist or a data source that is not there
+before the data is tokenized."""
 
 from __future__ import annotations
 
@@ -20,3 +21,10 @@ def check_gpus(cfg: Any) -> None:
     from dflash_cache.core.devices import check_gpus as check
 
     check(cfg.gpus)
+
+
+def check_data(cfg: Any) -> None:
+    """`cfg.data` is on disk or names a hub dataset."""
+    from dflash_cache.rows.hub import check_source
+
+    check_source(cfg.data)

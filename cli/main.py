@@ -17,7 +17,7 @@ from dflash_cache.pipelines.config import RecipeConfig, RegenConfig
 from dflash_cache.train.config import TrainConfig
 
 from .bench import bench_app
-from .checks import check_gpus, check_paths
+from .checks import check_data, check_gpus, check_paths
 from .errors import friendly, in_own_process, show_data_warnings
 from .options import configured
 from .results import JSON_HELP, emit, print_demo, print_eval, print_extract, print_json, print_sets_table
@@ -73,6 +73,7 @@ def extract(
 ) -> None:
     """Run the target over a dataset and cache its tapped hidden states."""
     check_gpus(cfg)
+    check_data(cfg)
     from dflash_cache.extract import stage as ex  # seconds of imports: after the checks that need none
 
     if dry_run:
@@ -261,6 +262,7 @@ def sets(
 def regen(cfg: RegenConfig, *, as_json: bool) -> None:
     """Rewrite a dataset's assistant turns with the target's own generations."""
     check_gpus(cfg)
+    check_data(cfg)
     from dflash_cache.pipelines.regen import run
 
     s = run(cfg, Quiet() if as_json else RegenBar())

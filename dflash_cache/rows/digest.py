@@ -8,8 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash_cache.rows.chat import DataError
-from dflash_cache.rows.hub import is_hub_id, load_split
+from dflash_cache.rows.hub import check_source, load_split
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -29,9 +28,8 @@ def source_fingerprint(path: str | Path, split: str | None = None) -> str:
     paths and bytes, in sorted order), or of a hub dataset's name, split and datasets' own
     fingerprint of the prepared split. A ``split`` is part of it."""
     p = Path(path)
+    check_source(path)
     if not p.exists():
-        if not is_hub_id(path):
-            raise DataError(f"data source not found: {p}")
         rows = load_split(str(path), split, hub=True)
         return sha256_json(["hub", str(path), split, rows._fingerprint])
     digest = _local_fingerprint(p)

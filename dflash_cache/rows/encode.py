@@ -41,7 +41,7 @@ from dflash_cache.rows.digest import (
     tokenizer_digest,
 )
 from dflash_cache.rows.forms import conversation
-from dflash_cache.rows.hub import is_hub_id
+from dflash_cache.rows.hub import check_source
 from dflash_cache.rows.sources import check_max_samples, cut_warning, json_type, read_rows, source_row
 
 if TYPE_CHECKING:
@@ -148,9 +148,8 @@ def tokenize(
     check_max_samples(max_samples)
     if max_length < 1:
         raise DataError(f"max_length must be positive, got {max_length}")
+    check_source(path)
     local = Path(path)
-    if not local.exists() and not is_hub_id(path):
-        raise DataError(f"data source not found: {local}")
     src = str(path)
     key = sha256_json(
         {

@@ -19,7 +19,7 @@ import datasets
 
 from dflash_cache.rows.chat import DataError, error_text
 
-__all__ = ["DATA_SUFFIXES", "HUB_CONNECT_TIMEOUT_S", "JSONL_SUFFIXES", "is_hub_id", "load_split"]
+__all__ = ["DATA_SUFFIXES", "HUB_CONNECT_TIMEOUT_S", "JSONL_SUFFIXES", "check_source", "is_hub_id", "load_split"]
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 DATA_SUFFIXES = (*JSONL_SUFFIXES, ".json", ".parquet", ".csv", ".txt", ".arrow")
@@ -33,6 +33,12 @@ def is_hub_id(path: str | Path) -> bool:
     ``owner/name``, not a file name with a data suffix (a missing ``rows.jsonl`` is just missing)."""
     text = str(path)
     return bool(_HUB_ID.fullmatch(text)) and not text.lower().endswith(DATA_SUFFIXES)
+
+
+def check_source(path: str | Path) -> None:
+    """Refuse a source that is neither on disk nor a hub dataset name (:func:`is_hub_id`)."""
+    if not Path(path).exists() and not is_hub_id(path):
+        raise DataError(f"data source not found: {Path(path)}")
 
 
 _loaded: dict[tuple[str, str | None], datasets.Dataset] = {}

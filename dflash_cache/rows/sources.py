@@ -16,7 +16,7 @@ import datasets
 
 from dflash_cache.rows.chat import DataError, DataWarning, RowRejected, error_text
 from dflash_cache.rows.digest import ENCODER_VERSION, sha256_json, source_fingerprint
-from dflash_cache.rows.hub import JSONL_SUFFIXES, is_hub_id, load_split
+from dflash_cache.rows.hub import JSONL_SUFFIXES, check_source, load_split
 from dflash_cache.rows.json_array import read_json_array
 
 __all__ = ["LINE", "RAW", "check_max_samples", "cut_warning", "json_type", "read_rows", "source_row"]
@@ -58,10 +58,9 @@ def read_rows(
 
 def _read_source(path: str | Path, cache_dir: str | Path | None, split: str | None) -> datasets.Dataset:
     p = Path(path)
+    check_source(path)
     if not p.exists():
-        if is_hub_id(path):
-            return load_split(str(path), split, hub=True)
-        raise DataError(f"data source not found: {p}")
+        return load_split(str(path), split, hub=True)
     if p.is_dir():
         return _read_dataset_dir(p, split)
     if split not in (None, "train"):
