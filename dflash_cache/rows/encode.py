@@ -41,7 +41,6 @@ from dflash_cache.rows.digest import (
     tokenizer_digest,
 )
 from dflash_cache.rows.forms import conversation
-from dflash_cache.rows.hub import check_source
 from dflash_cache.rows.sources import check_max_samples, cut_warning, json_type, read_rows, source_row
 
 if TYPE_CHECKING:
@@ -148,7 +147,6 @@ def tokenize(
     check_max_samples(max_samples)
     if max_length < 1:
         raise DataError(f"max_length must be positive, got {max_length}")
-    check_source(path)
     local = Path(path)
     src = str(path)
     key = sha256_json(
