@@ -63,8 +63,9 @@ def print_eval(r: dict) -> None:
     if len(r["by_context"]) > 1:  # prompts of several lengths: each bucket of prompt tokens apart
         for name, b in r["by_context"].items():
             speed = f", {b['tok_s']:.1f} tok/s, {b['speedup']:.2f}x" if "speedup" in b else ""
+            kept = f", {b['kept']:.0%} of its files' tau at the shortest" if "kept" in b else ""
             print(f"  {name + ' tokens':<13}tau/prompt {b['tau_per_prompt']:.3f}, pooled {b['tau']:.3f} "
-                  f"({b['prompts']} prompts){speed}")  # fmt: skip
+                  f"({b['prompts']} prompts){kept}{speed}")  # fmt: skip
     print("  accept len   " + "  ".join(f"{n}:{c}" for n, c in enumerate(r["histogram"], 1)))
     if r["rejected"]:
         first = r["rejected"][0]
@@ -125,7 +126,8 @@ def _context_table(r: dict):
     if not buckets:
         return None
     order = sorted(buckets, key=buckets.__getitem__)
-    table = Table(title="tau/prompt by prompt length in tokens (prompts), and the speedup where decoded")
+    table = Table(title="tau/prompt by prompt length in tokens (prompts); what it keeps of the same files' tau at "
+                        "the shortest length, where the prompts name their files; the speedup where decoded")
     for col in ("set", "run", *order):
         table.add_column(col, justify="left" if col in ("set", "run") else "right")
     for row in rows:
@@ -135,5 +137,7 @@ def _context_table(r: dict):
 
 
 def _context_cell(b: dict) -> str:
-    """A bucket's tau per prompt, its prompts, and where it was decoded at batch 1, the speedup."""
-    return f"{b['tau_per_prompt']:.2f} ({b['prompts']})" + (f" {b['speedup']:.2f}x" if "speedup" in b else "")
+    """A bucket's tau per prompt, its prompts, what it keeps of the shortest bucket's (`metrics.kept_figures`),
+    and where it was decoded at batch 1, the speedup."""
+    return (f"{b['tau_per_prompt']:.2f} ({b['prompts']})" + (f" {b['kept']:.0%}" if "kept" in b else "")
+            + (f" {b['speedup']:.2f}x" if "speedup" in b else ""))  # fmt: skip

@@ -23,7 +23,7 @@ from test_evaluate import export_random_drafter
 from transformers import AutoTokenizer
 
 from dflash_cache.eval import benchsets, code_prompts, long_code
-from dflash_cache.eval.metrics import context_figures, timed
+from dflash_cache.eval.metrics import context_figures, kept_figures, timed
 from dflash_cache.rows.chat import DataError
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -100,6 +100,51 @@ def test_by_context_speed_is_the_timed_prompts_tokens_over_their_seconds():
     assert "tok_s" not in context_figures([samples[0], samples[1] | timed(None, None, None)])["0-1K"]
 
 
+def test_kept_sets_each_file_against_its_own_shortest_prompts(tmp_path, capsys):
+    """``kept``: a bucket's tau per prompt, on the prompts whose file is asked at a shorter length too,
+    over those files' tau per prompt at the shortest length each is asked at, against a count by
+    hand; a file's shortest prompt, or a prompt that names no file, is left out of it. Through a real
+    decode the rows' ``source`` reaches the samples and the figure."""
+
+    def sample(tokens: int, source: str | None, lengths: list[int]) -> dict:
+        return {"prompt_tokens": tokens, "new_tokens": sum(lengths), "acceptance_lengths": lengths, "source": source}
+
+    samples = [sample(900, "a.py", [2, 2]), sample(800, "b.py", [4]), sample(700, None, [8]),
+               sample(3000, "a.py", [1, 2]), sample(3500, "b.py", [3, 3, 3]), sample(3900, "c.py", [8]),
+               sample(3100, None, [8]), sample(6000, "c.py", [5]), sample(7000, None, [5])]  # fmt: skip
+    got = context_figures(samples)
+    assert "kept" not in got["0-1K"]  # every file's shortest
+    assert got["2K-4K"]["kept"] == pytest.approx(((1.5 + 3) / 2) / ((2 + 4) / 2)) and got["2K-4K"]["kept_prompts"] == 2
+    assert got["4K-8K"]["kept"] == pytest.approx(5 / 8) and got["4K-8K"]["kept_prompts"] == 1  # c.py from 2K-4K
+    assert kept_figures(samples[3:4], [sample(100, "a.py", []), *samples[3:5]]) == {}  # the shorter made no step
+    assert all("kept" not in b for b in context_figures([s | {"source": None} for s in samples]).values())
+
+    from dflash_cache.eval.config import EvalConfig
+    from dflash_cache.eval.decode import evaluate
+
+    code = (ROOT / "dflash_cache" / "generate" / "decoder.py").read_text()
+    other = (ROOT / "dflash_cache" / "eval" / "decode.py").read_text()
+    rows = [{"prompt": long_code.continue_user(code[:2000]), "source": "decoder.py"},
+            {"prompt": long_code.continue_user(code[:5000]), "source": "decoder.py"},
+            {"prompt": long_code.continue_user(other[:5000]), "source": "decode.py"},
+            {"prompt": "What is 10 x 24?"}]  # fmt: skip
+    data = tmp_path / "files.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drafter = export_random_drafter(tmp_path / "drafter" / "export", 8)
+    r = evaluate(EvalConfig(target=str(TINY_TARGET), drafter=drafter, data=str(data), max_new_tokens=16),
+                 baseline=False)  # fmt: skip
+    assert [s["source"] for s in r.samples] == ["decoder.py", "decoder.py", "decode.py", None]
+    assert [s["prompt_tokens"] // 1024 for s in r.samples] == [1, 2, 2, 0]  # 1K-2K, 2K-4K twice, 0-1K
+    assert [k for k, b in r.by_context.items() if "kept" in b] == ["2K-4K"]
+    assert r.by_context["2K-4K"]["kept_prompts"] == 1  # decode.py's one prompt is its shortest
+    assert r.by_context["2K-4K"]["kept"] == pytest.approx(r.samples[1]["tau"] / r.samples[0]["tau"])
+    from cli.results import print_eval
+
+    print_eval(r.to_dict())
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("2K-4K tokens")]
+    assert f"{r.by_context['2K-4K']['kept']:.0%} of its files' tau at the shortest" in line
+
+
 def test_a_long_prompt_file_goes_through_eval_sets_with_tau_by_context(tmp_path, capsys):
     """A prompt file with a 5K-token prompt, on a target whose positions hold it: eval-sets' JSON
     has each run's figures by context length, which add up to the run's own, and the table a column
@@ -116,8 +161,9 @@ def test_a_long_prompt_file_goes_through_eval_sets_with_tau_by_context(tmp_path,
     first_turn = next(code[:n] for n in range(5000, 9000, 10) if prompt_tokens(tokenizer, code[: n + 10]) > 4000)
     second_turn = "Now explain each of those functions, one at a time, and say what could go wrong in it. " * 3
     own = tmp_path / "mine.jsonl"
-    own.write_text("".join(json.dumps(r) + "\n" for r in (
-        {"prompt": long_prompt}, {"prompt": "What is 10 x 24?"}, {"turns": [first_turn, second_turn]})))  # fmt: skip
+    own.write_text("".join(json.dumps(r) + "\n" for r in (  # the first two name one source: `kept` at 4K-8K
+        {"prompt": long_prompt, "source": "s"}, {"prompt": "What is 10 x 24?", "source": "s"},
+        {"turns": [first_turn, second_turn]})))  # fmt: skip
     lengths = [prompt_tokens(tokenizer, long_prompt), prompt_tokens(tokenizer, "What is 10 x 24?"),
                prompt_tokens(tokenizer, first_turn)]  # fmt: skip
     assert 5000 <= lengths[0] <= 8192 - 16 and lengths[1] <= 1024 and 3900 < lengths[2] <= 4096 - 8
@@ -144,9 +190,11 @@ def test_a_long_prompt_file_goes_through_eval_sets_with_tau_by_context(tmp_path,
                for b in by.values())  # fmt: skip
     assert "tok_s" not in mine["runs"]["prompt lookup"]["by_context"]["0-1K"]
     assert r["table"][0]["tau_by_context"] == {k: b["tau_per_prompt"] for k, b in by.items()}
+    assert [k for k, b in by.items() if "kept" in b] == ["4K-8K"] and by["4K-8K"]["kept_prompts"] == 1
     print_sets_table(r)
     table = capsys.readouterr().out
     assert "by prompt length" in table and "4K-8K" in table and "0-1K" in table
+    assert f"{by['4K-8K']['kept']:.0%}" in table
 
     sinks: list[RecordingSink] = []
     bundled = evaluation(str(TINY_TARGET), {"drafter": drafter}, [str(own)], max_new_tokens=8,

@@ -344,7 +344,8 @@ def _result(cfg: EvalConfig, setup: _Setup, prompts: _Prompts, runs: dict[str, _
     greedy = cfg.temperature == 0
     drafts = setup.proposer.num_drafts or setup.block_size - 1  # 0 when nothing was ever drafted
     lookup_block = drafts + 1  # as many drafts a step as the drafter makes
-    samples = [_sample(key, spec, ref, prompts.tokenizer, lookup_block if greedy else None) for key in keys]
+    samples = [_sample(key, prompts.dialogues[key[0]].source, spec, ref, prompts.tokenizer,
+                       lookup_block if greedy else None) for key in keys]  # fmt: skip
     spec_tokens = sum(s["new_tokens"] for s in samples)
     target_tokens = sum(len(c.ids) for c in ref.completions.values()) if ref else 0
     spec_tok_s = spec_tokens / spec.seconds if spec.seconds > 0 else 0.0
@@ -377,16 +378,18 @@ def _lookup_figures(samples: list[dict], block_size: int) -> dict:
             "by_context": context_figures(samples, "lookup_lengths"), "block_size": block_size}  # fmt: skip
 
 
-def _sample(key: tuple[int, int], spec: _Run, ref: _Run | None, tokenizer, lookup_block: int | None) -> dict:
-    """One prompt's figures; with `lookup_block` (greedy runs), prompt lookup's acceptance on its output;
-    at batch 1, the seconds it took (`metrics.timed`) and the target alone's."""
+def _sample(key: tuple[int, int], source: str | None, spec: _Run, ref: _Run | None, tokenizer,
+            lookup_block: int | None) -> dict:  # fmt: skip
+    """One prompt's figures, with its row's source; with `lookup_block` (greedy runs), prompt lookup's
+    acceptance on its output; at batch 1, the seconds it took (`metrics.timed`) and the target alone's."""
     i, k = key
     c = spec.completions[key]
     other = None if ref is None else ref.completions.get(key)  # sampled answers may lead it to another turn
     lookup_lengths = None if lookup_block is None else lookup.acceptance_lengths(c.request.prompt, c.ids,
                                                                                  block_size=lookup_block)  # fmt: skip
     return {
-        "index": i, "turn": k + 1, "prompt_tokens": len(c.request.prompt), "prompt_ids": list(c.request.prompt),
+        "index": i, "turn": k + 1, "source": source, "prompt_tokens": len(c.request.prompt),
+        "prompt_ids": list(c.request.prompt),
         "new_tokens": len(c.ids),
         "steps": len(c.accepted), "tau": tau(c.accepted), "acceptance_lengths": c.accepted, "finish": c.finish,
         "same_as_target": None if other is None else c.ids == other.ids,

@@ -9,7 +9,9 @@ Acceptance length") and the one published numbers are.
 is its tokens, the chat template's rendering of it (a later turn's with the earlier turns and the
 target's own answers), which is what the drafter sees at its first step. Buckets double from 1K
 tokens (1,024): ``0-1K`` holds prompts of up to 1,024 tokens, ``1K-2K`` 1,025 to 2,048, then
-``2K-4K``, ``4K-8K``, ... without end; only buckets that hold a prompt are reported. A decode at
+``2K-4K``, ``4K-8K``, ... without end; only buckets that hold a prompt are reported. Where prompts
+name their ``source`` (long-code's: each file asked at several lengths), a bucket's ``kept`` sets
+its prompts' tau against the same files' at the shortest length each is asked at. A decode at
 batch 1 times each prompt (`timed`), so its buckets also give the speed: tokens/s with prefills,
 milliseconds a step without them, and against the target alone, the speedup.
 
@@ -31,6 +33,7 @@ __all__ = [
     "first_difference",
     "speed_figures",
     "histogram",
+    "kept_figures",
     "tau",
     "tau_per_prompt",
     "timed",
@@ -146,14 +149,41 @@ def turn_figures(samples: list[dict], lengths: str = "acceptance_lengths") -> li
 
 def context_figures(samples: list[dict], lengths: str = "acceptance_lengths") -> dict[str, dict]:
     """Each non-empty bucket of prompt length (`context_bucket`, by each sample's ``prompt_tokens``),
-    shortest first, labelled ``0-1K``, ``1K-2K``, ...: its token range, prompts, and figures."""
+    shortest first, labelled ``0-1K``, ``1K-2K``, ...: its token range, prompts, and figures, and what
+    its prompts keep of their files' tau at shorter lengths (`kept_figures`)."""
     buckets: dict[tuple[int, int], list[dict]] = {}
     for s in samples:
         buckets.setdefault(context_bucket(s["prompt_tokens"]), []).append(s)
     return {_bucket_label(*b): {"tokens": list(b), "prompts": len(mine), **figures([s[lengths] for s in mine]),
                                 "new_tokens": sum(s["new_tokens"] for s in mine),
-                                **(speed_figures(mine) if lengths == "acceptance_lengths" else {})}
+                                **(speed_figures(mine) if lengths == "acceptance_lengths" else {}),
+                                **kept_figures(mine, samples, lengths)}
             for b, mine in sorted(buckets.items())}  # fmt: skip
+
+
+def kept_figures(mine: list[dict], samples: list[dict], lengths: str = "acceptance_lengths") -> dict:
+    """Where prompts name their ``source`` (a file asked at several lengths, as long-code asks it):
+    ``kept``, the tau per prompt of `mine`'s prompts whose file is asked in a shorter bucket too, over
+    the tau per prompt of those files' prompts in the shortest bucket each is asked in; and
+    ``kept_prompts``, how many of `mine` that counts. So a bucket that asks fewer files than a
+    shorter one compares those files with themselves. Nothing where no prompt of `mine` has such a
+    file (or the shorter prompts made no step)."""
+    shortest: dict[str, tuple[int, int]] = {}  # each file's shortest bucket
+    for s in samples:
+        if s.get("source") is not None:
+            b = context_bucket(s["prompt_tokens"])
+            shortest[s["source"]] = min(shortest.get(s["source"], b), b)
+
+    def longer(s: dict) -> bool:
+        return s.get("source") in shortest and context_bucket(s["prompt_tokens"]) > shortest[s["source"]]
+
+    here = [s for s in mine if longer(s)]
+    files = {s["source"] for s in here}
+    there = [s for s in samples if s.get("source") in files and not longer(s)]
+    base = tau_per_prompt([s[lengths] for s in there])
+    if not here or not base:
+        return {}
+    return {"kept": tau_per_prompt([s[lengths] for s in here]) / base, "kept_prompts": len(here)}
 
 
 def timed(spec: tuple[float, float] | None, target: tuple[float, float] | None,

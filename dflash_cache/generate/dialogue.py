@@ -37,10 +37,12 @@ REASONING_MARKERS = ("<think>", "</think>")  # kept in a reply even where the to
 class Dialogue:
     """A prompt row as the target is asked it. ``turns[k]`` holds the messages turn k adds before the
     target answers; a ``text`` row is one turn of plain text (``text``, special tokens as the
-    tokenizer adds them)."""
+    tokenizer adds them). ``source`` is the row's own, where it names one (long-code's: the file
+    its prefix is of), so that eval can set a file's prompts of different lengths side by side."""
 
     turns: tuple[tuple[dict[str, Any], ...], ...] = ()
     text: str | None = None
+    source: str | None = None
 
     @classmethod
     def of_row(cls, row: dict[str, Any], *, first_turn: bool = False) -> Dialogue:
@@ -48,21 +50,23 @@ class Dialogue:
         any other conversation is one turn: its messages up to the reply, the earlier replies as the
         row wrote them (trailing assistant turns dropped, so training data works as prompts).
         ``first_turn`` keeps the first turn only. Raises RowRejected for a row that cannot be asked."""
+        row = source_row(row)  # a JSON line parsed once, here
+        source = row["source"] if isinstance(row.get("source"), str) else None
         turns = user_turns(row)
         if turns is not None:
             kept = turns[:1] if first_turn else turns
-            return cls(turns=tuple(({"role": "user", "content": t},) for t in kept))
+            return cls(turns=tuple(({"role": "user", "content": t},) for t in kept), source=source)
         messages = conversation(row, reply_required=False)
         if messages is None:
-            text = source_row(row)["text"]
+            text = row["text"]
             if not isinstance(text, str):
                 raise RowRejected("wrong type: text must be a string")
-            return cls(text=text)
+            return cls(text=text, source=source)
         while messages and messages[-1]["role"] == "assistant":
             messages = messages[:-1]
         if not messages:
             raise RowRejected("no message before the assistant's reply")
-        return cls(turns=(tuple(messages),))
+        return cls(turns=(tuple(messages),), source=source)
 
     def __len__(self) -> int:
         return 1 if self.text is not None else len(self.turns)
