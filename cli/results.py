@@ -63,7 +63,7 @@ def print_eval(r: dict) -> None:
     if len(r["by_context"]) > 1:  # prompts of several lengths: each bucket of prompt tokens apart
         for name, b in r["by_context"].items():
             speed = f", {b['tok_s']:.1f} tok/s, {b['speedup']:.2f}x" if "speedup" in b else ""
-            kept = f", {b['kept']:.0%} of its files' tau at the shortest" if "kept" in b else ""
+            kept = f", keeps {b['kept']:.0%} of its files' tau at their shortest" if "kept" in b else ""
             print(f"  {name + ' tokens':<13}tau/prompt {b['tau_per_prompt']:.3f}, pooled {b['tau']:.3f} "
                   f"({b['prompts']} prompts){kept}{speed}")  # fmt: skip
     print("  accept len   " + "  ".join(f"{n}:{c}" for n, c in enumerate(r["histogram"], 1)))

@@ -142,7 +142,7 @@ def test_kept_sets_each_file_against_its_own_shortest_prompts(tmp_path, capsys):
 
     print_eval(r.to_dict())
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("2K-4K tokens")]
-    assert f"{r.by_context['2K-4K']['kept']:.0%} of its files' tau at the shortest" in line
+    assert f"keeps {r.by_context['2K-4K']['kept']:.0%} of its files' tau at their shortest" in line
 
 
 def test_a_long_prompt_file_goes_through_eval_sets_with_tau_by_context(tmp_path, capsys):
