@@ -303,15 +303,17 @@ def demo(
     out: Path = typer.Option(Path("demo"), help="Directory for every stage's output."),
     epochs: int | None = typer.Option(None, help="Training epochs (default: the demo's, 8)."),
     eval_prompts: int = typer.Option(10, help="Held-out prompts to evaluate on."),
+    rows: int | None = typer.Option(None, help="Regenerate and train on the first N of the 400 code prefixes "
+                                    "(default: all): a quicker run with a weaker drafter."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """regen -> extract -> train -> eval on the bundled code target; tau trained vs untrained."""
     from dflash_cache.pipelines.config import DemoConfig
 
     check_paths(("output_dir", out, "--out"))
+    cfg = DemoConfig(out=out, eval_prompts=eval_prompts, rows=rows, **({} if epochs is None else {"epochs": epochs}))
     from dflash_cache.pipelines.demo import run
 
-    cfg = DemoConfig(out=out, eval_prompts=eval_prompts, **({} if epochs is None else {"epochs": epochs}))
     bars = _stage_bars(as_json)
     results = run(cfg, say=(lambda *_: None) if as_json else console.print, bars=bars)
     if as_json:

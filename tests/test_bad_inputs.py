@@ -305,6 +305,8 @@ def suite(tmp_path_factory) -> Suite:
                                                                 a_dir, "--data", small, "--lookup", "2,x")))
     jobs.append(("recipe_lookup_twice", lambda: dflash("recipe", "--target", TINY_TARGET, "--out", root / "recipe-l",
                                                        "--lookup", "2,2")))  # fmt: skip
+    jobs.append(("demo_no_epochs", lambda: dflash("demo", "--out", root / "demo-0", "--epochs", "0")))
+    jobs.append(("demo_no_rows", lambda: dflash("demo", "--out", root / "demo-0", "--rows", "0")))
 
     def export_out_is_a_file() -> Result:  # a real run, exported onto a file
         first = futures["train_skip_bad_units"].result()
@@ -408,6 +410,14 @@ def test_storage_unknown(suite):
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="this machine has a GPU 0")
 def test_gpu_that_does_not_exist(suite):
     assert_user_error(suite["gpu_missing"], "--gpus", "GPU 0 does not exist")
+
+
+@pytest.mark.parametrize(("name", "flag"), [("demo_no_epochs", "--epochs"), ("demo_no_rows", "--rows")])
+def test_demo_refuses_counts_below_one_before_any_stage(suite, name, flag):
+    """Refused at once, before regen: 0 epochs would otherwise run every stage and report an
+    untrained drafter as the trained one."""
+    assert_user_error(suite[name], f"{flag} 0: expected an integer >= 1")
+    assert not (suite.root / "demo-0").exists()
 
 
 def test_gpus_range_backwards(suite):

@@ -105,12 +105,13 @@ def test_the_installed_wheel_runs_the_demo_from_anywhere(tmp_path):
     dflash = tmp_path / "venv" / "bin" / "dflash"
     helped = subprocess.run([str(dflash), "demo", "--help"], env=env, cwd=tmp_path, capture_output=True, text=True)
     assert helped.returncode == 0 and "--eval-prompts" in helped.stdout, helped.stdout + helped.stderr
-    # the smallest real run the command offers: one epoch, one held-out prompt
-    ran = subprocess.run([str(dflash), "demo", "--out", "out", "--epochs", "1", "--eval-prompts", "1"], env=env,
-                         cwd=tmp_path, capture_output=True, text=True, timeout=1200)  # fmt: skip
+    # the smallest real run the command offers: 48 of its rows, one epoch, one held-out prompt
+    ran = subprocess.run([str(dflash), "demo", "--out", "out", "--rows", "48", "--epochs", "1", "--eval-prompts", "1"],
+                         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=1200)  # fmt: skip
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     table = ran.stdout.splitlines()
     assert any(line.split()[:2] == ["drafter", "tau"] for line in table), ran.stdout[-3000:]
     assert {line.split()[0] for line in table if line.split()[:1] in (["untrained"], ["trained"])} == {
         "untrained", "trained"}, ran.stdout[-3000:]  # fmt: skip
     assert (tmp_path / "out" / "run" / "export" / "model.safetensors").is_file()
+    assert len((tmp_path / "out" / "regen.jsonl").read_text().splitlines()) == 48  # --rows: the first 48 answered

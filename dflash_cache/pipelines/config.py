@@ -287,3 +287,9 @@ class DemoConfig:
     seed: int = 0
     gpus: list[int] | None = None
     baseline: bool = True  # time target-only decoding too (speedup); False: tau only, half the eval time
+
+    def __post_init__(self) -> None:
+        """The counts a user sets, refused before any stage runs (0 epochs would 'train' nothing)."""
+        for flag, value in (("--rows", self.rows), ("--epochs", self.epochs), ("--eval-prompts", self.eval_prompts)):
+            if value is not None and value < 1:
+                raise SettingsError(f"{flag} {value}: expected an integer >= 1")

@@ -94,7 +94,8 @@ def run(cfg: DemoConfig, say=print, bars: Callable[[str], ProgressSink | None] =
         ) -> dict[str, Any]:
     """Run every stage into `cfg.out`; returns the two evaluations. `bars(stage)` gives each stage's
     progress sink ("regen", "extract", "train", "eval untrained", "eval trained"), or None."""
-    say(f"[1/4] regen: the target continues the code prefixes of {cfg.data.name}")
+    which = "the" if cfg.rows is None else f"the first {cfg.rows}"
+    say(f"[1/4] regen: the target continues {which} code prefixes of {cfg.data.name}")
     data = regenerate(cfg, bars("regen"))
     say("[2/4] extract: tapped hidden states -> cache")
     cache, ex = extract_cache(cfg, data, sink=bars("extract"))
