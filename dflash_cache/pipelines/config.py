@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from dflash_cache.core.errors import UserError
-from dflash_cache.core.settings import SettingsError, describe, from_text, same_as, setting
+from dflash_cache.core.settings import SettingsError, check, describe, from_text, same_as, setting
 from dflash_cache.drafters.settings import DrafterSettings
 from dflash_cache.eval.config import EvalSetsConfig, lookup_list_problem
 from dflash_cache.extract.config import (
@@ -272,24 +272,25 @@ class DemoConfig:
     target: Path = bundled("code-target")
     data: Path = bundled("code_train.jsonl")  # training-module prefixes; regen writes the target's continuations
     prompts: Path = bundled("code_prompts.jsonl")  # held-out-module prefixes
-    rows: int | None = None  # regenerate (and train on) only the first N rows of `data`
+    rows: int | None = setting(None, min=1)  # regenerate (and train on) only the first N rows of `data`
     regen_tokens: int = 96  # longest regenerated continuation
     regen_batch: int = 64  # prompts per generate call (and per resumable part)
     # Many small steps: on 400 samples the optimizer step count decides tau more than anchors or
     # data do (QUALITY.md: 4 epochs of 2048-token batches with 64 anchors give 1.5, this 3.3).
-    epochs: int = 8
+    epochs: int = setting(8, min=1)
     draft_layers: int = 2  # a tiny target wants a tiny drafter: 2 layers against its 8
     lr: float = 3e-3
     max_anchors: int = 16
     token_budget: int | None = 512
     max_new_tokens: int = 64
-    eval_prompts: int = 10
+    eval_prompts: int = setting(10, min=1)
     seed: int = 0
     gpus: list[int] | None = None
     baseline: bool = True  # time target-only decoding too (speedup); False: tau only, half the eval time
 
     def __post_init__(self) -> None:
-        """The counts a user sets, refused before any stage runs (0 epochs would 'train' nothing)."""
-        for flag, value in (("--rows", self.rows), ("--epochs", self.epochs), ("--eval-prompts", self.eval_prompts)):
-            if value is not None and value < 1:
-                raise SettingsError(f"{flag} {value}: expected an integer >= 1")
+        """The bounded counts (`setting`'s min), refused before any stage runs (0 epochs would 'train'
+        nothing), with the line every configured command gives."""
+        for s in describe(DemoConfig).values():
+            if s.min is not None:
+                check(s, getattr(self, s.name), s.flag)
