@@ -55,7 +55,9 @@ def _quiet_libraries(
     for var, value in _QUIET.items():
         os.environ.setdefault(var, value)
     show_data_warnings()
-    if "datasets" in sys.modules:  # imported already (the app called in-process): too late for the variables
+    if "huggingface_hub" in sys.modules:  # imported already (the app called in-process): too late for the
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()  # variables, which transformers reads there
+    if "datasets" in sys.modules:
         sys.modules["datasets"].disable_progress_bars()
     if "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
