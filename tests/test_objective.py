@@ -235,7 +235,7 @@ def test_block_attention_sdpa_matches_dense_rule(chunk_elems, monkeypatch):
 
     q, kc, vc, kb, vb = rand(nq, hq, d), rand(nc, hkv, d), rand(nc, hkv, d), rand(nq, hkv, d), \
         rand(nq, hkv, d)
-    out = block_attention(q, kc, vc, kb, vb, layout)
+    out = block_attention(q, torch.cat([kc, kb]), torch.cat([vc, vb]), layout)
     ref = dense_rule_attention(
         q, kc, vc, kb, vb, seq, anchor, layout.ctx_seq.tolist(), layout.ctx_pos.tolist(), bsz
     )
@@ -247,7 +247,7 @@ def test_block_attention_rejects_unsorted_blocks():
                                torch.tensor([2, 2]), 4)
     x = torch.randn(8, 2, 4)
     with pytest.raises(ValueError):
-        block_attention(x, torch.randn(20, 2, 4), torch.randn(20, 2, 4), x, x, layout, impl="sdpa")
+        block_attention(x, torch.randn(28, 2, 4), torch.randn(28, 2, 4), layout, impl="sdpa")
 
 
 def _random_layout(g: torch.Generator, bsz: int, long: bool = False) -> BlockLayout:
@@ -336,10 +336,10 @@ def test_flex_block_mask_gives_the_rule_on_cpu(long):
     nq, nc, hq, hkv, d = layout.num_blocks * 16, layout.num_context, 4, 2, 8
     q, kb, vb = (torch.randn(nq, h, d, generator=g) for h in (hq, hkv, hkv))
     kc, vc = (torch.randn(nc, hkv, d, generator=g) for _ in range(2))
-    k = torch.cat([kc, kb]).transpose(0, 1)[None]
-    v = torch.cat([vc, vb]).transpose(0, 1)[None]
+    k, v = torch.cat([kc, kb]), torch.cat([vc, vb])
     flex = torch.nn.attention.flex_attention.flex_attention(
-        q.transpose(0, 1)[None], k, v, block_mask=layout.flex_block_mask(), enable_gqa=True
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], block_mask=layout.flex_block_mask(),
+        enable_gqa=True,
     )[0].transpose(0, 1)
-    exact = block_attention(q, kc, vc, kb, vb, layout, impl="sdpa")
+    exact = block_attention(q, k, v, layout, impl="sdpa")
     torch.testing.assert_close(flex, exact, rtol=1e-5, atol=1e-5)

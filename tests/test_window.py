@@ -68,11 +68,10 @@ def rule_mask(layout: BlockLayout, window: int | None) -> torch.Tensor:
     return visible
 
 
-def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask: torch.Tensor) -> torch.Tensor:
+def dense_attention(q, k, v, mask: torch.Tensor) -> torch.Tensor:
     """Softmax attention of every query over [context ; block keys] under `mask`, GQA by repetition."""
-    groups = q.shape[1] // k_ctx.shape[1]
-    k = torch.cat([k_ctx, k_blk]).repeat_interleave(groups, 1)
-    v = torch.cat([v_ctx, v_blk]).repeat_interleave(groups, 1)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
     return torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask[None], float("-inf")).softmax(-1), v)
 
@@ -80,7 +79,7 @@ def dense_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask: torch.Tensor) -> torch.
 def random_qkv(layout: BlockLayout, heads: int = 4, kv_heads: int = 2, d: int = 8, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     nq, nc = layout.num_blocks * layout.block_size, layout.num_context
-    shapes = [(nq, heads, d), (nc, kv_heads, d), (nc, kv_heads, d), (nq, kv_heads, d), (nq, kv_heads, d)]
+    shapes = [(nq, heads, d), (nc + nq, kv_heads, d), (nc + nq, kv_heads, d)]  # q; keys, values of [context ; blocks]
     return [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in shapes]
 
 

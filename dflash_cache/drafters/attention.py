@@ -319,10 +319,8 @@ def _tile_runs(runs: list[tuple[Tensor, Tensor]], width: int) -> tuple[Tensor, T
 
 def block_attention(
     q: Tensor,
-    k_ctx: Tensor,
-    v_ctx: Tensor,
-    k_blk: Tensor,
-    v_blk: Tensor,
+    k: Tensor,
+    v: Tensor,
     layout: BlockLayout,
     scale: float | None = None,
     impl: str | None = None,
@@ -330,8 +328,10 @@ def block_attention(
 ) -> Tensor:
     """Attention of block queries over [own-sequence context before the anchor ; own block].
 
-    q [nq, Hq, D] with nq = nb*B; k_ctx, v_ctx [Nc, Hkv, D]; k_blk, v_blk [nq, Hkv, D]; Hq a
-    multiple of Hkv (GQA: query head h reads kv head h // (Hq/Hkv)). Returns [nq, Hq, D].
+    q [nq, Hq, D] with nq = nb*B; k, v [Nc + nq, Hkv, D]: the Nc context rows, then the block
+    rows, one tensor as flex reads them (the caller's compiled projections write both into it, so
+    no step copies the context's keys again). Hq a multiple of Hkv (GQA: query head h reads kv
+    head h // (Hq/Hkv)). Returns [nq, Hq, D].
     impl: "flex", "sdpa", or None (flex on CUDA when it works, else sdpa). window: a sliding
     layer's W (the module docstring's rule), None for full attention.
     """
@@ -339,7 +339,7 @@ def block_attention(
     if q.shape[0] == 0:
         return q * 0  # keeps the graph for an empty batch
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    args = (q, k_ctx, v_ctx, k_blk, v_blk, layout, scale, window)
+    args = (q, k, v, layout, scale, window)
     if impl is None:
         use_flex = q.is_cuda and _flex_compiled is not None and not _flex_broken
         if use_flex:
@@ -362,25 +362,25 @@ def block_attention(
     raise ValueError(f"unknown attention impl {impl!r}")
 
 
-def _flex_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale, window) -> Tensor:
+def _flex_path(q, k, v, layout, scale, window) -> Tensor:
     """Flex attention with the queries packed by key head (the module docstring)."""
     fn = _flex_compiled if _flex_compiled is not None else flex_attention
-    (nq, hq, d), hkv, B = q.shape, k_ctx.shape[1], layout.block_size
+    (nq, hq, d), hkv, B = q.shape, k.shape[1], layout.block_size
     groups = hq // hkv
     packed = q.reshape(nq // B, B, hkv, groups, d).permute(2, 0, 3, 1, 4).reshape(1, hkv, nq * groups, d)
-    k = torch.cat([k_ctx, k_blk]).transpose(0, 1).unsqueeze(0)
-    v = torch.cat([v_ctx, v_blk]).transpose(0, 1).unsqueeze(0)
+    k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     out = fn(packed, k, v, block_mask=layout.flex_block_mask(window, groups), scale=scale)
     return out.view(hkv, nq // B, groups, B, d).permute(1, 3, 0, 2, 4).reshape(nq, hq, d)
 
 
-def _sdpa_path(q, k_ctx, v_ctx, k_blk, v_blk, layout, scale, window) -> Tensor:
+def _sdpa_path(q, k, v, layout, scale, window) -> Tensor:
     """Exact attention without a [nq, nq] score block: each query scores its sequence's context
     prefix (a sliding layer: its window of it) and its own block's B keys, and one softmax runs
     over both. Most of a dense [context ; all blocks] mask would be masked out, so this is several
     times cheaper on CPU."""
-    B = layout.block_size
-    groups = q.shape[1] // k_ctx.shape[1]
+    B, nc = layout.block_size, layout.num_context
+    k_ctx, v_ctx, k_blk, v_blk = k[:nc], v[:nc], k[nc:], v[nc:]
+    groups = q.shape[1] // k.shape[1]
     anchors = layout.block_anchor
     acc = torch.promote_types(q.dtype, torch.float32)  # softmax in float32 at least
     slots = torch.arange(B, device=q.device)

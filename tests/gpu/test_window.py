@@ -45,7 +45,7 @@ def test_flex_window_equals_the_exact_path(dtype, window):
     layout = packed_layout([3000, 17, 1000, 64], per_seq=40, seed=0, block_size=16).to(CUDA)
     nq, nc, hq, hkv, d = layout.num_blocks * 16, layout.num_context, 8, 2, 64
     g = torch.Generator(device=CUDA).manual_seed(0)
-    shapes = [(nq, hq, d), (nc, hkv, d), (nc, hkv, d), (nq, hkv, d), (nq, hkv, d)]
+    shapes = [(nq, hq, d), (nc + nq, hkv, d), (nc + nq, hkv, d)]  # q; keys, values of [context ; blocks]
     tensors = [torch.randn(*s, device=CUDA, generator=g, dtype=dtype, requires_grad=True) for s in shapes]
     probe = torch.randn(nq, hq, d, device=CUDA, generator=g, dtype=dtype)
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)

@@ -56,10 +56,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def project(self, x: Tensor, ctx_kv: tuple[Tensor, Tensor], rope_q, rope_k) -> tuple[Tensor, ...]:
-        """(q, k_ctx, v_ctx, k_blk, v_blk): the block tokens' queries, keys and values and the
-        context's keys and values, normed and rotated, in one dtype. `ctx_kv`: this layer's
-        k_proj and v_proj of the context [Nc, n_kv * d] (`DFlashDrafter.context_kv`)."""
+    def project(self, x: Tensor, ctx_kv: tuple[Tensor, Tensor], rope_q, rope_k) -> tuple[Tensor, Tensor, Tensor]:
+        """(q, k, v): the block tokens' queries, and the keys and values of the context rows then
+        the block rows (`block_attention`), normed and rotated, in one dtype. `ctx_kv`: this
+        layer's k_proj and v_proj of the context [Nc, n_kv * d] (`DFlashDrafter.context_kv`)."""
         (k_ctx, v_ctx), nq, d = ctx_kv, x.shape[0], self.head_dim
         q = rotate(self.q_norm(self.q_proj(x).view(nq, self.n_heads, d)), *rope_q)
         k_blk = rotate(self.k_norm(self.k_proj(x).view(nq, self.n_kv, d)), *rope_q)
@@ -67,7 +67,7 @@ class Attention(nn.Module):
         v_blk = self.v_proj(x).view(nq, self.n_kv, d)
         v_ctx = v_ctx.view(-1, self.n_kv, d)
         dt = v_blk.dtype  # under autocast the norms give float32 while v is bf16
-        return q.to(dt), k_ctx.to(dt), v_ctx, k_blk.to(dt), v_blk
+        return q.to(dt), torch.cat([k_ctx.to(dt), k_blk.to(dt)]), torch.cat([v_ctx, v_blk])
 
     def forward(
         self,
@@ -105,7 +105,7 @@ class DecoderLayer(nn.Module):
 
 
 def _attention_inputs(layer: DecoderLayer, x: Tensor, ctx_kv: tuple[Tensor, Tensor], rope_q, rope_k
-                      ) -> tuple[Tensor, ...]:  # fmt: skip
+                      ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     return layer.self_attn.project(layer.input_layernorm(x), ctx_kv, rope_q, rope_k)
 
 
