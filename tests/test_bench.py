@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -297,6 +298,8 @@ def test_sliding_window_train_benchmark(tmp_path):
     # --profile: the profiled steps' operators by their own time, the drafter's products among them
     table = (tmp_path / "profile.txt").read_text()
     assert full["profile"] == str(tmp_path / "profile.txt") and "Self CPU" in table and "aten::mm" in table
+    wall, busy = (float(x) for x in re.match(r"2 steps: ([\d.]+) ms wall, ([\d.]+) ms on the CPU", table).groups())
+    assert 0 < busy <= wall * 1.05
     assert (slide["sliding_window"], slide["full_attention_layers"]) == (64, None)
     assert (mixed["sliding_window"], mixed["full_attention_layers"]) == (64, [1])
     # anchors up to 299 against a window of 64: a sliding layer's attention reads at most 63 context keys a block

@@ -166,22 +166,28 @@ class _BenchSteps:
 
 def _profile(steps_of: _BenchSteps, kept: list[PackedBatch], path: Path) -> None:
     """Two in-memory steps under `torch.profiler`; their operators by self device time (self CPU
-    time on a CPU), the 40 costliest, as a table at `path`: where a step that falls short of the
-    MFU it should reach spends its time."""
+    time on a CPU), the 40 costliest, as a table at `path`, under a line that sets the device's
+    busy time beside the wall time: where a step that falls short of the MFU it should reach
+    spends its time, and whether the device waits on the host."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
     from dflash_cache.core.atomic import write_atomic
 
-    cuda = steps_of.setup.worker.device.type == "cuda"
+    device = steps_of.setup.worker.device
+    cuda = device.type == "cuda"
+    wall: dict[str, float] = {}
     with profiler(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as prof:
-        for i in range(2):
-            steps_of.step(kept[i % len(kept)])
-        if cuda:
-            torch.cuda.synchronize(steps_of.setup.worker.device)
+        with timer(device, wall, "steps"):
+            for i in range(2):
+                steps_of.step(kept[i % len(kept)])
     steps_of.useful.clear()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
-    write_atomic(path, prof.key_averages().table(sort_by=sort, row_limit=40) + "\n")
+    ops = prof.key_averages()
+    busy = sum(getattr(op, sort) for op in ops) / 1e6
+    where = "on the device" if cuda else "on the CPU"
+    head = f"2 steps: {wall['steps'] * 1e3:.1f} ms wall, {busy * 1e3:.1f} ms {where} ({busy / wall['steps']:.0%})"
+    write_atomic(path, f"{head}\n{ops.table(sort_by=sort, row_limit=40)}\n")
 
 
 def _memory_phase(steps_of: _BenchSteps, warmup: int, n: int, times: dict[str, float]) -> list[PackedBatch]:
