@@ -132,9 +132,10 @@ def _window(dcfg: Any) -> dict[str, Any]:
 
 class _BenchSteps:
     """The train stage's own drafter, optimizer and loader on one rank (`stage.setup`, writing nothing
-    to `cfg.out`), and its steps: each one a forward, backward and optimizer step, whose useful-FLOPs
-    terms (`Family.flops`) are kept in `useful`. Without a token budget, the stage's default for this
-    drafter on a cache too large to cap it."""
+    to `cfg.out`), and its steps: each one a forward, backward and the stage's optimizer step
+    (`stage.optimizer_step`, clipping included), whose useful-FLOPs terms (`Family.flops`) are kept
+    in `useful`. Without a token budget, the stage's default for this drafter on a cache too large
+    to cap it."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device):
         from dflash_cache.cache.spec import read_spec
@@ -149,12 +150,11 @@ class _BenchSteps:
         self.useful: list[tuple] = []  # (blocks, context tokens, context keys attended, scored slots) a step
 
     def step(self, batch: PackedBatch) -> None:
-        from dflash_cache.train.stage import train_step
+        from dflash_cache.train.stage import optimizer_step, train_step
 
         s = self.setup
         out = train_step(s.objective, s.model, s.embed, s.head, batch, s.anchors(batch), s.cfg.grad_accum)
-        s.opt.step()
-        s.opt.zero_grad(set_to_none=True)
+        optimizer_step(s)
         blocks = out.blocks
         self.useful.append((blocks.layout.num_blocks, batch.num_tokens, self.flops.context_keys(blocks.layout),
                             0 if out.scored is None else out.scored))  # fmt: skip
