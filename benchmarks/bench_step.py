@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,6 +28,7 @@ try:  # whichever dflash_cache is first on PYTHONPATH (two versions side by side
 except ModuleNotFoundError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash_cache.bench.kernels import kernel_breakdown
 from dflash_cache.bench.shapes import QWEN3_8B, lognormal_lengths, shape_of
 from dflash_cache.drafters.dflash.config import DrafterConfig
 from dflash_cache.drafters.dflash.family import FAMILY, StepFlops
@@ -68,43 +68,6 @@ def make_batch(lens: list[int], width: int, vocab: int, g: torch.Generator) -> S
         mask[s : s + ln // 5] = False  # the prompt: unsupervised
     context = torch.randn(n, width, device="cuda", dtype=torch.bfloat16)
     return SimpleNamespace(host=(ids, mask, offsets), context=context, num_tokens=n)
-
-
-def kernel_class(name: str) -> str:
-    n = name.lower()
-    if "flex" in n or "triton_tem" in n:
-        return "flex attention"
-    if any(k in n for k in ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas")):
-        return "GEMM"
-    if "triton" in n:
-        return "fused (triton)"
-    if "softmax" in n or "cross_entropy" in n or "nll" in n or "logsumexp" in n:
-        return "softmax/CE"
-    if "copy" in n or "cast" in n or "memcpy" in n or "cat" in n:
-        return "copies/casts"
-    if "reduce" in n:
-        return "reductions"
-    return "elementwise/other"
-
-
-def kernel_breakdown(prof, steps: int, top: int = 12) -> dict:
-    """GPU time a step (ms), its shares by kernel class, and the `top` kernels, from a torch profiler
-    that ran `steps` steps. Only the GPU's own events count: a host range (an op, an autograd
-    function, a compiled graph) carries its kernels' time too."""
-    from torch.autograd import DeviceType
-
-    by_class: dict[str, float] = defaultdict(float)
-    kernels = []
-    for e in prof.key_averages():
-        t = e.device_time_total
-        if t <= 0 or e.device_type != DeviceType.CUDA:
-            continue
-        by_class[kernel_class(e.key)] += t
-        kernels.append((t, e.key[:110]))
-    total = sum(by_class.values())
-    return {"kernel_ms_per_step": total / steps / 1e3,
-            "profile": {k: round(v / total, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
-            "top_kernels": [(round(t / total, 3), k) for t, k in sorted(kernels, reverse=True)[:top]]}  # fmt: skip
 
 
 def main() -> None:

@@ -21,10 +21,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_step import kernel_breakdown  # noqa: E402
-
+from dflash_cache.bench.kernels import kernel_breakdown  # noqa: E402
 from dflash_cache.bench.train import _BenchSteps  # noqa: E402
 from dflash_cache.train.config import TrainConfig  # noqa: E402
 from dflash_cache.train.metrics import peak_flops  # noqa: E402

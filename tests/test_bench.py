@@ -300,6 +300,7 @@ def test_sliding_window_train_benchmark(tmp_path):
     assert full["profile"] == str(tmp_path / "profile.txt") and "Self CPU" in table and "aten::mm" in table
     wall, busy = (float(x) for x in re.match(r"2 steps: ([\d.]+) ms wall, ([\d.]+) ms on the CPU", table).groups())
     assert 0 < busy <= wall * 1.05
+    assert full["profile_shares"] is None  # no kernels on a CPU (`test_kernel_classes`)
     assert (slide["sliding_window"], slide["full_attention_layers"]) == (64, None)
     assert (mixed["sliding_window"], mixed["full_attention_layers"]) == (64, [1])
     # anchors up to 299 against a window of 64: a sliding layer's attention reads at most 63 context keys a block
@@ -349,3 +350,28 @@ def test_train_benchmark_on_the_products_cache(tmp_path):
         assert width == 64 and spec.groups == [list(range(k))]
         w = Basis.load(cache, spec).matrix()  # a random orthonormal basis of the cache's geometry
         assert w.shape == (64, k * 64) and torch.allclose(w @ w.T, torch.eye(64), atol=1e-5)
+
+
+def test_kernel_classes():
+    """The profile's kernel classes, on kernel names as torch's profiler gives them on an H100: the
+    fused AdamW is told from the clipping's foreach kernels, which share its launcher."""
+    from dflash_cache.bench.kernels import kernel_class
+
+    names = {
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTT": "GEMM",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_"
+        "kernel__5x_cublas": "GEMM",
+        "triton_tem_fused_0": "flex attention",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 4, "
+        "(at::native::ADAM_MODE)1, false>, double*, double, double, double, double, double, bool, float const*, "
+        "float const*>": "fused AdamW",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+        "TensorListMetadata<1>, at::native::(anonymous namespace)::LpNormFunctor<float, (at::native::(anonymous "
+        "namespace)::NormType)1, float, float>, float*, int>": "foreach (gradient clipping)",
+        "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "fused (triton)",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy_alignedK_contig<at::native::(anonymous "
+        "namespace)::OpaqueType<2u>, unsigned int, 2, 128, 1, 16>": "copies/casts",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "elementwise/other",
+    }
+    assert {name: kernel_class(name) for name in names} == names

@@ -86,7 +86,8 @@ class TrainBenchConfig:
         "which the train stage loads and checks as a fitted one.", min=1)  # fmt: skip
     storage: Literal["auto", "bf16", "fp8"] = same_as(ExtractConfig, "storage", "(With --length.)")
     profile: Path | None = setting(None, "Then profile two more in-memory steps (torch.profiler) and write their "
-                                   "operators by device time, as a table, to this file.")  # fmt: skip
+                                   "operators by device time, as a table, to this file, under their wall and "
+                                   "device time and, on a GPU, the kernel classes' shares.")  # fmt: skip
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 
 from dflash_cache.bench.config import TrainBenchConfig
 from dflash_cache.bench.io import drop_page_cache
+from dflash_cache.bench.kernels import kernel_breakdown
 from dflash_cache.bench.measure import PeakRSS, timer
 from dflash_cache.bench.shapes import QWEN3_8B, BenchError
 from dflash_cache.train.config import TrainConfig, drafter_config
@@ -103,8 +104,7 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
     useful = steps_of.useful_flops()
     tflops = useful / times["memory"] / 1e12
     peak = peak_flops(device)
-    if profile is not None:
-        _profile(steps_of, kept, profile)
+    shares = None if profile is None else _profile(steps_of, kept, profile)
     loader.close()
     proj = loader.spec.projection
     return {
@@ -119,7 +119,7 @@ def train(cache: Path, *, steps: int = TrainBenchConfig.steps, warmup: int = 3, 
         "memory_tflops": tflops, "memory_mfu": tflops * 1e12 / peak if peak else None,
         "cold": cold, "loader_GBps": context_tokens * disk_bytes_per_token / times["loader"] / 1e9,
         "step_GBps": memory_tokens * disk_bytes_per_token / times["memory"] / 1e9, "resident_batches": len(kept),
-        "profile": None if profile is None else str(profile),
+        "profile": None if profile is None else str(profile), "profile_shares": shares,
     }  # fmt: skip
 
 
@@ -164,11 +164,12 @@ class _BenchSteps:
         return sum(self.flops(nb, ctx, int(anchors), int(scored)) for nb, ctx, anchors, scored in self.useful)
 
 
-def _profile(steps_of: _BenchSteps, kept: list[PackedBatch], path: Path) -> None:
+def _profile(steps_of: _BenchSteps, kept: list[PackedBatch], path: Path) -> dict[str, float] | None:
     """Two in-memory steps under `torch.profiler`; their operators by self device time (self CPU
     time on a CPU), the 40 costliest, as a table at `path`, under a line that sets the device's
-    busy time beside the wall time: where a step that falls short of the MFU it should reach
-    spends its time, and whether the device waits on the host."""
+    busy time beside the wall time and, on a GPU, the kernel classes' shares (`kernels.py`): where
+    a step that falls short of the MFU it should reach spends its time, and whether the device
+    waits on the host. Returns the shares (None on a CPU)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
@@ -187,7 +188,11 @@ def _profile(steps_of: _BenchSteps, kept: list[PackedBatch], path: Path) -> None
     busy = sum(getattr(op, sort) for op in ops) / 1e6
     where = "on the device" if cuda else "on the CPU"
     head = f"2 steps: {wall['steps'] * 1e3:.1f} ms wall, {busy * 1e3:.1f} ms {where} ({busy / wall['steps']:.0%})"
+    shares = kernel_breakdown(prof, 2).get("profile")
+    if shares:
+        head += "\nkernel time: " + ", ".join(f"{name} {share:.1%}" for name, share in shares.items())
     write_atomic(path, f"{head}\n{ops.table(sort_by=sort, row_limit=40)}\n")
+    return shares
 
 
 def _memory_phase(steps_of: _BenchSteps, warmup: int, n: int, times: dict[str, float]) -> list[PackedBatch]:
