@@ -329,9 +329,9 @@ def block_attention(
     """Attention of block queries over [own-sequence context before the anchor ; own block].
 
     q [nq, Hq, D] with nq = nb*B; k, v [Nc + nq, Hkv, D]: the Nc context rows, then the block
-    rows, one tensor as flex reads them (the caller's compiled projections write both into it, so
-    no step copies the context's keys again). Hq a multiple of Hkv (GQA: query head h reads kv
-    head h // (Hq/Hkv)). Returns [nq, Hq, D].
+    rows, one tensor as flex reads them (the caller's compiled projections build it, so the
+    concatenation is part of their kernels, not a copy of its own). Hq a multiple of Hkv (GQA:
+    query head h reads kv head h // (Hq/Hkv)). Returns [nq, Hq, D].
     impl: "flex", "sdpa", or None (flex on CUDA when it works, else sdpa). window: a sliding
     layer's W (the module docstring's rule), None for full attention.
     """
