@@ -310,10 +310,12 @@ def demo(
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP),
 ) -> None:
     """regen -> extract -> train -> eval on the bundled code target; tau trained vs untrained."""
+    from dflash_cache.core.settings import resolve
     from dflash_cache.pipelines.config import DemoConfig
 
     check_paths(("output_dir", out, "--out"))
-    cfg = DemoConfig(out=out, eval_prompts=eval_prompts, rows=rows, **({} if epochs is None else {"epochs": epochs}))
+    given = {"out": out, "eval_prompts": eval_prompts, "rows": rows, "epochs": epochs}
+    cfg = resolve(DemoConfig, flags={k: v for k, v in given.items() if v is not None})  # checked as every command's
     from dflash_cache.pipelines.demo import run
 
     bars = _stage_bars(as_json)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from dflash_cache.core.errors import UserError
-from dflash_cache.core.settings import SettingsError, check, describe, from_text, same_as, setting
+from dflash_cache.core.settings import SettingsError, describe, from_text, same_as, setting
 from dflash_cache.drafters.settings import DrafterSettings
 from dflash_cache.eval.config import EvalSetsConfig, lookup_list_problem
 from dflash_cache.extract.config import (
@@ -287,10 +287,3 @@ class DemoConfig:
     seed: int = 0
     gpus: list[int] | None = None
     baseline: bool = True  # time target-only decoding too (speedup); False: tau only, half the eval time
-
-    def __post_init__(self) -> None:
-        """The bounded counts (`setting`'s min), refused before any stage runs (0 epochs would 'train'
-        nothing), with the line every configured command gives."""
-        for s in describe(DemoConfig).values():
-            if s.min is not None:
-                check(s, getattr(self, s.name), s.flag)
