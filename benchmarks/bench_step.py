@@ -141,7 +141,7 @@ def main() -> None:
             for i in range(a.warmup, min(need, a.warmup + 4)):
                 step(i)
             torch.cuda.synchronize()
-        result.update(kernel_breakdown(prof, 4))
+        result.update(kernel_breakdown(prof.key_averages(), 4))
     print(json.dumps(result, indent=1))
 
 

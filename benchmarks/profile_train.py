@@ -75,7 +75,7 @@ def main() -> None:
         for b in profiled:
             steps.step(b)
         torch.cuda.synchronize()
-    result.update(kernel_breakdown(prof, len(profiled), top=15))
+    result.update(kernel_breakdown(prof.key_averages(), len(profiled), top=15))
     print(json.dumps(result, indent=1))
 
 

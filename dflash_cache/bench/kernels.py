@@ -5,6 +5,7 @@ BENCHMARKS.md are read against these shares."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -30,15 +31,16 @@ def kernel_class(name: str) -> str:
     return "elementwise/other"
 
 
-def kernel_breakdown(prof: Any, steps: int, top: int = 12) -> dict[str, Any]:
-    """GPU time a step (ms), its shares by kernel class, and the `top` kernels, from a torch profiler
-    that ran `steps` steps. Only the GPU's own events count: a host range (an op, an autograd
-    function, a compiled graph) carries its kernels' time too. Empty where no kernel ran (a CPU)."""
+def kernel_breakdown(events: Iterable[Any], steps: int, top: int = 12) -> dict[str, Any]:
+    """GPU time a step (ms), its shares by kernel class, and the `top` kernels, from the averaged
+    events (`key_averages()`) of a torch profiler that ran `steps` steps. Only the GPU's own events
+    count: a host range (an op, an autograd function, a compiled graph) carries its kernels' time
+    too. Empty where no kernel ran (a CPU)."""
     from torch.autograd import DeviceType
 
     by_class: dict[str, float] = defaultdict(float)
     kernels = []
-    for e in prof.key_averages():
+    for e in events:
         t = e.device_time_total
         if t <= 0 or e.device_type != DeviceType.CUDA:
             continue
