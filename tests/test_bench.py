@@ -375,3 +375,25 @@ def test_kernel_classes():
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "elementwise/other",
     }
     assert {name: kernel_class(name) for name in names} == names
+
+
+def test_kernel_breakdown_counts_each_kernel_once():
+    """On a GPU the profiler also puts the optimizer's annotated range on the device's timeline,
+    spanning the fused AdamW kernel: the breakdown counts the kernel, not the range around it."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from dflash_cache.bench.kernels import kernel_breakdown
+
+    def on_gpu(i: int, name: str, start: int, end: int, annotation: bool = False) -> FunctionEvent:
+        return FunctionEvent(i, name, 0, start, end, device_type=DeviceType.CUDA, use_device="cuda",
+                             is_user_annotation=annotation)  # fmt: skip
+
+    adam = "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>"
+    gemm = "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT"
+    events = [on_gpu(1, "Optimizer.step#AdamW.step", 99, 111, annotation=True),
+              on_gpu(2, adam, 100, 110), on_gpu(3, gemm, 120, 150)]  # fmt: skip
+    got = kernel_breakdown(events, steps=2)
+    assert got["kernel_ms_per_step"] == (10 + 30) / 2 / 1e3
+    assert got["profile"] == {"GEMM": 0.75, "fused AdamW": 0.25}
+    assert [k for _, k in got["top_kernels"]] == [gemm, adam]

@@ -33,16 +33,17 @@ def kernel_class(name: str) -> str:
 
 def kernel_breakdown(events: Iterable[Any], steps: int, top: int = 12) -> dict[str, Any]:
     """GPU time a step (ms), its shares by kernel class, and the `top` kernels, from the averaged
-    events (`key_averages()`) of a torch profiler that ran `steps` steps. Only the GPU's own events
-    count: a host range (an op, an autograd function, a compiled graph) carries its kernels' time
-    too. Empty where no kernel ran (a CPU)."""
+    events (`key_averages()`) of a torch profiler that ran `steps` steps. Only the kernels count: a
+    host range (an op, an autograd function, a compiled graph) carries its kernels' time too, and so
+    does a range annotated on the GPU's timeline (`Optimizer.step#AdamW.step`). Empty where no
+    kernel ran (a CPU)."""
     from torch.autograd import DeviceType
 
     by_class: dict[str, float] = defaultdict(float)
     kernels = []
     for e in events:
         t = e.device_time_total
-        if t <= 0 or e.device_type != DeviceType.CUDA:
+        if t <= 0 or e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
             continue
         by_class[kernel_class(e.key)] += t
         kernels.append((t, e.key[:110]))
