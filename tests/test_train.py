@@ -1,6 +1,7 @@
 """The train stage against independent computations: replicas of each other, the cache's sample
 list, the pre-export model (killed runs against an uninterrupted one: test_faults.py)."""
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -17,7 +18,7 @@ from dflash_cache.core.threads import worker_threads
 from dflash_cache.drafters.dflash.family import load_serving
 from dflash_cache.train.checkpoint import Checkpointer
 from dflash_cache.train.config import TrainConfig, TrainError
-from dflash_cache.train.stage import _data_parallel, export, run
+from dflash_cache.train.stage import _data_parallel, clipped_step, export, run
 
 
 def _cfg(cache, out, **kw):
@@ -100,6 +101,30 @@ def test_ddp_gradient_is_the_mean_of_the_ranks(grad_reduce, tmp_path):
             assert ((reduced - mean).abs() <= 2**-8 * (got[0][0].abs() + got[1][0].abs())).all()
             assert torch.equal(reduced, reduced.bfloat16().float()) and not torch.equal(reduced, mean)
     assert torch.equal(got[0][1], got[1][1])
+
+
+def test_fused_clipped_step_is_clip_grad_norm_then_step(device: str = "cpu"):
+    """The fused optimizer's step (the CUDA path; torch fuses AdamW on the CPU too) takes the
+    clipping's divisor into its kernel: the same parameters as clip_grad_norm_ then the unfused
+    AdamW, over steps whose gradients are clipped and steps whose are not. (The GPU suite runs it
+    on CUDA.)"""
+    torch.manual_seed(0)
+    first = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.SiLU(), torch.nn.Linear(96, 48)).to(device)
+    models = [first, copy.deepcopy(first)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+            for m, fused in zip(models, (True, False), strict=True)]  # fmt: skip
+    norms = []
+    for step in range(6):
+        x = torch.randn(32, 48, device=device) * (30.0 if step % 2 else 0.01)  # clipped, then left alone
+        for m, opt in zip(models, opts, strict=True):
+            m(x).square().mean().backward()
+            norms.append(torch.nn.utils.get_total_norm([p.grad for p in m.parameters()]).item())
+            clipped_step(opt, max_norm=1.0)
+            opt.zero_grad(set_to_none=True)
+        for fused, plain in zip(*(m.parameters() for m in models), strict=True):
+            torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    assert min(norms[2::4]) > 10 and max(norms[::4]) < 1  # both kinds of step were taken
+    assert not hasattr(opts[0], "grad_scale")  # nothing left for a later step or a GradScaler
 
 
 def test_cpu_inference_flushes_denormals_and_restores_the_setting():

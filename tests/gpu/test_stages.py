@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import CHAT, ROOT, TINY_TARGET, extract_config, jsonl_rows, read_cache, read_metrics
 from test_hybrid import write_rows
+from test_train import test_fused_clipped_step_is_clip_grad_norm_then_step as check_clipped_step
 from transformers import AutoModelForCausalLM
 
 from dflash_cache.cache.spec import read_spec
@@ -155,3 +156,9 @@ def test_extract_out_of_gpu_memory_names_the_prefill_chunk_that_fits():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+def test_fused_clipped_step_on_cuda_is_clip_grad_norm_then_step():
+    """The CUDA fused AdamW divides by the clipping's factor in its kernel (`train.stage.clipped_step`)
+    as clip_grad_norm_ then the unfused step would."""
+    check_clipped_step("cuda")
