@@ -18,7 +18,8 @@ from dflash_cache.core.threads import worker_threads
 from dflash_cache.drafters.dflash.family import load_serving
 from dflash_cache.train.checkpoint import Checkpointer
 from dflash_cache.train.config import TrainConfig, TrainError
-from dflash_cache.train.stage import _data_parallel, clipped_step, export, run
+from dflash_cache.train.optimizer import clipped_step
+from dflash_cache.train.stage import _data_parallel, export, run
 
 
 def _cfg(cache, out, **kw):

@@ -53,6 +53,7 @@ from dflash_cache.train.fold import folded_config, save_export
 from dflash_cache.train.follow import is_complete, progress_line, refuse_unwritten, wait_for_cache
 from dflash_cache.train.loader import CacheLoader
 from dflash_cache.train.metrics import MetricsLog, StepWindow, Trace, clock
+from dflash_cache.train.optimizer import adamw, clipped_step
 from dflash_cache.train.schedule import Schedule
 from dflash_cache.train.stream import PackedBatch
 from dflash_cache.train.tracking import check_available, open_trackers, parse_report_to
@@ -251,8 +252,7 @@ def setup(w: Worker, cfg: TrainConfig, *, control_group: dist.ProcessGroup | Non
                          on_warning=on_warning, on_wait=on_wait, report_every=cfg.wait_report,
                          batch_cost=cost, units=vset and vset.train_units,
                          final_hidden=family.needs_final_hidden)  # fmt: skip
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            fused=cuda)  # fmt: skip
+    opt = adamw(model.parameters(), cfg, fused=cuda)
     return Setup(cfg, w, family, dcfg, settings, family.bind(dcfg, settings, reduce=True), model, ddp, embed, head,
                  opt, loader, Schedule(cfg.lr, cfg.warmup), vset)  # fmt: skip
 
@@ -264,24 +264,6 @@ def optimizer_step(s: Setup) -> None:
         group["lr"] = lr
     clipped_step(s.opt, s.cfg.clip)
     s.opt.zero_grad(set_to_none=True)
-
-
-def clipped_step(opt: torch.optim.Optimizer, max_norm: float) -> None:
-    """`opt.step()` on its gradients clipped to a total norm of `max_norm`, as `clip_grad_norm_`
-    clips them. A fused optimizer (the CUDA path) takes the clipping's divisor as the `grad_scale`
-    of AMP's protocol and divides inside its own kernel: that saves the pass which rewrites every
-    fp32 gradient (1.3% of a 131,072-token step's kernel time on an H100)."""
-    params = [p for group in opt.param_groups for p in group["params"]]
-    if not opt.defaults.get("fused"):
-        torch.nn.utils.clip_grad_norm_(params, max_norm)
-        opt.step()
-        return
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    opt.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)  # clip_grad_norm_'s coefficient, inverted
-    try:
-        opt.step()
-    finally:
-        del opt.grad_scale
 
 
 def _train(w: Worker, cfg: TrainConfig, channel, control_group) -> None:

@@ -159,6 +159,6 @@ def test_extract_out_of_gpu_memory_names_the_prefill_chunk_that_fits():
 
 
 def test_fused_clipped_step_on_cuda_is_clip_grad_norm_then_step():
-    """The CUDA fused AdamW divides by the clipping's factor in its kernel (`train.stage.clipped_step`)
+    """The CUDA fused AdamW divides by the clipping's factor in its kernel (`train.optimizer.clipped_step`)
     as clip_grad_norm_ then the unfused step would."""
     check_clipped_step("cuda")
