@@ -347,3 +347,31 @@ def test_drafter_on_cuda_matches_reference():
     gpu = model.float().cuda()
     out = gpu(embeds.float().cuda(), context.float().cuda(), layout.to("cuda"))
     torch.testing.assert_close(out.double().cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_failed_compile_runs_eagerly_with_one_short_warning():
+    """Where inductor fails (here: no working C++ compiler), a decode-step piece compiled by
+    `compiled_or_eager` (prompt lookup's search) runs eagerly: the same drafts, one warning whose
+    reason is the error's first line, not the pages of advice inductor appends, and no second try."""
+    import warnings
+    from unittest import mock
+
+    from torch._inductor import config as inductor_config
+
+    from dflash_cache.drafters.compile import compiled_or_eager
+    from dflash_cache.generate.lookup_mix import ngram_drafts
+
+    tokens = torch.tensor([[5, 6, 7, 8, 5, 6, 9, 5, 6, 0, 0, 0]])
+    pos = torch.tensor([8])  # committed: ... 5 6; the latest earlier "5 6" is followed by 9 5 6
+    search = compiled_or_eager(ngram_drafts, "prompt lookup")
+    no_compiler = mock.patch.object(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
+    with no_compiler, warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        first = search(tokens, pos, 3, 3)
+        again = search(tokens, pos, 3, 3)
+    for got in (first, again):
+        assert all(torch.equal(a, b) for a, b in zip(got, ngram_drafts(tokens, pos, 3, 3), strict=True))
+    assert first[0].tolist() == [[9, 5, 6]] and first[1].tolist() == [2]
+    [warning] = [str(x.message) for x in w if "torch.compile" in str(x.message)]
+    assert warning.startswith("torch.compile of prompt lookup failed (InductorError: InvalidCxxCompiler")
+    assert warning.endswith("); running it eagerly") and "\n" not in warning

@@ -48,8 +48,9 @@ def compiled_or_eager(fn: Callable, what: str) -> Callable:
         except Exception as e:  # noqa: BLE001 - a compiler failure: run eagerly, loudly
             if state["fn"] is fn:
                 raise
-            warnings.warn(f"torch.compile of {what} failed ({type(e).__name__}: {str(e)[:200]}); running it "
-                          "eagerly", stacklevel=2)  # fmt: skip
+            first = (str(e).strip().splitlines() or [""])[0][:200]  # inductor appends pages of advice
+            warnings.warn(f"torch.compile of {what} failed ({type(e).__name__}: {first}); running it eagerly",
+                          stacklevel=2)  # fmt: skip
             state["fn"] = fn
             return fn(*args, **kwargs)
 
