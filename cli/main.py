@@ -11,7 +11,7 @@ from pathlib import Path
 
 import typer
 
-from dflash_cache.eval.config import EvalConfig, EvalSetsConfig
+from dflash_cache.eval.config import CODE_ROOTS, CODE_ROOTS_HELP, EvalConfig, EvalSetsConfig
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.pipelines.config import RecipeConfig, RegenConfig
 from dflash_cache.train.config import TrainConfig
@@ -247,15 +247,18 @@ def sets(
     target: str | None = typer.Option(None, help="Cut long-code's prompts to token counts with this target's "
                                       "tokenizer and chat template, at the lengths its positions hold (without it, "
                                       "tokens are estimated at 4 characters each, for 8,192 positions)."),
+    code_roots: str = typer.Option(",".join(CODE_ROOTS), help=CODE_ROOTS_HELP + " Comma-separated."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP + " (The output is JSON either way.)"),
 ) -> None:
     """The benchmark sets that `dflash eval-sets` reads: each package file found, its rows, and the rule."""
     if out is not None:
         check_paths(("output_dir", out, "--out"))
-    from dflash_cache.eval import benchsets
+    from dflash_cache.eval import benchsets, code_prompts
     from dflash_cache.eval.long_code import Measure
 
-    print_json(benchsets.describe(out, Measure(target)))
+    roots = [r for r in code_roots.split(",") if r]
+    code_prompts.root_dirs(roots)  # a bad root is an error, not a missing set
+    print_json(benchsets.describe(out, Measure(target), roots))
 
 
 @app.command()

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, TINY_TARGET, jsonl_rows, pypi_package, python_path
@@ -55,7 +56,7 @@ def test_humaneval_and_mt_bench_rows_are_the_package_files(tmp_path):
     assert rows[0]["prompt"] == "Complete this Python function:\n```python\n" + problems[0]["prompt"] + "```"
     mt_bench()
     path, mt = S.set_rows("mt-bench")
-    assert mt == jsonl_rows(path)
+    assert mt == jsonl_rows(Path(path))
     assert len(mt) == 80 and all(len(r["turns"]) == 2 for r in mt) and mt[0]["question_id"] == 81
 
 

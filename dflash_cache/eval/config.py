@@ -12,6 +12,12 @@ from typing import Any
 from dflash_cache.core.settings import same_as, setting
 from dflash_cache.extract.config import DATA_HELP, KWARGS_HELP, SPLIT_HELP, TARGET_HELP
 
+CODE_ROOTS = ("stdlib",)  # where long-code's modules come from unless told
+CODE_ROOTS_HELP = ("Where long-code's modules come from: the held-out side of the module split of stdlib (the "
+                   "interpreter's standard library), site-packages, or directories (a library's own, such as "
+                   "transformers'). Few standard-library modules hold 16K tokens, and one at most 30K: for a 32K "
+                   "target, name site-packages or a library.")  # fmt: skip
+
 
 def lookup_list_problem(values: list[int] | tuple[int, ...]) -> str | None:
     """What is wrong with a list of `--lookup` values (recipe, eval-sets), or None: each run decodes
@@ -55,9 +61,10 @@ class EvalConfig:
 class EvalSetsConfig:
     target: str = same_as(EvalConfig, "target")
     benchmarks: list[str] | None = setting(None, "Comma-separated sets: humaneval, mt-bench, sharegpt (the held-out "
-                                           "slice), each from its PyPI package's file, long-code (the standard "
-                                           "library's held-out modules to continue, 1K to 30K tokens), or prompt "
+                                           "slice), each from its PyPI package's file, long-code (held-out Python "
+                                           "modules of --code-roots to continue, 1K to 30K tokens), or prompt "
                                            "files. Default: humaneval,mt-bench,sharegpt (without --data).")  # fmt: skip
+    code_roots: list[str] = setting(help=CODE_ROOTS_HELP, factory=lambda: list(CODE_ROOTS))
     untrained: bool = setting(False, "Also a drafter of the first one's shape with random weights.")
     max_new_tokens: int = setting(512, "Tokens to generate per prompt and turn (where dflash eval's quick look stops "
                                   "at 128: a benchmark's answers, a HumanEval function or an MT-Bench turn, run "

@@ -3,8 +3,9 @@ token count. A drafter trained on short rows loses its acceptance on long prompt
 (the ``long-code`` set) and train against it (`dflash recipe --long-rows`).
 
 - **The set** (`set_rows`): every module on the eval side of `code_prompts`' module split (about
-  15% of module names, by a hash) in the interpreter's standard library that holds at least
-  SET_MIN_CHARS characters, each cut at 1,000, 2,000, 4,000, 7,000, 16,000 and 30,000 tokens
+  15% of module names, by a hash) under the code roots (the interpreter's standard library unless
+  ``--code-roots`` names others: site-packages, or directories) that holds at least SET_MIN_CHARS
+  characters, each cut at 1,000, 2,000, 4,000, 7,000, 16,000 and 30,000 tokens
   (`SET_LENGTHS`). Rows go module by module, the lengths in order, so ``--limit`` takes whole
   modules. The lengths sit below the buckets' edges (1,024, 2,048, 4,096, 8,192, 16,384, 32,768),
   so a template kwarg's few tokens never move a prompt across one: one length a bucket, and 7,000
@@ -15,7 +16,9 @@ token count. A drafter trained on short rows loses its acceptance on long prompt
   characters a token), so the buckets up to 8K differ in length, not in content. Few standard-library
   modules hold 16,000 or 30,000 tokens (about 64,000 and 120,000 characters), so the two longest
   lengths ask fewer modules than the others: on CPython 3.11, 6 and 1 (``tkinter/__init__.py``) of
-  the 12, counted with ``make_code_target.py --size long``'s tokenizer or at 4 characters a token.
+  the 12, counted with ``make_code_target.py --size long``'s tokenizer or at 4 characters a token,
+  and a Python packaged without tkinter has none at 30,000. Site-packages or a library's own
+  directory (``transformers``' modeling files) hold many more: the roots that a 32K target needs.
 - **Training rows** (`training_rows`): module prefixes of a seeded length between two bounds, from
   the training side of the split only, in a seeded order of the files; a file is taken only where
   its prefix leaves part of it to continue.
@@ -142,11 +145,11 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def set_modules(root: Path) -> list[tuple[str, str]]:
-    """(source, text) of the set's modules under the standard library `root`: the eval side of the
-    split, at least SET_MIN_CHARS characters, generated files left out; sorted by path."""
+def set_modules(roots: list[tuple[str, Path]]) -> list[tuple[str, str]]:
+    """(source, text) of the set's modules under `roots` (`code_prompts.root_dirs`): the eval side of
+    the split, at least SET_MIN_CHARS characters, generated files left out; sorted by path."""
     out = []
-    for name, path in code_prompts.source_files([("stdlib", root)], held_out=True):
+    for name, path in code_prompts.source_files(roots, held_out=True):
         if path.name.startswith(GENERATED):
             continue
         text = _read(path)
@@ -155,15 +158,22 @@ def set_modules(root: Path) -> list[tuple[str, str]]:
     return out
 
 
-def set_rows(root: Path, measure: Measure) -> Iterator[dict[str, Any]]:
-    """The ``long-code`` set's rows (module docstring): ``{"prompt", "source", "length", "tokens"}``,
-    module by module, each at every length of SET_LENGTHS that `measure` fits and the module holds
-    more tokens than (its prompt leaves part of it to continue)."""
+def set_rows(roots: list[tuple[str, Path]], measure: Measure) -> Iterator[dict[str, Any]]:
+    """The ``long-code`` set's rows (module docstring) from the held-out modules of `roots`:
+    ``{"prompt", "source", "length", "tokens"}``, module by module, each at every length of
+    SET_LENGTHS that `measure` fits and the module holds more tokens than (its prompt leaves part of
+    it to continue)."""
     lengths = [n for n in SET_LENGTHS if measure.fits(n)]
     if not lengths:
         raise DataError(f"long-code: {measure.target} has {measure.max_positions} positions, too few for a prompt of "
                         f"{SET_LENGTHS[0]:,} tokens and {ANSWER_ROOM:,} more for its answer")  # fmt: skip
-    for source, text in set_modules(root):
+    modules = set_modules(roots)
+    if not roots:
+        raise DataError("long-code: no --code-roots to take its modules from")
+    if not modules:
+        raise DataError(f"long-code: no module on the held-out side of {', '.join(str(d) for _, d in roots)} holds "
+                        f"{SET_MIN_CHARS:,} characters; name other --code-roots")  # fmt: skip
+    for source, text in modules:
         whole = measure.tokens(continue_user(text))
         for length in lengths:
             if whole <= length:  # the whole module fits: nothing left to continue

@@ -24,7 +24,7 @@ import torch
 from dflash_cache.core.atomic import write_atomic
 from dflash_cache.core.damage import read_json
 from dflash_cache.core.progress import ProgressSink
-from dflash_cache.eval.config import EvalConfig, EvalSetsConfig, lookup_list_problem
+from dflash_cache.eval.config import CODE_ROOTS, EvalConfig, EvalSetsConfig, lookup_list_problem
 from dflash_cache.eval.decode import EvalError, check_config, evaluate
 from dflash_cache.eval.replay import replayed
 from dflash_cache.generate import load_model
@@ -61,21 +61,22 @@ def run(cfg: EvalSetsConfig, drafters: Sequence[Path], data: Sequence[str] = (),
         return evaluation(cfg.target, runs, sets, max_new_tokens=cfg.max_new_tokens, limit=cfg.limit,
                           batch_size=cfg.batch_size, first_turn=cfg.first_turn, temperature=cfg.temperature,
                           chat_template_kwargs=kwargs or None, replay=cfg.replay, lookup=cfg.lookup,
-                          out=cfg.json_out, bars=bars)  # fmt: skip
+                          code_roots=cfg.code_roots, out=cfg.json_out, bars=bars)  # fmt: skip
 
 
 def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *,
                max_new_tokens: int = EvalSetsConfig.max_new_tokens, limit: int | None = None,
                batch_size: int | None = EvalSetsConfig.batch_size, first_turn: bool = False,
                temperature: float = 0.0, chat_template_kwargs: dict | None = None, replay: bool = False,
-               lookup: Sequence[int] = (0,), out: Path | None = None,
+               lookup: Sequence[int] = (0,), code_roots: Sequence[str] = CODE_ROOTS, out: Path | None = None,
                bars: Callable[[str], ProgressSink | None] | None = None
                ) -> dict[str, Any]:  # fmt: skip
     """`dflash eval` of each drafter on each set (`benchsets.resolve`: a named set or a prompt file),
     the target alone once a set (with the first drafter's run), and each run's speedup over it.
     `bars(label)` gives a progress sink for each run. The result, also written to `out` as JSON, has
     a row for each set and run (``table``) and every run's figures (``sets``), by context length
-    too (``by_context``). A measured set (long-code) is cut with the target's tokenizer.
+    too (``by_context``). A measured set (long-code) is made from the held-out modules of
+    `code_roots` and cut with the target's tokenizer.
 
     `lookup`: each drafter runs once for each value, as `EvalConfig.lookup` (0: the drafter alone,
     named as given; N: prompt lookup mixed in, named "NAME + lookup N"), in that order.
@@ -102,13 +103,14 @@ def evaluation(target: str, drafters: dict[str, Path], sets: list[str], *,
     for drafter, n in runs.values():  # every run's settings, before the first set is decoded
         check_config(EvalConfig(target=target, drafter=drafter, data="", lookup=n, **settings))
     result: dict[str, Any] = {"target": target, **settings, "replay": replay, "lookup": list(lookup),
+                              "code_roots": list(code_roots),
                               "drafters": {k: str(v) for k, v in drafters.items()},
                               "sets": {}, "table": []}  # fmt: skip
     partial = None if out is None else out.with_name(f"{out.stem}.partial.json")
     finished, before = _finished(partial, result)
     with tempfile.TemporaryDirectory() as tmp:
         measure = Measure(target, chat_template_kwargs)  # loads the tokenizer only for a measured set
-        resolved = [benchsets.resolve(name, Path(tmp), measure) for name in sets]  # a missing package fails first
+        resolved = [benchsets.resolve(name, Path(tmp), measure, code_roots, limit) for name in sets]  # before decoding
         for label, rows, about in resolved:
             if label in finished:
                 one = result["sets"][label] = finished[label]

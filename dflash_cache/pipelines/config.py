@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from dflash_cache.core.errors import UserError
 from dflash_cache.core.settings import SettingsError, describe, from_text, same_as, setting
 from dflash_cache.drafters.settings import DrafterSettings
-from dflash_cache.eval.config import EvalSetsConfig, lookup_list_problem
+from dflash_cache.eval.config import CODE_ROOTS, EvalSetsConfig, lookup_list_problem
 from dflash_cache.extract.config import (
     DATA_HELP,
     GPU_IDS,
@@ -102,8 +102,9 @@ class RecipeConfig:
     code_rows: int = setting(6000, "Code prompts beside them: complete-this-function prompts from the "
                              "interpreter's own Python sources (HumanEval left out): all of them, with a warning, "
                              "where they hold fewer; 0 for none.", min=0)
-    code_roots: list[str] = setting(help="Where the code prompts come from: stdlib, site-packages, or "
-                                    "directories.", factory=lambda: ["stdlib"])  # fmt: skip
+    code_roots: list[str] = setting(help="Where the code prompts and long rows come from (the training side of "
+                                    "the module split) and long-code's modules (the held-out side): stdlib, "
+                                    "site-packages, or directories.", factory=lambda: list(CODE_ROOTS))  # fmt: skip
     long_rows: list[int] = setting(help="Long prompts beside them: prefixes of --long-lengths tokens of --code-roots' "
                                    "files (the training side of the module split that long-code is held out by) for "
                                    "the target to continue, so the drafter meets long contexts in training. 0 for "

@@ -51,6 +51,7 @@ from dflash_cache.core.damage import damaged, read_json, read_jsonl
 from dflash_cache.core.progress import ProgressSink
 from dflash_cache.core.settings import plain
 from dflash_cache.eval import benchsets, code_prompts, long_code
+from dflash_cache.eval.config import CODE_ROOTS
 from dflash_cache.extract import stage as extract
 from dflash_cache.extract.config import ExtractConfig
 from dflash_cache.pipelines import regen
@@ -323,13 +324,16 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     evaluation = cfg.out / "eval.json"
     asked = {"drafters": {k: str(v) for k, v in exports.items()}, "max_new_tokens": cfg.max_new_tokens,
              "limit": cfg.eval_limit, "replay": cfg.replay, "lookup": cfg.lookup,
-             "sets": [benchsets.label(s) for s in cfg.benchmarks]}
+             "sets": [benchsets.label(s) for s in cfg.benchmarks], "code_roots": cfg.code_roots}
     done = read_json(evaluation, "delete it to evaluate again") if evaluation.is_file() else None
+    if done is not None:  # an evaluation from before long-code's roots were recorded read the standard library
+        done.setdefault("code_roots", list(CODE_ROOTS))
     if done is None or {**{k: done.get(k) for k in asked}, "sets": list(done["sets"])} != asked:
         record.data["stages"].pop("eval", None)  # not evaluated yet, or with other drafters or settings
         done = record.stage("eval", lambda: eval_sets.evaluation(
             target, exports, cfg.benchmarks, max_new_tokens=cfg.max_new_tokens, limit=cfg.eval_limit,
-            batch_size=1, replay=cfg.replay, lookup=cfg.lookup, out=evaluation, bars=bars))  # fmt: skip
+            batch_size=1, replay=cfg.replay, lookup=cfg.lookup, code_roots=cfg.code_roots, out=evaluation,
+            bars=bars))  # fmt: skip
     result = done
     record.data["table"] = result["table"]
     record.save()
