@@ -247,7 +247,7 @@ def sets(
     target: str | None = typer.Option(None, help="Cut long-code's prompts to token counts with this target's "
                                       "tokenizer and chat template, at the lengths its positions hold (without it, "
                                       "tokens are estimated at 4 characters each, for 8,192 positions)."),
-    code_roots: str = typer.Option(",".join(CODE_ROOTS), help=CODE_ROOTS_HELP + " Comma-separated."),
+    code_roots: str = typer.Option(",".join(CODE_ROOTS), metavar="NAMES", help=CODE_ROOTS_HELP + " Comma-separated."),
     as_json: bool = typer.Option(False, "--json", help=JSON_HELP + " (The output is JSON either way.)"),
 ) -> None:
     """The benchmark sets that `dflash eval-sets` reads: each package file found, its rows, and the rule."""
