@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import ROOT, TINY_TARGET, jsonl_lines, jsonl_rows, pypi_package, python_path, read_cache
-from test_long_context import held_out, prompt_tokens, wide_target
+from test_long_context import STDLIB, held_out, prompt_tokens, wide_target
 from transformers import AutoTokenizer
 
 from dflash_cache.cache.spec import read_spec
@@ -30,7 +30,7 @@ from dflash_cache.eval.config import EvalConfig
 from dflash_cache.eval.decode import evaluate
 from dflash_cache.pipelines.config import RecipeConfig, RecipeError
 from dflash_cache.pipelines.recipe import _grid_budget, _max_length, _prompts, _with_long_rows
-from dflash_cache.rows.chat import DataWarning
+from dflash_cache.rows.chat import DataError, DataWarning
 from dflash_cache.train.config import TrainConfig
 
 
@@ -147,6 +147,28 @@ def test_recipe_runs_every_stage_once_and_resumes(tmp_path):
     refused = subprocess.run(other, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert refused.returncode == 1 and "was made with --rows 6 --code-rows 4 --long-rows 3" in refused.stderr, \
         refused.stderr
+
+
+def test_a_set_the_eval_would_refuse_stops_the_recipe_before_its_first_stage(tmp_path):
+    """The recipe evaluates last, hours in: a --benchmarks entry that is neither a set nor a file, and
+    long-code from roots with no module long enough or from no directory, are refused before the
+    first stage (nothing converted, nothing recorded)."""
+    from dflash_cache.pipelines.recipe import run
+
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    (sources / "functools.py").write_text((STDLIB / "functools.py").read_text()[:20_000])  # held out, too short
+    for benchmarks, roots, message in (
+        (["humaneval", "mtbench"], ["stdlib"], "--benchmarks mtbench: neither a benchmark (humaneval, mt-bench, "
+         "sharegpt, long-code) nor a file"),
+        (["long-code"], [str(sources)], f"long-code: no module on the held-out side of {sources} holds 36,000 "
+         "characters; name other --code-roots"),
+        (["humaneval", "long-code"], [str(tmp_path / "nowhere")], "code prompt root"),
+    ):  # fmt: skip
+        cfg = RecipeConfig(target=str(TINY_TARGET), out=tmp_path / "out", benchmarks=benchmarks, code_roots=roots)
+        with pytest.raises(DataError, match=re.escape(message)):
+            run(cfg, say=lambda *_: None)
+        assert not cfg.out.exists()
 
 
 def test_fewer_code_prompts_than_asked_are_all_taken_with_a_warning(tmp_path):

@@ -47,7 +47,7 @@ from dflash_cache.rows.sources import read_rows, source_row
 if TYPE_CHECKING:
     from dflash_cache.eval.long_code import Measure
 
-__all__ = ["DEFAULT_SETS", "SETS", "BenchSet", "describe", "held_out", "humaneval_definitions",
+__all__ = ["DEFAULT_SETS", "SETS", "BenchSet", "check", "describe", "held_out", "humaneval_definitions",
            "humaneval_entry_points", "humaneval_user", "label", "resolve", "set_rows", "training_rows"]
 
 HUMANEVAL_USER = "Complete this Python function:\n```python\n{code}```"
@@ -227,10 +227,29 @@ def resolve(name: str, scratch: Path, measure: Measure | None = None, code_roots
         out = scratch / f"{name}.jsonl"
         write_rows(rows, out)
         return name, out, {"source": source, "rule": SETS[name].rule, "rows": len(rows)} | _counted(name, measure)
-    path = Path(name)
-    if not path.exists():
-        raise DataError(f"--benchmarks {name}: neither a benchmark ({', '.join(SETS)}) nor a file")
+    path = _file(name)
     return label(name), path, {"source": str(path)}
+
+
+def _file(name: str) -> Path:
+    """A ``--benchmarks`` entry that names no set, as the prompt file it must be."""
+    if not Path(name).exists():
+        raise DataError(f"--benchmarks {name}: neither a benchmark ({', '.join(SETS)}) nor a file")
+    return Path(name)
+
+
+def check(name: str, code_roots: Sequence[str] = CODE_ROOTS) -> None:
+    """Refuse now what `resolve` would refuse after hours of work (the recipe evaluates last), without
+    cutting a row: a name that is neither a set nor a file, a set whose package is missing, or
+    long-code's roots where one is no directory or none holds a module long enough."""
+    if name not in SETS:
+        _file(name)
+    elif (s := SETS[name]).source is not None:
+        s.source.find(s.title)
+    else:
+        from dflash_cache.eval import code_prompts, long_code  # they build on this module
+
+        long_code.modules_or_error(code_prompts.root_dirs(list(code_roots)))
 
 
 def write_rows(rows: list[dict[str, Any]], out: Path) -> str:

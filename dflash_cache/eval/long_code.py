@@ -52,7 +52,7 @@ from dflash_cache.eval import benchsets, code_prompts
 from dflash_cache.rows.chat import DataError
 
 __all__ = ["ANSWER_ROOM", "CHARS_PER_TOKEN", "ESTIMATE_POSITIONS", "SET_LENGTHS", "TRAIN_LENGTHS", "Measure",
-           "continue_user", "prefix", "set_modules", "set_rows", "training_rows"]
+           "continue_user", "modules_or_error", "prefix", "set_modules", "set_rows", "training_rows"]
 
 CONTINUE_USER = "Continue this Python file:\n```python\n{code}```"
 SET_LENGTHS = (1000, 2000, 4000, 7000, 16000, 30000)  # tokens of the set's prompts, one a by_context bucket
@@ -158,6 +158,16 @@ def set_modules(roots: list[tuple[str, Path]]) -> list[tuple[str, str]]:
     return out
 
 
+def modules_or_error(roots: list[tuple[str, Path]]) -> list[tuple[str, str]]:
+    """`set_modules`, or a one-line error where `roots` hold none."""
+    if not roots:
+        raise DataError("long-code: no --code-roots to take its modules from")
+    if not (modules := set_modules(roots)):
+        raise DataError(f"long-code: no module on the held-out side of {', '.join(str(d) for _, d in roots)} holds "
+                        f"{SET_MIN_CHARS:,} characters; name other --code-roots")  # fmt: skip
+    return modules
+
+
 def set_rows(roots: list[tuple[str, Path]], measure: Measure) -> Iterator[dict[str, Any]]:
     """The ``long-code`` set's rows (module docstring) from the held-out modules of `roots`:
     ``{"prompt", "source", "length", "tokens"}``, module by module, each at every length of
@@ -167,13 +177,7 @@ def set_rows(roots: list[tuple[str, Path]], measure: Measure) -> Iterator[dict[s
     if not lengths:
         raise DataError(f"long-code: {measure.target} has {measure.max_positions} positions, too few for a prompt of "
                         f"{SET_LENGTHS[0]:,} tokens and {ANSWER_ROOM:,} more for its answer")  # fmt: skip
-    modules = set_modules(roots)
-    if not roots:
-        raise DataError("long-code: no --code-roots to take its modules from")
-    if not modules:
-        raise DataError(f"long-code: no module on the held-out side of {', '.join(str(d) for _, d in roots)} holds "
-                        f"{SET_MIN_CHARS:,} characters; name other --code-roots")  # fmt: skip
-    for source, text in modules:
+    for source, text in modules_or_error(roots):
         whole = measure.tokens(continue_user(text))
         for length in lengths:
             if whole <= length:  # the whole module fits: nothing left to continue

@@ -276,6 +276,8 @@ def run(cfg: RecipeConfig, say: Callable[[str], None] = print,
     "evaluation", eval.json's. `bars(stage)` gives each stage's progress sink, or None."""
     from dflash_cache.eval import sets as eval_sets
 
+    for name in cfg.benchmarks:  # a set the eval, the last stage, would refuse is refused before the first
+        benchsets.check(name, cfg.code_roots)
     cfg.out.mkdir(parents=True, exist_ok=True)
     record = _Record(cfg)
     runs = cfg.runs()
