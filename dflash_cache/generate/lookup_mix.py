@@ -31,14 +31,17 @@ def ngram_drafts(tokens: Tensor, pos: Tensor, num_draft: int, max_ngram: int, mi
     """(drafts [S, num_draft], -1 where there is none; the matched suffix length [S], 0 for none)
     for rows whose committed tokens are tokens[r, :pos[r] + 1]: `lookup.propose` on each row."""
     S, L = tokens.shape
+    # every n compares all L starts (those past pos - n are masked, so the padding is never matched):
+    # reductions of one length, where inductor on CUDA fails to fuse L, L - 1, ... past 8K tokens
+    padded = torch.nn.functional.pad(tokens, (0, max_ngram))
+    s = torch.arange(L, device=tokens.device)
     start = torch.full_like(pos, -1)  # where the matched n-gram's continuation begins
     matched = torch.zeros_like(pos)
     for n in range(min_ngram, max_ngram + 1):  # a longer match found later wins
-        s = torch.arange(L - n + 1, device=tokens.device)
         hit = s[None] <= (pos - n)[:, None]  # something committed follows the occurrence
         for j in range(n):
             want = tokens.gather(1, (pos - n + 1 + j).clamp_min(0)[:, None])
-            hit = hit & (tokens[:, j : j + L - n + 1] == want)
+            hit = hit & (padded[:, j : j + L] == want)
         latest = torch.where(hit, s, -1).amax(1)
         found = latest >= 0
         start = torch.where(found, latest + n, start)
