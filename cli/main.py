@@ -253,10 +253,15 @@ def sets(
     """The benchmark sets that `dflash eval-sets` reads: each package file found, its rows, and the rule."""
     if out is not None:
         check_paths(("output_dir", out, "--out"))
+    from dflash_cache.core.settings import name_list
     from dflash_cache.eval import benchsets, code_prompts
     from dflash_cache.eval.long_code import Measure
+    from dflash_cache.rows.chat import DataError
 
-    roots = [r for r in code_roots.split(",") if r]
+    try:
+        roots = name_list(code_roots)  # as eval-sets and the recipe read theirs
+    except ValueError:
+        raise DataError("--code-roots: no roots given (stdlib, site-packages or directories)") from None
     code_prompts.root_dirs(roots)  # a bad root is an error, not a missing set
     print_json(benchsets.describe(out, Measure(target), roots))
 
